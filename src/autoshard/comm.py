@@ -1,0 +1,171 @@
+"""The one layer every collective goes through: process groups, ordering, and byte counting.
+
+Groups are given as tuples of global ranks in the order the caller wants chunks in; torch orders
+a group's members by ascending global rank, so chunks are permuted here when the two differ.
+Groups are created lazily with group-local synchronization, so only members take part in
+creating one and ranks outside a pipeline stage never block on it.
+
+Bytes are counted per rank with the ring formulas (from tensor sizes, not wire bytes); the
+redistribution planner prices its steps with the same :func:`collective_bytes`, so a test can
+assert that what was planned is what was sent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "collective_bytes",
+    "counters",
+    "counting",
+    "reduce_scatter",
+    "reset_counters",
+    "send_recv",
+]
+
+_groups: dict[tuple[int, ...], object] = {}
+_calls: Counter[str] = Counter()
+_bytes: Counter[str] = Counter()
+
+
+def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
+    """Bytes one rank sends for a collective whose local input has ``nbytes`` (ring formulas)."""
+    g = group_size
+    if g <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (g - 1) * nbytes // g
+    if kind == "all_gather":
+        return (g - 1) * nbytes
+    if kind in ("reduce_scatter", "all_to_all"):
+        return (g - 1) * nbytes // g
+    if kind == "send_recv":
+        return nbytes
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def counters() -> dict[str, dict[str, int]]:
+    """Calls and bytes per rank of each collective kind since the last reset, on this rank."""
+    return {kind: {"calls": _calls[kind], "bytes": _bytes[kind]} for kind in sorted(_calls)}
+
+
+def reset_counters() -> None:
+    _calls.clear()
+    _bytes.clear()
+
+
+@contextmanager
+def counting() -> Iterator[dict[str, dict[str, int]]]:
+    """Count the collectives of a block: ``with counting() as c: ...`` then read ``c``."""
+    reset_counters()
+    result: dict[str, dict[str, int]] = {}
+    try:
+        yield result
+    finally:
+        result.update(counters())
+
+
+def _count(kind: str, group_size: int, tensor: torch.Tensor) -> None:
+    _calls[kind] += 1
+    _bytes[kind] += collective_bytes(kind, group_size, tensor.numel() * tensor.element_size())
+
+
+def _group(ranks: Sequence[int]) -> object:
+    key = tuple(sorted(ranks))
+    if key == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if key not in _groups:
+        _groups[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return _groups[key]
+
+
+def _to_sorted(ranks: Sequence[int]) -> list[int] | None:
+    """Index permutation from torch's (ascending) member order to ``ranks``; None if the same."""
+    ordered = sorted(ranks)
+    if list(ranks) == ordered:
+        return None
+    return [list(ranks).index(r) for r in ordered]
+
+
+def _from_sorted(ranks: Sequence[int]) -> list[int] | None:
+    ordered = sorted(ranks)
+    if list(ranks) == ordered:
+        return None
+    return [ordered.index(r) for r in ranks]
+
+
+def all_reduce(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Sum of ``x`` over the group, on every member (a new tensor)."""
+    _count("all_reduce", len(ranks), x)
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_group(ranks))
+    return out
+
+
+def all_gather(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Every member's ``x`` stacked along a new leading dim, in the order of ``ranks``."""
+    _count("all_gather", len(ranks), x)
+    flat = x.contiguous().reshape(-1)
+    out = torch.empty(len(ranks) * flat.numel(), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, flat, group=_group(ranks))
+    out = out.reshape(len(ranks), *x.shape)
+    order = _from_sorted(ranks)
+    return out if order is None else out[order]
+
+
+def all_to_all(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """``x[i]`` goes to ``ranks[i]``; the result's ``[j]`` came from ``ranks[j]``."""
+    _count("all_to_all", len(ranks), x)
+    order = _to_sorted(ranks)
+    x = (x if order is None else x[order]).contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=_group(ranks))
+    back = _from_sorted(ranks)
+    return out if back is None else out[back]
+
+
+def reduce_scatter(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Sum over the group of ``x[i]``, left on ``ranks[i]``; ``x`` has a leading dim of the
+    group size."""
+    _count("reduce_scatter", len(ranks), x)
+    order = _to_sorted(ranks)
+    x = (x if order is None else x[order]).contiguous()
+    out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x.reshape(-1), group=_group(ranks))
+    return out.reshape(x.shape[1:])
+
+
+def send_recv(
+    x: torch.Tensor | None,
+    send_to: int | None,
+    recv_from: int | None,
+    recv_like: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Point-to-point move (a pipeline stage boundary): send ``x`` to ``send_to`` and receive a
+    tensor shaped like ``recv_like`` from ``recv_from``; either side may be None."""
+    me = dist.get_rank()
+    if send_to == me and recv_from == me:
+        return x.clone() if x is not None else None
+    ops = []
+    if send_to is not None and x is not None:
+        _count("send_recv", 2, x)
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
+    out = None
+    if recv_from is not None:
+        assert recv_like is not None, "a receive needs the shape it expects"
+        out = torch.empty_like(recv_like)
+        ops.append(dist.P2POp(dist.irecv, out, recv_from))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out

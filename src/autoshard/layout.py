@@ -1,0 +1,785 @@
+"""Tensor layouts: how one global tensor is split over a device matrix (MindSpore's tensor layout).
+
+A layout is stored in one normalized form so that equal placements are equal values:
+
+- ``mesh``: the device matrix, major axis first, over ``ranks`` in row-major order, with no axis of
+  size 1 and no two neighbouring axes that could be merged without changing the placement.
+- ``factors``: per tensor dim, the dim viewed as factors (major first), each ``(size, axis)`` with
+  ``axis`` an index into ``mesh`` or -1 (not split). A plain split dim is
+  ``((k, a), (n // k, -1))``;
+  a factored dim such as a fused QKV weight's ``3H`` is ``((3, -1), (k, a), (NH // k * HD, -1))``.
+- ``partial``: mesh axes over which the local values are pending a sum.
+
+Mesh axes never used and never partial are replicated axes: every coordinate holds the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Factored", "Layout", "LayoutError"]
+
+NOT_SPLIT = -1
+
+_DTYPE_NAMES = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+}
+
+
+class LayoutError(ValueError):
+    """A layout or a layout operation that cannot describe a valid placement."""
+
+
+@dataclass(frozen=True)
+class Factored:
+    """One tensor dim viewed as factors, each with its own map entry.
+
+    ``Factored((3, 8, 64), (-1, 0, -1))`` in a MindSpore-form tensor map, or
+    ``Factored((3, 8, 64), (None, "tp", None))`` in a named spec: the 3*8*64 dim is split by its
+    middle factor, so each rank holds its heads of Q, K and V.
+    """
+
+    sizes: tuple[int, ...]
+    maps: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        object.__setattr__(self, "maps", tuple(self.maps))
+        if len(self.sizes) != len(self.maps):
+            raise LayoutError(
+                f"Factored: {len(self.sizes)} sizes {self.sizes} but {len(self.maps)} map entries"
+            )
+
+
+def _prod(values: Sequence[int]) -> int:
+    return math.prod(values)
+
+
+class Layout:
+    """How a global tensor of ``tensor_shape`` is split over ``device_matrix``.
+
+    MindSpore's constructor: ``tensor_map`` has one entry per tensor dim, counting device matrix
+    axes from the right (0 is the last axis), -1 for not split, a tuple for several axes (major
+    first) or a :class:`Factored` entry. ``partial`` lists axes (same counting) holding a pending
+    sum. ``ranks`` is the global rank list the device matrix is laid over (default
+    ``range(prod(device_matrix))``), so a layout may live on a pipeline stage's sub-mesh.
+    """
+
+    __slots__ = ("shape", "mesh", "factors", "partial", "ranks", "dtype", "axis_names", "_key")
+
+    shape: tuple[int, ...]
+    mesh: tuple[int, ...]
+    factors: tuple[tuple[tuple[int, int], ...], ...]
+    partial: tuple[int, ...]
+    ranks: tuple[int, ...]
+    dtype: torch.dtype
+    axis_names: tuple[str, ...]
+
+    def __init__(
+        self,
+        device_matrix: Sequence[int],
+        tensor_map: Sequence[Any],
+        tensor_shape: Sequence[int],
+        *,
+        partial: Sequence[int] = (),
+        ranks: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        axis_names: Sequence[str] | None = None,
+    ) -> None:
+        device_matrix = tuple(int(d) for d in device_matrix)
+        shape = tuple(int(s) for s in tensor_shape)
+        num_axes = len(device_matrix)
+        if any(d < 1 for d in device_matrix):
+            raise LayoutError(f"device matrix {device_matrix} has a size below 1")
+        if len(tensor_map) != len(shape):
+            raise LayoutError(
+                f"tensor_map {tuple(tensor_map)} has {len(tensor_map)} entries but the tensor "
+                f"shape {shape} has {len(shape)} dims"
+            )
+
+        def axis_of(entry: int, where: str) -> int:
+            if not -1 <= entry < num_axes:
+                raise LayoutError(
+                    f"{where}: map entry {entry} names no axis of device matrix {device_matrix} "
+                    f"(entries count axes from the right, 0..{num_axes - 1}, or -1)"
+                )
+            return NOT_SPLIT if entry == -1 else num_axes - 1 - entry
+
+        def axes_of(entry: Any, where: str) -> tuple[int, ...]:
+            entries = entry if isinstance(entry, tuple | list) else (entry,)
+            return tuple(a for a in (axis_of(int(e), where) for e in entries) if a != NOT_SPLIT)
+
+        factors = []
+        for dim, (size, entry) in enumerate(zip(shape, tensor_map, strict=True)):
+            where = f"tensor {_shape_str(shape)} dim {dim}"
+            if isinstance(entry, Factored):
+                if _prod(entry.sizes) != size:
+                    raise LayoutError(
+                        f"{where}: factors {entry.sizes} multiply to "
+                        f"{_prod(entry.sizes)}, not {size}"
+                    )
+                parts = [
+                    (fsize, axes_of(fmap, where))
+                    for fsize, fmap in zip(entry.sizes, entry.maps, strict=True)
+                ]
+            else:
+                parts = [(size, axes_of(entry, where))]
+            factors.append(_split_factors(parts, device_matrix, where))
+        partial_axes = tuple(axis_of(int(p), "partial") for p in partial)
+        if ranks is None:
+            ranks = range(_prod(device_matrix))
+        _init_canonical(self, shape, device_matrix, factors, partial_axes, ranks, dtype, axis_names)
+
+    # -- other constructors -------------------------------------------------------------------
+
+    @classmethod
+    def _make(
+        cls,
+        shape: Sequence[int],
+        mesh: Sequence[int],
+        factors: Sequence[Sequence[tuple[int, int]]],
+        partial: Sequence[int] = (),
+        ranks: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        axis_names: Sequence[str] | None = None,
+    ) -> Layout:
+        """Build from the internal form (mesh axes counted from the left)."""
+        self = cls.__new__(cls)
+        if ranks is None:
+            ranks = range(_prod(mesh))
+        _init_canonical(self, shape, mesh, factors, partial, ranks, dtype, axis_names)
+        return self
+
+    @classmethod
+    def from_strategy(
+        cls,
+        tensor_shape: Sequence[int],
+        splits: Sequence[int],
+        num_devices: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> Layout:
+        """One tensor's layout from its split factors, as MindSpore reads a strategy.
+
+        The device matrix is the splits with the repeated-calculation factor appended on the
+        right, so ``(2, 1)`` on 4 devices puts rows 0:n/2 on ranks 0 and 1.
+        """
+        shape = tuple(int(s) for s in tensor_shape)
+        splits = tuple(int(s) for s in splits)
+        if len(splits) != len(shape):
+            raise LayoutError(
+                f"strategy {splits} has {len(splits)} entries but tensor {_shape_str(shape)} "
+                f"has {len(shape)} dims"
+            )
+        num_used = _prod(splits)
+        if any(s < 1 for s in splits) or num_devices % num_used:
+            raise LayoutError(
+                f"strategy {splits} for tensor {_shape_str(shape)} uses {num_used} devices, "
+                f"which does not divide the {num_devices} devices available"
+            )
+        device_matrix = splits + (num_devices // num_used,)
+        tensor_map = tuple(len(splits) - i for i in range(len(splits)))
+        return cls(device_matrix, tensor_map, shape, dtype=dtype)
+
+    @classmethod
+    def from_named(
+        cls,
+        tensor_shape: Sequence[int],
+        spec: Sequence[Any],
+        mesh: Any,
+        *,
+        partial: Sequence[str] = (),
+        dtype: torch.dtype = torch.float32,
+    ) -> Layout:
+        """The named form: one entry per tensor dim, ``None``, an axis name, a tuple of names
+        (major first) or :class:`Factored` with names; ``mesh`` is a DeviceMesh or a mapping
+        ``{"dp": 2, "tp": 2}`` over ranks ``0..N-1``."""
+        names, sizes, ranks = _mesh_description(mesh)
+        index = {name: len(names) - 1 - i for i, name in enumerate(names)}
+
+        def to_map(entry: Any) -> Any:
+            if entry is None:
+                return -1
+            if isinstance(entry, str):
+                entry = (entry,)
+            unknown = [e for e in entry if e not in index]
+            if unknown:
+                raise LayoutError(f"axis names {unknown} are not in mesh axes {names}")
+            return tuple(index[e] for e in entry)
+
+        tensor_map = tuple(
+            Factored(e.sizes, tuple(to_map(m) for m in e.maps))
+            if isinstance(e, Factored)
+            else to_map(e)
+            for e in spec
+        )
+        if len(tensor_map) != len(tuple(tensor_shape)):
+            raise LayoutError(
+                f"spec {tuple(spec)} has {len(tensor_map)} entries but tensor "
+                f"{_shape_str(tuple(tensor_shape))} has {len(tuple(tensor_shape))} dims"
+            )
+        return cls(
+            sizes,
+            tensor_map,
+            tensor_shape,
+            partial=tuple(to_map(p)[0] for p in partial),
+            ranks=ranks,
+            dtype=dtype,
+            axis_names=names,
+        )
+
+    @classmethod
+    def replicated(
+        cls,
+        tensor_shape: Sequence[int],
+        ranks: Sequence[int] | int,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> Layout:
+        """The whole tensor on every rank of ``ranks`` (a count means ``range(count)``)."""
+        ranks = range(ranks) if isinstance(ranks, int) else tuple(ranks)
+        shape = tuple(int(s) for s in tensor_shape)
+        return cls._make(shape, (len(ranks),), [((s, NOT_SPLIT),) for s in shape], (), ranks, dtype)
+
+    # -- value semantics ----------------------------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Layout is immutable")
+
+    def __reduce__(self) -> Any:
+        return (
+            _rebuild,
+            (
+                self.shape,
+                self.mesh,
+                self.factors,
+                self.partial,
+                self.ranks,
+                str(self.dtype),
+                self.axis_names,
+            ),
+        )
+
+    def __str__(self) -> str:
+        dims = []
+        for size, factors in zip(self.shape, self.factors, strict=True):
+            axes = [self.axis_names[a] for _, a in factors if a != NOT_SPLIT]
+            if _is_block_split(factors):
+                where = (
+                    "" if not axes else "@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})")
+                )
+                dims.append(f"{size}{where}")
+            else:
+                # Show the dim as blocks: each split factor with the unsplit ones after it.
+                groups: list[list[tuple[int, int]]] = []
+                for fsize, axis in factors:
+                    if axis != NOT_SPLIT and groups and groups[-1][-1][1] != NOT_SPLIT:
+                        groups[-1].append((fsize, axis))
+                    elif axis != NOT_SPLIT or not groups:
+                        groups.append([(fsize, axis)])
+                    else:
+                        groups[-1].append((fsize, axis))
+                parts = []
+                for group in groups:
+                    axes = [self.axis_names[a] for _, a in group if a != NOT_SPLIT]
+                    where = (
+                        ""
+                        if not axes
+                        else "@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})")
+                    )
+                    parts.append(f"{_prod([f for f, _ in group])}{where}")
+                dims.append("(" + ",".join(parts) + ")")
+        text = f"{_DTYPE_NAMES.get(self.dtype, str(self.dtype))}[{','.join(dims)}]"
+        if self.partial:
+            text += "{partial:" + ",".join(self.axis_names[a] for a in self.partial) + "}"
+        if tuple(self.ranks) != tuple(range(len(self.ranks))):
+            text += f"on{list(self.ranks)}"
+        return text
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout(shape={self.shape}, mesh={self.mesh}, factors={self.factors}, "
+            f"partial={self.partial}, ranks={_ranks_str(self.ranks)}, dtype={self.dtype}, "
+            f"axis_names={self.axis_names})"
+        )
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def tensor_map(self) -> tuple[Any, ...]:
+        """MindSpore's tensor map of the normalized device matrix (axes counted from the right);
+        a dim split over several axes gives a tuple, a factored dim a :class:`Factored`."""
+        num_axes = len(self.mesh)
+        out: list[Any] = []
+        for factors in self.factors:
+            split = [a for _, a in factors if a != NOT_SPLIT]
+            if _is_block_split(factors):
+                entries = tuple(num_axes - 1 - a for a in split)
+                out.append(-1 if not entries else entries[0] if len(entries) == 1 else entries)
+            else:
+                out.append(
+                    Factored(
+                        tuple(s for s, _ in factors),
+                        tuple(-1 if a == NOT_SPLIT else num_axes - 1 - a for _, a in factors),
+                    )
+                )
+        return tuple(out)
+
+    @property
+    def replicated_axes(self) -> tuple[int, ...]:
+        used = {a for factors in self.factors for _, a in factors} | set(self.partial)
+        return tuple(a for a in range(len(self.mesh)) if a not in used)
+
+    @property
+    def global_numel(self) -> int:
+        return _prod(self.shape)
+
+    @property
+    def local_numel(self) -> int:
+        return _prod(self.local_shape())
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """The shape every rank of the layout holds (splits are even); ``rank`` is checked."""
+        if rank is not None:
+            self.position(rank)
+        return tuple(_prod([s for s, a in factors if a == NOT_SPLIT]) for factors in self.factors)
+
+    def position(self, rank: int) -> int:
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise LayoutError(f"rank {rank} is not in layout {self} ranks") from None
+
+    def coordinates(self, rank: int) -> tuple[int, ...]:
+        """The rank's coordinate on each mesh axis (row-major over ``ranks``)."""
+        position = self.position(rank)
+        coords = []
+        for size in reversed(self.mesh):
+            coords.append(position % size)
+            position //= size
+        return tuple(reversed(coords))
+
+    def local_index(self, rank: int) -> tuple[slice | torch.Tensor, ...]:
+        """Which global elements ``rank`` holds: per dim a slice where contiguous, else a
+        LongTensor of global indices (factored dims)."""
+        coords = self.coordinates(rank)
+        out: list[slice | torch.Tensor] = []
+        for factors in self.factors:
+            if _is_block_split(factors):
+                stride, start = _prod([s for s, _ in factors]), 0
+                for size, axis in factors:
+                    stride //= size
+                    if axis != NOT_SPLIT:
+                        start += coords[axis] * stride
+                length = _prod([s for s, a in factors if a == NOT_SPLIT])
+                out.append(slice(start, start + length))
+                continue
+            index = torch.zeros((), dtype=torch.long)
+            for size, axis in factors:
+                index = index.reshape(-1, 1) * size
+                index = index + (coords[axis] if axis != NOT_SPLIT else torch.arange(size))
+            out.append(index.reshape(-1))
+        return tuple(out)
+
+    def with_dtype(self, dtype: torch.dtype) -> Layout:
+        return Layout._make(
+            self.shape, self.mesh, self.factors, self.partial, self.ranks, dtype, self.axis_names
+        )
+
+    def without_partial(self) -> Layout:
+        """The layout of this tensor's gradient: partial axes become replicated."""
+        return Layout._make(
+            self.shape, self.mesh, self.factors, (), self.ranks, self.dtype, self.axis_names
+        )
+
+    # -- mapping through shape ops ------------------------------------------------------------
+
+    def view(self, shape: Sequence[int]) -> Layout:
+        """The layout of ``tensor.view(shape)`` (also reshape, flatten, unflatten, squeeze,
+        unsqueeze) where every split survives the view; a LayoutError where one cannot."""
+        shape = _resolve_view_shape(tuple(int(s) for s in shape), self.global_numel)
+        stream = [list(f) for factors in self.factors for f in factors]
+        new_factors: list[list[tuple[int, int]]] = []
+        for dim, want in enumerate(shape):
+            current: list[tuple[int, int]] = []
+            need = want
+            while need > 1:
+                if not stream:
+                    break
+                size, axis = stream[0]
+                if size <= need and need % size == 0:
+                    current.append((size, axis))
+                    need //= size
+                    stream.pop(0)
+                elif axis == NOT_SPLIT and size % need == 0:
+                    current.append((need, NOT_SPLIT))
+                    stream[0][0] = size // need
+                    need = 1
+                else:
+                    raise LayoutError(
+                        f"view of {self} as {_shape_str(shape)}: dim {dim} (size {want}) would "
+                        f"cut the factor of size {size}"
+                        + ("" if axis == NOT_SPLIT else f" split over {self.axis_names[axis]}")
+                    )
+            while stream and stream[0][0] == 1:
+                stream.pop(0)
+            new_factors.append(current)
+        return Layout._make(
+            shape, self.mesh, new_factors, self.partial, self.ranks, self.dtype, self.axis_names
+        )
+
+    def permute(self, dims: Sequence[int]) -> Layout:
+        dims = tuple(d % max(len(self.shape), 1) for d in dims)
+        if sorted(dims) != list(range(len(self.shape))):
+            raise LayoutError(f"permute of {self}: {tuple(dims)} is not a permutation")
+        return Layout._make(
+            tuple(self.shape[d] for d in dims),
+            self.mesh,
+            [self.factors[d] for d in dims],
+            self.partial,
+            self.ranks,
+            self.dtype,
+            self.axis_names,
+        )
+
+    def transpose(self, dim0: int, dim1: int) -> Layout:
+        dims = list(range(len(self.shape)))
+        dims[dim0], dims[dim1] = dims[dim1], dims[dim0]
+        return self.permute(dims)
+
+    def chunk(self, dim: int, num_chunks: int, index: int) -> Layout:
+        """The layout of ``tensor.chunk(num_chunks, dim)[index]`` (``split`` into equal parts):
+        valid when the chunks are whole on every rank, e.g. Q of a head-split fused QKV."""
+        dim %= len(self.shape)
+        size = self.shape[dim]
+        if size % num_chunks:
+            raise LayoutError(f"chunk of {self}: dim {dim} ({size}) not divisible by {num_chunks}")
+        unflat = self.shape[:dim] + (num_chunks, size // num_chunks) + self.shape[dim + 1 :]
+        try:
+            viewed = self.view(unflat)
+        except LayoutError as err:
+            raise LayoutError(
+                f"chunk of {self} into {num_chunks} along dim {dim}: chunks are not whole on "
+                f"each rank ({err})"
+            ) from None
+        if viewed.factors[dim] and viewed.factors[dim][0][1] != NOT_SPLIT:
+            axis = viewed.axis_names[viewed.factors[dim][0][1]]
+            raise LayoutError(
+                f"chunk of {self} into {num_chunks} along dim {dim}: each chunk lives on other "
+                f"ranks of axis {axis}; redistribute first"
+            )
+        factors = list(viewed.factors)
+        del factors[dim]
+        return Layout._make(
+            self.shape[:dim] + (size // num_chunks,) + self.shape[dim + 1 :],
+            self.mesh,
+            factors,
+            self.partial,
+            self.ranks,
+            self.dtype,
+            self.axis_names,
+        )
+
+    # -- DTensor boundary ---------------------------------------------------------------------
+
+    def to_placements(self, device_mesh: Any) -> tuple[Any, ...]:
+        """DTensor placements on ``device_mesh`` (one per mesh dim), where DTensor can say it."""
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        from autoshard.redistribute import _common_grid, _suffix_products
+
+        names, sizes, ranks = _mesh_description(device_mesh)
+        if tuple(ranks) != tuple(self.ranks):
+            raise LayoutError(f"{self} lives on ranks {_ranks_str(self.ranks)}, not the mesh's")
+        grid = _common_grid((self,), extra_mesh=_suffix_products(sizes))
+        placements: list[Any] = []
+        if grid is not None:
+            state = grid.encode(self)
+            starts = [_prod(grid.axes[j + 1 :]) for j in range(len(grid.axes))]
+            for mesh_dim, size in enumerate(sizes):
+                lo = _prod(sizes[mesh_dim + 1 :])
+                axes = [j for j, s in enumerate(starts) if lo <= s < lo * size]
+                dims = {d for a in axes for d, row in enumerate(state.assign) if a in row}
+                if all(a in state.partial for a in axes):
+                    placements.append(Partial())
+                elif len(dims) == 1 and all(any(a in r for r in state.assign) for a in axes):
+                    placements.append(Shard(dims.pop()))
+                else:
+                    placements.append(Replicate())
+        if grid is None or (
+            Layout.from_placements(placements, device_mesh, self.shape, dtype=self.dtype) != self
+        ):
+            raise LayoutError(
+                f"DTensor placements cannot express {self} on mesh "
+                f"{dict(zip(names, sizes, strict=True))} "
+                "(factored dim, or a dim split over mesh dims in other than mesh order)"
+            )
+        return tuple(placements)
+
+    @classmethod
+    def from_placements(
+        cls,
+        placements: Sequence[Any],
+        device_mesh: Any,
+        tensor_shape: Sequence[int],
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> Layout:
+        """The layout of a DTensor (shards of one dim split in mesh-dim order, major first)."""
+        names, _, _ = _mesh_description(device_mesh)
+        shape = tuple(int(s) for s in tensor_shape)
+        spec: list[list[str]] = [[] for _ in shape]
+        partial = []
+        for name, placement in zip(names, placements, strict=True):
+            if placement.is_shard():
+                spec[placement.dim % len(shape)].append(name)
+            elif placement.is_partial():
+                if getattr(placement, "reduce_op", "sum") != "sum":
+                    raise LayoutError(f"only sum partials are layouts, not {placement}")
+                partial.append(name)
+        return cls.from_named(
+            shape, [tuple(s) or None for s in spec], device_mesh, partial=partial, dtype=dtype
+        )
+
+
+# -- normalization ------------------------------------------------------------------------------
+
+
+def _split_factors(
+    parts: list[tuple[int, tuple[int, ...]]],
+    device_matrix: tuple[int, ...],
+    where: str,
+) -> list[tuple[int, int]]:
+    """Turn (factor size, split axes) into factors of the internal form, checking divisibility."""
+    out: list[tuple[int, int]] = []
+    for size, axes in parts:
+        num_parts = _prod([device_matrix[a] for a in axes])
+        if size % num_parts:
+            raise LayoutError(
+                f"{where}: size {size} is not divisible by its split {num_parts} "
+                f"(device matrix {device_matrix}, {_prod(device_matrix)} devices)"
+            )
+        out.extend((device_matrix[a], a) for a in axes)
+        out.append((size // num_parts, NOT_SPLIT))
+    return out
+
+
+def _init_canonical(
+    self: Layout,
+    shape: Sequence[int],
+    mesh: Sequence[int],
+    factors: Sequence[Sequence[tuple[int, int]]],
+    partial: Sequence[int],
+    ranks: Sequence[int],
+    dtype: torch.dtype,
+    axis_names: Sequence[str] | None,
+) -> None:
+    shape = tuple(int(s) for s in shape)
+    mesh_list = [int(m) for m in mesh]
+    ranks = tuple(int(r) for r in ranks)
+    if _prod(mesh_list) != len(ranks):
+        raise LayoutError(
+            f"device matrix {tuple(mesh_list)} has {_prod(mesh_list)} devices but the rank list "
+            f"{_ranks_str(ranks)} has {len(ranks)}"
+        )
+    if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
+        raise LayoutError(f"rank list {_ranks_str(ranks)} repeats a rank or has a negative one")
+    names = [[n] for n in axis_names] if axis_names is not None else None
+    if names is not None and len(names) != len(mesh_list):
+        raise LayoutError(f"{len(names)} axis names for device matrix {tuple(mesh_list)}")
+    fac = [[(int(s), int(a)) for s, a in f] for f in factors]
+    part = sorted({int(p) for p in partial})
+    if len(fac) != len(shape):
+        raise LayoutError(f"{len(fac)} factor lists for tensor {_shape_str(shape)}")
+    used: dict[int, str] = {}
+    for dim, (size, dim_factors) in enumerate(zip(shape, fac, strict=True)):
+        if _prod([s for s, _ in dim_factors]) != size:
+            raise LayoutError(f"dim {dim}: factors {dim_factors} do not multiply to {size}")
+        for fsize, axis in dim_factors:
+            if axis == NOT_SPLIT:
+                continue
+            if not 0 <= axis < len(mesh_list) or fsize != mesh_list[axis]:
+                raise LayoutError(f"dim {dim}: factor {(fsize, axis)} does not match the mesh")
+            if axis in used:
+                raise LayoutError(
+                    f"tensor {_shape_str(shape)}: device axis {axis} (size {mesh_list[axis]}) "
+                    f"splits both {used[axis]} and dim {dim}"
+                )
+            used[axis] = f"dim {dim}"
+    for axis in part:
+        if axis in used or not 0 <= axis < len(mesh_list):
+            raise LayoutError(
+                f"tensor {_shape_str(shape)}: partial axis {axis} is invalid or split"
+            )
+
+    _drop_unit_axes(mesh_list, fac, part, names)
+    changed = True
+    while changed:
+        fac = [_merge_local(f) for f in fac]
+        changed = _merge_one_axis_pair(mesh_list, fac, part, names)
+    if names is None:
+        final_names = tuple(f"a{i}" for i in range(len(mesh_list)))
+    else:
+        final_names = tuple("*".join(n) for n in names)
+    values = {
+        "shape": shape,
+        "mesh": tuple(mesh_list),
+        "factors": tuple(tuple(f) for f in fac),
+        "partial": tuple(part),
+        "ranks": ranks,
+        "dtype": dtype,
+        "axis_names": final_names,
+    }
+    for name, value in values.items():
+        object.__setattr__(self, name, value)
+    key = (shape, values["mesh"], values["factors"], values["partial"], ranks, dtype)
+    object.__setattr__(self, "_key", key)
+
+
+def _drop_unit_axes(
+    mesh: list[int], fac: list[list[tuple[int, int]]], part: list[int], names: list | None
+) -> None:
+    for axis in reversed(range(len(mesh))):
+        if mesh[axis] == 1:
+            _remove_axis(axis, mesh, fac, part, names)
+
+
+def _remove_axis(
+    axis: int,
+    mesh: list[int],
+    fac: list[list[tuple[int, int]]],
+    part: list[int],
+    names: list | None,
+) -> None:
+    def shift(a: int) -> int:
+        return a - 1 if a > axis else a
+
+    del mesh[axis]
+    if names is not None:
+        del names[axis]
+    for dim, dim_factors in enumerate(fac):
+        fac[dim] = [(s, NOT_SPLIT if a == axis else shift(a)) for s, a in dim_factors]
+    part[:] = [shift(a) for a in part if a != axis]
+
+
+def _merge_local(factors: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Drop size-1 factors and fuse neighbouring unsplit ones; a split factor followed by
+    unsplit ones stays as it is (that is a plain block split)."""
+    out: list[tuple[int, int]] = []
+    for size, axis in factors:
+        if size == 1:
+            continue
+        if axis == NOT_SPLIT and out and out[-1][1] == NOT_SPLIT:
+            out[-1] = (out[-1][0] * size, NOT_SPLIT)
+        else:
+            out.append((size, axis))
+    return out
+
+
+def _merge_one_axis_pair(
+    mesh: list[int], fac: list[list[tuple[int, int]]], part: list[int], names: list | None
+) -> bool:
+    """Merge the first pair of neighbouring axes whose merge keeps the placement; True if any."""
+    where = {a: (d, k) for d, f in enumerate(fac) for k, (_, a) in enumerate(f) if a != NOT_SPLIT}
+    for axis in range(len(mesh) - 1):
+        nxt = axis + 1
+        both_free = axis not in where and nxt not in where and axis not in part and nxt not in part
+        both_partial = axis in part and nxt in part
+        consecutive = (
+            axis in where and nxt in where and where[nxt] == (where[axis][0], where[axis][1] + 1)
+        )
+        if not (both_free or both_partial or consecutive):
+            continue
+        if consecutive:
+            dim, k = where[axis]
+            fac[dim][k] = (mesh[axis] * mesh[nxt], axis)
+            fac[dim][k + 1] = (1, nxt)
+            fac[dim] = [(s, a) for s, a in fac[dim] if not (s == 1 and a == nxt)]
+        mesh[axis] *= mesh[nxt]
+        mesh[nxt] = 1
+        if names is not None:
+            names[axis] = names[axis] + names[nxt]
+            names[nxt] = []
+        if both_partial:
+            part.remove(nxt)
+        _remove_axis(nxt, mesh, fac, part, names)
+        return True
+    return False
+
+
+def _is_block_split(factors: Sequence[tuple[int, int]]) -> bool:
+    """True when the dim is split in contiguous blocks: no unsplit factor before a split one."""
+    seen_local = False
+    for _, axis in factors:
+        if axis == NOT_SPLIT:
+            seen_local = True
+        elif seen_local:
+            return False
+    return True
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _rebuild(shape, mesh, factors, partial, ranks, dtype_name, names) -> Layout:  # noqa: ANN001
+    dtype = getattr(torch, dtype_name.replace("torch.", ""))
+    return Layout._make(shape, mesh, factors, partial, ranks, dtype, names)
+
+
+def _shape_str(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(s) for s in shape) + "]"
+
+
+def _ranks_str(ranks: Sequence[int]) -> str:
+    ranks = tuple(ranks)
+    if ranks and ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}..{ranks[-1]}"
+    return str(list(ranks))
+
+
+def _resolve_view_shape(shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
+    if shape.count(-1) > 1:
+        raise LayoutError(f"view shape {shape} has more than one -1")
+    if -1 in shape:
+        known = _prod([s for s in shape if s != -1])
+        if known == 0 or numel % known:
+            raise LayoutError(f"view shape {shape} does not fit {numel} elements")
+        shape = tuple(numel // known if s == -1 else s for s in shape)
+    if _prod(shape) != numel:
+        raise LayoutError(f"view shape {shape} has {_prod(shape)} elements, not {numel}")
+    return shape
+
+
+def _mesh_description(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """(axis names, axis sizes, global rank list) of a DeviceMesh or a {name: size} mapping."""
+    if isinstance(mesh, Mapping):
+        names = tuple(str(n) for n in mesh)
+        sizes = tuple(int(s) for s in mesh.values())
+        return names, sizes, tuple(range(_prod(sizes)))
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None:
+        raise LayoutError("a mesh used with names needs mesh_dim_names")
+    return tuple(names), tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten())

@@ -1,0 +1,66 @@
+"""Named meshes: from an initialised process group or the torchrun environment."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autoshard import Layout, MeshError, init_mesh
+from autoshard.testing import run_ranks
+
+
+def _mesh_body() -> list:
+    import torch.distributed as dist
+
+    mesh = init_mesh({"dp": 2, "tp": 2})
+    with pytest.raises(MeshError, match=r"dp\(2\) \* tp\(4\) = 8 != world size 4"):
+        init_mesh({"dp": 2, "tp": 4})
+    layout = Layout.from_named((8, 4), ("dp", "tp"), mesh)
+    # DTensor agrees on which block each rank holds
+    from torch.distributed.tensor import distribute_tensor
+
+    full = torch.arange(32.0).reshape(8, 4)
+    dtensor = distribute_tensor(full, mesh, layout.to_placements(mesh))
+    from autoshard import shard_tensor
+
+    assert torch.equal(dtensor.to_local(), shard_tensor(full, layout))
+    return [dist.get_rank(), mesh.mesh.tolist(), mesh.mesh_dim_names]
+
+
+def test_init_mesh_on_an_initialised_group():
+    results = run_ranks(_mesh_body, 4, timeout=90)
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert results[0][1:] == [[[0, 1], [2, 3]], ("dp", "tp")]
+
+
+def test_init_mesh_from_the_torchrun_environment():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    code = (
+        "import autoshard; m = autoshard.init_mesh({'dp': 1}); "
+        "print(m.mesh_dim_names, m.mesh.tolist())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "('dp',) [0]" in out.stdout
+
+
+def test_init_mesh_without_a_launcher_is_a_clear_error(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(MeshError, match="no process group and no launcher environment"):
+        init_mesh({"dp": 2})
