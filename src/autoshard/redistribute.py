@@ -179,6 +179,40 @@ def _common_grid(
     return _Grid(_sizes_of(mesh_bounds), tuple(_sizes_of(b) for b in dim_bounds))
 
 
+# On small worlds the mesh axes are cut into primes, so a collective may use part of an axis
+# (reduce-scatter over half of a 4-way partial axis); the state space grows quickly with the
+# number of axes, so larger worlds search the coarsest grid.
+_PRIME_GRID_MAX_RANKS = 8
+
+
+def _prime_cuts(sizes: Sequence[int]) -> set[int]:
+    """Boundaries of ``sizes`` (major first) with every size cut into its prime factors."""
+    cuts, low = {1}, 1
+    for size in reversed(sizes):
+        factor = 2
+        while size > 1:
+            while size % factor:
+                factor += 1
+            size //= factor
+            low *= factor
+            cuts.add(low)
+    return cuts
+
+
+def _chunk_cuts(dim: Sequence[int], axes: Sequence[int]) -> set[int]:
+    """Extra boundaries letting an axis (or a product of the smallest axes) split the leading
+    chunk of an unsplit factor: reduce-scatter into a quarter of a dim, then gather half of it,
+    can beat reducing the whole. Without them the coarsest grid misses such plans."""
+    chunks = list(itertools.accumulate(sorted(axes), lambda a, b: a * b))
+    cuts, low = {1}, 1
+    for size in reversed(dim):
+        high = low * size
+        cuts |= {high // c for c in chunks if c < size and size % c == 0}
+        cuts.add(high)
+        low = high
+    return cuts
+
+
 # -- the search ---------------------------------------------------------------------------------
 
 
@@ -475,6 +509,13 @@ def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPl
     if src == dst:
         return RedistributionPlan(src, dst, ())
     grid = _common_grid((src, dst))
+    if grid is not None and len(src.ranks) <= _PRIME_GRID_MAX_RANKS:
+        grid = _common_grid((src, dst), extra_mesh=_prime_cuts(grid.axes)) or grid
+    if grid is not None:
+        finer = _common_grid(
+            (src, dst), _suffix_products(grid.axes), [_chunk_cuts(d, grid.axes) for d in grid.dims]
+        )
+        grid = finer or grid
     if grid is None:
         # No common refinement (e.g. device matrices (3,4) and (4,3)): go through the
         # replicated tensor, which refines with anything.
