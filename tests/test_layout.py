@@ -41,6 +41,10 @@ def test_equal_placements_are_equal_values():
         (4,), (-1, -1), (8, 4), partial=(0,)
     )
     assert len({a, b}) == 1
+    import pickle
+
+    factored = Layout((2, 2), (Factored((3, 4), (-1, 1)), -1), (12, 4), partial=(0,))
+    assert pickle.loads(pickle.dumps(factored)) == factored
     with pytest.raises(AttributeError):
         a.shape = (1, 1)
 

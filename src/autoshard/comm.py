@@ -147,21 +147,22 @@ def reduce_scatter(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
 
 def send_recv(
     x: torch.Tensor | None,
-    send_to: int | None,
+    send_to: Sequence[int],
     recv_from: int | None,
     recv_like: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Point-to-point move (a pipeline stage boundary): send ``x`` to ``send_to`` and receive a
-    tensor shaped like ``recv_like`` from ``recv_from``; either side may be None."""
+    """Point-to-point moves (a pipeline stage boundary, a pairwise exchange): send ``x`` to each
+    rank of ``send_to`` and receive a tensor shaped like ``recv_like`` from ``recv_from``."""
     me = dist.get_rank()
-    if send_to == me and recv_from == me:
-        return x.clone() if x is not None else None
     ops = []
-    if send_to is not None and x is not None:
-        _count("send_recv", 2, x)
-        ops.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
     out = None
-    if recv_from is not None:
+    for peer in send_to:
+        if peer == me:
+            out = x.clone()
+            continue
+        _count("send_recv", 2, x)
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), peer))
+    if recv_from is not None and recv_from != me:
         assert recv_like is not None, "a receive needs the shape it expects"
         out = torch.empty_like(recv_like)
         ops.append(dist.P2POp(dist.irecv, out, recv_from))

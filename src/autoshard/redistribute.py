@@ -389,8 +389,11 @@ class Step:
         """Bytes this step sends from ``rank`` (a rank exchanging with itself sends none)."""
         if rank not in self.src.ranks:
             return 0
-        if self.kind in ("permute", "send_recv"):
-            return self.bytes if any(rank in g and g[0] != g[1] for g in self.groups) else 0
+        if self.kind == "permute":
+            return self.bytes if any(rank in pair for pair in self.groups) else 0
+        if self.kind == "send_recv":
+            sends = sum(1 for sender, receiver in self.groups if sender == rank != receiver)
+            return sends * self.src.local_numel * self.src.dtype.itemsize
         return self.bytes
 
     def __str__(self) -> str:
@@ -481,7 +484,7 @@ def _plan_on_grid(src: Layout, dst: Layout, grid: _Grid, exhaustive: bool) -> li
         a = src if before == start else grid.decode(before, src, frames[before.frame])
         b = dst if after == goal else grid.decode(after, src, frames[after.frame])
         if kind == "send_recv":
-            groups = tuple(zip(frames[0], frames[1], strict=True))
+            groups = tuple(zip(frames[0], frames[1], strict=True))  # (sender, receiver)
         elif kind == "permute":
             groups = _swap_pairs(grid, axes, frames[before.frame])
         else:
@@ -501,13 +504,23 @@ def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPl
         raise LayoutError(f"cannot redistribute {src} to {dst}: global shapes differ")
     if src.dtype != dst.dtype:
         raise LayoutError(f"cannot redistribute {src} to {dst}: dtypes differ (no casts here)")
-    if len(src.ranks) != len(dst.ranks):
-        raise LayoutError(
-            f"cannot redistribute {src} ({len(src.ranks)} ranks) to {dst} ({len(dst.ranks)} "
-            "ranks): moving between rank sets of different sizes is not supported"
-        )
     if src == dst:
         return RedistributionPlan(src, dst, ())
+    if len(src.ranks) != len(dst.ranks):
+        # Between stages of different sizes: replicate on the sending ranks, send whole copies
+        # (each sender serving every len(src)-th receiver), cut locally. Correct, not least-bytes.
+        whole_src = Layout.replicated(src.shape, src.ranks, dtype=src.dtype)
+        whole_dst = Layout.replicated(dst.shape, dst.ranks, dtype=dst.dtype)
+        pairs = tuple((src.ranks[p % len(src.ranks)], r) for p, r in enumerate(dst.ranks))
+        most = max(sum(1 for s, r in pairs if s == sender != r) for sender in src.ranks)
+        nbytes = whole_src.local_numel * src.dtype.itemsize
+        move = Step(
+            "send_recv", whole_src, whole_dst, (), pairs, most * nbytes, None, None, None, ()
+        )
+        first = _cached_plan(src, whole_src, exhaustive).steps
+        return RedistributionPlan(
+            src, dst, first + (move,) + _cached_plan(whole_dst, dst, exhaustive).steps
+        )
     grid = _common_grid((src, dst))
     if grid is not None and len(src.ranks) <= _PRIME_GRID_MAX_RANKS:
         grid = _common_grid((src, dst), extra_mesh=_prime_cuts(grid.axes)) or grid
@@ -569,7 +582,7 @@ def _run_step(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
     position = step.src.position(rank)
     if step.kind == "permute":
         partner = step.src.ranks[_swap_partner(grid, axes, position)]
-        return comm.send_recv(x, partner, partner, x)
+        return comm.send_recv(x, [partner], partner, x)
     group = tuple(step.src.ranks[p] for p in _group_positions(grid, axes, position))
     coords = _coords(grid, position)
     x = _to_factors(x, grid, before)
@@ -612,9 +625,8 @@ def _run_step(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
 
 
 def _run_send_recv(x: torch.Tensor | None, step: Step, rank: int) -> torch.Tensor | None:
-    src_ranks, dst_ranks = step.src.ranks, step.dst.ranks
-    send_to = dst_ranks[src_ranks.index(rank)] if rank in src_ranks else None
-    recv_from = src_ranks[dst_ranks.index(rank)] if rank in dst_ranks else None
+    send_to = [receiver for sender, receiver in step.groups if sender == rank]
+    recv_from = next((sender for sender, receiver in step.groups if receiver == rank), None)
     like = torch.empty(step.dst.local_shape(), dtype=step.dst.dtype)
     if x is not None and x.device != like.device:
         like = like.to(x.device)
