@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoshard import Factored, Layout, redistribution_plan
-from autoshard.redistribute import _common_grid, _moves, _step_bytes
+from autoshard.redistribute import _common_grid, _moves, _prime_cuts, _step_bytes
 from autoshard.testing import run_ranks
 
 
@@ -63,28 +63,14 @@ def random_pair(seed: int, num_devices: int) -> tuple[Layout, Layout]:
     return random_layout(rng, shape, num_devices), random_layout(rng, shape, num_devices)
 
 
-def prime_cuts(sizes: tuple[int, ...]) -> set[int]:
-    """Every boundary of ``sizes`` (major first) cut further into prime factors."""
-    cuts, low = {1}, 1
-    for size in reversed(sizes):
-        factor = 2
-        while size > 1:
-            while size % factor:
-                factor += 1
-            size //= factor
-            low *= factor
-            cuts.add(low)
-    return cuts
-
-
 def brute_force_bytes(src: Layout, dst: Layout) -> int:
     """Least bytes per rank over every step sequence on the finest grid (prime axes, every
     power-of-two cut of every dim), with unpruned moves: an independent uniform-cost search."""
     coarse = _common_grid((src, dst))
     grid = _common_grid(
         (src, dst),
-        extra_mesh=prime_cuts(coarse.axes),
-        extra_dims=[prime_cuts(d) for d in coarse.dims],
+        extra_mesh=_prime_cuts(coarse.axes),
+        extra_dims=[_prime_cuts(d) for d in coarse.dims],
     )
     start, goal = grid.encode(src), grid.encode(dst)
     seen = {start: 0}
