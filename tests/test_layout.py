@@ -41,6 +41,8 @@ def test_equal_placements_are_equal_values():
         (4,), (-1, -1), (8, 4), partial=(0,)
     )
     assert len({a, b}) == 1
+    assert a.mesh == (2, 4) and a.tensor_map == (1, -1)  # the normalized MindSpore form
+    assert Layout((2, 2), ((0, 1), -1), (8, 4)).tensor_map == ((0, 1), -1)
     import pickle
 
     factored = Layout((2, 2), (Factored((3, 4), (-1, 1)), -1), (12, 4), partial=(0,))

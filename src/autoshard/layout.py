@@ -349,11 +349,6 @@ class Layout:
         return tuple(out)
 
     @property
-    def replicated_axes(self) -> tuple[int, ...]:
-        used = {a for factors in self.factors for _, a in factors} | set(self.partial)
-        return tuple(a for a in range(len(self.mesh)) if a not in used)
-
-    @property
     def global_numel(self) -> int:
         return _prod(self.shape)
 

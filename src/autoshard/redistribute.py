@@ -577,8 +577,6 @@ def _arrange(x: torch.Tensor, order: list[Any], wanted: list[Any]) -> torch.Tens
 
 def _run_step(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
     grid, before, after, axes = step._grid, step._before, step._after, step._axes
-    if step.kind == "send_recv":
-        return _run_send_recv(x, step, rank)
     position = step.src.position(rank)
     if step.kind == "permute":
         partner = step.src.ranks[_swap_partner(grid, axes, position)]
