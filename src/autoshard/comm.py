@@ -110,6 +110,14 @@ def all_reduce(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Elementwise max of ``x`` over the group, on every member (a new tensor)."""
+    _count("all_reduce", len(ranks), x)
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_group(ranks))
+    return out
+
+
 def all_gather(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Every member's ``x`` stacked along a new leading dim, in the order of ``ranks``."""
     _count("all_gather", len(ranks), x)

@@ -1,0 +1,206 @@
+"""Capture: torch.export of a model (and its loss) into an aten graph with shapes and parameters.
+
+The graph keeps linear, sdpa, layer_norm and cross-entropy whole (``run_decompositions({})``
+removes in-place ops only). Dropout's train flag is baked into the graph, so a model is captured
+once per mode.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+_DROPPED = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+class CaptureError(ValueError):
+    """A model (or part of one) that torch.export cannot capture; names the module."""
+
+
+@dataclass
+class Captured:
+    """One mode's graph: placeholders tagged ``param`` / ``buffer`` / ``input`` in
+    ``node.meta["autoshard_kind"]`` with their names in ``node.meta["autoshard_fqn"]``."""
+
+    graph: fx.Graph
+    train: bool
+    in_spec: Any
+    out_spec: Any
+    inputs: list[str]
+    outputs: list[int]
+    mutations: dict[int, str]
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+
+    def placeholder(self, fqn: str) -> fx.Node | None:
+        for node in self.graph.nodes:
+            if node.op == "placeholder" and fqn in self.aliases.get(
+                node.meta.get("autoshard_fqn", ""), ()
+            ):
+                return node
+        return None
+
+
+class _WithLoss(nn.Module):
+    """model(*inputs) followed by loss_fn(output, target): the last input is the target."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.loss_fn(self.model(*args[:-1]), args[-1])
+
+
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter and buffer, keyed by each of its names (tied weights)."""
+    groups: dict[int, list[str]] = {}
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        groups.setdefault(id(tensor), []).append(name)
+    return {name: names for names in groups.values() for name in names}
+
+
+def capture(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    train: bool = True,
+) -> Captured:
+    """Export ``model`` in train or eval mode; with ``loss_fn`` the last of ``args`` is the
+    target and the captured function returns the loss."""
+    root: nn.Module = model if loss_fn is None else _WithLoss(model, loss_fn)
+    prefix = "" if loss_fn is None else "model."
+    was_training = model.training
+    model.train(train)
+    try:
+        program = torch.export.export(root, tuple(args), kwargs or {}, strict=False)
+        program = program.run_decompositions({})
+    except Exception as err:  # noqa: BLE001 - reported with the module that failed
+        raise CaptureError(_describe_failure(model, err)) from err
+    finally:
+        model.train(was_training)
+    return _from_program(program, model, prefix, train)
+
+
+def capture_modes(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> dict[bool, Captured]:
+    """The train and the eval graph (dropout is baked into each); reusable across plans."""
+    return {
+        mode: capture(model, args, kwargs, loss_fn=loss_fn, train=mode) for mode in (True, False)
+    }
+
+
+def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train: bool) -> Captured:
+    graph = program.graph_module.graph
+    signature = program.graph_signature
+    kinds = {
+        InputKind.PARAMETER: "param",
+        InputKind.BUFFER: "buffer",
+        InputKind.CONSTANT_TENSOR: "buffer",
+        InputKind.USER_INPUT: "input",
+    }
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for node, spec in zip(placeholders, signature.input_specs, strict=True):
+        if spec.kind not in kinds:
+            raise CaptureError(f"input {node.name} of kind {spec.kind} is not supported")
+        node.meta["autoshard_kind"] = kinds[spec.kind]
+        if spec.kind == InputKind.USER_INPUT:
+            inputs.append(node.name)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            node.meta["autoshard_fqn"] = spec.target
+            node.meta["autoshard_constant"] = program.constants[spec.target]
+        else:
+            node.meta["autoshard_fqn"] = spec.target.removeprefix(prefix)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED:
+            graph.erase_node(node)
+        elif (
+            node.op == "call_function"
+            and not isinstance(node.target, torch._ops.OpOverload)
+            and node.target.__module__ != "_operator"
+        ):
+            raise CaptureError(
+                f"{node.name}: {node.target} in {_module_of(node)} is not an aten op (a "
+                f"higher-order op such as a no_grad region or a checkpoint); it cannot be split"
+            )
+    outputs, mutations = [], {}
+    for i, spec in enumerate(signature.output_specs):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(i)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations[i] = spec.target.removeprefix(prefix)
+        else:
+            raise CaptureError(f"output {i} of kind {spec.kind} is not supported")
+    graph.eliminate_dead_code()
+    _strip_prefix(graph, prefix)
+    return Captured(
+        graph=graph,
+        train=train,
+        in_spec=program.call_spec.in_spec,
+        out_spec=program.call_spec.out_spec,
+        inputs=inputs,
+        outputs=outputs,
+        mutations=mutations,
+        aliases=tied_names(model),
+    )
+
+
+def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
+    if not prefix:
+        return
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {
+                k: (path.removeprefix(prefix.rstrip(".")).removeprefix("."), cls)
+                for k, (path, cls) in stack.items()
+            }
+
+
+def _module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return (list(stack.values())[-1][0] or "the model") if stack else "the model"
+
+
+def _describe_failure(model: nn.Module, err: Exception) -> str:
+    """The innermost module of ``model`` whose forward was running when export failed."""
+    names = {id(m): name for name, m in model.named_modules()}
+    where = None
+    tb = err.__traceback__ or sys.exc_info()[2]
+    while tb is not None:
+        module = tb.tb_frame.f_locals.get("self")
+        if isinstance(module, nn.Module) and id(module) in names:
+            where = names[id(module)] or type(model).__name__
+        tb = tb.tb_next
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    module = f"module '{where}'" if where is not None else f"model {type(model).__name__}"
+    return f"cannot capture {module}: {type(err).__name__}: {first_line}"
+
+
+def module_path(node: fx.Node) -> str:
+    return _module_of(node)
+
+
+__all__ = ["CaptureError", "Captured", "capture", "capture_modes", "tied_names"]

@@ -1,0 +1,196 @@
+"""Lowering: the captured graph and its plan -> the torch.fx GraphModule one rank runs.
+
+The rank's module reads only its parameter shards, runs each aten op on local tensors (shape
+arguments rewritten to local shapes by the op's rule), and calls small submodules where the plan
+inserts communication, so ``print(gm.code)`` reads as the rank's program.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autoshard.capture import Captured
+from autoshard.layout import NOT_SPLIT, Layout
+from autoshard.ops import local, rule_for, tensor_inputs
+from autoshard.plan import Plan
+from autoshard.redistribute import _execute, redistribute, redistribution_plan
+
+
+@dataclass
+class RunState:
+    """What changes between calls of the same program: the dropout seed and step."""
+
+    seed: int = 0
+    step: int = 0
+
+
+class Redistribute(nn.Module):
+    def __init__(self, src: Layout, dst: Layout) -> None:
+        super().__init__()
+        self.src, self.dst = src, dst
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return redistribute(x, self.src, self.dst)
+
+    def extra_repr(self) -> str:
+        return f"{self.src} -> {self.dst}: {redistribution_plan(self.src, self.dst)}"
+
+
+class _ReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, partial: Layout, full: Layout) -> torch.Tensor:
+        ctx.layouts = (partial, full)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        partial, full = ctx.layouts
+        plan = redistribution_plan(partial.with_dtype(grad.dtype), full.with_dtype(grad.dtype))
+        return _execute(grad, plan, torch.distributed.get_rank()), None, None
+
+
+class ReduceGrad(nn.Module):
+    """Identity forward; backward sums the partial gradient (Megatron's ``f``)."""
+
+    def __init__(self, partial: Layout, full: Layout) -> None:
+        super().__init__()
+        self.partial, self.full = partial, full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReduceGrad.apply(x, self.partial, self.full)
+
+    def extra_repr(self) -> str:
+        return f"grad {self.partial} -> {self.full}"
+
+
+class Dropout(nn.Module):
+    """native_dropout on a shard with the single device's mask (keyed by global index)."""
+
+    def __init__(self, p: float, train: bool, layout: Layout, rank: int, op: int, state: RunState):
+        super().__init__()
+        self.p, self.train_flag, self.op, self.state = p, train, op, state
+        self.layout, self.rank = layout, rank
+        self._index: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._index is None:
+            self._index = local.global_index(self.layout.local_index(self.rank), self.layout.shape)
+        key = local.dropout_key(self.state.seed, self.state.step, self.op)
+        return local.dropout(x, self.p, self.train_flag, self._index, key)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, op={self.op}, {self.layout}"
+
+
+def attr_name(fqn: str) -> str:
+    return fqn.replace(".", "__")
+
+
+class _Lowerer:
+    def __init__(self, plan: Plan, rank: int, device: torch.device, state: RunState) -> None:
+        self.plan, self.rank, self.device, self.state = plan, rank, device, state
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self._count = itertools.count()
+        self.env: dict[fx.Node, Any] = {}
+
+    def call(self, target: Any, args: Any, kwargs: dict) -> fx.Node:
+        return self.graph.call_function(target, tuple(args), kwargs)
+
+    def module(self, module: nn.Module, args: tuple, hint: str) -> fx.Node:
+        name = f"{hint}_{next(self._count)}"
+        self.root.add_module(name, module)
+        return self.graph.call_module(name, args)
+
+    def group(self, space: Layout, dims: list[int]) -> list[int]:
+        """The ranks that share this rank's coordinates except on the axes splitting ``dims``."""
+        axes = sorted({a for d in dims for _, a in space.factors[d] if a != NOT_SPLIT})
+        coords = list(space.coordinates(self.rank))
+        members = []
+        for combo in itertools.product(*[range(space.mesh[a]) for a in axes]):
+            for a, v in zip(axes, combo, strict=True):
+                coords[a] = v
+            position = 0
+            for c, size in zip(coords, space.mesh, strict=True):
+                position = position * size + c
+            members.append(space.ranks[position])
+        return members
+
+    def dropout(self, node: fx.Node, x: fx.Node, p: float, train: bool, layout: Layout) -> fx.Node:
+        op = zlib.crc32(node.name.encode())
+        return self.module(Dropout(p, train, layout, self.rank, op, self.state), (x,), "dropout")
+
+
+def _replace(value: Any, new: list[Any]) -> Any:
+    """``value`` with its fx nodes replaced, in tensor_inputs order, by ``new`` (consumed)."""
+    if isinstance(value, fx.Node):
+        return new.pop(0)
+    if isinstance(value, list | tuple):
+        return type(value)(_replace(v, new) for v in value)
+    return value
+
+
+def lower(
+    captured: Captured,
+    plan: Plan,
+    rank: int,
+    device: torch.device,
+    tensors: dict[str, torch.Tensor],
+    state: RunState,
+) -> fx.GraphModule:
+    """The rank's program; ``tensors`` holds its parameter and buffer shards by name."""
+    low = _Lowerer(plan, rank, device, state)
+    for fqn, tensor in tensors.items():
+        if isinstance(tensor, nn.Parameter):
+            low.root.register_parameter(attr_name(fqn), tensor)
+        else:
+            low.root.register_buffer(attr_name(fqn), tensor)
+    env: dict[fx.Node, Any] = low.env
+    for node in captured.graph.nodes:
+        if node.op == "placeholder":
+            kind = node.meta["autoshard_kind"]
+            if kind == "input":
+                env[node] = low.graph.placeholder(node.name)
+            elif node.meta["autoshard_fqn"] in plan.params:
+                env[node] = low.graph.get_attr(attr_name(node.meta["autoshard_fqn"]))
+        elif node.op == "output":
+            values = []
+            for value, (src, dst) in zip(node.args[0], plan.outputs, strict=True):
+                v = env[value]
+                if src != dst:
+                    v = low.module(Redistribute(src, dst), (v,), "redistribute")
+                values.append(v)
+            low.graph.output(tuple(values))
+        elif node.target is operator.getitem:
+            env[node] = low.call(operator.getitem, (env[node.args[0]], node.args[1]), {})
+        else:
+            env[node] = _lower_node(low, node)
+    gm = fx.GraphModule(low.root, low.graph, class_name=f"Rank{rank}")
+    return gm
+
+
+def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
+    node_plan = low.plan.nodes[node.name]
+    values = []
+    for i, arg in enumerate(tensor_inputs(node)):
+        v = low.env[arg]
+        if i in node_plan.moves:
+            v = low.module(Redistribute(*node_plan.moves[i]), (v,), "redistribute")
+        if i in node_plan.grad_reduce:
+            v = low.module(ReduceGrad(*node_plan.grad_reduce[i]), (v,), "reduce_grad")
+        values.append(v)
+    args = _replace(tuple(node.args), values)
+    kwargs = {k: _replace(v, values) for k, v in node.kwargs.items()}
+    rule = rule_for(node)
+    return rule.lower(low, node, node_plan.strategy, list(args), kwargs)
+
+
+__all__ = ["Dropout", "Redistribute", "ReduceGrad", "RunState", "attr_name", "lower"]

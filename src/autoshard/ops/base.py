@@ -1,0 +1,468 @@
+"""The op-rule interface: iteration spaces, strategies and the rules that check and apply them.
+
+See docs/strategies.md. A rule turns a strategy (a layout of the op's iteration space) into the
+layouts its inputs must have, the layouts of its outputs, and the layouts of the gradients it
+produces for its inputs, so the planner and the lowering never reason about a single op.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoshard.layout import NOT_SPLIT, Factored, Layout, LayoutError
+
+FREE, SUM, FIXED = "free", "sum", "fixed"
+
+
+class StrategyError(ValueError):
+    """A strategy that does not fit its op: names the node, the input, the dim and the sizes."""
+
+
+@dataclass(frozen=True)
+class Space:
+    """An op as a loop nest: iteration dims with sizes and kinds, and for every tensor input and
+    output the iteration dim each of its dims walks (None: a broadcast dim)."""
+
+    sizes: tuple[int, ...]
+    kinds: tuple[str, ...]
+    ins: tuple[tuple[int | None, ...], ...]
+    outs: tuple[tuple[int | None, ...], ...]
+    names: tuple[str, ...] = ()
+
+    def dim_name(self, d: int) -> str:
+        return self.names[d] if self.names else f"d{d}"
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The user's mesh as rules see it: named axes over ranks ``0..N-1``, and which of them are
+    data parallel (an unconfigured op falls back to splitting its batch over those)."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dp: tuple[str, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes)
+
+    def size_of(self, names: Sequence[str]) -> int:
+        return math.prod(self.sizes[self.names.index(n)] for n in names)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes, strict=True))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A node's chosen split: the layouts it wants for its tensor inputs, gives its outputs, and
+    gives the local gradients of its inputs (partial where Megatron's ``f`` applies)."""
+
+    ins: tuple[Layout, ...]
+    outs: tuple[Layout | None, ...]
+    grads: tuple[Layout, ...]
+    space: Layout | None = None
+    replicated_fallback: bool = False
+    extra: tuple[Any, ...] = field(default=(), compare=False)
+
+    def describe(self) -> str:
+        if self.space is None:
+            return ",".join(str(layout) for layout in self.ins) or "-"
+        return str(self.space)
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+
+
+# -- node helpers ---------------------------------------------------------------------------------
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The fx nodes a node reads, in argument order (lists such as cat's are flattened)."""
+    out: list[fx.Node] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, fx.Node):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                visit(v)
+
+    for arg in node.args:
+        visit(arg)
+    for arg in node.kwargs.values():
+        visit(arg)
+    return out
+
+
+def node_vals(node: fx.Node) -> list[Any]:
+    """The fake values of a node's outputs (a tuple output flattened, non-tensors kept as None)."""
+    val = node.meta.get("val")
+    values = list(val) if isinstance(val, list | tuple) else [val]
+    return [v if isinstance(v, torch.Tensor) else None for v in values]
+
+
+def shape_of(node: fx.Node) -> tuple[int, ...]:
+    val = node.meta["val"]
+    return tuple(int(s) for s in val.shape)
+
+
+def dtype_of(node: fx.Node) -> torch.dtype:
+    return node.meta["val"].dtype
+
+
+def node_title(node: fx.Node) -> str:
+    """How errors name a node: its graph name, its aten op and the module it came from."""
+    target = getattr(node.target, "__name__", str(node.target))
+    stack = node.meta.get("nn_module_stack") or {}
+    module = list(stack.values())[-1][0] if stack else ""
+    return f"{node.name} (aten.{target}" + (f" in {module}" if module else "") + ")"
+
+
+# -- projection of a space layout -----------------------------------------------------------------
+
+
+def _dim_factors(space: Layout, d: int | None, size: int) -> tuple[tuple[int, int], ...]:
+    if d is None or (size == 1 and space.shape[d] != 1) or not split_axes(space, d):
+        return ((size, NOT_SPLIT),)
+    if space.shape[d] != size:
+        raise AssertionError(f"dim of size {size} walks iteration dim {d} of size {space.shape[d]}")
+    return space.factors[d]
+
+
+def project(
+    space: Layout,
+    dims: Sequence[int | None],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    partial_dims: Sequence[int] = (),
+) -> Layout:
+    """The layout of a tensor whose dims walk ``dims`` of the space; axes that split
+    ``partial_dims`` become partial axes."""
+    factors = [_dim_factors(space, d, s) for d, s in zip(dims, shape, strict=True)]
+    partial = [a for d in partial_dims for _, a in space.factors[d] if a != NOT_SPLIT]
+    return Layout._make(shape, space.mesh, factors, partial, space.ranks, dtype, space.axis_names)
+
+
+def split_axes(space: Layout, d: int) -> list[int]:
+    return [a for _, a in space.factors[d] if a != NOT_SPLIT]
+
+
+# -- rules ----------------------------------------------------------------------------------------
+
+
+class OpRule:
+    """The interface every distributed operator implements (docs/strategies.md)."""
+
+    #: True for shape ops, whose strategy is the layout of their first input.
+    is_shape_op = False
+
+    def space(self, node: fx.Node) -> Space | None:
+        return None
+
+    def layouts(self, node: fx.Node, space: Layout) -> Strategy:
+        raise NotImplementedError
+
+    def from_tuple(self, node: fx.Node, tuples: Sequence[Sequence[int]], ranks: int) -> Strategy:
+        raise StrategyError(f"{node_title(node)}: this op takes no strategy of its own")
+
+    def from_named(self, node: fx.Node, specs: Sequence[Any], mesh: Any) -> Strategy:
+        raise StrategyError(f"{node_title(node)}: this op takes no strategy of its own")
+
+    def follow(self, node: fx.Node, ins: Sequence[Layout | None], mesh: MeshInfo) -> Strategy:
+        raise NotImplementedError
+
+    def enumerate(self, node: fx.Node, mesh: MeshInfo) -> list[Strategy]:
+        return []
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        """Emit the op on this rank's shards (``args`` already hold local values)."""
+        return low.call(node.target, args, kwargs)
+
+    def cost(self, node: fx.Node, strategy: Strategy) -> Cost:
+        out_bytes = sum(
+            layout.local_numel * layout.dtype.itemsize for layout in strategy.outs if layout
+        )
+        in_bytes = sum(layout.local_numel * layout.dtype.itemsize for layout in strategy.ins)
+        return Cost(flops=0.0, bytes=float(in_bytes + out_bytes))
+
+
+class SpaceRule(OpRule):
+    """A rule given by an iteration space (einsum-like ops): everything else is derived."""
+
+    #: per-output: iteration dims a split of which leaves the output partial (default: SUM dims)
+    flops_per_point = 1.0
+    #: the tensor input that is a bias added after the contraction (see rules._bias_once)
+    bias_input: int | None = None
+
+    def bias_index(self, node: fx.Node) -> int | None:
+        return self.bias_input
+
+    def make_space(self, node: fx.Node) -> Space:
+        raise NotImplementedError
+
+    def space(self, node: fx.Node) -> Space:
+        cached = node.meta.get("autoshard_space")
+        if cached is None:
+            cached = self.make_space(node)
+            node.meta["autoshard_space"] = cached
+        return cached
+
+    # The strategy from a space layout: the heart of the interface.
+    def layouts(self, node: fx.Node, space_layout: Layout) -> Strategy:
+        space = self.space(node)
+        for d, kind in enumerate(space.kinds):
+            if kind == FIXED and split_axes(space_layout, d):
+                raise StrategyError(
+                    f"{node_title(node)}: dim '{space.dim_name(d)}' (size {space.sizes[d]}) "
+                    f"cannot be split; this op needs it whole"
+                )
+        inputs = tensor_inputs(node)
+        bias = self.bias_index(node)
+        ins, grads = [], []
+        for k, (dims, inp) in enumerate(zip(space.ins, inputs, strict=True)):
+            shape, dtype = shape_of(inp), dtype_of(inp)
+            ins.append(project(space_layout, dims, shape, dtype))
+            walked = {d for d, s in zip(dims, shape, strict=True) if d is not None and s > 1}
+            walked |= {d for d in range(len(space.sizes)) if space.sizes[d] == 1}
+            if k == bias:
+                walked |= {d for d, kind in enumerate(space.kinds) if kind == SUM}
+            other = [d for d in range(len(space.sizes)) if d not in walked]
+            grads.append(project(space_layout, dims, shape, dtype, partial_dims=other))
+        sum_dims = [d for d, k in enumerate(space.kinds) if k == SUM]
+        outs = []
+        for dims, val in zip(space.outs, node_vals(node), strict=False):
+            if val is None:
+                outs.append(None)
+                continue
+            walked = set(dims)
+            outs.append(
+                project(
+                    space_layout,
+                    dims,
+                    tuple(val.shape),
+                    val.dtype,
+                    partial_dims=[d for d in sum_dims if d not in walked],
+                )
+            )
+        return Strategy(tuple(ins), tuple(outs), tuple(grads), space_layout)
+
+    def from_tuple(self, node: fx.Node, tuples: Sequence[Sequence[int]], ranks: int) -> Strategy:
+        space = self.space(node)
+        inputs = tensor_inputs(node)
+        if len(tuples) > len(inputs):
+            raise StrategyError(
+                f"{node_title(node)}: strategy has {len(tuples)} tuples but the op has "
+                f"{len(inputs)} tensor inputs"
+            )
+        splits: dict[int, tuple[int, str]] = {}
+        for i, (tup, dims, inp) in enumerate(zip(tuples, space.ins, inputs, strict=False)):
+            shape = shape_of(inp)
+            tup = tuple(tup)
+            if len(tup) != len(shape):
+                raise StrategyError(
+                    f"{node_title(node)}: input {i} has {len(shape)} dims {shape} but its "
+                    f"strategy {tup} has {len(tup)} entries"
+                )
+            for dim, (n, d, size) in enumerate(zip(tup, dims, shape, strict=True)):
+                where = f"{node_title(node)}: input {i} dim {dim} (size {size})"
+                if not isinstance(n, int) or n < 1:
+                    raise StrategyError(f"{where}: split {n!r} is not a positive int")
+                if size % n:
+                    raise StrategyError(f"{where}: not divisible by its split {n}")
+                if n > 1 and (d is None or size == 1):
+                    raise StrategyError(f"{where}: a broadcast dim cannot be split")
+                if d is None or size == 1:
+                    continue
+                if d in splits and splits[d][0] != n:
+                    raise StrategyError(
+                        f"{where}: split {n} disagrees with {splits[d][1]} split "
+                        f"{splits[d][0]}; both walk dim '{space.dim_name(d)}'"
+                    )
+                splits.setdefault(d, (n, f"input {i} dim {dim}"))
+        covered = set(splits)
+        for i, dims in enumerate(space.ins[len(tuples) :], start=len(tuples)):
+            shape = shape_of(inputs[i])
+            missing = [d for d, s in zip(dims, shape, strict=True) if d is not None and s > 1]
+            if not set(missing) <= covered:
+                raise StrategyError(
+                    f"{node_title(node)}: strategy has {len(tuples)} tuples but the op has "
+                    f"{len(inputs)} tensor inputs and input {i} is not determined by the others"
+                )
+        order = sorted(splits, key=lambda d: list(splits).index(d))
+        used = math.prod(splits[d][0] for d in order)
+        if ranks % used:
+            raise StrategyError(
+                f"{node_title(node)}: strategy {tuple(tuple(t) for t in tuples)} uses {used} "
+                f"devices, which does not divide the {ranks} devices of the mesh"
+            )
+        mesh = [splits[d][0] for d in order] + [ranks // used]
+        factors = []
+        for d, size in enumerate(space.sizes):
+            if d in splits:
+                n = splits[d][0]
+                factors.append(((n, order.index(d)), (size // n, NOT_SPLIT)))
+            else:
+                factors.append(((size, NOT_SPLIT),))
+        layout = Layout._make(space.sizes, mesh, factors, (), range(ranks))
+        return self.layouts(node, layout)
+
+    def from_named(self, node: fx.Node, specs: Sequence[Any], mesh: Any) -> Strategy:
+        space = self.space(node)
+        inputs = tensor_inputs(node)
+        if len(specs) > len(inputs):
+            raise StrategyError(
+                f"{node_title(node)}: strategy has {len(specs)} entries but the op has "
+                f"{len(inputs)} tensor inputs"
+            )
+        entries: dict[int, tuple[Any, str]] = {}
+        wanted = []
+        for i, (spec, dims, inp) in enumerate(zip(specs, space.ins, inputs, strict=False)):
+            shape = shape_of(inp)
+            spec = tuple(spec)
+            try:
+                wanted.append(Layout.from_named(shape, spec, mesh, dtype=dtype_of(inp)))
+            except LayoutError as err:
+                raise StrategyError(f"{node_title(node)}: input {i}: {err}") from None
+            for dim, (entry, d, size) in enumerate(zip(spec, dims, shape, strict=True)):
+                if entry is None or d is None or size == 1:
+                    if entry is not None:
+                        raise StrategyError(
+                            f"{node_title(node)}: input {i} dim {dim} (size {size}) is a "
+                            f"broadcast dim and cannot be split over {entry}"
+                        )
+                    continue
+                entries.setdefault(d, (entry, f"input {i} dim {dim}"))
+        spec = tuple(entries.get(d, (None, ""))[0] for d in range(len(space.sizes)))
+        try:
+            layout = Layout.from_named(space.sizes, spec, mesh)
+        except LayoutError as err:
+            raise StrategyError(f"{node_title(node)}: {err}") from None
+        strategy = self.layouts(node, layout)
+        for i, (want, got) in enumerate(zip(wanted, strategy.ins, strict=False)):
+            if want != got:
+                raise StrategyError(
+                    f"{node_title(node)}: input {i} split as {want} disagrees with the other "
+                    f"inputs, which give it {got}"
+                )
+        return strategy
+
+    def follow(self, node: fx.Node, ins: Sequence[Layout | None], mesh: MeshInfo) -> Strategy:
+        space = self.space(node)
+        leader = _leader(node, ins)
+        if leader is None:
+            return self._data_parallel(node, mesh)
+        i, layout = leader
+        factors: list[Any] = [((s, NOT_SPLIT),) for s in space.sizes]
+        for dim, (d, size) in enumerate(zip(space.ins[i], layout.shape, strict=True)):
+            if d is None or size == 1 or space.kinds[d] == FIXED:
+                continue
+            factors[d] = layout.factors[dim]
+        if all(a == NOT_SPLIT for f in factors for _, a in f):
+            return self._data_parallel(node, mesh)
+        space_layout = Layout._make(
+            space.sizes, layout.mesh, factors, (), layout.ranks, torch.float32, layout.axis_names
+        )
+        return self.layouts(node, space_layout)
+
+    def _data_parallel(self, node: fx.Node, mesh: MeshInfo) -> Strategy:
+        """Split the op's first output dim over the data-parallel axes, else replicate."""
+        space = self.space(node)
+        if mesh.dp and space.outs and space.outs[0] and space.outs[0][0] is not None:
+            d = space.outs[0][0]
+            spec: list[Any] = [None] * len(space.sizes)
+            spec[d] = mesh.dp
+            if space.kinds[d] == FREE and space.sizes[d] % mesh.size_of(mesh.dp) == 0:
+                return self.layouts(node, Layout.from_named(space.sizes, spec, mesh.as_dict()))
+        return self.layouts(node, Layout.replicated(space.sizes, mesh.num_devices))
+
+    def enumerate(self, node: fx.Node, mesh: MeshInfo) -> list[Strategy]:
+        """Every assignment of the mesh's prime axes to splittable iteration dims."""
+        space = self.space(node)
+        primes = _prime_factors(mesh.num_devices)
+        choices = [None] + [d for d, k in enumerate(space.kinds) if k != FIXED]
+        seen: dict[Layout, Strategy] = {}
+        for assign in itertools.product(choices, repeat=len(primes)):
+            factors = []
+            ok = True
+            for d, size in enumerate(space.sizes):
+                axes = [a for a, target in enumerate(assign) if target == d]
+                n = math.prod(primes[a] for a in axes)
+                if size % n:
+                    ok = False
+                    break
+                factors.append(tuple((primes[a], a) for a in axes) + ((size // n, NOT_SPLIT),))
+            if not ok:
+                continue
+            layout = Layout._make(space.sizes, primes, factors, (), range(mesh.num_devices))
+            if layout not in seen:
+                try:
+                    seen[layout] = self.layouts(node, layout)
+                except (StrategyError, LayoutError):
+                    continue
+        return list(seen.values())
+
+    def cost(self, node: fx.Node, strategy: Strategy) -> Cost:
+        base = super().cost(node, strategy)
+        space_layout = strategy.space
+        points = space_layout.local_numel if space_layout is not None else 0
+        return Cost(flops=self.flops_per_point * points, bytes=base.bytes)
+
+
+def _leader(node: fx.Node, ins: Sequence[Layout | None]) -> tuple[int, Layout] | None:
+    """The input an unconfigured op follows: the most split activation (parameters last)."""
+    best: tuple[int, Layout] | None = None
+    best_key: tuple[int, int] | None = None
+    inputs = tensor_inputs(node)
+    for i, (inp, layout) in enumerate(zip(inputs, ins, strict=True)):
+        if layout is None:
+            continue
+        is_param = inp.op == "placeholder" and inp.meta.get("autoshard_kind") in ("param", "buffer")
+        split = layout.num_devices // max(1, _replicas(layout))
+        key = (0 if is_param else 1, split)
+        if best_key is None or key > best_key:
+            best, best_key = (i, layout), key
+    return best
+
+
+def _replicas(layout: Layout) -> int:
+    used = {a for f in layout.factors for _, a in f if a != NOT_SPLIT}
+    return math.prod(s for a, s in enumerate(layout.mesh) if a not in used)
+
+
+def _prime_factors(n: int) -> tuple[int, ...]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return tuple(out)
+
+
+__all__ = [
+    "FIXED",
+    "FREE",
+    "SUM",
+    "Cost",
+    "Factored",
+    "MeshInfo",
+    "OpRule",
+    "Space",
+    "SpaceRule",
+    "Strategy",
+    "StrategyError",
+    "node_title",
+    "project",
+    "tensor_inputs",
+]

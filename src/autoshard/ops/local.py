@@ -1,0 +1,142 @@
+"""What ops run on a rank's shards where the single-device op would be wrong there."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autoshard import comm
+
+_M32 = 0xFFFFFFFF
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose result every member then uses identically: backward is identity
+    (DESIGN.md: Partial -> Replicate)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+        return comm.all_reduce(x, ranks)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def sum_over(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    return _SumOverGroup.apply(x, list(ranks)) if len(ranks) > 1 else x
+
+
+class _BiasElsewhere(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, bias: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def bias_elsewhere(bias: torch.Tensor) -> torch.Tensor:
+    """Zeros forward, the whole gradient backward: a bias another rank of the group adds."""
+    return _BiasElsewhere.apply(bias)
+
+
+def mean_of_part(x: torch.Tensor, dims: list[int], keepdim: bool, count: int) -> torch.Tensor:
+    """This rank's part of a mean over split dims: its partial sum over the global count."""
+    return x.sum(dims, keepdim=keepdim) / count
+
+
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Lookup in rows ``start:start+len(weight)`` of a vocabulary; other ids give zeros, so the
+    sum over the vocabulary axes is the full lookup."""
+    mine = (ids >= start) & (ids < start + weight.shape[0])
+    out = F.embedding((ids - start) * mine, weight)
+    return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    class_start: int,
+    batch_ranks: list[int],
+    class_ranks: list[int],
+) -> torch.Tensor:
+    """Cross-entropy of logits split by rows and/or classes, never gathering the logits: the
+    max, the sum of exponentials and the target logit are reduced over the class group, the
+    loss over the batch group."""
+    num_local = logits.shape[1]
+    top = logits.detach().amax(dim=1)
+    if len(class_ranks) > 1:
+        top = comm.all_reduce_max(top, class_ranks)
+    shifted = logits - top.unsqueeze(1)
+    sum_exp = sum_over(shifted.exp().sum(dim=1), class_ranks)
+    valid = target != ignore_index
+    local_target = target - class_start
+    mine = valid & (local_target >= 0) & (local_target < num_local)
+    index = (local_target * mine).unsqueeze(1)
+    picked = sum_over(shifted.gather(1, index).squeeze(1) * mine, class_ranks)
+    loss = (sum_exp.log() - picked) * valid
+    if reduction == 0:
+        return loss
+    total = sum_over(loss.sum(), batch_ranks)
+    if reduction == 2:
+        return total
+    count = valid.sum().to(logits.dtype)
+    if len(batch_ranks) > 1:
+        count = comm.all_reduce(count, batch_ranks)
+    return total / count
+
+
+# -- split-invariant dropout ----------------------------------------------------------------------
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche finalizer on int64 tensors holding values below 2**32 (products wrap
+    in int64, and only their low 32 bits are kept)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _mix32_int(h: int) -> int:
+    return int(_mix32(torch.tensor(h & _M32, dtype=torch.int64)))
+
+
+def dropout_key(seed: int, step: int, op: int) -> int:
+    return _mix32_int(_mix32_int(_mix32_int(seed) ^ step) ^ op)
+
+
+def keep_mask(index: torch.Tensor, key: int, p: float) -> torch.Tensor:
+    """Which elements (by global linear index) survive dropout ``p`` under ``key``."""
+    hi = _mix32((index >> 32) ^ key)
+    h = _mix32((index & _M32) ^ hi)
+    uniform = (h >> 8).to(torch.float64) / float(1 << 24)
+    return uniform >= p
+
+
+def global_index(local_index: Sequence[Any], shape: Sequence[int]) -> torch.Tensor:
+    """Global linear indices of a rank's elements, from its per-dim slices or index tensors."""
+    out = torch.zeros((), dtype=torch.int64)
+    for size, index in zip(shape, local_index, strict=True):
+        if isinstance(index, slice):
+            index = torch.arange(index.start, index.stop, dtype=torch.int64)
+        out = out.unsqueeze(-1) * size + index.to(torch.int64)
+    return out
+
+
+def dropout(
+    x: torch.Tensor, p: float, train: bool, index: torch.Tensor, key: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """native_dropout on a shard, with the mask the single device draws for these elements."""
+    if not train or p == 0.0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    keep = keep_mask(index.to(x.device), key, p)
+    return x * keep.to(x.dtype) / (1.0 - p), keep

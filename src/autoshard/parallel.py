@@ -1,0 +1,311 @@
+"""``autoshard.parallelize``: a single-device model in, this rank's part of the parallel model out.
+
+pm = autoshard.parallelize(model, (x, y), {"dp": 2, "tp": 2}, strategies={...})
+loss = pm(*autoshard.shard_inputs((x, y), pm))   # the global loss, on every rank
+loss.backward(); opt.step()                        # any elementwise torch.optim optimizer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autoshard.capture import Captured, capture_modes
+from autoshard.layout import Layout, LayoutError
+from autoshard.lower import RunState, attr_name, lower
+from autoshard.mesh import MeshError
+from autoshard.ops import MeshInfo
+from autoshard.plan import Plan, plan_graph
+from autoshard.redistribute import _execute, gather_tensor, redistribution_plan, shard_tensor
+
+
+class PlanMismatchError(ValueError):
+    """Ranks planned differently (different strategies, model or inputs on some rank)."""
+
+
+def mesh_info(mesh: Any) -> MeshInfo:
+    """A DeviceMesh, ``{"dp": 2, "tp": 2}``, ``[("dp", 2), ...]``, an int (one ``dp`` axis) or a
+    tuple of sizes (``dp``, then ``tp``)."""
+    if isinstance(mesh, MeshInfo):
+        return mesh
+    if hasattr(mesh, "mesh_dim_names"):
+        names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+        pairs = list(zip(names, tuple(mesh.mesh.shape), strict=True))
+    elif isinstance(mesh, int):
+        pairs = [("dp", mesh)]
+    elif isinstance(mesh, Mapping):
+        pairs = list(mesh.items())
+    elif all(isinstance(m, int) for m in mesh):
+        if len(mesh) > 2:
+            raise MeshError(f"mesh {tuple(mesh)}: name the axes of a mesh of more than 2 axes")
+        pairs = list(zip(("dp", "tp"), mesh, strict=False))
+    else:
+        pairs = [tuple(p) for p in mesh]
+    names = tuple(str(n) for n, _ in pairs)
+    sizes = tuple(int(s) for _, s in pairs)
+    if any(s < 1 for s in sizes) or len(set(names)) != len(names):
+        raise MeshError(f"mesh {pairs}: sizes must be positive and names distinct")
+    dp = tuple(n for n in names if n == "dp" or n.startswith("dp_"))
+    return MeshInfo(names, sizes, dp)
+
+
+def _check_world(mesh: MeshInfo) -> int:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if mesh.num_devices != world:
+        factors = " * ".join(f"{n}({s})" for n, s in zip(mesh.names, mesh.sizes, strict=True))
+        raise MeshError(f"{factors} = {mesh.num_devices} != world size {world}")
+    return dist.get_rank() if world > 1 else 0
+
+
+class ParallelModule(nn.Module):
+    """This rank's part of the model: parameter shards and the lowered programs (train, eval)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        captured: dict[bool, Captured],
+        plans: dict[bool, Plan],
+        rank: int,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.plan = plans[True]
+        self._plans = plans
+        self._captured = captured
+        self._rank = rank
+        self._state = RunState(seed=seed)
+        self._full_keys = list(model.state_dict().keys())
+        self._aliases = captured[True].aliases
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self._layouts: dict[str, Layout] = {}
+        values = dict(model.named_parameters(remove_duplicate=False))
+        values |= dict(model.named_buffers(remove_duplicate=False))
+        tensors: dict[str, torch.Tensor] = {}
+        for fqn, p in self.plan.params.items():
+            self._layouts[fqn] = p.layout
+            full = values[fqn].detach()
+            local = (
+                shard_tensor(full, p.layout, rank).to(device)
+                if full.device.type != "meta"
+                else torch.empty(p.layout.local_shape(), dtype=full.dtype, device=device)
+            )
+            if isinstance(values[fqn], nn.Parameter):
+                tensors[fqn] = nn.Parameter(local, requires_grad=values[fqn].requires_grad)
+                self.register_parameter(attr_name(fqn), tensors[fqn])
+            else:
+                tensors[fqn] = local
+                self.register_buffer(attr_name(fqn), local)
+            if p.grad_partial is not None and tensors[fqn].requires_grad:
+                tensors[fqn].register_hook(_reduce_hook(p.grad_partial, p.layout))
+        self._programs = {
+            mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
+            for mode in captured
+        }
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mode = self.training
+        captured, plan = self._captured[mode], self._plans[mode]
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != captured.in_spec:
+            raise ValueError(f"inputs {spec} do not match the example inputs {captured.in_spec}")
+        local = [
+            _local_input(x, plan.inputs[name], self._rank, name)
+            for x, name in zip(flat, captured.inputs, strict=True)
+        ]
+        results = self._programs[mode](*local)
+        with torch.no_grad():
+            for i, fqn in captured.mutations.items():
+                getattr(self, attr_name(fqn)).copy_(results[i])
+        if mode:
+            self._state.step += 1
+        outputs = [results[i] for i in captured.outputs]
+        return pytree.tree_unflatten(outputs, captured.out_spec)
+
+    def program(self, train: bool = True) -> torch.fx.GraphModule:
+        """The GraphModule this rank runs (``print(pm.program().code)``)."""
+        return self._programs[train]
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        return {fqn: getattr(self, attr_name(fqn)) for fqn in self._layouts}
+
+    def layout_of(self, fqn: str) -> Layout:
+        return self._layouts[self._canonical(fqn)]
+
+    def _canonical(self, fqn: str) -> str:
+        for name in self._aliases.get(fqn, [fqn]):
+            if name in self._layouts:
+                return name
+        raise KeyError(f"{fqn} is not a parameter or buffer of the model")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-device state dict (tied weights under every name); a collective."""
+        full = {
+            fqn: t.detach().clone()
+            if self._layouts[fqn].num_devices == 1
+            else gather_tensor(t.detach(), self._layouts[fqn])
+            for fqn, t in self.local_tensors().items()
+        }
+        return {key: full[self._canonical(key)] for key in self._full_keys}
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for fqn, t in self.local_tensors().items():
+                names = self._aliases.get(fqn, [fqn])
+                key = next((n for n in names if n in state_dict), None)
+                if key is None:
+                    raise KeyError(f"state dict has no entry for {fqn}")
+                t.copy_(shard_tensor(state_dict[key].to(t.dtype), self._layouts[fqn], self._rank))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # noqa: ARG002
+        """Sharded: DTensors on the mesh (a layout DTensor cannot express is gathered first)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = self.plan.mesh
+        device_type = next(iter(self.local_tensors().values())).device.type
+        device_mesh = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.names)
+        out: dict[str, Any] = {}
+        for fqn, t in self.local_tensors().items():
+            layout = self._layouts[fqn]
+            try:
+                placements = layout.to_placements(device_mesh)
+                value = DTensor.from_local(t.detach(), device_mesh, placements, run_check=False)
+            except LayoutError:
+                full = gather_tensor(t.detach(), layout)
+                value = DTensor.from_local(full, device_mesh, [Replicate()] * len(mesh.sizes))
+            for name in self._aliases.get(fqn, [fqn]):
+                out[name] = value
+        return out
+
+
+def _reduce_hook(partial: Layout, full: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Sum a parameter's partial gradient once, after all its uses in this backward added up."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        plan = redistribution_plan(partial.with_dtype(grad.dtype), full.with_dtype(grad.dtype))
+        return _execute(grad, plan, dist.get_rank())
+
+    return hook
+
+
+def _local_input(x: Any, layout: Layout, rank: int, name: str) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if tuple(x.shape) == layout.local_shape():
+        return x
+    if tuple(x.shape) == layout.shape:
+        return shard_tensor(x, layout, rank)
+    raise ValueError(
+        f"input {name} has shape {tuple(x.shape)}; expected its part {layout.local_shape()} "
+        f"of {layout} or the whole {layout.shape}"
+    )
+
+
+def parallelize(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    mesh: Any,
+    strategies: Mapping[str, Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    input_layouts: Mapping[str, Layout] | None = None,
+    seed: int = 0,
+    captured: dict[bool, Captured] | None = None,
+) -> ParallelModule:
+    """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
+    with the given strategies, check every rank planned the same, and lower this rank's part.
+
+    ``captured`` (from ``capture_modes``) skips the capture when planning a model again."""
+    info = mesh_info(mesh)
+    rank = _check_world(info)
+    if captured is None:
+        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
+    plans = {True: plan_graph(captured[True], info, strategies, input_layouts=input_layouts)}
+    param_layouts = {fqn: p.layout for fqn, p in plans[True].params.items()}
+    plans[False] = plan_graph(
+        captured[False],
+        info,
+        strategies,
+        input_layouts=input_layouts,
+        param_layouts=param_layouts,
+    )
+    _compare_plans(plans[True], rank)
+    return ParallelModule(model, captured, plans, rank, seed)
+
+
+def single_device(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    seed: int = 0,
+    captured: dict[bool, Captured] | None = None,
+) -> ParallelModule:
+    """The model as one device runs it under autoshard (the same dropout masks as any split):
+    the reference every parallel run must equal. Runs without collectives, on any rank."""
+    info = MeshInfo(("dp",), (1,), ("dp",))
+    if captured is None:
+        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
+    plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
+    return ParallelModule(model, captured, plans, 0, seed)
+
+
+def _compare_plans(plan: Plan, rank: int) -> None:
+    """Every rank must hold the same plan before the first collective of training."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = plan.digests()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for other_rank, other in enumerate(everyone):
+        if other == mine:
+            continue
+        for i in range(max(len(mine), len(other))):
+            a = mine[i] if i < len(mine) else "(nothing)"
+            b = other[i] if i < len(other) else "(nothing)"
+            if a != b:
+                raise PlanMismatchError(
+                    f"rank {rank} and rank {other_rank} planned differently: rank {rank} has "
+                    f"'{a[:300]}' where rank {other_rank} has '{b[:300]}'"
+                )
+
+
+def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:
+    """This rank's part of a global batch, in the structure given (tensors in input order)."""
+    mode = pm.training if train is None else train
+    plan, captured = pm._plans[mode], pm._captured[mode]
+    flat, spec = pytree.tree_flatten(batch)
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if len(tensors) != len(captured.inputs):
+        raise ValueError(
+            f"batch has {len(tensors)} tensors; the model takes {len(captured.inputs)}"
+        )
+    names = iter(captured.inputs)
+    out = [
+        shard_tensor(x, plan.inputs[next(names)], pm._rank) if isinstance(x, torch.Tensor) else x
+        for x in flat
+    ]
+    return pytree.tree_unflatten(out, spec)
+
+
+__all__ = [
+    "ParallelModule",
+    "PlanMismatchError",
+    "mesh_info",
+    "parallelize",
+    "shard_inputs",
+    "single_device",
+]
