@@ -1,7 +1,17 @@
 """autoshard: automatic parallelism for PyTorch training."""
 
+from autoshard.capture import CaptureError, capture_modes
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshError, init_mesh
+from autoshard.ops import StrategyError
+from autoshard.parallel import (
+    ParallelModule,
+    PlanMismatchError,
+    parallelize,
+    shard_inputs,
+    single_device,
+)
+from autoshard.plan import Plan
 from autoshard.redistribute import (
     RedistributionPlan,
     Step,
@@ -12,15 +22,24 @@ from autoshard.redistribute import (
 )
 
 __all__ = [
+    "CaptureError",
     "Factored",
     "Layout",
     "LayoutError",
     "MeshError",
+    "ParallelModule",
+    "Plan",
+    "PlanMismatchError",
     "RedistributionPlan",
     "Step",
+    "StrategyError",
+    "capture_modes",
     "gather_tensor",
     "init_mesh",
+    "parallelize",
     "redistribute",
     "redistribution_plan",
+    "shard_inputs",
     "shard_tensor",
+    "single_device",
 ]

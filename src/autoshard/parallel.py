@@ -124,7 +124,9 @@ class ParallelModule(nn.Module):
         results = self._programs[mode](*local)
         with torch.no_grad():
             for i, fqn in captured.mutations.items():
-                getattr(self, attr_name(fqn)).copy_(results[i])
+                # Through .data: the step's autograd graph saved the old buffer (batch norm's
+                # running stats), and its backward does not read the values, only the version.
+                getattr(self, attr_name(fqn)).data.copy_(results[i])
         if mode:
             self._state.step += 1
         outputs = [results[i] for i in captured.outputs]
@@ -240,6 +242,7 @@ def parallelize(
         strategies,
         input_layouts=input_layouts,
         param_layouts=param_layouts,
+        strict=False,  # dropout nodes exist in the train graph only
     )
     _compare_plans(plans[True], rank)
     return ParallelModule(model, captured, plans, rank, seed)

@@ -125,8 +125,11 @@ def format_plan(plan: Plan) -> str:
 # -- strategy lookup -------------------------------------------------------------------------------
 
 
-def match_strategies(captured: Captured, strategies: Mapping[str, Any]) -> dict[str, Any]:
-    """Node name -> strategy, from keys naming nodes or module paths (glob patterns)."""
+def match_strategies(
+    captured: Captured, strategies: Mapping[str, Any], strict: bool = True
+) -> dict[str, Any]:
+    """Node name -> strategy, from keys naming nodes or module paths (glob patterns); with
+    ``strict``, a key that matches nothing is an error."""
     nodes = [n for n in captured.graph.nodes if n.op == "call_function"]
     params = [n for n in captured.graph.nodes if n.meta.get("autoshard_kind") == "param"]
     owners: dict[str, fx.Node] = {}
@@ -142,7 +145,7 @@ def match_strategies(captured: Captured, strategies: Mapping[str, Any]) -> dict[
     for key, value in strategies.items():
         hits = [n.name for n in nodes if fnmatch.fnmatchcase(n.name, key)]
         hits += [owners[m].name for m in owners if fnmatch.fnmatchcase(m, key)]
-        if not hits:
+        if not hits and strict:
             raise StrategyError(
                 f"strategy key '{key}' matches no node and no module with parameters "
                 f"(modules: {', '.join(sorted(owners)[:8])}...)"
@@ -188,9 +191,11 @@ def plan_graph(
     *,
     input_layouts: Mapping[str, Layout] | None = None,
     param_layouts: Mapping[str, Layout] | None = None,
+    strict: bool = True,
 ) -> Plan:
-    """Plan every node of ``captured`` on ``mesh``."""
-    configured = match_strategies(captured, strategies or {})
+    """Plan every node of ``captured`` on ``mesh`` (``param_layouts`` pins stored layouts, as
+    the eval graph must share the train graph's parameters)."""
+    configured = match_strategies(captured, strategies or {}, strict)
     layouts: dict[fx.Node, list[Layout | None]] = {}
     stored: dict[fx.Node, Layout] = {}
     nodes: dict[str, NodePlan] = {}

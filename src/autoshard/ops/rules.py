@@ -200,7 +200,11 @@ class BatchNorm(SpaceRule):
         kinds = (FIXED, FREE) + (FIXED,) * (len(shape) - 2)
         dims = tuple(range(len(shape)))
         ins = [dims] + [(1,) for _ in tensor_inputs(node)[1:]]
-        outs = [dims] + [(1,) for _ in node_vals(node)[1:]]
+        # Saved statistics are per channel, or empty in the eval form.
+        outs = [dims] + [
+            (1,) if v is not None and tuple(v.shape) == (shape[1],) else (None,) * v.ndim
+            for v in node_vals(node)[1:]
+        ]
         return Space(
             shape, kinds, tuple(ins), tuple(outs), ("N", "C") + ("H", "W", "D")[: len(shape) - 2]
         )

@@ -1,0 +1,298 @@
+"""Equivalence of parallel training with one device (DESIGN.md invariant 1).
+
+Every case trains a reference model for 5 AdamW steps in float64 with dropout on, on one device
+(``single_device``: the same dropout masks as any split) and under a plan, and compares the loss
+of every step and every parameter at the end with ``assert_close`` defaults. Ranks capture each
+model once and run many plans, because spawning and exporting dominate the time.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoshard import Factored, PlanMismatchError, parallelize, shard_inputs, single_device
+from autoshard.capture import capture_modes
+from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
+from autoshard.ops import SpaceRule, rule_for
+from autoshard.parallel import mesh_info
+from autoshard.testing import run_ranks
+
+STEPS = 5
+BATCH = 4
+
+
+class SmallCNN(nn.Module):
+    """conv -> batch norm -> conv -> linear, returning the loss (as many vision models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 4 * 4, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv1(x)))
+        h = F.relu(self.conv2(h))
+        return F.cross_entropy(self.head(h.flatten(1)), target)
+
+
+class CNNConfig:
+    def example_batch(self, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randn(batch, 3, 4, 4, generator=gen), torch.randint(
+            0, 4, (batch,), generator=gen
+        )
+
+
+def build(name: str, dropout: float) -> tuple[torch.nn.Module, Any]:
+    torch.manual_seed(0)
+    if name == "cnn":
+        return SmallCNN(), CNNConfig()
+    if name == "mlp":
+        config: Any = MLPConfig(dropout=dropout)
+        return MLP(config), config
+    if name == "gpt":
+        config = GPTConfig(dropout=dropout)
+        return GPT(config), config
+    config = LlamaConfig(num_heads=8, num_kv_heads=4, dropout=dropout)
+    return Llama(config), config
+
+
+def batches(config: Any, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        batch = config.example_batch(BATCH, gen)
+        out.append(tuple(t.to(dtype) if t.is_floating_point() else t for t in batch))
+    return out
+
+
+# -- strategies ------------------------------------------------------------------------------------
+
+
+def megatron(name: str, tp: str = "tp") -> dict[str, Any]:
+    """Column- then row-split linears, head-split attention, vocab-split embedding and loss."""
+    col = ((None, None, None), (tp, None))
+    row = ((None, None, tp), (None, tp))
+    if name == "mlp":
+        return {
+            "layers.*.fc1": ((None, None), (tp, None)),
+            "layers.*.fc2": ((None, tp), (None, tp)),
+            "head": ((None, None), (tp, None)),
+        }
+    if name == "gpt":
+        qkv = Factored((3, 4, 8), (None, tp, None))
+        return {
+            "layers.*.attn.c_attn": ((None, None, None), (qkv, None)),
+            "layers.*.attn.c_proj": row,
+            "layers.*.mlp.c_fc": col,
+            "layers.*.mlp.c_proj": row,
+            "wte": ((tp, None), (None, None)),
+            "lm_head": col,
+        }
+    return {
+        "layers.*.attention.w[qkv]": col,
+        "layers.*.attention.wo": row,
+        "layers.*.feed_forward.w[13]": col,
+        "layers.*.feed_forward.w2": row,
+        "tok_embeddings": ((tp, None), (None, None)),
+        "output": col,
+    }
+
+
+def mixed(name: str, dp: int, tp: int) -> dict[str, Any]:
+    """MindSpore's tuple form: batch split dp ways and the weight's output dim tp ways."""
+    if name == "mlp":
+        return {"layers.*.fc1": ((dp, 1), (tp, 1)), "head": ((dp, 1), (tp, 1))}
+    keys = (
+        ["layers.*.attn.c_*", "layers.*.mlp.c_*"]
+        if name == "gpt"
+        else ["layers.*.attention.w*", "layers.*.feed_forward.w*"]
+    )
+    return dict.fromkeys(keys, ((dp, 1, 1), (tp, 1)))
+
+
+@dataclass(frozen=True)
+class RandomStrategies:
+    seed: int
+
+
+def random_strategies(captured: Any, mesh: Any, seed: int) -> dict[str, Any]:
+    """A random valid strategy for every op that has an iteration space."""
+    rng = random.Random(seed)
+    info = mesh_info(mesh)
+    out = {}
+    for node in captured[True].graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        rule = rule_for(node)
+        if isinstance(rule, SpaceRule):
+            choices = rule.enumerate(node, info)
+            if choices:
+                out[node.name] = rng.choice(choices)
+    return out
+
+
+# -- the check, inside ranks -----------------------------------------------------------------------
+
+
+def train_and_compare(
+    name: str,
+    mesh: Any,
+    strategies: Any,
+    dtype: torch.dtype,
+    captures: dict,
+    tolerance: dict | None = None,
+) -> None:
+    dropout = 0.1
+    model, config = build(name, dropout)
+    model = model.to(dtype)
+    data = batches(config, dtype)
+    key = (name, dtype)
+    if key not in captures:
+        captures[key] = capture_modes(model, data[0])
+    captured = captures[key]
+    if isinstance(strategies, RandomStrategies):
+        strategies = random_strategies(captured, mesh, strategies.seed)
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], mesh, strategies, captured=captured)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    tol = tolerance or {}
+    for step, batch in enumerate(data):
+        loss_ref = ref(*batch)
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(
+            loss, loss_ref, **tol, msg=lambda m, s=step: f"{name} {mesh} step {s}: {m}"
+        )
+    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    assert full.keys() == full_ref.keys()
+    for k in full_ref:
+        torch.testing.assert_close(full[k], full_ref[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(*shard_inputs(data[0], pm)), ref(*data[0]), **tol)
+
+
+def run_cases(cases: list[tuple]) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    captures: dict = {}
+    for name, mesh, strategies, dtype, tol in cases:
+        train_and_compare(name, mesh, strategies, dtype, captures, tol)
+
+
+MODELS = ["mlp", "gpt", "llama"]
+# float32: summation order moves values by ~1e-6 relative; AdamW divides by sqrt(v), which turns
+# that noise on gradients whose exact value is 0 (the key bias under softmax) into steps of up
+# to lr, so parameters are compared at 2e-4 absolute.
+F32_TOL = {"rtol": 1e-3, "atol": 2e-4}
+
+
+def cases_world2() -> list[tuple]:
+    out = []
+    for name in MODELS:
+        out.append((name, {"dp": 2}, None, torch.float64, None))
+        out.append((name, {"tp": 2}, megatron(name), torch.float64, None))
+    out.append(("gpt", {"tp": 2}, megatron("gpt"), torch.float32, F32_TOL))
+    conv_out = {"conv1": ((1, 1, 1, 1), (2, 1, 1, 1))}  # output channels (bn follows them)
+    conv_in = {"conv2": ((1, 2, 1, 1), (1, 2, 1, 1))}  # input channels: a partial sum
+    out.append(("cnn", {"dp": 2}, None, torch.float64, None))  # bn gathers the batch
+    out.append(("cnn", {"tp": 2}, conv_out | conv_in, torch.float64, None))
+    return out
+
+
+def cases_world4() -> list[tuple]:
+    out = []
+    for name in MODELS:
+        out.append((name, (4,), None, torch.float64, None))
+        out.append((name, {"tp": 4}, megatron(name), torch.float64, None))
+        out.append((name, {"dp": 2, "tp": 2}, megatron(name), torch.float64, None))
+        out.append((name, (4,), mixed(name, 2, 2), torch.float64, None))
+        for seed in range(2):
+            mesh = {"dp": 2, "tp": 2} if seed else (4,)
+            out.append((name, mesh, RandomStrategies(seed), torch.float64, None))
+        out.append((name, {"dp": 2, "tp": 2}, megatron(name), torch.float32, F32_TOL))
+    return out
+
+
+def test_equivalence_on_2_ranks() -> None:
+    run_ranks(run_cases, 2, cases_world2(), timeout=300)
+
+
+def test_equivalence_on_4_ranks() -> None:
+    run_ranks(run_cases, 4, cases_world4(), timeout=600)
+
+
+# -- communication volume and parameter bytes ------------------------------------------------------
+
+
+def _megatron_layer_volume() -> None:
+    from autoshard import comm
+    from autoshard.models.gpt import Block
+
+    torch.set_num_threads(1)
+    config = GPTConfig(hidden=32, num_heads=4, dropout=0.0)
+    torch.manual_seed(0)
+    block = Block(config).to(torch.float64)
+    b, s, h = 2, 8, config.hidden
+    x = torch.randn(b, s, h, dtype=torch.float64)
+    target = torch.randn(b, s, h, dtype=torch.float64)
+    strategies = {k: v for k, v in megatron("gpt").items() if k.startswith("layers.*")}
+    strategies = {k.removeprefix("layers.*."): v for k, v in strategies.items()}
+    pm = parallelize(block, (x, target), {"tp": 2}, strategies, loss_fn=lambda y, t: (y * t).sum())
+    with comm.counting() as counted:
+        pm(x, target).backward()
+    activation = b * s * h * 8
+    # Two all-reduces of b*s*h forward (after each row-split linear) and two backward (the
+    # gradients of the replicated inputs of the column-split linears); a ring all-reduce on 2
+    # ranks sends the tensor's size.
+    assert counted == {"all_reduce": {"calls": 4, "bytes": 4 * activation}}, counted
+    predicted = sum(n.forward_bytes() + n.backward_bytes() for n in pm.plan.nodes.values())
+    assert predicted == 4 * activation
+    full = dict(block.named_parameters())
+    for fqn, local in pm.local_tensors().items():
+        ratio = full[fqn].numel() / local.numel()
+        expect = 2 if fqn.endswith(("c_attn.weight", "c_fc.weight", "c_proj.weight")) else 1
+        if fqn.endswith(("c_attn.bias", "c_fc.bias")):
+            expect = 2
+        assert ratio == expect, (fqn, ratio)
+    # The sharded state dict holds DTensors whose global values are the single-device ones.
+    full_sd = pm.full_state_dict()
+    for name, value in pm.state_dict().items():
+        torch.testing.assert_close(value.full_tensor(), full_sd[name])
+
+
+def _different_plans() -> None:
+    warnings.filterwarnings("ignore")
+    model, config = build("mlp", 0.0)
+    data = batches(config, torch.float64)
+    strategies = {"head": ((1, 1), (2, 1))} if dist.get_rank() == 1 else None
+    with pytest.raises(PlanMismatchError, match="rank 0 and rank 1|rank 1 and rank 0"):
+        parallelize(model.double(), data[0], 2, strategies)
+
+
+def test_megatron_layer_moves_the_analytic_volume() -> None:
+    run_ranks(_megatron_layer_volume, 2, timeout=120)
+
+
+def test_ranks_with_different_plans_fail_before_training() -> None:
+    run_ranks(_different_plans, 2, timeout=120)

@@ -1,0 +1,123 @@
+"""Planning on one process: strategy validation, defaults, the plan table, capture errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoshard import CaptureError, MeshError, StrategyError, parallelize, single_device
+from autoshard.capture import capture
+from autoshard.models import GPT, MLP, GPTConfig, MLPConfig
+from autoshard.parallel import mesh_info
+from autoshard.plan import plan_graph
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    torch.manual_seed(0)
+    config = MLPConfig(hidden=30)
+    model = MLP(config)
+    return capture(model, config.example_batch(8))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        (
+            ((1, 1), (2, 1), (2,), (1,)),
+            r"linear \(aten.linear.default in layers.0.fc1\): strategy "
+            r"has 4 tuples but the op has 3 tensor inputs",
+        ),
+        (((1, 1, 1), (2, 1)), r"input 0 has 2 dims \(8, 16\) but its strategy \(1, 1, 1\)"),
+        (((1, 1), (4, 1)), r"input 1 dim 0 \(size 30\): not divisible by its split 4"),
+        (((2, 1), (2, 1)), r"uses 4 devices, which does not divide the 2 devices of the mesh"),
+        (
+            ((1, 2), (1, 1)),
+            r"input 1 dim 1 \(size 16\): split 1 disagrees with input 0 dim 1 "
+            r"split 2; both walk dim 'in'",
+        ),
+        (((None, None), ("tp", None)), r"axis names \['tp'\] are not in mesh axes"),
+        ("oops", r"is not a tuple of tuples"),
+    ],
+)
+def test_invalid_strategies_name_the_op_input_dim_and_sizes(mlp_graph, strategy, message) -> None:
+    with pytest.raises(StrategyError, match=message):
+        plan_graph(mlp_graph, mesh_info({"dp": 2}), {"layers.0.fc1": strategy})
+
+
+def test_a_key_that_matches_nothing_is_an_error(mlp_graph) -> None:
+    with pytest.raises(StrategyError, match="'layers.7.fc1' matches no node and no module"):
+        plan_graph(mlp_graph, mesh_info(2), {"layers.7.fc1": ((1, 1), (2, 1))})
+
+
+def test_a_dim_the_op_needs_whole_cannot_be_split() -> None:
+    config = GPTConfig()
+    graph = capture(GPT(config), config.example_batch(2))
+    with pytest.raises(StrategyError, match=r"layer_norm .*dim 'd2' \(size 32\) cannot be split"):
+        plan_graph(graph, mesh_info(2), {"layers.0.ln_1": ((1, 1, 2), (2,), (2,))})
+
+
+def test_mesh_that_does_not_match_the_world_names_every_factor() -> None:
+    model = MLP(MLPConfig())
+    with pytest.raises(MeshError, match=r"dp\(2\) \* tp\(2\) = 4 != world size 1"):
+        parallelize(model, MLPConfig().example_batch(4), {"dp": 2, "tp": 2})
+
+
+def test_plan_table_shows_strategies_communication_and_bytes(mlp_graph) -> None:
+    strategies = {"layers.*.fc1": ((1, 1), (2, 1)), "layers.*.fc2": ((1, 2), (1, 2))}
+    plan = plan_graph(mlp_graph, mesh_info({"tp": 2}), strategies)
+    text = str(plan)
+    assert "linear*" in text and "layers.0.fc1" in text
+    assert "all_reduce" in text
+    # The row-split fc2 output is a partial sum that the residual add resolves (forward bytes of
+    # an all-reduce of the [8, 16] float32 activation on 2 ranks: its size).
+    add = plan.nodes["add"]
+    assert add.forward_bytes() == 8 * 16 * 4
+    assert plan.fingerprint == plan_graph(mlp_graph, mesh_info({"tp": 2}), strategies).fingerprint
+
+
+def test_unconfigured_ops_follow_and_inputs_default_to_data_parallel(mlp_graph) -> None:
+    plan = plan_graph(mlp_graph, mesh_info({"dp": 2}))
+    assert str(plan.inputs["x"]) == "f32[8@dp,16]"
+    assert all(not n.moves for n in plan.nodes.values())
+    assert {str(p.grad_partial) for p in plan.params.values()} >= {"f32[30,16]{partial:dp}"}
+
+
+class _Branchy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow cannot be captured
+            return x * 2
+        return x
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.block = _Branchy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.proj(x))
+
+
+def test_capture_error_names_the_module() -> None:
+    with pytest.raises(CaptureError, match="module 'block'"):
+        capture(_Outer(), (torch.randn(2, 4),))
+
+
+def test_loss_fn_is_captured_with_a_model_returning_logits() -> None:
+    torch.manual_seed(0)
+    config = MLPConfig()
+    model = MLP(config).double()
+    x, y = config.example_batch(4)
+    x = x.double()
+    ref = single_device(model, (x, y), loss_fn=F.cross_entropy)
+    ref.eval()
+    model.eval()
+    torch.testing.assert_close(ref(x, y), F.cross_entropy(model(x), y))
