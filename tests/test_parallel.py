@@ -212,6 +212,7 @@ def cases_world2() -> list[tuple]:
     for name in MODELS:
         out.append((name, {"dp": 2}, None, torch.float64, None))
         out.append((name, {"tp": 2}, megatron(name), torch.float64, None))
+        out.append((name, (2,), RandomStrategies(7), torch.float64, None))
     out.append(("gpt", {"tp": 2}, megatron("gpt"), torch.float32, F32_TOL))
     conv_out = {"conv1": ((1, 1, 1, 1), (2, 1, 1, 1))}  # output channels (bn follows them)
     conv_in = {"conv2": ((1, 2, 1, 1), (1, 2, 1, 1))}  # input channels: a partial sum
