@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -88,14 +89,31 @@ def capture(
     prefix = "" if loss_fn is None else "model."
     was_training = model.training
     model.train(train)
+    args, kwargs = _unaliased(tuple(args), kwargs or {})
     try:
-        program = torch.export.export(root, tuple(args), kwargs or {}, strict=False)
+        program = torch.export.export(root, args, kwargs, strict=False)
         program = program.run_decompositions({})
     except Exception as err:  # noqa: BLE001 - reported with the module that failed
         raise CaptureError(_describe_failure(model, err)) from err
     finally:
         model.train(was_training)
     return _from_program(program, model, prefix, train)
+
+
+def _unaliased(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A tensor passed as two inputs (``labels=input_ids``) becomes two tensors: torch.export
+    traces one placeholder for both (pytorch#144683), wrong once the inputs differ."""
+    seen: set[int] = set()
+
+    def fresh(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in seen:
+            return x.clone()
+        seen.add(id(x))
+        return x
+
+    return pytree.tree_map(fresh, (args, kwargs))
 
 
 def capture_modes(

@@ -384,11 +384,9 @@ class Layout:
         out: list[slice | torch.Tensor] = []
         for factors in self.factors:
             if _is_block_split(factors):
-                stride, start = _prod([s for s, _ in factors]), 0
+                start = 0  # row-major over the factors; no division, so a size-0 dim works
                 for size, axis in factors:
-                    stride //= size
-                    if axis != NOT_SPLIT:
-                        start += coords[axis] * stride
+                    start = start * size + (coords[axis] if axis != NOT_SPLIT else 0)
                 length = _prod([s for s, a in factors if a == NOT_SPLIT])
                 out.append(slice(start, start + length))
                 continue

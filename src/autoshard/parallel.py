@@ -87,9 +87,18 @@ class ParallelModule(nn.Module):
         self._layouts: dict[str, Layout] = {}
         values = dict(model.named_parameters(remove_duplicate=False))
         values |= dict(model.named_buffers(remove_duplicate=False))
+        # Tensors export lifted out of the code (an empty KV cache): not part of the state.
+        constants = {
+            n.meta["autoshard_fqn"]: n.meta["autoshard_constant"]
+            for c in captured.values()
+            for n in c.graph.nodes
+            if "autoshard_constant" in n.meta
+        }
+        values |= constants
         tensors: dict[str, torch.Tensor] = {}
         for fqn, p in self.plan.params.items():
-            self._layouts[fqn] = p.layout
+            if fqn not in constants:
+                self._layouts[fqn] = p.layout
             full = values[fqn].detach()
             local = (
                 shard_tensor(full, p.layout, rank).to(device)
@@ -101,7 +110,7 @@ class ParallelModule(nn.Module):
                 self.register_parameter(attr_name(fqn), tensors[fqn])
             else:
                 tensors[fqn] = local
-                self.register_buffer(attr_name(fqn), local)
+                self.register_buffer(attr_name(fqn), local, persistent=fqn not in constants)
             if p.grad_partial is not None and tensors[fqn].requires_grad:
                 tensors[fqn].register_hook(_reduce_hook(p.grad_partial, p.layout))
         self._programs = {

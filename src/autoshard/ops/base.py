@@ -360,15 +360,20 @@ class SpaceRule(OpRule):
     def follow(self, node: fx.Node, ins: Sequence[Layout | None], mesh: MeshInfo) -> Strategy:
         space = self.space(node)
         leader = _leader(node, ins)
-        if leader is None:
-            return self._data_parallel(node, mesh)
+        if leader is None:  # only parameters, seen here first: keep them whole
+            return self.layouts(node, Layout.replicated(space.sizes, mesh.num_devices))
         i, layout = leader
         factors: list[Any] = [((s, NOT_SPLIT),) for s in space.sizes]
+        dropped = False
         for dim, (d, size) in enumerate(zip(space.ins[i], layout.shape, strict=True)):
-            if d is None or size == 1 or space.kinds[d] == FIXED:
+            if d is None or size == 1:
+                continue
+            if space.kinds[d] == FIXED:
+                dropped = dropped or any(a != NOT_SPLIT for _, a in layout.factors[dim])
                 continue
             factors[d] = layout.factors[dim]
-        if all(a == NOT_SPLIT for f in factors for _, a in f):
+        if dropped and all(a == NOT_SPLIT for f in factors for _, a in f):
+            # The rule refused every split of the input: run data parallel instead.
             return self._data_parallel(node, mesh)
         space_layout = Layout._make(
             space.sizes, layout.mesh, factors, (), layout.ranks, torch.float32, layout.axis_names

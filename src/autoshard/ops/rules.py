@@ -22,6 +22,7 @@ from autoshard.ops.base import (
     SpaceRule,
     Strategy,
     StrategyError,
+    dtype_of,
     node_title,
     node_vals,
     project,
@@ -510,6 +511,23 @@ class Expand(ShapeRule):
         return low.call(aten.expand.default, (args[0], list(strategy.outs[0].local_shape())), {})
 
 
+class Pad(ShapeRule):
+    """pad: the padded dims unsplit, the others keep their splits; a partial input is summed
+    first where the padding value is not 0."""
+
+    def strategy_for(self, node: fx.Node, layout: Layout) -> Strategy:
+        if _kwarg(node, 3, "value", None):
+            layout = layout.without_partial()
+        return super().strategy_for(node, layout)
+
+    def out_layout(self, node: fx.Node, layout: Layout) -> list[Layout]:
+        out = tuple(node_vals(node)[0].shape)
+        for d, (old, new) in enumerate(zip(layout.shape, out, strict=True)):
+            if old != new and _is_split(layout.factors[d]):
+                raise LayoutError(f"pad of split dim {d} of {layout}")
+        return [_resized(layout, out)]
+
+
 class Split(ShapeRule):
     """split / split_with_sizes: equal chunks of a split dim where each is whole on a rank."""
 
@@ -549,7 +567,8 @@ class Slice(ShapeRule):
 
 
 class Cat(OpRule):
-    """cat: every input in the first input's layout, the cat dim unsplit."""
+    """cat: every input in the first input's layout, the cat dim unsplit. A 1-d empty input
+    (an empty KV cache), which torch.cat skips, stays whole."""
 
     is_shape_op = True
 
@@ -557,16 +576,28 @@ class Cat(OpRule):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         return dim % len(shape_of(node))
 
+    def _skipped(self, node: fx.Node, inp: fx.Node) -> bool:
+        return shape_of(inp) == (0,) and len(shape_of(node)) != 1
+
     def strategy_for(self, node: fx.Node, layout: Layout) -> Strategy:
         dim = self._dim(node)
         if _is_split(layout.factors[dim]):
             layout = _unsplit(layout, dim)
-        ins = tuple(_resized(layout, shape_of(i), i.meta["val"].dtype) for i in tensor_inputs(node))
+        ins = tuple(
+            Layout.replicated((0,), layout.ranks, dtype=i.meta["val"].dtype)
+            if self._skipped(node, i)
+            else _resized(layout, shape_of(i), i.meta["val"].dtype)
+            for i in tensor_inputs(node)
+        )
         out = _resized(layout, shape_of(node), node_vals(node)[0].dtype)
         return Strategy(ins, (out,), tuple(i.without_partial() for i in ins))
 
     def follow(self, node: fx.Node, ins: Sequence[Layout | None], mesh: MeshInfo) -> Strategy:
-        return self.strategy_for(node, ins[0] or _replicated_input(node, mesh))
+        inputs = tensor_inputs(node)
+        k = next((k for k, i in enumerate(inputs) if not self._skipped(node, i)), 0)
+        arg = inputs[k]
+        layout = ins[k] or Layout.replicated(shape_of(arg), mesh.num_devices, dtype=dtype_of(arg))
+        return self.strategy_for(node, layout)
 
 
 class Replicated(OpRule):
@@ -616,6 +647,12 @@ RULES: dict[Any, OpRule] = {
         [aten.softmax.int, aten.log_softmax.int, aten._softmax.default, aten._log_softmax.default],
         Softmax(),
     ),
+    aten.cumsum.default: Softmax(),  # the scanned dim whole, like the softmax dim
+    # Pointwise, but without torch's pointwise tag (transformers' attention masks use them).
+    **dict.fromkeys(
+        [aten.__and__.Tensor, aten.__or__.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf],
+        _POINTWISE,
+    ),
     aten.layer_norm.default: LayerNorm(),
     **dict.fromkeys(
         [
@@ -660,6 +697,7 @@ RULES: dict[Any, OpRule] = {
         [aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], Split()
     ),
     **dict.fromkeys([aten.slice.Tensor, aten.select.int, aten.narrow.default], Slice()),
+    aten.pad.default: Pad(),
     aten.cat.default: Cat(),
     **dict.fromkeys(
         [
