@@ -170,12 +170,15 @@ class ParallelModule(nn.Module):
         return {key: full[self._canonical(key)] for key in self._full_keys}
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Shard a single-device state dict (as ``model.state_dict()`` gives) onto this rank."""
         with torch.no_grad():
             for fqn, t in self.local_tensors().items():
                 names = self._aliases.get(fqn, [fqn])
+                if not any(n in self._full_keys for n in names):
+                    continue  # non-persistent buffers and constants are not in state dicts
                 key = next((n for n in names if n in state_dict), None)
                 if key is None:
-                    raise KeyError(f"state dict has no entry for {fqn}")
+                    raise KeyError(f"state dict has no entry for {fqn} (or its tied names)")
                 t.copy_(shard_tensor(state_dict[key].to(t.dtype), self._layouts[fqn], self._rank))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # noqa: ARG002
