@@ -160,7 +160,7 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
             and node.target.__module__ != "_operator"
         ):
             raise CaptureError(
-                f"{node.name}: {node.target} in {_module_of(node)} is not an aten op (a "
+                f"{node.name}: {node.target} in {module_path(node)} is not an aten op (a "
                 f"higher-order op such as a no_grad region or a checkpoint); it cannot be split"
             )
     outputs, mutations = [], {}
@@ -197,7 +197,8 @@ def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
             }
 
 
-def _module_of(node: fx.Node) -> str:
+def module_path(node: fx.Node) -> str:
+    """The module a node came from (its innermost ``nn_module_stack`` entry)."""
     stack = node.meta.get("nn_module_stack") or {}
     return (list(stack.values())[-1][0] or "the model") if stack else "the model"
 
@@ -215,10 +216,6 @@ def _describe_failure(model: nn.Module, err: Exception) -> str:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     module = f"module '{where}'" if where is not None else f"model {type(model).__name__}"
     return f"cannot capture {module}: {type(err).__name__}: {first_line}"
-
-
-def module_path(node: fx.Node) -> str:
-    return _module_of(node)
 
 
 __all__ = ["CaptureError", "Captured", "capture", "capture_modes", "tied_names"]
