@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.layout import NOT_SPLIT, Factored, Layout, LayoutError
+from autoshard.layout import NOT_SPLIT, Layout, LayoutError
+from autoshard.ops.local import bias_elsewhere
 
 FREE, SUM, FIXED = "free", "sum", "fixed"
 
@@ -260,11 +261,7 @@ class SpaceRule(OpRule):
     def from_tuple(self, node: fx.Node, tuples: Sequence[Sequence[int]], ranks: int) -> Strategy:
         space = self.space(node)
         inputs = tensor_inputs(node)
-        if len(tuples) > len(inputs):
-            raise StrategyError(
-                f"{node_title(node)}: strategy has {len(tuples)} tuples but the op has "
-                f"{len(inputs)} tensor inputs"
-            )
+        _check_arity(node, len(tuples), "tuples", len(inputs))
         splits: dict[int, tuple[int, str]] = {}
         for i, (tup, dims, inp) in enumerate(zip(tuples, space.ins, inputs, strict=False)):
             shape = shape_of(inp)
@@ -299,7 +296,7 @@ class SpaceRule(OpRule):
                     f"{node_title(node)}: strategy has {len(tuples)} tuples but the op has "
                     f"{len(inputs)} tensor inputs and input {i} is not determined by the others"
                 )
-        order = sorted(splits, key=lambda d: list(splits).index(d))
+        order = list(splits)  # first appearance, as MindSpore orders the device matrix
         used = math.prod(splits[d][0] for d in order)
         if ranks % used:
             raise StrategyError(
@@ -320,11 +317,7 @@ class SpaceRule(OpRule):
     def from_named(self, node: fx.Node, specs: Sequence[Any], mesh: Any) -> Strategy:
         space = self.space(node)
         inputs = tensor_inputs(node)
-        if len(specs) > len(inputs):
-            raise StrategyError(
-                f"{node_title(node)}: strategy has {len(specs)} entries but the op has "
-                f"{len(inputs)} tensor inputs"
-            )
+        _check_arity(node, len(specs), "entries", len(inputs))
         entries: dict[int, tuple[Any, str]] = {}
         wanted = []
         for i, (spec, dims, inp) in enumerate(zip(specs, space.ins, inputs, strict=False)):
@@ -417,11 +410,44 @@ class SpaceRule(OpRule):
                     continue
         return list(seen.values())
 
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        bias = self.bias_index(node)
+        if bias is not None:
+            args = self._bias_once(low, node, strategy, args, bias)
+        return low.call(node.target, args, kwargs)
+
+    def _bias_once(
+        self, low: Any, node: fx.Node, strategy: Strategy, args: list, position: int
+    ) -> list:
+        """With the contracted dim split, the output is a partial sum: only the ranks at
+        coordinate 0 of those axes add the bias; the others add zeros whose backward still
+        hands the bias the whole output gradient, so the bias gradient is complete on every rank
+        (as Megatron, which adds the bias after the all-reduce)."""
+        space = strategy.space
+        sum_dims = [d for d, kind in enumerate(self.space(node).kinds) if kind == SUM]
+        axes = [a for d in sum_dims for a in split_axes(space, d)]
+        if not axes or len(args) <= position or args[position] is None:
+            return args
+        coords = space.coordinates(low.rank)
+        if all(coords[a] == 0 for a in axes):
+            return args
+        args = list(args)
+        args[position] = low.call(bias_elsewhere, (args[position],), {})
+        return args
+
     def cost(self, node: fx.Node, strategy: Strategy) -> Cost:
         base = super().cost(node, strategy)
         space_layout = strategy.space
         points = space_layout.local_numel if space_layout is not None else 0
         return Cost(flops=self.flops_per_point * points, bytes=base.bytes)
+
+
+def _check_arity(node: fx.Node, given: int, what: str, num_inputs: int) -> None:
+    if given > num_inputs:
+        raise StrategyError(
+            f"{node_title(node)}: strategy has {given} {what} but the op has {num_inputs} "
+            f"tensor inputs"
+        )
 
 
 def _leader(node: fx.Node, ins: Sequence[Layout | None]) -> tuple[int, Layout] | None:
@@ -460,7 +486,6 @@ __all__ = [
     "FREE",
     "SUM",
     "Cost",
-    "Factored",
     "MeshInfo",
     "OpRule",
     "Space",

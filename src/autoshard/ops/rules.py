@@ -25,7 +25,6 @@ from autoshard.ops.base import (
     dtype_of,
     node_title,
     node_vals,
-    project,
     shape_of,
     split_axes,
     tensor_inputs,
@@ -52,23 +51,6 @@ class Pointwise(SpaceRule):
         return Space(out, (FREE,) * len(out), ins, outs)
 
 
-def _bias_once(low: Any, strategy: Strategy, args: list, bias_pos: int, sum_dim: int) -> list:
-    """With the contracted dim split, the output is a partial sum: only the ranks at coordinate
-    0 of those axes add the bias; the others add zeros whose backward still hands the bias the
-    whole output gradient, so the bias gradient is complete on every rank (as Megatron, which
-    adds the bias after the all-reduce)."""
-    space = strategy.space
-    axes = split_axes(space, sum_dim)
-    if not axes or len(args) <= bias_pos or args[bias_pos] is None:
-        return args
-    coords = space.coordinates(low.rank)
-    if all(coords[a] == 0 for a in axes):
-        return args
-    args = list(args)
-    args[bias_pos] = low.call(local.bias_elsewhere, (args[bias_pos],), {})
-    return args
-
-
 class Linear(SpaceRule):
     """linear(x[..., i], W[o, i], bias[o]): batch dims and ``o`` free, ``i`` a sum."""
 
@@ -87,10 +69,6 @@ class Linear(SpaceRule):
         names = tuple(f"b{k}" for k in range(nb)) + ("out", "in")
         kinds = (FREE,) * (nb + 1) + (SUM,)
         return Space(sizes, kinds, tuple(ins), (tuple(range(nb)) + (o,),), names)
-
-    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        sum_dim = len(strategy.space.shape) - 1
-        return low.call(node.target, _bias_once(low, strategy, args, 2, sum_dim), kwargs)
 
 
 class Matmul(SpaceRule):
@@ -122,11 +100,6 @@ class Matmul(SpaceRule):
         names = tuple(f"b{i}" for i in range(nb)) + ("m", "n", "k")
         kinds = (FREE,) * (nb + 2) + (SUM,)
         return Space(sizes, kinds, tuple(ins), (tuple(range(nb)) + (m, n),), names)
-
-    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        if node.target == aten.addmm.default:
-            args = _bias_once(low, strategy, args, 0, len(strategy.space.shape) - 1)
-        return low.call(node.target, args, kwargs)
 
 
 class Reduction(SpaceRule):
@@ -288,6 +261,8 @@ class Attention(SpaceRule):
     """scaled_dot_product_attention: batch and heads free; query length free unless causal;
     key length and head dims whole."""
 
+    flops_per_point = 4.0
+
     def make_space(self, node: fx.Node) -> Space:
         q, k, v = (shape_of(n) for n in node.args[:3])
         if q[-3] != k[-3]:
@@ -308,8 +283,6 @@ class Attention(SpaceRule):
         if isinstance(mask, fx.Node):
             ins.append(_right_aligned(shape_of(mask), nb + 2)[:-2] + (sq, sk))
         names = tuple(f"b{i}" for i in range(nb)) + ("q_len", "k_len", "head", "v_head")
-        flops = 4.0
-        self.flops_per_point = flops
         return Space(sizes, kinds, tuple(ins), (batch + (sq, dv),), names)
 
 
@@ -332,9 +305,6 @@ class Conv2d(SpaceRule):
             ins.append((o,))
         names = ("N", "O", "C", "H", "W", "kh", "kw")
         return Space(sizes, kinds, tuple(ins), ((n, o, h, wd),), names)
-
-    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        return low.call(node.target, _bias_once(low, strategy, args, 2, 2), kwargs)
 
 
 class Dropout(Pointwise):
@@ -729,4 +699,4 @@ def rule_for(node: fx.Node) -> OpRule:
     return _REPLICATED
 
 
-__all__ = ["RULES", "project", "rule_for"]
+__all__ = ["RULES", "rule_for"]
