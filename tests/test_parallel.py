@@ -130,6 +130,17 @@ class RandomStrategies:
     seed: int
 
 
+@dataclass(frozen=True)
+class Searched:
+    """A plan searched for dgx-h100 with memory limited to ``fraction`` of the unlimited plan's
+    peak (tiny models plan replicated or data parallel otherwise); ``via_json`` passes it to
+    ``parallelize`` as the JSON text the command line writes."""
+
+    search: str
+    fraction: float | None = None
+    via_json: bool = False
+
+
 def random_strategies(captured: Any, mesh: Any, seed: int) -> dict[str, Any]:
     """A random valid strategy for every op that has an iteration space."""
     rng = random.Random(seed)
@@ -168,7 +179,10 @@ def train_and_compare(
     if isinstance(strategies, RandomStrategies):
         strategies = random_strategies(captured, mesh, strategies.seed)
     ref = single_device(copy.deepcopy(model), data[0], captured=captured)
-    pm = parallelize(model, data[0], mesh, strategies, captured=captured)
+    if isinstance(strategies, Searched):
+        pm = _searched(model, data, mesh, strategies, captured)
+    else:
+        pm = parallelize(model, data[0], mesh, strategies, captured=captured)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     tol = tolerance or {}
@@ -197,6 +211,41 @@ def train_and_compare(
     ref.eval()
     with torch.no_grad():
         torch.testing.assert_close(pm(*shard_inputs(data[0], pm)), ref(*data[0]), **tol)
+
+
+def _searched(model: Any, data: list, mesh: Any, how: Searched, captured: dict) -> Any:
+    import json
+
+    import autoshard
+
+    limit = None
+    if how.fraction is not None:
+        free = autoshard.plan(model, data[0], "dgx-h100", num_devices=mesh, captured=captured)
+        limit = how.fraction * free.predicted.peak_memory
+    if how.via_json:
+        found = autoshard.plan(
+            model, data[0], "dgx-h100", num_devices=mesh, captured=captured, memory_limit=limit
+        )
+        text = json.dumps(found.auto)
+        pm = parallelize(model, data[0], None, plan=json.loads(text), captured=captured)
+    else:
+        pm = parallelize(
+            model,
+            data[0],
+            mesh,
+            captured=captured,
+            search=how.search,
+            cluster="dgx-h100",
+            memory_limit=limit,
+        )
+    split = [
+        f
+        for f, p in pm.plan.params.items()
+        if p.layout.num_devices > 1 and any(a >= 0 for f_ in p.layout.factors for _, a in f_)
+    ]
+    if how.fraction is not None and how.fraction < 0.5:
+        assert split, f"a plan limited to {how.fraction} of the memory splits some weights"
+    return pm
 
 
 def run_cases(cases: list[tuple]) -> None:
@@ -239,6 +288,12 @@ def cases_world4() -> list[tuple]:
             mesh = {"dp": 2, "tp": 2} if seed else (4,)
             out.append((name, mesh, RandomStrategies(seed), torch.float64, None))
         out.append((name, {"dp": 2, "tp": 2}, megatron(name), torch.float32, F32_TOL))
+        # plans found by the search (docs/search.md), with memory tight enough to split weights
+        out.append(
+            (name, 4, Searched("optimal", 0.3, via_json=name == "llama"), torch.float64, None)
+        )
+    out.append(("gpt", 4, Searched("recursive", 0.5), torch.float64, None))
+    out.append(("mlp", 4, Searched("propagate"), torch.float64, None))
     return out
 
 

@@ -1,6 +1,8 @@
 """autoshard: automatic parallelism for PyTorch training."""
 
+from autoshard.auto import plan  # noqa: E402  (after autoshard.plan, the module it shadows)
 from autoshard.capture import CaptureError, capture_modes
+from autoshard.cluster import PRESETS, ClusterSpec
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshError, init_mesh
 from autoshard.ops import StrategyError
@@ -20,9 +22,12 @@ from autoshard.redistribute import (
     redistribution_plan,
     shard_tensor,
 )
+from autoshard.search import PlanningError
 
 __all__ = [
+    "PRESETS",
     "CaptureError",
+    "ClusterSpec",
     "Factored",
     "Layout",
     "LayoutError",
@@ -30,6 +35,7 @@ __all__ = [
     "ParallelModule",
     "Plan",
     "PlanMismatchError",
+    "PlanningError",
     "RedistributionPlan",
     "Step",
     "StrategyError",
@@ -37,6 +43,7 @@ __all__ = [
     "gather_tensor",
     "init_mesh",
     "parallelize",
+    "plan",
     "redistribute",
     "redistribution_plan",
     "shard_inputs",

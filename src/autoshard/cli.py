@@ -2,6 +2,9 @@
 
 autoshard demo                      # the seeds' Z = (X*W)*V layouts moved on 4 CPU ranks
 autoshard redistribute --mesh dp=2,tp=2 --shape 16,32 --src dp,_ --dst _,tp
+autoshard plan --model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
+    --seq 2048 --batch 64 --cluster dgx-h100 --nodes 8 [--json plan.json]
+autoshard calibrate --out cpu.json  # measure this machine into a cluster spec
 """
 
 from __future__ import annotations
@@ -103,6 +106,171 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reference_model(args: argparse.Namespace):  # noqa: ANN202
+    """A reference model with two of its blocks, on the meta device, and its real depth."""
+    from autoshard.models import GPT, MLP, GPTConfig, LlamaConfig, MLPConfig
+    from autoshard.models.llama import Llama
+
+    captured_layers = min(args.layers, 2)
+    with torch.device("meta"):
+        if args.model == "llama":
+            config = LlamaConfig(
+                vocab_size=args.vocab,
+                max_seq=args.seq,
+                num_layers=captured_layers,
+                num_heads=args.heads,
+                num_kv_heads=args.kv_heads or args.heads,
+                hidden=args.hidden,
+                ffn_hidden=args.ffn or 4 * args.hidden,
+            )
+            model = Llama(config)
+        elif args.model == "gpt":
+            config = GPTConfig(
+                vocab_size=args.vocab,
+                block_size=args.seq,
+                num_layers=captured_layers,
+                num_heads=args.heads,
+                hidden=args.hidden,
+            )
+            model = GPT(config)
+        else:
+            config = MLPConfig(
+                in_features=args.hidden,
+                hidden=args.ffn or 4 * args.hidden,
+                out_features=args.hidden,
+                num_layers=args.layers,
+            )
+            model = MLP(config)
+            x = torch.empty(args.batch, args.hidden)
+            return model, (x, torch.empty(args.batch, args.hidden)), None, _mse
+        idx = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        example = (idx, torch.zeros(args.batch, args.seq, dtype=torch.long))
+    return model, example, {"layers": args.layers}, None
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def _user_model(target: str):  # noqa: ANN202
+    import importlib
+
+    module_name, _, func = target.partition(":")
+    if not func:
+        raise SystemExit(f"--model-fn {target!r}: expected module:function")
+    made = getattr(importlib.import_module(module_name), func)()
+    if len(made) == 2:
+        return made[0], tuple(made[1]), None, None
+    return made[0], tuple(made[1]), None, made[2]
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from autoshard.auto import plan_json
+    from autoshard.capture import capture
+    from autoshard.cluster import cluster_spec
+    from autoshard.search import PlanningError, search
+
+    start = time.perf_counter()
+    spec = cluster_spec(args.cluster)
+    devices = args.devices or (args.nodes * spec.devices_per_node if args.nodes else None)
+    spec = cluster_spec(spec, devices)
+    if args.memory_gib:
+        from dataclasses import replace
+
+        spec = replace(spec, memory_bytes=args.memory_gib * 2**30)
+    if args.model_fn:
+        model, example, depth, loss_fn = _user_model(args.model_fn)
+    else:
+        model, example, depth, loss_fn = _reference_model(args)
+    if args.dtype != "f32":
+        model = model.to(_DTYPES[args.dtype])
+    captured = capture(model, example, {}, loss_fn=loss_fn, train=True)
+    captured_s = time.perf_counter() - start
+    try:
+        result = search(
+            captured,
+            spec.num_devices,
+            spec,
+            search=args.search,
+            depth=depth,
+            tp_across_nodes=args.tp_across_nodes,
+        )
+    except PlanningError as err:
+        print(f"autoshard: {err}", file=sys.stderr)
+        return 3
+    data = plan_json(captured, result, spec)
+    data["predicted"]["capture_s"] = captured_s
+    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
+    if args.json:
+        text = json.dumps(data, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(format_search(data, result))
+    return 0
+
+
+def format_search(data: dict, result) -> str:  # noqa: ANN001
+    """The searched plan as a table: mesh, strategy per op, predicted time, MFU, memory."""
+    pred = data["predicted"]
+    gib = 2**30
+    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
+    lines = [
+        f"mesh {mesh} on {data['cluster']['name']} "
+        f"({data['cluster']['nodes']} x {data['cluster']['devices_per_node']} devices)",
+        f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
+        f"peak memory {pred['peak_memory_bytes'] / gib:.2f} GiB per device",
+        f"search '{pred['search']}' {pred['search_s']:.2f} s "
+        f"(graph of {result.graph.size[0]} decision nodes)",
+    ]
+    if "end_to_end_s" in pred:
+        lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
+    lines.append("meshes tried:")
+    for row in pred["meshes"]:
+        shape = "x".join(str(v) for v in row["mesh"].values())
+        if "step_s" in row:
+            lines.append(
+                f"  {shape:>8}: {row['step_s'] * 1e3:.2f} ms, {row['memory'] / gib:.2f} GiB"
+            )
+        else:
+            why = row.get("skipped", "does not fit")
+            lines.append(f"  {shape:>8}: {why} (bound {row['bound_s'] * 1e3:.2f} ms)")
+    width = max((len(k) for k in data["strategies"]), default=10)
+    lines.append("strategies (iteration-space layouts):")
+    for key, value in data["strategies"].items():
+        spec = ",".join(
+            "_" if e is None else e if isinstance(e, str) else "+".join(e) for e in value["space"]
+        )
+        lines.append(f"  {key.ljust(width)}  [{spec}]")
+    for name, spec in data["inputs"].items():
+        text = ",".join(
+            "_" if e is None else e if isinstance(e, str) else "+".join(e) for e in spec
+        )
+        lines.append(f"  input {name}: [{text}]")
+    return "\n".join(lines)
+
+
+def _calibrate_command(args: argparse.Namespace) -> int:
+    from autoshard.calibrate import calibrate
+
+    spec = calibrate(args.ranks, args.threads)
+    spec.save(args.out)
+    gb = 1e9
+    print(
+        f"{args.out}: {spec.flops['float32'] / 1e9:.1f} GFLOP/s f32, "
+        f"{spec.flops['float64'] / 1e9:.1f} GFLOP/s f64, memory {spec.memory_bandwidth / gb:.1f} "
+        f"GB/s, op overhead {spec.op_overhead * 1e6:.1f} us, gloo {spec.intra_bandwidth / gb:.2f} "
+        f"GB/s and {spec.intra_latency * 1e6:.0f} us latency ({args.ranks} ranks)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="autoshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,6 +287,31 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--dst", required=True, help="same form as --src")
     plan.add_argument("--dtype", default="f32", choices=sorted(_DTYPES))
     plan.set_defaults(run=_redistribute_command)
+    auto = sub.add_parser("plan", help="search the fastest plan of a model on a cluster")
+    auto.add_argument("--model", default="llama", choices=["llama", "gpt", "mlp"])
+    auto.add_argument("--model-fn", help="module:function returning (model, example_inputs)")
+    auto.add_argument("--layers", type=int, default=2)
+    auto.add_argument("--hidden", type=int, default=256)
+    auto.add_argument("--heads", type=int, default=8)
+    auto.add_argument("--kv-heads", type=int, default=None)
+    auto.add_argument("--ffn", type=int, default=None)
+    auto.add_argument("--vocab", type=int, default=32000)
+    auto.add_argument("--seq", type=int, default=128)
+    auto.add_argument("--batch", type=int, default=8)
+    auto.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    auto.add_argument("--cluster", default="dgx-h100", help="preset name or JSON spec")
+    auto.add_argument("--nodes", type=int, default=None)
+    auto.add_argument("--devices", type=int, default=None)
+    auto.add_argument("--memory-gib", type=float, default=None, help="override device memory")
+    auto.add_argument("--search", default="optimal", choices=["optimal", "recursive", "propagate"])
+    auto.add_argument("--tp-across-nodes", action="store_true")
+    auto.add_argument("--json", help="write the plan JSON here ('-' for stdout only)")
+    auto.set_defaults(run=_plan_command)
+    cal = sub.add_parser("calibrate", help="measure this machine into a cluster spec JSON")
+    cal.add_argument("--out", default="cluster.json")
+    cal.add_argument("--ranks", type=int, default=2)
+    cal.add_argument("--threads", type=int, default=1, help="threads per rank")
+    cal.set_defaults(run=_calibrate_command)
     args = parser.parse_args(argv)
     return args.run(args)
 

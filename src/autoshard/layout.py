@@ -78,7 +78,17 @@ class Layout:
     ``range(prod(device_matrix))``), so a layout may live on a pipeline stage's sub-mesh.
     """
 
-    __slots__ = ("shape", "mesh", "factors", "partial", "ranks", "dtype", "axis_names", "_key")
+    __slots__ = (
+        "shape",
+        "mesh",
+        "factors",
+        "partial",
+        "ranks",
+        "dtype",
+        "axis_names",
+        "_key",
+        "_hash",
+    )
 
     shape: tuple[int, ...]
     mesh: tuple[int, ...]
@@ -257,10 +267,12 @@ class Layout:
     # -- value semantics ----------------------------------------------------------------------
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self._key == other._key
+        return self is other or (
+            isinstance(other, Layout) and self._hash == other._hash and self._key == other._key
+        )
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Layout is immutable")
@@ -404,6 +416,8 @@ class Layout:
 
     def without_partial(self) -> Layout:
         """The layout of this tensor's gradient: partial axes become replicated."""
+        if not self.partial:
+            return self
         return Layout._make(
             self.shape, self.mesh, self.factors, (), self.ranks, self.dtype, self.axis_names
         )
@@ -592,14 +606,12 @@ def _init_canonical(
 ) -> None:
     shape = tuple(int(s) for s in shape)
     mesh_list = [int(m) for m in mesh]
-    ranks = tuple(int(r) for r in ranks)
+    ranks = _interned_ranks(ranks)
     if _prod(mesh_list) != len(ranks):
         raise LayoutError(
             f"device matrix {tuple(mesh_list)} has {_prod(mesh_list)} devices but the rank list "
             f"{_ranks_str(ranks)} has {len(ranks)}"
         )
-    if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
-        raise LayoutError(f"rank list {_ranks_str(ranks)} repeats a rank or has a negative one")
     names = [[n] for n in axis_names] if axis_names is not None else None
     if names is not None and len(names) != len(mesh_list):
         raise LayoutError(f"{len(names)} axis names for device matrix {tuple(mesh_list)}")
@@ -650,6 +662,28 @@ def _init_canonical(
         object.__setattr__(self, name, value)
     key = (shape, values["mesh"], values["factors"], values["partial"], ranks, dtype)
     object.__setattr__(self, "_key", key)
+    object.__setattr__(self, "_hash", hash(key))
+
+
+_RANKS: dict[tuple[int, ...], tuple[int, ...]] = {}
+_RANGES: dict[int, tuple[int, ...]] = {}
+
+
+def _interned_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
+    """One shared tuple per rank list, so layouts on the same ranks compare by identity."""
+    if isinstance(ranks, range) and ranks.start == 0 and ranks.step == 1:
+        found = _RANGES.get(len(ranks))
+        if found is None:
+            found = _interned_ranks(tuple(ranks))
+            _RANGES[len(ranks)] = found
+        return found
+    ranks = tuple(int(r) for r in ranks)
+    found = _RANKS.get(ranks)
+    if found is None:
+        if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
+            raise LayoutError(f"rank list {_ranks_str(ranks)} repeats a rank or has a negative one")
+        found = _RANKS.setdefault(ranks, ranks)
+    return found
 
 
 def _drop_unit_axes(

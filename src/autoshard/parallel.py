@@ -237,15 +237,45 @@ def parallelize(
     input_layouts: Mapping[str, Layout] | None = None,
     seed: int = 0,
     captured: dict[bool, Captured] | None = None,
+    search: str | None = None,
+    cluster: Any = None,
+    plan: Any = None,
+    memory_limit: float | None = None,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
 
+    ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
+    (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a plan
+    from ``autoshard.plan`` or ``autoshard plan --json`` (a dict or a file); it sets the mesh.
     ``captured`` (from ``capture_modes``) skips the capture when planning a model again."""
-    info = mesh_info(mesh)
-    rank = _check_world(info)
+    from autoshard import auto
+
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
+    if search is not None:
+        if plan is not None:
+            raise ValueError("parallelize: give search= or plan=, not both")
+        fixed = None if isinstance(mesh, int) else mesh
+        num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
+        plan = auto.plan(
+            model,
+            example_inputs,
+            cluster,
+            search=search,
+            num_devices=num,
+            mesh=fixed,
+            memory_limit=memory_limit,
+            strategies=strategies if search == "propagate" else None,
+            captured=captured,
+        ).auto
+    if plan is not None:
+        plan = auto.load_plan(plan)
+        mesh = plan["mesh"]
+        strategies = plan["strategies"]
+        input_layouts = {**auto.input_layouts(captured[True], plan), **(input_layouts or {})}
+    info = mesh_info(mesh)
+    rank = _check_world(info)
     plans = {True: plan_graph(captured[True], info, strategies, input_layouts=input_layouts)}
     param_layouts = {fqn: p.layout for fqn, p in plans[True].params.items()}
     plans[False] = plan_graph(

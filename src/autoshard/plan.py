@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import operator
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,9 @@ class Plan:
     inputs: dict[str, Layout]
     outputs: list[tuple[Layout, Layout]]
     warnings: list[str]
+    #: set by the automatic search: the plan as JSON (docs/search.md) and its predicted cost
+    auto: dict[str, Any] | None = None
+    predicted: Any = None
 
     @property
     def fingerprint(self) -> str:
@@ -142,7 +146,19 @@ def match_strategies(
             inside = [u for u in p.users if module_path(u) == module]
             owners[module] = (inside or list(p.users))[0]
     out: dict[str, Any] = {}
+    op_keys = op_key_parts(captured) if any("/" in k for k in strategies) else {}
     for key, value in strategies.items():
+        if "/" in key:
+            glob, _, op = key.rpartition("/")
+            pattern = re.compile(re.escape(glob).replace(r"\*", r"[^.]*"))
+            hits = [
+                n for n, (path, name) in op_keys.items() if name == op and pattern.fullmatch(path)
+            ]
+            if not hits and strict:
+                raise StrategyError(f"strategy key '{key}' matches no op")
+            for hit in hits:
+                out[hit] = value
+            continue
         hits = [n.name for n in nodes if fnmatch.fnmatchcase(n.name, key)]
         hits += [owners[m].name for m in owners if fnmatch.fnmatchcase(m, key)]
         if not hits and strict:
@@ -152,6 +168,23 @@ def match_strategies(
             )
         for hit in hits:
             out[hit] = value
+    return out
+
+
+def op_key_parts(captured: Captured) -> dict[str, tuple[str, str]]:
+    """Node name -> (module path, ``<op>.<k>``): the k-th call of that aten op made directly by
+    that module (the root module's path is empty). Stable across depths and modes."""
+    seen: dict[tuple[str, str], int] = {}
+    out = {}
+    for node in captured.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        path = module_path(node)
+        path = "" if path == "the model" else path
+        op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        k = seen.get((path, op), 0)
+        seen[(path, op)] = k + 1
+        out[node.name] = (path, f"{op}.{k}")
     return out
 
 
@@ -165,6 +198,17 @@ def _configured(node: fx.Node, value: Any, mesh: MeshInfo) -> Strategy:
     rule = rule_for(node)
     if isinstance(value, Strategy):
         return value
+    if isinstance(value, Mapping) and "space" in value:
+        space = rule.space(node)
+        if space is None:
+            raise StrategyError(f"{node_title(node)}: this op has no iteration space")
+        spec = tuple(tuple(e) if isinstance(e, list) else e for e in value["space"])
+        if len(spec) != len(space.sizes):
+            raise StrategyError(
+                f"{node_title(node)}: space strategy {spec} has {len(spec)} entries but the "
+                f"op's iteration space has {len(space.sizes)} dims {space.sizes}"
+            )
+        return rule.layouts(node, Layout.from_named(space.sizes, spec, mesh.as_dict()))
     if not isinstance(value, tuple | list):
         raise StrategyError(f"{node_title(node)}: strategy {value!r} is not a tuple of tuples")
     if _is_tuple_form(value):

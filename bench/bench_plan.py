@@ -1,0 +1,91 @@
+"""Planning speed: ``autoshard plan`` from process start to the JSON file, capture included, and
+the search alone, for the Llama-3-8B shape on 64 devices and a Llama-70B shape on 512 (8-device
+H100 nodes), with each search. Also the recursive search's plan against the optimal one's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NAME = "plan"
+
+SHAPES = {
+    "llama3-8b": {
+        "args": "--model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 "
+        "--seq 2048 --batch 64 --vocab 128256",
+        "nodes": 8,
+    },
+    "llama-70b": {
+        "args": "--model llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 "
+        "--seq 4096 --batch 64 --vocab 128256",
+        "nodes": 64,
+    },
+}
+
+
+def _one(shape: str, search: str) -> dict:
+    spec = SHAPES[shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        cmd = [sys.executable, "-m", "autoshard.cli", "plan", *spec["args"].split()]
+        cmd += ["--cluster", "dgx-h100", "--nodes", str(spec["nodes"]), "--search", search]
+        cmd += ["--json", str(out)]
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        data = json.loads(out.read_text())
+    pred = data["predicted"]
+    return {
+        "shape": shape,
+        "devices": spec["nodes"] * 8,
+        "search": search,
+        "process_s": wall,
+        "in_process_s": pred["end_to_end_s"],
+        "capture_s": pred["capture_s"],
+        "search_s": pred["search_s"],
+        "mesh": data["mesh"],
+        "step_ms": pred["step_time_s"] * 1e3,
+        "mfu": pred["mfu"],
+        "peak_gib": pred["peak_memory_bytes"] / 2**30,
+        "command": "autoshard plan " + " ".join(cmd[4:-2]),
+    }
+
+
+def run(quick: bool) -> dict:
+    rows = []
+    for shape in SHAPES:
+        for search in ("optimal", "recursive") if not quick else ("optimal",):
+            rows.append(_one(shape, search))
+    return {"rows": rows}
+
+
+def summary(result: dict) -> str:
+    lines = [
+        "`autoshard plan` in a fresh process on this machine (2 cores), reference model captured "
+        "on the meta device with 2 of its blocks and priced at full depth. Process: wall time "
+        "from process start to the JSON file; search: building the cost graphs of every mesh "
+        "shape and solving them.",
+        "",
+        "| model | devices | search | process s | capture s | search s | mesh | predicted step ms "
+        "| MFU | peak GiB |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        mesh = " x ".join(f"{k}{v}" for k, v in r["mesh"].items())
+        lines.append(
+            f"| {r['shape']} | {r['devices']} | {r['search']} | {r['process_s']:.2f} | "
+            f"{r['capture_s']:.2f} | {r['search_s']:.2f} | {mesh} | {r['step_ms']:.0f} | "
+            f"{r['mfu'] * 100:.1f}% | {r['peak_gib']:.1f} |"
+        )
+    by = {(r["shape"], r["search"]): r for r in result["rows"]}
+    for shape in SHAPES:
+        if (shape, "optimal") in by and (shape, "recursive") in by:
+            ratio = by[(shape, "recursive")]["step_ms"] / by[(shape, "optimal")]["step_ms"]
+            lines.append(f"- {shape}: recursive's predicted step is {ratio:.3f}x optimal's.")
+    lines.append("")
+    lines.append("Commands: " + "; ".join(f"`{r['command']}`" for r in result["rows"][:2]))
+    return "\n".join(lines)

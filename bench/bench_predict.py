@@ -1,0 +1,166 @@
+"""Predicted against measured step time on this machine: ``autoshard calibrate`` measures it
+into a cluster spec, then plans (data parallel, Megatron tensor parallel, searched) train on 2
+gloo ranks of 1 thread each; the cost model's estimate of each plan is compared with the median
+measured step (forward, backward, AdamW step)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+
+NAME = "predict"
+
+STEPS, WARMUP = 12, 3
+
+
+def _megatron(name: str) -> dict:
+    col = ((None, None, None), ("tp", None))
+    row = ((None, None, "tp"), (None, "tp"))
+    if name == "gpt":
+        from autoshard import Factored
+
+        qkv = Factored((3, 8, 32), (None, "tp", None))
+        return {
+            "layers.*.attn.c_attn": ((None, None, None), (qkv, None)),
+            "layers.*.attn.c_proj": row,
+            "layers.*.mlp.c_fc": col,
+            "layers.*.mlp.c_proj": row,
+        }
+    return {
+        "layers.*.attention.w[qkv]": col,
+        "layers.*.attention.wo": row,
+        "layers.*.feed_forward.w[13]": col,
+        "layers.*.feed_forward.w2": row,
+    }
+
+
+def _model(name: str):  # noqa: ANN202
+    from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "gpt":
+        config = GPTConfig(vocab_size=512, block_size=64, num_layers=2, num_heads=8, hidden=256)
+        return GPT(config), config.example_batch(8, gen)
+    if name == "llama":
+        config = LlamaConfig(
+            vocab_size=512,
+            max_seq=64,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=4,
+            hidden=256,
+            ffn_hidden=512,
+        )
+        return Llama(config), config.example_batch(8, gen)
+    config = MLPConfig(in_features=256, hidden=1024, out_features=16, num_layers=3)
+    return MLP(config), config.example_batch(64, gen)
+
+
+PLANS = [
+    ("gpt", "data parallel", {"dp": 2}, None),
+    ("gpt", "Megatron tp", {"tp": 2}, "megatron"),
+    ("llama", "data parallel", {"dp": 2}, None),
+    ("llama", "Megatron tp", {"tp": 2}, "megatron"),
+    ("mlp", "data parallel", {"dp": 2}, None),
+    ("gpt", "searched (optimal)", 2, "search"),
+    ("llama", "searched (recursive)", 2, "search-recursive"),
+]
+
+
+def _rank(spec_json: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    from autoshard import parallelize, shard_inputs
+    from autoshard.capture import capture_modes
+    from autoshard.cluster import ClusterSpec
+    from autoshard.cost import estimate
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    spec = ClusterSpec.from_json(spec_json)
+    rows = []
+    for name, title, mesh, how in PLANS:
+        model, batch = _model(name)
+        captured = capture_modes(model, batch)
+        if how and how.startswith("search"):
+            search = "recursive" if how.endswith("recursive") else "optimal"
+            pm = parallelize(
+                model, batch, mesh, captured=captured, search=search, cluster=spec_json
+            )
+        else:
+            strategies = _megatron(name) if how == "megatron" else None
+            pm = parallelize(model, batch, mesh, strategies, captured=captured)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        local = shard_inputs(batch, pm)
+        times = []
+        for step in range(WARMUP + STEPS):
+            dist.barrier()
+            start = time.perf_counter()
+            pm(*local).backward()
+            opt.step()
+            opt.zero_grad()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= WARMUP:
+                times.append(float(elapsed))
+        predicted = estimate(pm.plan, captured[True], spec)
+        mesh_desc = " x ".join(
+            f"{k}{v}" for k, v in zip(pm.plan.mesh.names, pm.plan.mesh.sizes, strict=True)
+        )
+        rows.append(
+            {
+                "model": name,
+                "plan": title,
+                "mesh": mesh_desc,
+                "measured_ms": statistics.median(times) * 1e3,
+                "predicted_ms": predicted.step_time * 1e3,
+                "compute_ms": predicted.compute * 1e3,
+                "comm_ms": predicted.comm * 1e3,
+                "optimizer_ms": predicted.optimizer * 1e3,
+            }
+        )
+    return rows
+
+
+def run(quick: bool) -> dict:
+    from autoshard.calibrate import calibrate
+    from autoshard.testing import run_ranks
+
+    spec = calibrate(ranks=2, threads=1)
+    rows = run_ranks(_rank, 2, spec.to_json(), timeout=900)[0]
+    for r in rows:
+        r["error"] = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+    return {"spec": spec.to_json(), "rows": rows}
+
+
+def summary(result: dict) -> str:
+    spec = result["spec"]
+    rows = result["rows"]
+    errors = [abs(r["error"]) for r in rows]
+    lines = [
+        f"Calibrated spec (`autoshard calibrate`): {spec['flops']['float32'] / 1e9:.1f} GFLOP/s "
+        f"f32, memory {spec['memory_bandwidth'] / 1e9:.1f} GB/s, op overhead "
+        f"{spec['op_overhead'] * 1e6:.1f} us, gloo {spec['intra_bandwidth'] / 1e9:.2f} GB/s, "
+        f"{spec['intra_latency'] * 1e6:.0f} us latency. 2 ranks of 1 thread, float32; median of "
+        f"{STEPS} steps (after {WARMUP}) of the slowest rank; a step is forward, backward and "
+        "AdamW.",
+        "",
+        "| model | plan | mesh | measured ms | predicted ms | error | compute | comm | optimizer |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['plan']} | {r['mesh']} | {r['measured_ms']:.1f} | "
+            f"{r['predicted_ms']:.1f} | {r['error'] * 100:+.0f}% | {r['compute_ms']:.1f} | "
+            f"{r['comm_ms']:.1f} | {r['optimizer_ms']:.1f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Median absolute error {statistics.median(errors) * 100:.0f}% over {len(rows)} plans "
+        f"(max {max(errors) * 100:.0f}%)."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,348 @@
+"""The cost model and the searches (docs/search.md): the integer program against brute force,
+the recursive search against the optimum, known answers, memory limits, the plan JSON and the
+command line. Training equivalence of searched plans is in test_parallel.py (4 ranks)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.capture import capture
+from autoshard.cluster import PRESETS, ClusterSpec, cluster_spec
+from autoshard.cost import estimate, transition
+from autoshard.layout import Layout
+from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
+from autoshard.ops import MeshInfo
+from autoshard.search import (
+    PlanningError,
+    brute_force,
+    build_cost_graph,
+    solve_optimal,
+    solve_propagate,
+    solve_recursive,
+)
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class Chain(nn.Module):
+    """The seeds' Z = (X W) V with a loss: two matmuls of chosen sizes."""
+
+    def __init__(self, k: int, n: int, m: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(k, n))
+        self.v = nn.Parameter(torch.randn(n, m))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x @ self.w) @ self.v).square().mean()
+
+
+def _mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(y, t)
+
+
+def small_graphs():
+    """(title, captured) of small models whose cost graphs brute force can enumerate."""
+    out = []
+    for b, k, n, m in [(8, 16, 32, 8), (64, 8, 8, 8), (4, 64, 256, 64), (16, 16, 16, 16)]:
+        model = Chain(k, n, m)
+        out.append((f"chain{b}x{k}x{n}x{m}", capture(model, (torch.randn(b, k),), {})))
+    for layers, hidden, batch in [(1, 32, 8), (2, 64, 4), (1, 256, 64), (2, 16, 128)]:
+        config = MLPConfig(in_features=16, hidden=hidden, out_features=8, num_layers=layers)
+        model = MLP(config)
+        x, y = config.example_batch(batch, torch.Generator().manual_seed(0))
+        out.append((f"mlp{layers}x{hidden}b{batch}", capture(model, (x, y), {})))
+    return out
+
+
+MESHES = [
+    MeshInfo(("dp",), (2,), ("dp",)),
+    MeshInfo(("dp", "tp"), (2, 2), ("dp",)),
+    MeshInfo(("dp", "tp"), (1, 4), ("dp",)),
+]
+
+
+def test_optimal_equals_brute_force_on_small_graphs() -> None:
+    compared = 0
+    for title, captured in small_graphs():
+        for mesh in MESHES:
+            for preset in ("cpu", "dgx-h100"):
+                cluster = cluster_spec(preset, mesh.num_devices)
+                graph = build_cost_graph(captured, mesh, cluster)
+                if math.prod(len(o) for o in graph.options) > 2_000_000:
+                    continue
+                memories = sorted(graph.objective(c)[1] for c in _some_choices(graph))
+                for limit in (math.inf, memories[len(memories) // 3]):
+                    exact = brute_force(graph, limit)
+                    found = solve_optimal(graph, limit)
+                    where = f"{title} on {mesh.sizes} ({preset}), limit {limit}"
+                    assert (exact is None) == (found is None), where
+                    if exact is None:
+                        continue
+                    assert found.memory <= limit, where
+                    assert found.seconds == pytest.approx(exact.seconds, rel=1e-9), where
+                    compared += 1
+    assert compared >= 20, compared
+
+
+def _some_choices(graph):  # noqa: ANN001, ANN202
+    """A spread of plans (each node's k-th option), to pick memory limits that bind."""
+    width = max(len(o) for o in graph.options)
+    return [[min(k, len(o) - 1) for o in graph.options] for k in range(width)]
+
+
+def _meta_model(name: str, batch: int, hidden: int, seq: int):  # noqa: ANN202
+    """A bfloat16 GPT or Llama of the given sizes on the meta device, captured."""
+    sizes = dict(hidden=hidden, num_heads=16, vocab_size=4096, num_layers=2)
+    with torch.device("meta"):
+        if name == "gpt":
+            model = GPT(GPTConfig(block_size=seq, **sizes))
+        else:
+            model = Llama(LlamaConfig(max_seq=seq, num_kv_heads=8, ffn_hidden=4 * hidden, **sizes))
+        idx = torch.zeros(batch, seq, dtype=torch.long)
+    model = model.to(torch.bfloat16)
+    return model, (idx, idx.clone()), capture(model, (idx, idx.clone()), {})
+
+
+def _build(name, batch, hidden, seq, mesh, preset, devices):  # noqa: ANN001, ANN202
+    captured = _meta_model(name, batch, hidden, seq)[2]
+    return build_cost_graph(captured, mesh, cluster_spec(preset, devices))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_recursive_is_within_ten_percent_of_optimal(name: str) -> None:
+    cases = [
+        (8, 1024, 256, MeshInfo(("dp", "tp"), (2, 4), ("dp",)), "dgx-h100", 8),
+        (64, 512, 256, MeshInfo(("dp", "tp"), (4, 2), ("dp",)), "dgx-a100", 8),
+        (4, 2048, 512, MeshInfo(("dp", "tp"), (2, 8), ("dp",)), "dgx-h100", 16),
+    ]
+    for batch, hidden, seq, mesh, preset, devices in cases:
+        graph = _build(name, batch, hidden, seq, mesh, preset, devices)
+        best = solve_optimal(graph)
+        fast = solve_recursive(graph)
+        where = f"{name} b{batch} h{hidden} on {mesh.sizes}"
+        assert fast.seconds <= 1.10 * best.seconds, (where, fast.seconds, best.seconds)
+        assert best.seconds <= fast.seconds * (1 + 1e-9), where
+        prop = solve_propagate(graph)
+        assert prop.seconds >= best.seconds * (1 - 1e-9), where
+
+
+def _plan_for(name: str, batch: int, hidden: int, devices: int, preset: str, seq: int = 128, **kw):  # noqa: ANN003
+    model, example, captured = _meta_model(name, batch, hidden, seq)
+    return autoshard.plan(
+        model, example, preset, num_devices=devices, captured={True: captured}, **kw
+    )
+
+
+def _weight_splits(plan) -> dict[str, tuple]:  # noqa: ANN001
+    return {
+        fqn: tuple(a for f in p.layout.factors for _, a in f if a >= 0)
+        for fqn, p in plan.params.items()
+    }
+
+
+def test_huge_batch_small_hidden_plans_data_parallel() -> None:
+    plan = _plan_for("gpt", batch=512, hidden=256, seq=512, devices=16, preset="dgx-h100")
+    # every layer's weight whole on every device, every linear split on the batch by all 16
+    assert all(not axes for k, axes in _weight_splits(plan).items() if k.startswith("layers."))
+    mesh = plan.auto["mesh"]
+    for key, value in plan.auto["strategies"].items():
+        if key.endswith("linear.0"):
+            batch = value["space"][0]
+            axes = [batch] if isinstance(batch, str) else batch or []
+            assert math.prod(mesh[a] for a in axes) == 16, (key, value)
+            assert not any(value["space"][1:]), key
+
+
+def test_small_batch_huge_hidden_plans_tensor_parallel_inside_a_node() -> None:
+    plan = _plan_for("gpt", batch=2, hidden=8192, devices=16, preset="dgx-h100")
+    mesh = plan.auto["mesh"]
+    assert mesh["tp"] == 8, mesh  # a whole node, never across nodes
+    split = _weight_splits(plan)
+    for fqn in ("layers.0.mlp.c_fc.weight", "layers.0.mlp.c_proj.weight"):
+        assert split[fqn], (fqn, plan.params[fqn].layout)
+    # Megatron's pairing: c_fc splits its output dim, c_proj its input (contracted) dim
+    fc = plan.auto["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
+    proj = plan.auto["strategies"]["layers.*.mlp.c_proj/linear.0"]["space"]
+    assert fc[2] is not None and proj[3] is not None, (fc, proj)
+
+
+def test_tight_memory_splits_the_weights() -> None:
+    kw = dict(batch=32, hidden=2048, seq=16, devices=8, preset="dgx-h100")
+    free = _plan_for("llama", **kw)
+    free_split = sum(1 for axes in _weight_splits(free).values() if axes)
+    mem = free.predicted.memory
+    # room for the free plan's activations and 35% of its weights, gradients and Adam state
+    limit = mem["activations"] + 0.35 * (mem["params"] + mem["grads"] + mem["optimizer"])
+    tight = _plan_for("llama", memory_limit=limit, **kw)
+    assert tight.predicted.peak_memory <= limit
+    assert tight.predicted.memory["params"] < 0.75 * mem["params"]
+    assert sum(1 for axes in _weight_splits(tight).values() if axes) >= free_split + 5
+    assert tight.predicted.step_time >= free.predicted.step_time
+
+
+def test_nothing_fits_names_the_smallest_memory_and_the_remedies() -> None:
+    with pytest.raises(PlanningError, match=r"smallest peak found is .* GiB.*ZeRO.*pipeline"):
+        _plan_for("gpt", batch=8, hidden=256, devices=4, preset="dgx-h100", memory_limit=1e5)
+
+
+def test_the_searched_plan_prices_as_the_search_said() -> None:
+    """The search's objective is the cost model's estimate of the plan the planner builds."""
+    for search in ("optimal", "recursive"):
+        plan = _plan_for("llama", batch=8, hidden=512, devices=8, preset="dgx-h100", search=search)
+        got = plan.predicted
+        assert got.step_time == pytest.approx(plan.auto["predicted"]["step_time_s"], rel=1e-6)
+        assert got.peak_memory == pytest.approx(
+            plan.auto["predicted"]["peak_memory_bytes"], rel=1e-6
+        )
+
+
+def test_repeated_layers_make_one_group() -> None:
+    graphs = []
+    for layers in (2, 6):
+        with torch.device("meta"):
+            config = LlamaConfig(num_layers=layers, hidden=64, num_heads=4, max_seq=32)
+            model = Llama(config)
+            idx = torch.zeros(4, 32, dtype=torch.long)
+        captured = capture(model, (idx, idx.clone()), {})
+        mesh = MeshInfo(("dp", "tp"), (2, 2), ("dp",))
+        graphs.append(build_cost_graph(captured, mesh, cluster_spec("dgx-h100", 4)))
+    assert graphs[0].size == graphs[1].size  # the problem does not grow with depth
+    assert len(graphs[1].instances) > len(graphs[1].names)
+
+
+def test_depth_scaling_matches_the_full_capture() -> None:
+    """Pricing a 2-block capture as 5 blocks gives the 5-block capture's costs."""
+    mesh = MeshInfo(("dp", "tp"), (2, 4), ("dp",))
+    cluster = cluster_spec("dgx-h100", 8)
+    graphs = []
+    for layers, depth in ((2, {"layers": 5}), (5, None)):
+        with torch.device("meta"):
+            config = LlamaConfig(num_layers=layers, hidden=128, num_heads=8, max_seq=64)
+            idx = torch.zeros(8, 64, dtype=torch.long)
+            model = Llama(config)
+        graphs.append(
+            build_cost_graph(capture(model, (idx, idx.clone()), {}), mesh, cluster, depth=depth)
+        )
+    a, b = (solve_optimal(g) for g in graphs)
+    assert a.choice == b.choice
+    assert a.seconds == pytest.approx(b.seconds, rel=1e-9)
+    assert a.memory == pytest.approx(b.memory, rel=1e-9)
+
+
+def test_transition_prices_collectives_on_their_links() -> None:
+    cluster = cluster_spec("dgx-h100", 16)
+    mesh = {"dp": 2, "tp": 8}
+    shape = (64, 1024)
+    whole = Layout.from_named(shape, (None, None), mesh, dtype=torch.bfloat16)
+    nbytes = 64 * 1024 * 2
+    inside = Layout.from_named(shape, (None, None), mesh, partial=("tp",), dtype=torch.bfloat16)
+    across = Layout.from_named(shape, (None, None), mesh, partial=("dp",), dtype=torch.bfloat16)
+    t_in = transition(inside, whole, cluster)
+    t_out = transition(across, whole, cluster)
+    assert t_in.kinds == ("all_reduce",) and t_out.kinds == ("all_reduce",)
+    bw_in, lat_in = cluster.intra_bandwidth, cluster.intra_latency
+    # ring bandwidth, tree latency: 3 steps in a group of 8, 1 in a group of 2
+    assert t_in.seconds == pytest.approx(2 * 7 / 8 * nbytes / bw_in + 2 * 3 * lat_in)
+    bw_out, lat_out = cluster.inter_bandwidth, cluster.inter_latency
+    assert t_out.seconds == pytest.approx(2 * 1 / 2 * nbytes / bw_out + 2 * lat_out)
+    rows = Layout.from_named(shape, ("tp", None), mesh, dtype=torch.bfloat16)
+    cols = Layout.from_named(shape, (None, "tp"), mesh, dtype=torch.bfloat16)
+    assert transition(rows, cols, cluster).kinds == ("all_to_all",)
+    assert transition(rows, whole, cluster).kinds == ("all_gather",)
+    assert transition(whole, rows, cluster).seconds == 0.0
+    assert transition(inside, rows, cluster).kinds == ("reduce_scatter",)
+
+
+def test_cluster_spec_round_trips_and_rejects_unknown_fields(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "c.json"
+    PRESETS["dgx-a100"].save(path)
+    loaded = ClusterSpec.load(path)
+    assert loaded.to_json() == PRESETS["dgx-a100"].to_json()
+    assert cluster_spec(str(path), 32).nodes == 4
+    with pytest.raises(ValueError, match="unknown fields"):
+        ClusterSpec.from_json({**PRESETS["cpu"].to_json(), "bogus": 1})
+    with pytest.raises(ValueError, match="not a preset"):
+        cluster_spec("no-such-cluster")
+
+
+def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> None:  # noqa: ANN001
+    from autoshard.cli import main
+
+    out = tmp_path / "plan.json"
+    code = main(
+        [
+            "plan",
+            "--model",
+            "llama",
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--heads",
+            "8",
+            "--kv-heads",
+            "4",
+            "--ffn",
+            "512",
+            "--seq",
+            "64",
+            "--batch",
+            "16",
+            "--vocab",
+            "1000",
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "predicted step" in text and "MFU" in text and "meshes tried" in text
+    data = json.loads(out.read_text())
+    assert math.prod(data["mesh"].values()) == 16
+    assert any(k.startswith("layers.*.") for k in data["strategies"])
+    # the JSON plans a real (4-layer) model of the same shape in the planner
+    from autoshard.auto import input_layouts, load_plan
+    from autoshard.parallel import mesh_info
+    from autoshard.plan import plan_graph
+
+    config = LlamaConfig(
+        num_layers=4,
+        hidden=256,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_hidden=512,
+        max_seq=64,
+        vocab_size=1000,
+    )
+    with torch.device("meta"):
+        model = Llama(config).to(torch.bfloat16)
+        idx = torch.zeros(16, 64, dtype=torch.long)
+    captured = capture(model, (idx, idx.clone()), {})
+    plan = load_plan(out)
+    built = plan_graph(
+        captured,
+        mesh_info(plan["mesh"]),
+        plan["strategies"],
+        input_layouts=input_layouts(captured, plan),
+    )
+    configured = [n for n in built.nodes.values() if n.configured]
+    assert len(configured) >= 4 * 20
+    got = estimate(built, captured, cluster_spec(plan["cluster"]))
+    assert got.step_time == pytest.approx(data["predicted"]["step_time_s"], rel=1e-6)
+
+
+def test_bad_search_name_is_an_error() -> None:
+    with pytest.raises(ValueError, match="search='fastest'"):
+        _plan_for("gpt", batch=8, hidden=64, devices=2, preset="cpu", search="fastest")
