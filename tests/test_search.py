@@ -346,3 +346,51 @@ def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> No
 def test_bad_search_name_is_an_error() -> None:
     with pytest.raises(ValueError, match="search='fastest'"):
         _plan_for("gpt", batch=8, hidden=64, devices=2, preset="cpu", search="fastest")
+
+
+def test_bad_plans_and_arguments_are_clear_errors(tmp_path) -> None:  # noqa: ANN001
+    from autoshard.auto import load_plan
+    from autoshard.plan import plan_graph
+
+    with pytest.raises(ValueError, match="plan format None"):
+        load_plan({"mesh": {"dp": 2}})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format": "autoshard-plan/0"}))
+    with pytest.raises(ValueError, match="autoshard-plan/0"):
+        load_plan(path)
+    model, example, captured = _meta_model("gpt", 4, 64, 16)
+    mesh = MeshInfo(("dp",), (2,), ("dp",))
+    with pytest.raises(autoshard.StrategyError, match="'layers.*.nope/linear.0' matches no op"):
+        plan_graph(captured, mesh, {"layers.*.nope/linear.0": {"space": [None]}})
+    with pytest.raises(autoshard.StrategyError, match="space strategy .* has 1 entries"):
+        plan_graph(captured, mesh, {"layers.*.mlp.c_fc/linear.0": {"space": ["dp"]}})
+    with pytest.raises(ValueError, match="give search= or plan=, not both"):
+        autoshard.parallelize(
+            model, example, 2, search="optimal", plan={}, captured={True: captured, False: captured}
+        )
+    with pytest.raises(ValueError, match="needs the mesh they name"):
+        autoshard.plan(
+            model,
+            example,
+            "cpu",
+            num_devices=2,
+            search="propagate",
+            strategies={"lm_head": ((None, None), ("dp", None))},
+            captured={True: captured},
+        )
+
+
+def test_propagate_keeps_configured_ops() -> None:
+    model, example, captured = _meta_model("gpt", 8, 256, 64)
+    col = ((None, None, None), ("tp", None))
+    plan = autoshard.plan(
+        model,
+        example,
+        "dgx-h100",
+        mesh={"dp": 2, "tp": 4},
+        search="propagate",
+        strategies={"layers.*.mlp.c_fc": col},
+        captured={True: captured},
+    )
+    fc = plan.auto["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
+    assert fc[2] == "tp" and fc[3] is None, fc

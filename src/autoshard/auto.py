@@ -16,9 +16,9 @@ from autoshard.capture import Captured, capture_modes
 from autoshard.cluster import ClusterSpec, cluster_spec
 from autoshard.cost import estimate
 from autoshard.layout import Layout
-from autoshard.ops import MeshInfo
 from autoshard.plan import Plan, op_key_parts, plan_graph
-from autoshard.search import SearchResult, search
+from autoshard.search import SearchResult
+from autoshard.search import search as run_search
 
 FORMAT = "autoshard-plan/1"
 
@@ -31,14 +31,13 @@ def plan_json(captured: Captured, result: SearchResult, cluster: ClusterSpec) ->
     """The searched plan as JSON: mesh, one space strategy per decision op (repeated layers
     written once as ``<list>.*``), input layouts, and the search's prediction."""
     parts = op_key_parts(captured)
-    grouped = {name for name, rep in result.graph.instances.items()}
     reps = set(result.graph.instances.values())
     multi = {name for name, rep in result.graph.instances.items() if name != rep}
     multi |= {result.graph.instances[n] for n in multi}
     strategies: dict[str, Any] = {}
     inputs: dict[str, Any] = {}
     chosen = result.strategies()
-    for name in grouped:
+    for name in result.graph.instances:
         option = chosen[name]
         if name not in parts:  # a model input
             inputs[name] = _jsonable(option.spec)
@@ -143,7 +142,7 @@ def plan(
             raise ValueError("search='propagate' with strategies needs the mesh they name")
         base = plan_graph(captured[True], fixed_mesh, strategies)
         fixed = {n.node: n.strategy for n in base.nodes.values() if n.configured}
-    result = search_fn(
+    result = run_search(
         captured[True],
         num_devices,
         spec,
@@ -163,15 +162,6 @@ def plan(
     out.auto = data
     out.predicted = estimate(out, captured[True], spec)
     return out
-
-
-search_fn = search
-
-
-def as_mesh(plan: Mapping[str, Any]) -> MeshInfo:
-    from autoshard.parallel import mesh_info
-
-    return mesh_info(plan["mesh"])
 
 
 __all__ = ["FORMAT", "input_layouts", "load_plan", "plan", "plan_json"]

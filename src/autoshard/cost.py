@@ -137,7 +137,8 @@ def _fallback(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 # -- ops ------------------------------------------------------------------------------------------
 
 
-def _float(node: fx.Node) -> bool:
+def differentiable(node: fx.Node) -> bool:
+    """Whether a value is floating point (it has a gradient unless it is a buffer)."""
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
@@ -145,14 +146,14 @@ def _float(node: fx.Node) -> bool:
 def backward_factor(node: fx.Node) -> int:
     """Backward compute as a multiple of forward: one gradient per differentiable input, at most
     two (a contraction's ``dX`` and ``dW``)."""
-    return min(2, sum(1 for a in tensor_inputs(node) if _float(a)))
+    return min(2, sum(1 for a in tensor_inputs(node) if differentiable(a)))
 
 
 def op_time(node: fx.Node, strategy: Strategy, cluster: ClusterSpec) -> tuple[float, float]:
     """(forward, backward) seconds of one op on one device."""
     rule = rule_for(node)
     if rule.is_shape_op:
-        return cluster.op_overhead, cluster.op_overhead if _float(node) else 0.0
+        return cluster.op_overhead, cluster.op_overhead if differentiable(node) else 0.0
     cost = rule.cost(node, strategy)
     out = next((layout for layout in strategy.outs if layout is not None), None)
     dtype = out.dtype if out is not None else torch.float32
@@ -265,7 +266,7 @@ def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_
         args = tensor_inputs(node)
         for i, (src, dst) in node_plan.moves.items():
             est.comm_forward += transition(src, dst, cluster).seconds
-            if _float(args[i]):
+            if differentiable(args[i]):
                 back = transition(dst.without_partial(), src.without_partial(), cluster)
                 est.comm_backward += back.seconds
         for i, (grad, want) in node_plan.grad_reduce.items():

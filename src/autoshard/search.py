@@ -26,6 +26,7 @@ from autoshard.capture import Captured, module_path
 from autoshard.cluster import ClusterSpec
 from autoshard.cost import (
     ADAM_STATES,
+    differentiable,
     local_bytes,
     model_flops,
     op_time,
@@ -471,7 +472,7 @@ _ROWS: dict[tuple, np.ndarray] = {}
 
 def _edge_row(value, layout, user, i, mesh, cluster) -> np.ndarray:  # noqa: ANN001
     """Seconds of moving ``value`` in ``layout`` to what each option of ``user`` wants."""
-    key = (layout, user, i, mesh, id(cluster), _float(value) and _kind(value) != "buffer")
+    key = (layout, user, i, mesh, id(cluster), differentiable(value) and _kind(value) != "buffer")
     row = _ROWS.get(key)
     if row is None:
         row = np.array(
@@ -504,11 +505,6 @@ def _param_time(p: fx.Node, layout: Layout, cluster: ClusterSpec) -> float:
     return optimizer_time(layout, cluster) if _kind(p) == "param" else 0.0
 
 
-def _float(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
-
-
 _MOVES: dict[tuple, float] = {}
 
 
@@ -516,7 +512,7 @@ def _move(value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec) -> fl
     """Forward redistribution and, for a differentiable value, its mirror in backward."""
     if src == want:
         return 0.0
-    backward = _float(value) and _kind(value) != "buffer"
+    backward = differentiable(value) and _kind(value) != "buffer"
     key = (src, want, backward, id(cluster))
     seconds = _MOVES.get(key)
     if seconds is None:
@@ -528,7 +524,7 @@ def _move(value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec) -> fl
 
 
 def _grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec) -> float:
-    if not _float(arg) or _kind(arg) == "buffer":
+    if not differentiable(arg) or _kind(arg) == "buffer":
         return 0.0
     key = (grad, want, "grad", id(cluster))
     seconds = _MOVES.get(key)
