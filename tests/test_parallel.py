@@ -359,3 +359,56 @@ def test_megatron_layer_moves_the_analytic_volume() -> None:
 
 def test_ranks_with_different_plans_fail_before_training() -> None:
     run_ranks(_different_plans, 2, timeout=120)
+
+
+# -- coalesced gradient sums -----------------------------------------------------------------------
+
+
+def _coalesced_gradients() -> None:
+    from autoshard import comm
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model, config = build("mlp", 0.0)
+    model = model.double()
+    data = batches(config, torch.float64)
+    ref = single_device(copy.deepcopy(model), data[0])
+    pm = parallelize(model, data[0], {"dp": 2}, None)
+    names = [n for n, _ in ref.named_parameters()]
+    # One flat all-reduce for every data-parallel gradient of the backward.
+    loss = pm(*shard_inputs(data[0], pm))
+    with comm.counting() as counted:
+        loss.backward()
+    grad_bytes = sum(p.numel() * 8 for p in pm.parameters())  # a 2-rank all-reduce sends its size
+    assert counted == {"all_reduce": {"calls": 1, "bytes": grad_bytes}}, counted
+    pm.zero_grad()
+    # Accumulation over micro-batches sums each backward's contribution once.
+    for batch in data[:2]:
+        ref(*batch).backward()
+        pm(*shard_inputs(batch, pm)).backward()
+    for name, p_ref, p in zip(names, ref.parameters(), pm.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, msg=lambda m, n=name: f"{n}: {m}")
+    # torch.autograd.grad returns the sums too, and leaves .grad alone.
+    before = [p.grad.clone() for p in pm.parameters()]
+    grads = torch.autograd.grad(pm(*shard_inputs(data[2], pm)), list(pm.parameters()))
+    grads_ref = torch.autograd.grad(ref(*data[2]), list(ref.parameters()))
+    for name, g, g_ref in zip(names, grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, msg=lambda m, n=name: f"{n}: {m}")
+    for p, b in zip(pm.parameters(), before, strict=True):
+        torch.testing.assert_close(p.grad, b)
+    # A backward that raises part way leaves nothing behind for the next one.
+    first = next(iter(pm.parameters()))
+    handle = first.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"):
+        pm(*shard_inputs(data[3], pm)).backward()
+    handle.remove()
+    pm.zero_grad()
+    ref.zero_grad()
+    ref(*data[4]).backward()
+    pm(*shard_inputs(data[4], pm)).backward()
+    for name, p_ref, p in zip(names, ref.parameters(), pm.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_gradient_sums_are_coalesced_and_accumulate() -> None:
+    run_ranks(_coalesced_gradients, 2, timeout=120)

@@ -179,8 +179,8 @@ def test_tight_memory_splits_the_weights() -> None:
     free = _plan_for("llama", **kw)
     free_split = sum(1 for axes in _weight_splits(free).values() if axes)
     mem = free.predicted.memory
-    # room for the free plan's activations and 35% of its weights, gradients and Adam state
-    limit = mem["activations"] + 0.35 * (mem["params"] + mem["grads"] + mem["optimizer"])
+    # room for the free plan's activations and 45% of its weights, gradients and Adam state
+    limit = mem["activations"] + 0.45 * (mem["params"] + mem["grads"] + mem["optimizer"])
     tight = _plan_for("llama", memory_limit=limit, **kw)
     assert tight.predicted.peak_memory <= limit
     assert tight.predicted.memory["params"] < 0.75 * mem["params"]
@@ -198,7 +198,9 @@ def test_the_searched_plan_prices_as_the_search_said() -> None:
     for search in ("optimal", "recursive"):
         plan = _plan_for("llama", batch=8, hidden=512, devices=8, preset="dgx-h100", search=search)
         got = plan.predicted
-        assert got.step_time == pytest.approx(plan.auto["predicted"]["step_time_s"], rel=1e-6)
+        objective = plan.auto["predicted"]["search_objective_s"]
+        assert got.step_time - got.bucket_latency == pytest.approx(objective, rel=1e-6)
+        assert got.step_time == plan.auto["predicted"]["step_time_s"]
         assert got.peak_memory == pytest.approx(
             plan.auto["predicted"]["peak_memory_bytes"], rel=1e-6
         )

@@ -1,9 +1,12 @@
 """``autoshard calibrate``: measure this machine into a :class:`ClusterSpec` (docs/search.md).
 
-Each rank is one process of ``threads`` threads. Measured: matmul FLOP/s per dtype, memory
-bandwidth (a large copy), the per-op overhead (a small op through autograd), and gloo all-reduce
-time for a small and a large message, from which latency and bandwidth follow by the same
-formula the cost model prices with. Medians of repeated timings.
+Each rank is one process of ``threads`` threads, and every rank measures at the same time, so a
+device is measured as it runs in training: beside its neighbours. Measured: matmul FLOP/s per
+dtype, memory bandwidth (a copy larger than the caches), the per-op overhead (a small op through
+autograd), the memory passes of one AdamW step, and all-reduce time at several message sizes,
+each all-reduce issued between slices of compute as a backward issues them. Latency and bandwidth
+are the least-squares fit of the cost model's own all-reduce formula to those times. Medians of
+repeated timings, then the median over ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
 
 
 def measure_compute(threads: int = 1) -> dict[str, float]:
+    """FLOP/s per dtype, memory bandwidth, op overhead and AdamW passes of this process."""
     torch.set_num_threads(threads)
     out: dict[str, float] = {}
     n = 384
@@ -38,10 +42,11 @@ def measure_compute(threads: int = 1) -> dict[str, float]:
         b = torch.randn(n, n, dtype=dtype)
         seconds = _median_time(lambda a=a, b=b: a @ b, reps=15)
         out[str(dtype).removeprefix("torch.")] = 2 * n**3 / seconds
-    big = torch.empty(16 * 2**20 // 4)  # 16 MiB
+    big = torch.empty(64 * 2**20 // 4)  # 64 MiB: training's tensors do not live in cache
     dst = torch.empty_like(big)
-    seconds = _median_time(lambda: dst.copy_(big), reps=15)
-    out["memory_bandwidth"] = 2 * big.numel() * 4 / seconds
+    seconds = _median_time(lambda: dst.copy_(big), reps=9)
+    bandwidth = 2 * big.numel() * 4 / seconds
+    out["memory_bandwidth"] = bandwidth
     x = torch.ones(4, requires_grad=True)
     ops = 50
 
@@ -51,53 +56,93 @@ def measure_compute(threads: int = 1) -> dict[str, float]:
             y = y * 1.0001
         y.sum().backward()
 
-    out["op_overhead"] = _median_time(chain, reps=15) / (2 * ops)
+    overhead = _median_time(chain, reps=15) / (2 * ops)
+    out["op_overhead"] = overhead
+    param = torch.nn.Parameter(torch.zeros(2**22))  # 16 MiB
+    param.grad = torch.ones_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-6)
+    seconds = _median_time(opt.step, reps=7)
+    traffic = max(seconds - 10 * overhead, 0.0) * bandwidth
+    out["optimizer_passes"] = traffic / (param.numel() * 4)
     return out
 
 
-def _measure_comm_rank(threads: int) -> dict[str, float]:
+#: all-reduce message sizes (bytes) the latency and bandwidth are fitted to
+COMM_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[str, float]:
+    """Per-call all-reduce time at each size, with compute between calls, and the fit of
+    ``2 * ceil(log2 g) * latency + 2 (g - 1) / g * bytes / bandwidth`` to it."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     g = dist.get_world_size()
-    small = torch.zeros(1)
-    big = torch.zeros(2**20)  # 4 MiB
+    a = torch.randn(256, 256)
+    calls, reps = 8, 5
 
-    def timed(t: torch.Tensor) -> float:
-        def once() -> None:
-            dist.barrier()
-            dist.all_reduce(t)
+    def burst(tensors: list[torch.Tensor | None]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for t in tensors:
+            a @ a
+            a @ a
+            if t is not None:
+                dist.all_reduce(t)
+        return time.perf_counter() - start
 
-        barrier = _median_time(dist.barrier, reps=20)
-        return max(0.0, _median_time(once, reps=20) - barrier)
-
-    t_small, t_big = timed(small), timed(big)
+    base = statistics.median(burst([None] * calls) for _ in range(reps))
+    times = []
+    for nbytes in sizes:
+        tensors = [torch.ones(nbytes // 4) for _ in range(calls)]
+        burst(tensors)  # warm-up
+        total = statistics.median(burst(tensors) for _ in range(reps))
+        times.append(max(total - base, 1e-7) / calls)
+    # Weighted least squares (relative error) of t = x0 * a + x1 * b over the sizes.
     steps = math.ceil(math.log2(g))
-    latency = t_small / (2 * steps)
-    nbytes = big.numel() * 4
-    bandwidth = 2 * (g - 1) / g * nbytes / max(t_big - 2 * steps * latency, 1e-9)
-    return {"latency": latency, "bandwidth": bandwidth}
+    rows = [(2 * steps / t, 2 * (g - 1) / g * s / t) for s, t in zip(sizes, times, strict=True)]
+    saa = sum(r[0] * r[0] for r in rows)
+    sab = sum(r[0] * r[1] for r in rows)
+    sbb = sum(r[1] * r[1] for r in rows)
+    sa, sb = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    det = saa * sbb - sab * sab
+    latency = (sa * sbb - sb * sab) / det
+    per_byte = (saa * sb - sab * sa) / det
+    if latency <= 0 or per_byte <= 0:  # degenerate fit: latency from the smallest message,
+        latency = max(times[0] / (2 * steps), 1e-7)  # bandwidth from the largest
+        per_byte = max(times[-1] - 2 * steps * latency, 1e-9) / (2 * (g - 1) / g * sizes[-1])
+    return {"latency": latency, "bandwidth": 1 / per_byte}
+
+
+def _measure_rank(threads: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    out = measure_compute(threads)
+    out |= _measure_comm(threads)
+    return out
 
 
 def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> ClusterSpec:
     """This machine as ``ranks`` devices in one node."""
     from autoshard.testing import run_ranks
 
-    compute = measure_compute(threads)
-    comm = run_ranks(_measure_comm_rank, ranks, threads, timeout=300)[0]
-    flops = {k: v for k, v in compute.items() if k.startswith("float")}
+    per_rank = run_ranks(_measure_rank, ranks, threads, timeout=600)
+    m = {key: statistics.median(r[key] for r in per_rank) for key in per_rank[0]}
+    flops = {key: v for key, v in m.items() if key.startswith("float")}
     return ClusterSpec(
         name=name,
         nodes=1,
         devices_per_node=ranks,
         flops=flops,
         memory_bytes=float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else 8e9,
-        memory_bandwidth=compute["memory_bandwidth"],
-        intra_bandwidth=comm["bandwidth"],
-        intra_latency=comm["latency"],
-        inter_bandwidth=comm["bandwidth"],
-        inter_latency=comm["latency"],
-        op_overhead=compute["op_overhead"],
+        memory_bandwidth=m["memory_bandwidth"],
+        intra_bandwidth=m["bandwidth"],
+        intra_latency=m["latency"],
+        inter_bandwidth=m["bandwidth"],
+        inter_latency=m["latency"],
+        op_overhead=m["op_overhead"],
+        optimizer_passes=m["optimizer_passes"],
         overlap=False,
         extra={"threads_per_rank": threads, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")},
     )

@@ -29,7 +29,9 @@ class ClusterSpec:
     """A cluster of ``nodes`` x ``devices_per_node`` identical devices.
 
     Bandwidths are bytes/s per device (the inter-node one is a device's share of its node's
-    network), latencies seconds per message, ``flops`` peak FLOP/s per dtype name."""
+    network), latencies seconds per message, ``flops`` peak FLOP/s per dtype name.
+    ``optimizer_passes``: bytes of memory traffic of one AdamW step per parameter byte (torch's
+    default per-tensor and foreach AdamW make about 20 passes; a fused kernel about 7)."""
 
     name: str
     nodes: int
@@ -42,6 +44,7 @@ class ClusterSpec:
     inter_bandwidth: float
     inter_latency: float
     op_overhead: float = 5e-6
+    optimizer_passes: float = 20.0
     overlap: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -84,17 +87,31 @@ class ClusterSpec:
         g = group_size
         if g <= 1 or nbytes <= 0:
             return 0.0
-        bw, alpha = self.link(crosses)
+        bw, _ = self.link(crosses)
+        if kind == "all_reduce":
+            volume = 2 * (g - 1) / g * nbytes
+        elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            volume = (g - 1) / g * nbytes
+        elif kind == "send_recv":
+            volume = nbytes
+        else:
+            raise ValueError(f"unknown collective {kind!r}")
+        return volume / bw + self.collective_latency(kind, g, crosses)
+
+    def collective_latency(self, kind: str, group_size: int, crosses: bool) -> float:
+        """The latency term of :meth:`collective_time`."""
+        g = group_size
+        if g <= 1:
+            return 0.0
+        _, alpha = self.link(crosses)
         steps = math.ceil(math.log2(g))
         if kind == "all_reduce":
-            return 2 * (g - 1) / g * nbytes / bw + 2 * steps * alpha
+            return 2 * steps * alpha
         if kind in ("all_gather", "reduce_scatter"):
-            return (g - 1) / g * nbytes / bw + steps * alpha
+            return steps * alpha
         if kind == "all_to_all":
-            return (g - 1) / g * nbytes / bw + (g - 1) * alpha
-        if kind == "send_recv":
-            return nbytes / bw + alpha
-        raise ValueError(f"unknown collective {kind!r}")
+            return (g - 1) * alpha
+        return alpha
 
     def compute_time(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
         return (

@@ -22,6 +22,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather",
     "all_reduce",
+    "all_reduce_",
     "all_to_all",
     "collective_bytes",
     "counters",
@@ -108,6 +109,13 @@ def all_reduce(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.all_reduce(out, group=_group(ranks))
     return out
+
+
+def all_reduce_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Sum of the contiguous ``x`` over the group, in place."""
+    _count("all_reduce", len(ranks), x)
+    dist.all_reduce(x, group=_group(ranks))
+    return x
 
 
 def all_reduce_max(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:

@@ -124,6 +124,25 @@ def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
     return Transfer(seconds, sent, tuple(kinds))
 
 
+def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[float, tuple | None]:
+    """A parameter's gradient sum at the end of the backward. One all-reduce joins its group's
+    flat all-reduce (``parallel.GradSync``): returned are its bandwidth term and the bucket's key,
+    the bucket's latency being paid once (:func:`bucket_latency`). Anything else is priced whole,
+    with key None."""
+    t = transition(partial, full, cluster)
+    if t.kinds != ("all_reduce",):
+        return t.seconds, None
+    key = (tuple(sorted(partial.partial)), partial.ranks, partial.dtype)
+    return t.seconds - bucket_latency(partial, cluster), key
+
+
+def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
+    """Latency of the all-reduce over ``partial``'s partial axes."""
+    axes = [(st, sz) for st, sz, state in _axis_states(partial) if state == ("P",)]
+    g, crosses = _group(axes, cluster)
+    return cluster.collective_latency("all_reduce", g, crosses)
+
+
 def _fallback(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
     """Layouts on meshes with no common refinement: the least-bytes plan's bytes, priced as an
     all-to-all over all the devices."""
@@ -187,8 +206,9 @@ def saves_output(node: fx.Node) -> bool:
 
 def optimizer_time(layout: Layout, cluster: ClusterSpec) -> float:
     """One AdamW step on a parameter shard: about ten elementwise ops over it (torch.optim's
-    per-parameter loop), each reading and writing about 1.2 times its bytes."""
-    return 10 * cluster.op_overhead + 12 * local_bytes(layout) / cluster.memory_bandwidth
+    per-parameter loop), ``optimizer_passes`` times its bytes of memory traffic in all."""
+    traffic = cluster.optimizer_passes * local_bytes(layout)
+    return 10 * cluster.op_overhead + traffic / cluster.memory_bandwidth
 
 
 # -- plans ----------------------------------------------------------------------------------------
@@ -206,6 +226,7 @@ class Estimate:
     comm_forward: float = 0.0
     comm_backward: float = 0.0
     grad_sync: float = 0.0
+    bucket_latency: float = 0.0  # part of grad_sync: one latency per coalesced all-reduce
     optimizer: float = 0.0
     overlap: bool = False
     memory: dict[str, float] = field(
@@ -282,6 +303,7 @@ def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_
         for n in captured.graph.nodes
         if n.op == "placeholder"
     }
+    buckets: dict[tuple, float] = {}
     for fqn, param in plan.params.items():
         size = local_bytes(param.layout)
         if kinds.get(fqn) == "param":
@@ -290,9 +312,14 @@ def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_
             est.memory["optimizer"] += optimizer_states * size
             est.optimizer += optimizer_time(param.layout, cluster)
             if param.grad_partial is not None:
-                est.grad_sync += transition(param.grad_partial, param.layout, cluster).seconds
+                seconds, key = grad_sync(param.grad_partial, param.layout, cluster)
+                est.grad_sync += seconds
+                if key is not None and key not in buckets:
+                    buckets[key] = bucket_latency(param.grad_partial, cluster)
         else:
             est.memory["params"] += size
+    est.bucket_latency = sum(buckets.values())
+    est.grad_sync += est.bucket_latency
     for layout in plan.inputs.values():
         est.memory["activations"] += local_bytes(layout)
     for src, dst in plan.outputs:
@@ -302,4 +329,4 @@ def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_
     return est
 
 
-__all__ = ["Estimate", "Transfer", "estimate", "op_time", "transition"]
+__all__ = ["Estimate", "Transfer", "estimate", "grad_sync", "op_time", "transition"]

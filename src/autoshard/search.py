@@ -27,6 +27,7 @@ from autoshard.cluster import ClusterSpec
 from autoshard.cost import (
     ADAM_STATES,
     differentiable,
+    grad_sync,
     local_bytes,
     model_flops,
     op_time,
@@ -530,7 +531,12 @@ def _grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec)
     seconds = _MOVES.get(key)
     if seconds is None:
         whole = want.without_partial()
-        seconds = 0.0 if grad == whole else transition(grad, whole, cluster).seconds
+        if grad == whole:
+            seconds = 0.0
+        elif _kind(arg) == "param":  # summed in the backward's coalesced all-reduce
+            seconds = grad_sync(grad, whole, cluster)[0]
+        else:
+            seconds = transition(grad, whole, cluster).seconds
         _MOVES[key] = seconds
     return seconds
 
