@@ -24,6 +24,7 @@ from autoshard.search import (
     PlanningError,
     brute_force,
     build_cost_graph,
+    lower_bound,
     solve_optimal,
     solve_propagate,
     solve_recursive,
@@ -88,6 +89,8 @@ def test_optimal_equals_brute_force_on_small_graphs() -> None:
                         continue
                     assert found.memory <= limit, where
                     assert found.seconds == pytest.approx(exact.seconds, rel=1e-9), where
+                    # the bound that skips mesh shapes never exceeds the optimum
+                    assert lower_bound(graph) <= exact.seconds * (1 + 1e-12), where
                     compared += 1
     assert compared >= 20, compared
 
@@ -132,6 +135,13 @@ def test_recursive_is_within_ten_percent_of_optimal(name: str) -> None:
         assert best.seconds <= fast.seconds * (1 + 1e-9), where
         prop = solve_propagate(graph)
         assert prop.seconds >= best.seconds * (1 - 1e-9), where
+        # a memory limit that binds: halfway from the unlimited optimum's peak to the least
+        least = graph.const_memory + sum(float(m.min()) for m in graph.memory)
+        limit = (least + best.memory) / 2
+        best = solve_optimal(graph, limit)
+        fast = solve_recursive(graph, limit)
+        assert fast.memory <= limit, where
+        assert fast.seconds <= 1.10 * best.seconds, (where, limit, fast.seconds, best.seconds)
 
 
 def _plan_for(name: str, batch: int, hidden: int, devices: int, preset: str, seq: int = 128, **kw):  # noqa: ANN003

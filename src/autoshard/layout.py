@@ -88,6 +88,8 @@ class Layout:
         "axis_names",
         "_key",
         "_hash",
+        "_local",
+        "_grad",
     )
 
     shape: tuple[int, ...]
@@ -372,7 +374,14 @@ class Layout:
         """The shape every rank of the layout holds (splits are even); ``rank`` is checked."""
         if rank is not None:
             self.position(rank)
-        return tuple(_prod([s for s, a in factors if a == NOT_SPLIT]) for factors in self.factors)
+        try:
+            return self._local
+        except AttributeError:
+            local = tuple(
+                _prod([s for s, a in factors if a == NOT_SPLIT]) for factors in self.factors
+            )
+            object.__setattr__(self, "_local", local)
+            return local
 
     def position(self, rank: int) -> int:
         try:
@@ -418,9 +427,14 @@ class Layout:
         """The layout of this tensor's gradient: partial axes become replicated."""
         if not self.partial:
             return self
-        return Layout._make(
-            self.shape, self.mesh, self.factors, (), self.ranks, self.dtype, self.axis_names
-        )
+        try:
+            return self._grad
+        except AttributeError:
+            grad = Layout._make(
+                self.shape, self.mesh, self.factors, (), self.ranks, self.dtype, self.axis_names
+            )
+            object.__setattr__(self, "_grad", grad)
+            return grad
 
     # -- mapping through shape ops ------------------------------------------------------------
 
@@ -671,6 +685,8 @@ _RANGES: dict[int, tuple[int, ...]] = {}
 
 def _interned_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
     """One shared tuple per rank list, so layouts on the same ranks compare by identity."""
+    if type(ranks) is tuple and _RANKS.get(ranks) is ranks:  # already the shared one
+        return ranks
     if isinstance(ranks, range) and ranks.start == 0 and ranks.step == 1:
         found = _RANGES.get(len(ranks))
         if found is None:

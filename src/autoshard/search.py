@@ -469,18 +469,30 @@ def build_cost_graph(
 
 
 _ROWS: dict[tuple, np.ndarray] = {}
+_WANTS: dict[tuple, tuple[list[Layout], np.ndarray]] = {}
 
 
 def _edge_row(value, layout, user, i, mesh, cluster) -> np.ndarray:  # noqa: ANN001
     """Seconds of moving ``value`` in ``layout`` to what each option of ``user`` wants."""
-    key = (layout, user, i, mesh, id(cluster), differentiable(value) and _kind(value) != "buffer")
+    backward = differentiable(value) and _kind(value) != "buffer"
+    key = (layout, user, i, mesh, id(cluster), backward)
     row = _ROWS.get(key)
     if row is None:
-        row = np.array(
-            [_move(value, layout, o.strategy.ins[i], cluster) for o in options(user, mesh)]
-        )
+        wants, where = _wants(user, i, mesh)
+        row = np.array([_move_cost(layout, w, backward, cluster) for w in wants])[where]
         _ROWS[key] = row
     return row
+
+
+def _wants(user: fx.Node, i: int, mesh: MeshInfo) -> tuple[list[Layout], np.ndarray]:
+    """The distinct layouts ``user``'s options want for input ``i``, and which each wants."""
+    key = (user, i, mesh)
+    found = _WANTS.get(key)
+    if found is None:
+        index: dict[Layout, int] = {}
+        where = [index.setdefault(o.strategy.ins[i], len(index)) for o in options(user, mesh)]
+        found = _WANTS[key] = (list(index), np.array(where, dtype=np.intp))
+    return found
 
 
 def _empty(rows: int, user: fx.Node, mesh: MeshInfo) -> np.ndarray:
@@ -513,7 +525,12 @@ def _move(value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec) -> fl
     """Forward redistribution and, for a differentiable value, its mirror in backward."""
     if src == want:
         return 0.0
-    backward = differentiable(value) and _kind(value) != "buffer"
+    return _move_cost(src, want, differentiable(value) and _kind(value) != "buffer", cluster)
+
+
+def _move_cost(src: Layout, want: Layout, backward: bool, cluster: ClusterSpec) -> float:
+    if src == want:
+        return 0.0
     key = (src, want, backward, id(cluster))
     seconds = _MOVES.get(key)
     if seconds is None:
@@ -813,15 +830,16 @@ def _local_cost(graph, nbrs, i, s, choice, lam):  # noqa: ANN001, ANN202
 def solve_recursive(graph: CostGraph, memory_limit: float = math.inf, sweeps: int = 20):
     """Axis by axis, ops by FLOPs choose the dim each axis splits given their neighbours (in
     both axis orders, and from the all-data-parallel and the cheapest-op starts); then sweeps of
-    local re-choice until nothing changes; the best wins. Memory: a penalty that grows until the
-    plan fits. Each pass is linear in the graph."""
+    local re-choice until nothing changes; the best wins. Memory: a price per byte (Lagrangian),
+    raised until a plan fits and then bisected down to the cheapest price that still fits, and
+    the best fitting plan re-chosen op by op for time within the limit. Each pass is linear in
+    the graph."""
     start = time.perf_counter()
     nbrs = graph.neighbours()
     order = sorted(range(len(graph.names)), key=lambda i: -graph.weight[i])
     num_axes = len(graph.options[0][0].assign) if graph.options and graph.options[0] else 0
-    lam = 0.0
-    best: Solution | None = None
-    for _ in range(40):
+
+    def attempt(lam: float) -> tuple[Solution | None, list[int]]:
         starts = [
             _by_axes(graph, nbrs, order, num_axes, reversed(range(num_axes)), lam),
             _by_axes(graph, nbrs, order, num_axes, range(num_axes), lam),
@@ -837,15 +855,54 @@ def solve_recursive(graph: CostGraph, memory_limit: float = math.inf, sweeps: in
             seconds, memory = graph.objective(choice)
             if memory <= memory_limit:
                 fits.append(Solution(list(choice), seconds, memory, "recursive"))
-        if fits:
-            best = min(fits, key=lambda s: s.seconds)
+        return (min(fits, key=lambda s: s.seconds) if fits else None), starts[0]
+
+    best, first = attempt(0.0)
+    lam_lo, lam_hi = 0.0, 0.0
+    for _ in range(40):
+        if best is not None:
             break
-        # penalty: seconds per byte, growing until the plan fits
-        seconds, memory = graph.objective(starts[0])
-        lam = max(lam * 4, seconds / max(memory, 1.0))
+        seconds, memory = graph.objective(first)
+        lam_lo, lam_hi = lam_hi, max(lam_hi * 4, seconds / max(memory, 1.0))
+        best, first = attempt(lam_hi)
+    if best is not None and lam_hi > 0:
+        for _ in range(8):  # the cheapest price of memory that still fits
+            lam = (lam_lo + lam_hi) / 2
+            found, _ = attempt(lam)
+            if found is None:
+                lam_lo = lam
+                continue
+            lam_hi = lam
+            if found.seconds < best.seconds:
+                best = found
+        _fit_sweep(graph, nbrs, order, best, memory_limit)
     if best is not None:
         best.solve_seconds = time.perf_counter() - start
     return best
+
+
+def _fit_sweep(graph, nbrs, order, sol: Solution, memory_limit: float) -> None:  # noqa: ANN001
+    """Re-choose op by op for time alone, among the options that keep the plan in the limit."""
+    choice = sol.choice
+    memory = sol.memory
+    for _ in range(20):
+        changed = False
+        for i in order:
+            c = choice[i]
+            room = memory_limit - (memory - graph.memory[i][c])
+            costs = [
+                _local_cost(graph, nbrs, i, s, choice, 0.0)
+                if graph.memory[i][s] <= room
+                else math.inf
+                for s in range(len(graph.options[i]))
+            ]
+            s = int(np.argmin(costs))
+            if costs[s] < costs[c] - 1e-15:
+                memory += graph.memory[i][s] - graph.memory[i][c]
+                choice[i], changed = s, True
+        if not changed:
+            break
+    sol.seconds, sol.memory = graph.objective(choice)
 
 
 def _by_axes(graph, nbrs, order, num_axes, axes, lam) -> list[int]:  # noqa: ANN001
@@ -948,8 +1005,16 @@ def solve_propagate(
 
 
 def lower_bound(graph: CostGraph) -> float:
-    """Every node at its cheapest option and free edges: no plan on this mesh is faster."""
-    return graph.const_time + sum(float(u.min()) for u in graph.unary)
+    """No plan on this mesh is faster: each edge is charged to one of its ends at the cheapest
+    cost that end's option allows, and each node takes its cheapest option with the edges it
+    was charged (the larger of charging every edge to its first or to its second end)."""
+    best = -math.inf
+    for end in (0, 1):
+        totals = [u.copy() for u in graph.unary]
+        for key, m in graph.edges.items():
+            totals[key[end]] += m.min(axis=1 - end)
+        best = max(best, sum(float(t.min()) for t in totals))
+    return graph.const_time + best
 
 
 # -- mesh shapes and the result -------------------------------------------------------------------
@@ -1051,7 +1116,7 @@ def search(
 
 def clear_caches() -> None:
     """Forget what was cached per graph node (the caches keyed by op signature stay)."""
-    for cache in (_NODE_OPTIONS, _ROWS, _SIGNATURES, _MOVES):
+    for cache in (_NODE_OPTIONS, _ROWS, _WANTS, _SIGNATURES, _MOVES):
         cache.clear()
 
 
