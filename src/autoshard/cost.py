@@ -299,7 +299,7 @@ def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_
         if strategy.outs and strategy.outs[0] is not None and model_flops(node):
             dtypes.append(strategy.outs[0].dtype)
     kinds = {
-        n.meta.get("autoshard_fqn"): n.meta.get("autoshard_kind")
+        n.meta.get("autoshard_fqn"): n.meta.get("autoshard_kind") if n.users else "unused"
         for n in captured.graph.nodes
         if n.op == "placeholder"
     }

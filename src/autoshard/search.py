@@ -356,10 +356,19 @@ def build_cost_graph(
     for node in graph.nodes:
         if node in weight and node.op == "call_function" and node.target is not operator.getitem:
             const_time += sum(op_time(node, _replicated_strategy(node, mesh), cluster))
+            if saves_output(node) and node in const_layout:
+                const_memory += local_bytes(const_layout[node])
     for p, layout in const_layout.items():
         if _kind(p) in ("param", "buffer") and owner.get(p) in weight:
             const_memory += _param_bytes(p, layout, optimizer_states)
             const_time += _param_time(p, layout, cluster)
+    for p in graph.nodes:  # stored but unused: no gradient, no optimizer state or step
+        if p.op == "placeholder" and _kind(p) in ("param", "buffer") and not p.users:
+            fqn = p.meta["autoshard_fqn"]
+            if len(captured.aliases.get(fqn, ())) > 1:
+                continue  # a tied name stored under another placeholder
+            val = p.meta["val"]
+            const_memory += val.numel() * val.element_size()
 
     # Followers of each decision node, in graph order.
     followers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
@@ -433,7 +442,7 @@ def build_cost_graph(
             own_src = source[own]
             mat = _empty(len(options(own_src, mesh)), user, mesh)
             for s, sopt in enumerate(options(own_src, mesh)):
-                stored = _stored_layout(
+                stored, own_grad = _stored_layout(
                     p,
                     own,
                     own_src,
@@ -450,7 +459,9 @@ def build_cost_graph(
                     i = tensor_inputs(user).index(p)
                     want = uopt.strategy.ins[i]
                     mat[s, t] = _move(p, stored, want, cluster)
-                    mat[s, t] += _grad_reduce(p, uopt.strategy.grads[i], want, cluster)
+                    mat[s, t] += _tied_grads(
+                        p, stored, own_grad, want, uopt.strategy.grads[i], cluster
+                    )
             _add_edge(edges, unary, index, rep, own_src, user, mat * scale([own_src, user]))
     return CostGraph(
         mesh=mesh,
@@ -544,13 +555,14 @@ def _move_cost(src: Layout, want: Layout, backward: bool, cluster: ClusterSpec) 
 def _grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec) -> float:
     if not differentiable(arg) or _kind(arg) == "buffer":
         return 0.0
-    key = (grad, want, "grad", id(cluster))
+    param = _kind(arg) == "param"
+    key = (grad, want, "param grad" if param else "grad", id(cluster))
     seconds = _MOVES.get(key)
     if seconds is None:
         whole = want.without_partial()
         if grad == whole:
             seconds = 0.0
-        elif _kind(arg) == "param":  # summed in the backward's coalesced all-reduce
+        elif param:  # summed in the backward's coalesced all-reduce
             seconds = grad_sync(grad, whole, cluster)[0]
         else:
             seconds = transition(grad, whole, cluster).seconds
@@ -684,10 +696,11 @@ def _set_outputs(node: fx.Node, strategy: Strategy, values: dict[fx.Node, Layout
 def _stored_layout(
     p, own, own_src, strategy, followers, const_layout, owner, weight, mesh, cluster, outputs
 ):  # noqa: ANN001, ANN202
-    """The layout a shared parameter is stored in under its owner's source's option."""
+    """The layout a shared parameter is stored in under its owner's source's option, and the
+    layout of its gradient from the owner."""
     if own is own_src:
         i = tensor_inputs(own).index(p)
-        return strategy.ins[i].without_partial()
+        return strategy.ins[i].without_partial(), strategy.grads[i]
     _, _, values = _region(
         own_src,
         strategy,
@@ -700,7 +713,29 @@ def _stored_layout(
         0,
         outputs,
     )
-    return values[p]
+    args = tensor_inputs(own)
+    ins = [None if a is p else values.get(a, const_layout.get(a)) for a in args]
+    return values[p], _follow(own, ins, mesh).grads[args.index(p)]
+
+
+def _tied_grads(
+    p: fx.Node, stored: Layout, own_grad: Layout, want: Layout, grad: Layout, cluster: ClusterSpec
+) -> float:
+    """Gradient sums of a parameter's second use beyond what its owner's term priced (one
+    coalesced sum of the owner's gradient). As the planner does: when neither use moves the
+    parameter and both gradients need the same sum, one deferred sum serves both; otherwise each
+    use that needs a sum does its own, alone."""
+    if not differentiable(p) or _kind(p) != "param":
+        return 0.0
+    own_needs = own_grad != stored
+    needs = grad != want.without_partial()
+    if own_needs and needs and want == stored and grad == own_grad:
+        return 0.0
+    seconds = transition(grad, want.without_partial(), cluster).seconds if needs else 0.0
+    if own_needs:
+        seconds += transition(own_grad, stored, cluster).seconds
+        seconds -= _grad_reduce(p, own_grad, stored, cluster)
+    return seconds
 
 
 # -- solvers --------------------------------------------------------------------------------------
