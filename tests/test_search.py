@@ -417,3 +417,29 @@ def test_propagate_keeps_configured_ops() -> None:
     )
     fc = plan.auto["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
     assert fc[2] == "tp" and fc[3] is None, fc
+
+
+def test_calibration_fit_recovers_latency_and_bandwidth() -> None:
+    from autoshard.calibrate import COMM_SIZES, fit_all_reduce
+
+    for group, alpha, bw in ((2, 6e-4, 1.5e9), (4, 5e-6, 2.4e11), (8, 3e-5, 2e10)):
+        spec = ClusterSpec(
+            name="t",
+            nodes=1,
+            devices_per_node=group,
+            flops={"float32": 1e12},
+            memory_bytes=1e9,
+            memory_bandwidth=1e11,
+            intra_bandwidth=bw,
+            intra_latency=alpha,
+            inter_bandwidth=bw,
+            inter_latency=alpha,
+        )
+        times = [spec.collective_time("all_reduce", s, group, False) for s in COMM_SIZES]
+        fit = fit_all_reduce(COMM_SIZES, times, group)
+        assert fit["latency"] == pytest.approx(alpha, rel=1e-6)
+        assert fit["bandwidth"] == pytest.approx(bw, rel=1e-6)
+    # times that fall with size fit no positive line: smallest message and largest instead
+    fit = fit_all_reduce((1000, 10**6), (2e-3, 1e-3), 2)
+    assert fit["latency"] == pytest.approx(1e-3)
+    assert fit["bandwidth"] > 0

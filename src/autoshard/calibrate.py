@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -98,19 +98,29 @@ def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[str
         burst(tensors)  # warm-up
         total = statistics.median(burst(tensors) for _ in range(reps))
         times.append(max(total - base, 1e-7) / calls)
-    # Weighted least squares (relative error) of t = x0 * a + x1 * b over the sizes.
-    steps = math.ceil(math.log2(g))
-    rows = [(2 * steps / t, 2 * (g - 1) / g * s / t) for s, t in zip(sizes, times, strict=True)]
+    return fit_all_reduce(sizes, times, g)
+
+
+def fit_all_reduce(sizes: Sequence[int], times: Sequence[float], group: int) -> dict[str, float]:
+    """Latency and bandwidth whose all-reduce formula ``2 ceil(log2 g) latency + 2 (g - 1) / g
+    bytes / bandwidth`` fits ``times`` at ``sizes`` best in relative error (weighted least
+    squares); a degenerate fit takes latency from the smallest message and bandwidth from the
+    largest."""
+    steps = math.ceil(math.log2(group))
+    rows = [
+        (2 * steps / t, 2 * (group - 1) / group * s / t) for s, t in zip(sizes, times, strict=True)
+    ]
     saa = sum(r[0] * r[0] for r in rows)
     sab = sum(r[0] * r[1] for r in rows)
     sbb = sum(r[1] * r[1] for r in rows)
     sa, sb = sum(r[0] for r in rows), sum(r[1] for r in rows)
     det = saa * sbb - sab * sab
-    latency = (sa * sbb - sb * sab) / det
-    per_byte = (saa * sb - sab * sa) / det
-    if latency <= 0 or per_byte <= 0:  # degenerate fit: latency from the smallest message,
-        latency = max(times[0] / (2 * steps), 1e-7)  # bandwidth from the largest
-        per_byte = max(times[-1] - 2 * steps * latency, 1e-9) / (2 * (g - 1) / g * sizes[-1])
+    latency = (sa * sbb - sb * sab) / det if det else -1.0
+    per_byte = (saa * sb - sab * sa) / det if det else -1.0
+    if latency <= 0 or per_byte <= 0:
+        latency = max(times[0] / (2 * steps), 1e-7)
+        volume = 2 * (group - 1) / group * sizes[-1]
+        per_byte = max(times[-1] - 2 * steps * latency, 1e-9) / volume
     return {"latency": latency, "bandwidth": 1 / per_byte}
 
 
@@ -148,4 +158,4 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
     )
 
 
-__all__ = ["calibrate", "measure_compute"]
+__all__ = ["calibrate", "fit_all_reduce", "measure_compute"]
