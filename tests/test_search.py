@@ -435,11 +435,17 @@ def test_calibration_fit_recovers_latency_and_bandwidth() -> None:
             inter_bandwidth=bw,
             inter_latency=alpha,
         )
-        times = [spec.collective_time("all_reduce", s, group, False) for s in COMM_SIZES]
-        fit = fit_all_reduce(COMM_SIZES, times, group)
+        # the joint fit over group sizes 2..group (and each size alone) recovers the link
+        sizes = [g for g in (2, 4, 8) if g <= group]
+        samples = [
+            (g, s, spec.collective_time("all_reduce", s, g, False))
+            for g in sizes
+            for s in COMM_SIZES
+        ]
+        fit = fit_all_reduce(samples)
         assert fit["latency"] == pytest.approx(alpha, rel=1e-6)
         assert fit["bandwidth"] == pytest.approx(bw, rel=1e-6)
     # times that fall with size fit no positive line: smallest message and largest instead
-    fit = fit_all_reduce((1000, 10**6), (2e-3, 1e-3), 2)
+    fit = fit_all_reduce([(2, 1000, 2e-3), (2, 10**6, 1e-3)])
     assert fit["latency"] == pytest.approx(1e-3)
     assert fit["bandwidth"] > 0

@@ -15,6 +15,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -71,45 +72,55 @@ def measure_compute(threads: int = 1) -> dict[str, float]:
 COMM_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[str, float]:
-    """Per-call all-reduce time at each size, with compute between calls, and the fit of
-    ``2 * ceil(log2 g) * latency + 2 (g - 1) / g * bytes / bandwidth`` to it."""
+def _group_sizes(world: int) -> list[int]:
+    """The group sizes all-reduce is measured at: powers of two up to the world, and the world."""
+    if world < 2:
+        return []
+    return sorted({2**k for k in range(1, int(math.log2(world)) + 1)} | {world})
+
+
+def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[int, list[float]]:
+    """Per-call all-reduce time at each size, with compute between calls, for groups of ranks
+    ``0..g-1`` of each size ``g`` (rank 0's numbers are the ones kept)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    g = dist.get_world_size()
+    rank = dist.get_rank()
     a = torch.randn(256, 256)
     calls, reps = 8, 5
+    out: dict[int, list[float]] = {}
+    for g in _group_sizes(dist.get_world_size()):
+        group = dist.new_group(list(range(g)))
+        if rank < g:
 
-    def burst(tensors: list[torch.Tensor | None]) -> float:
+            def burst(tensors: list[torch.Tensor | None], group: object = group) -> float:
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                for t in tensors:
+                    a @ a
+                    a @ a
+                    if t is not None:
+                        dist.all_reduce(t, group=group)
+                return time.perf_counter() - start
+
+            base = statistics.median(burst([None] * calls) for _ in range(reps))
+            times = []
+            for nbytes in sizes:
+                tensors = [torch.ones(nbytes // 4) for _ in range(calls)]
+                burst(tensors)  # warm-up
+                total = statistics.median(burst(tensors) for _ in range(reps))
+                times.append(max(total - base, 1e-7) / calls)
+            out[g] = times
         dist.barrier()
-        start = time.perf_counter()
-        for t in tensors:
-            a @ a
-            a @ a
-            if t is not None:
-                dist.all_reduce(t)
-        return time.perf_counter() - start
-
-    base = statistics.median(burst([None] * calls) for _ in range(reps))
-    times = []
-    for nbytes in sizes:
-        tensors = [torch.ones(nbytes // 4) for _ in range(calls)]
-        burst(tensors)  # warm-up
-        total = statistics.median(burst(tensors) for _ in range(reps))
-        times.append(max(total - base, 1e-7) / calls)
-    return fit_all_reduce(sizes, times, g)
+    return out
 
 
-def fit_all_reduce(sizes: Sequence[int], times: Sequence[float], group: int) -> dict[str, float]:
+def fit_all_reduce(samples: Sequence[tuple[int, int, float]]) -> dict[str, float]:
     """Latency and bandwidth whose all-reduce formula ``2 ceil(log2 g) latency + 2 (g - 1) / g
-    bytes / bandwidth`` fits ``times`` at ``sizes`` best in relative error (weighted least
-    squares); a degenerate fit takes latency from the smallest message and bandwidth from the
-    largest."""
-    steps = math.ceil(math.log2(group))
-    rows = [
-        (2 * steps / t, 2 * (group - 1) / group * s / t) for s, t in zip(sizes, times, strict=True)
-    ]
+    bytes / bandwidth`` fits the ``(group size, bytes, seconds)`` samples best in relative error
+    (weighted least squares); a degenerate fit takes latency from the smallest message and
+    bandwidth from the largest."""
+    rows = [(2 * math.ceil(math.log2(g)) / t, 2 * (g - 1) / g * s / t) for g, s, t in samples]
     saa = sum(r[0] * r[0] for r in rows)
     sab = sum(r[0] * r[1] for r in rows)
     sbb = sum(r[1] * r[1] for r in rows)
@@ -118,9 +129,11 @@ def fit_all_reduce(sizes: Sequence[int], times: Sequence[float], group: int) -> 
     latency = (sa * sbb - sb * sab) / det if det else -1.0
     per_byte = (saa * sb - sab * sa) / det if det else -1.0
     if latency <= 0 or per_byte <= 0:
-        latency = max(times[0] / (2 * steps), 1e-7)
-        volume = 2 * (group - 1) / group * sizes[-1]
-        per_byte = max(times[-1] - 2 * steps * latency, 1e-9) / volume
+        g, s, t = min(samples, key=lambda x: x[1])
+        latency = max(t / (2 * math.ceil(math.log2(g))), 1e-7)
+        g, s, t = max(samples, key=lambda x: x[1])
+        steps = math.ceil(math.log2(g))
+        per_byte = max(t - 2 * steps * latency, 1e-9) / (2 * (g - 1) / g * s)
     return {"latency": latency, "bandwidth": 1 / per_byte}
 
 
@@ -128,8 +141,8 @@ def _measure_rank(threads: int) -> dict[str, float]:
     import torch.distributed as dist
 
     dist.barrier()
-    out = measure_compute(threads)
-    out |= _measure_comm(threads)
+    out: dict[str, Any] = dict(measure_compute(threads))
+    out["comm"] = _measure_comm(threads)
     return out
 
 
@@ -138,7 +151,21 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
     from autoshard.testing import run_ranks
 
     per_rank = run_ranks(_measure_rank, ranks, threads, timeout=600)
+    comm = per_rank[0].pop("comm")
+    for r in per_rank[1:]:
+        r.pop("comm")
     m = {key: statistics.median(r[key] for r in per_rank) for key in per_rank[0]}
+    samples = [
+        (g, s, t) for g, times in comm.items() for s, t in zip(COMM_SIZES, times, strict=True)
+    ]
+    if samples:
+        m |= fit_all_reduce(samples)
+    else:  # one rank: nothing to measure; a placeholder link
+        m |= {"latency": 1e-5, "bandwidth": 1e10}
+    per_group = {
+        str(g): fit_all_reduce([(g, s, t) for s, t in zip(COMM_SIZES, times, strict=True)])
+        for g, times in comm.items()
+    }
     flops = {key: v for key, v in m.items() if key.startswith("float")}
     return ClusterSpec(
         name=name,
@@ -154,7 +181,11 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         op_overhead=m["op_overhead"],
         optimizer_passes=m["optimizer_passes"],
         overlap=False,
-        extra={"threads_per_rank": threads, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        extra={
+            "threads_per_rank": threads,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "all_reduce_fit_per_group_size": per_group,
+        },
     )
 
 
