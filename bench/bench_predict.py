@@ -75,9 +75,9 @@ def _rank(spec_json: dict) -> list[dict]:
     import torch.distributed as dist
 
     from autoshard import parallelize, shard_inputs
-    from autoshard.capture import capture_modes
-    from autoshard.cluster import ClusterSpec
-    from autoshard.cost import estimate
+    from autoshard.cost.cluster import ClusterSpec
+    from autoshard.cost.model import estimate
+    from autoshard.graph.capture import capture_modes
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -127,7 +127,7 @@ def _rank(spec_json: dict) -> list[dict]:
 
 
 def run(quick: bool) -> dict:
-    from autoshard.calibrate import calibrate
+    from autoshard.cost.calibrate import calibrate
     from autoshard.testing import run_ranks
 
     spec = calibrate(ranks=2, threads=1)

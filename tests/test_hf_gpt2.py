@@ -97,8 +97,8 @@ def _batches() -> tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tens
 def _train(example: tuple, batches: list) -> dict:
     import torch.distributed as dist
 
-    from autoshard.capture import capture_modes
-    from autoshard.parallel import parallelize, shard_inputs, single_device
+    from autoshard.graph.capture import capture_modes
+    from autoshard.runtime.parallel import parallelize, shard_inputs, single_device
 
     warnings.filterwarnings("ignore")
     start = time.perf_counter()

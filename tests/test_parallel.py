@@ -22,10 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard import Factored, PlanMismatchError, parallelize, shard_inputs, single_device
-from autoshard.capture import capture_modes
+from autoshard.graph.capture import capture_modes
+from autoshard.mesh import mesh_info
 from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
 from autoshard.ops import SpaceRule, rule_for
-from autoshard.parallel import mesh_info
 from autoshard.testing import run_ranks
 
 STEPS = 5

@@ -10,10 +10,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard import CaptureError, MeshError, StrategyError, parallelize, single_device
-from autoshard.capture import capture
+from autoshard.graph.capture import capture
+from autoshard.mesh import mesh_info
 from autoshard.models import GPT, MLP, GPTConfig, MLPConfig
-from autoshard.parallel import mesh_info
-from autoshard.plan import plan_graph
+from autoshard.search.semi import plan_graph
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

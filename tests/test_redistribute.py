@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from autoshard import Factored, Layout, redistribution_plan
-from autoshard.redistribute import _common_grid, _moves, _prime_cuts, _step_bytes
+from autoshard.layout.grid import common_grid, prime_cuts
+from autoshard.redistribution.planner import _moves, _step_bytes
 from autoshard.testing import run_ranks
 
 
@@ -66,11 +67,11 @@ def random_pair(seed: int, num_devices: int) -> tuple[Layout, Layout]:
 def brute_force_bytes(src: Layout, dst: Layout) -> int:
     """Least bytes per rank over every step sequence on the finest grid (prime axes, every
     power-of-two cut of every dim), with unpruned moves: an independent uniform-cost search."""
-    coarse = _common_grid((src, dst))
-    grid = _common_grid(
+    coarse = common_grid((src, dst))
+    grid = common_grid(
         (src, dst),
-        extra_mesh=_prime_cuts(coarse.axes),
-        extra_dims=[_prime_cuts(d) for d in coarse.dims],
+        extra_mesh=prime_cuts(coarse.axes),
+        extra_dims=[prime_cuts(d) for d in coarse.dims],
     )
     start, goal = grid.encode(src), grid.encode(dst)
     seen = {start: 0}

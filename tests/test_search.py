@@ -14,13 +14,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.capture import capture
-from autoshard.cluster import PRESETS, ClusterSpec, cluster_spec
-from autoshard.cost import estimate, transition
+from autoshard.cost.cluster import PRESETS, ClusterSpec, cluster_spec
+from autoshard.cost.model import estimate, transition
+from autoshard.graph.capture import capture
 from autoshard.layout import Layout
+from autoshard.mesh import MeshInfo
 from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
-from autoshard.ops import MeshInfo
-from autoshard.search import (
+from autoshard.search.costgraph import (
     PlanningError,
     brute_force,
     build_cost_graph,
@@ -297,7 +297,7 @@ def test_cluster_spec_round_trips_and_rejects_unknown_fields(tmp_path) -> None: 
 
 
 def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> None:  # noqa: ANN001
-    from autoshard.cli import main
+    from autoshard.cli.main import main
 
     out = tmp_path / "plan.json"
     code = main(
@@ -336,9 +336,9 @@ def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> No
     assert math.prod(data["mesh"].values()) == 16
     assert any(k.startswith("layers.*.") for k in data["strategies"])
     # the JSON plans a real (4-layer) model of the same shape in the planner
-    from autoshard.auto import input_layouts, load_plan
-    from autoshard.parallel import mesh_info
-    from autoshard.plan import plan_graph
+    from autoshard.mesh import mesh_info
+    from autoshard.search.driver import input_layouts, load_plan
+    from autoshard.search.semi import plan_graph
 
     config = LlamaConfig(
         num_layers=4,
@@ -372,8 +372,8 @@ def test_bad_search_name_is_an_error() -> None:
 
 
 def test_bad_plans_and_arguments_are_clear_errors(tmp_path) -> None:  # noqa: ANN001
-    from autoshard.auto import load_plan
-    from autoshard.plan import plan_graph
+    from autoshard.search.driver import load_plan
+    from autoshard.search.semi import plan_graph
 
     with pytest.raises(ValueError, match="plan format None"):
         load_plan({"mesh": {"dp": 2}})
@@ -420,7 +420,7 @@ def test_propagate_keeps_configured_ops() -> None:
 
 
 def test_calibration_fit_recovers_latency_and_bandwidth() -> None:
-    from autoshard.calibrate import COMM_SIZES, fit_all_reduce
+    from autoshard.cost.calibrate import COMM_SIZES, fit_all_reduce
 
     for group, alpha, bw in ((2, 6e-4, 1.5e9), (4, 5e-6, 2.4e11), (8, 3e-5, 2e10)):
         spec = ClusterSpec(

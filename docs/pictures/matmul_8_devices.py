@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from autoshard.capture import capture  # noqa: E402
 from autoshard.parallel import mesh_info  # noqa: E402
-from autoshard.plan import plan_graph  # noqa: E402
+from autoshard.search.semi import plan_graph  # noqa: E402
 
 
 class MatMul(torch.nn.Module):

@@ -1,20 +1,11 @@
 """autoshard: automatic parallelism for PyTorch training."""
 
-from autoshard.auto import plan  # noqa: E402  (after autoshard.plan, the module it shadows)
-from autoshard.capture import CaptureError, capture_modes
-from autoshard.cluster import PRESETS, ClusterSpec
+from autoshard.cost.cluster import PRESETS, ClusterSpec
+from autoshard.graph.capture import CaptureError, capture_modes
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshError, init_mesh
 from autoshard.ops import StrategyError
-from autoshard.parallel import (
-    ParallelModule,
-    PlanMismatchError,
-    parallelize,
-    shard_inputs,
-    single_device,
-)
-from autoshard.plan import Plan
-from autoshard.redistribute import (
+from autoshard.redistribution import (
     RedistributionPlan,
     Step,
     gather_tensor,
@@ -22,7 +13,16 @@ from autoshard.redistribute import (
     redistribution_plan,
     shard_tensor,
 )
-from autoshard.search import PlanningError
+from autoshard.runtime.parallel import (
+    ParallelModule,
+    PlanMismatchError,
+    parallelize,
+    shard_inputs,
+    single_device,
+)
+from autoshard.search.costgraph import PlanningError
+from autoshard.search.driver import plan
+from autoshard.search.semi import Plan
 
 __all__ = [
     "PRESETS",

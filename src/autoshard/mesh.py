@@ -1,8 +1,11 @@
-"""Named device meshes over the world's ranks.
+"""Meshes: the one place a mesh is parsed, checked against the world, and made a DeviceMesh.
 
-``init_mesh({"dp": 2, "tp": 2})`` gives a torch DeviceMesh whose axes are, like every device
-matrix autoshard uses, contiguous runs of the world's factors in row-major rank order. autoshard's
-own collectives create their process groups lazily (see :mod:`autoshard.comm`); the DeviceMesh is
+A mesh is named axes over ranks ``0..N-1`` in row-major order, major axis first. Users give it
+as a DeviceMesh, ``{"dp": 2, "tp": 2}``, ``"dp=2,tp=2"``, ``[("dp", 2), ("tp", 2)]``, an int (one
+``dp`` axis) or a tuple of sizes (``dp``, then ``tp``); :func:`mesh_info` turns any of them into
+a :class:`MeshInfo`. ``init_mesh({"dp": 2, "tp": 2})`` gives a torch DeviceMesh whose axes are,
+like every device matrix autoshard uses, contiguous runs of the world's factors. autoshard's own
+collectives create their process groups lazily (see :mod:`autoshard.comm`); the DeviceMesh is
 what DTensor and the rest of torch.distributed take at the boundary.
 """
 
@@ -10,35 +13,122 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshError", "init_mesh"]
+__all__ = [
+    "MeshError",
+    "MeshInfo",
+    "check_world",
+    "ensure_process_group",
+    "init_mesh",
+    "mesh_axes",
+    "mesh_info",
+]
 
 
 class MeshError(ValueError):
-    """A mesh that does not fit the world it is asked for."""
+    """A mesh that does not fit the world it is asked for, or cannot be read."""
 
 
-def _check(axes: Mapping[str, int], world_size: int) -> None:
-    if not axes:
+@dataclass(frozen=True)
+class MeshInfo:
+    """Named axes over ranks ``0..N-1`` and which of them are data parallel (``dp`` or
+    ``dp_*``: an unconfigured op falls back to splitting its batch over those)."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dp: tuple[str, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes)
+
+    def size_of(self, names: Sequence[str]) -> int:
+        return math.prod(self.sizes[self.names.index(n)] for n in names)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes, strict=True))
+
+    def describe(self) -> str:
+        """``dp(2) * tp(2)``: how errors and tables name the mesh."""
+        return " * ".join(f"{n}({s})" for n, s in zip(self.names, self.sizes, strict=True))
+
+
+def _pairs(mesh: Any) -> list[tuple[Any, Any]]:
+    if hasattr(mesh, "mesh_dim_names"):
+        names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+        return list(zip(names, tuple(mesh.mesh.shape), strict=True))
+    if isinstance(mesh, bool):
+        raise MeshError(f"mesh {mesh!r}: expected an int, a mapping of axis sizes or a DeviceMesh")
+    if isinstance(mesh, int):
+        return [("dp", mesh)]
+    if isinstance(mesh, str):
+        try:
+            return [(n.strip(), int(s)) for n, s in (part.split("=") for part in mesh.split(","))]
+        except ValueError:
+            raise MeshError(f"mesh {mesh!r}: expected name=size,... such as dp=2,tp=2") from None
+    if isinstance(mesh, Mapping):
+        return list(mesh.items())
+    if isinstance(mesh, Sequence) and all(isinstance(m, int) for m in mesh):
+        if len(mesh) > 2:
+            raise MeshError(f"mesh {tuple(mesh)}: name the axes of a mesh of more than 2 axes")
+        return list(zip(("dp", "tp"), mesh, strict=False))
+    if isinstance(mesh, Sequence) and all(isinstance(p, Sequence) and len(p) == 2 for p in mesh):
+        return [tuple(p) for p in mesh]
+    raise MeshError(f"mesh {mesh!r}: expected an int, a mapping of axis sizes or a DeviceMesh")
+
+
+def mesh_info(mesh: Any) -> MeshInfo:
+    """Any form of mesh (see the module docstring) as a :class:`MeshInfo`."""
+    if isinstance(mesh, MeshInfo):
+        return mesh
+    pairs = _pairs(mesh)
+    if not pairs:
         raise MeshError("a mesh needs at least one axis, e.g. {'dp': world_size}")
-    bad = [
-        f"{name}({size})" for name, size in axes.items() if not isinstance(size, int) or size < 1
-    ]
+    names = tuple(str(n) for n, _ in pairs)
+    bad = [f"{n}({s!r})" for n, s in pairs if isinstance(s, bool) or not isinstance(s, int)]
+    bad += [f"{n}({s})" for n, s in pairs if isinstance(s, int) and s < 1]
     if bad:
         raise MeshError(f"mesh axis sizes must be positive integers: {', '.join(bad)}")
-    product = math.prod(axes.values())
-    if product != world_size:
-        factors = " * ".join(f"{name}({size})" for name, size in axes.items())
-        raise MeshError(f"mesh {factors} = {product} != world size {world_size}")
+    if len(set(names)) != len(names):
+        raise MeshError(f"mesh {pairs}: axis names must be distinct")
+    dp = tuple(n for n in names if n == "dp" or n.startswith("dp_"))
+    return MeshInfo(names, tuple(int(s) for _, s in pairs), dp)
 
 
-def _ensure_process_group(timeout_s: float) -> None:
+def mesh_axes(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """(axis names, axis sizes, global rank list) of a DeviceMesh, a MeshInfo or a mapping."""
+    if hasattr(mesh, "mesh_dim_names"):
+        if mesh.mesh_dim_names is None:
+            raise MeshError("a mesh used with names needs mesh_dim_names")
+        ranks = tuple(int(r) for r in mesh.mesh.flatten())
+        return tuple(mesh.mesh_dim_names), tuple(mesh.mesh.shape), ranks
+    info = mesh_info(mesh)
+    return info.names, info.sizes, tuple(range(info.num_devices))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def check_world(mesh: MeshInfo, source: str = "") -> int:
+    """This rank, after checking that ``mesh`` covers the world exactly; the error names every
+    factor and, with ``source``, where the mesh came from."""
+    world = world_size()
+    if mesh.num_devices != world:
+        where = f" (the mesh of {source})" if source else ""
+        raise MeshError(f"{mesh.describe()} = {mesh.num_devices} != world size {world}{where}")
+    return dist.get_rank() if world > 1 else 0
+
+
+def ensure_process_group(timeout_s: float = 600.0) -> None:
     """Join the job torchrun (or any launcher setting RANK/WORLD_SIZE) describes."""
     if dist.is_initialized():
         return
@@ -56,13 +146,13 @@ def _ensure_process_group(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def init_mesh(axes: Mapping[str, int], *, timeout_s: float = 600.0) -> DeviceMesh:
+def init_mesh(axes: Mapping[str, int] | Any, *, timeout_s: float = 600.0) -> DeviceMesh:
     """A DeviceMesh with named axes (major first) over all ranks, from an initialised process
     group or the torchrun environment; a MeshError names every factor if the sizes do not
     multiply to the world size."""
-    axes = dict(axes)
-    _ensure_process_group(timeout_s)
-    _check(axes, dist.get_world_size())
+    info = mesh_info(axes)
+    ensure_process_group(timeout_s)
+    check_world(info)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    ranks = torch.arange(dist.get_world_size()).reshape(tuple(axes.values()))
-    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(axes))
+    ranks = torch.arange(dist.get_world_size()).reshape(info.sizes)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=info.names)

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.layout import NOT_SPLIT, Layout, LayoutError
+from autoshard.mesh import MeshInfo
 from autoshard.ops.local import bias_elsewhere
 
 FREE, SUM, FIXED = "free", "sum", "fixed"
@@ -39,26 +40,6 @@ class Space:
 
     def dim_name(self, d: int) -> str:
         return self.names[d] if self.names else f"d{d}"
-
-
-@dataclass(frozen=True)
-class MeshInfo:
-    """The user's mesh as rules see it: named axes over ranks ``0..N-1``, and which of them are
-    data parallel (an unconfigured op falls back to splitting its batch over those)."""
-
-    names: tuple[str, ...]
-    sizes: tuple[int, ...]
-    dp: tuple[str, ...] = ()
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.sizes)
-
-    def size_of(self, names: Sequence[str]) -> int:
-        return math.prod(self.sizes[self.names.index(n)] for n in names)
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(zip(self.names, self.sizes, strict=True))
 
 
 @dataclass(frozen=True)
@@ -152,7 +133,9 @@ def project(
     ``partial_dims`` become partial axes."""
     factors = [_dim_factors(space, d, s) for d, s in zip(dims, shape, strict=True)]
     partial = [a for d in partial_dims for _, a in space.factors[d] if a != NOT_SPLIT]
-    return Layout._make(shape, space.mesh, factors, partial, space.ranks, dtype, space.axis_names)
+    return Layout.from_factors(
+        shape, space.mesh, factors, partial, space.ranks, dtype, space.axis_names
+    )
 
 
 def split_axes(space: Layout, d: int) -> list[int]:
@@ -311,7 +294,7 @@ class SpaceRule(OpRule):
                 factors.append(((n, order.index(d)), (size // n, NOT_SPLIT)))
             else:
                 factors.append(((size, NOT_SPLIT),))
-        layout = Layout._make(space.sizes, mesh, factors, (), range(ranks))
+        layout = Layout.from_factors(space.sizes, mesh, factors, (), range(ranks))
         return self.layouts(node, layout)
 
     def from_named(self, node: fx.Node, specs: Sequence[Any], mesh: Any) -> Strategy:
@@ -368,7 +351,7 @@ class SpaceRule(OpRule):
         if dropped and all(a == NOT_SPLIT for f in factors for _, a in f):
             # The rule refused every split of the input: run data parallel instead.
             return self._data_parallel(node, mesh)
-        space_layout = Layout._make(
+        space_layout = Layout.from_factors(
             space.sizes, layout.mesh, factors, (), layout.ranks, torch.float32, layout.axis_names
         )
         return self.layouts(node, space_layout)
@@ -402,7 +385,7 @@ class SpaceRule(OpRule):
                 factors.append(tuple((primes[a], a) for a in axes) + ((size // n, NOT_SPLIT),))
             if not ok:
                 continue
-            layout = Layout._make(space.sizes, primes, factors, (), range(mesh.num_devices))
+            layout = Layout.from_factors(space.sizes, primes, factors, (), range(mesh.num_devices))
             if layout not in seen:
                 try:
                     seen[layout] = self.layouts(node, layout)
@@ -486,7 +469,6 @@ __all__ = [
     "FREE",
     "SUM",
     "Cost",
-    "MeshInfo",
     "OpRule",
     "Space",
     "SpaceRule",

@@ -397,7 +397,7 @@ def _num_split(layout: Layout) -> int:
 def _unsplit(layout: Layout, dim: int) -> Layout:
     factors = list(layout.factors)
     factors[dim] = ((layout.shape[dim], NOT_SPLIT),)
-    return Layout._make(
+    return Layout.from_factors(
         layout.shape,
         layout.mesh,
         factors,
@@ -414,7 +414,7 @@ def _resized(layout: Layout, shape: Sequence[int], dtype: torch.dtype | None = N
         f if size == old else ((size, NOT_SPLIT),)
         for f, size, old in zip(layout.factors, shape, layout.shape, strict=True)
     ]
-    return Layout._make(
+    return Layout.from_factors(
         shape,
         layout.mesh,
         factors,
@@ -466,7 +466,7 @@ class Expand(ShapeRule):
         for f, size, new in zip(layout.factors, layout.shape, out[lead:], strict=True):
             factors.append(f if size == new else ((new, NOT_SPLIT),))
         return [
-            Layout._make(
+            Layout.from_factors(
                 out,
                 layout.mesh,
                 factors,

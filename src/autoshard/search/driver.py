@@ -12,13 +12,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoshard.capture import Captured, capture_modes
-from autoshard.cluster import ClusterSpec, cluster_spec
-from autoshard.cost import estimate
+from autoshard.cost.cluster import ClusterSpec, cluster_spec
+from autoshard.cost.model import estimate
+from autoshard.graph.capture import Captured, capture_modes
 from autoshard.layout import Layout
-from autoshard.plan import Plan, op_key_parts, plan_graph
-from autoshard.search import SearchResult
-from autoshard.search import search as run_search
+from autoshard.mesh import mesh_info
+from autoshard.search.costgraph import SearchResult
+from autoshard.search.costgraph import search as run_search
+from autoshard.search.semi import Plan, op_key_parts, plan_graph
 
 FORMAT = "autoshard-plan/1"
 
@@ -150,8 +151,6 @@ def plan(
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
     :class:`Plan` with ``plan.auto`` (the JSON ``parallelize(plan=...)`` accepts) and
     ``plan.predicted`` (the cost model's :class:`~autoshard.cost.Estimate` of it)."""
-    from autoshard.parallel import mesh_info
-
     spec = cluster_spec(cluster)
     if num_devices is None:
         num_devices = mesh_info(mesh).num_devices if mesh is not None else spec.num_devices

@@ -15,11 +15,11 @@ from functools import lru_cache
 import torch
 import torch.fx as fx
 
-from autoshard.cluster import ClusterSpec
+from autoshard.cost.cluster import ClusterSpec
 from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.ops import Strategy, rule_for, tensor_inputs
 from autoshard.ops.base import SpaceRule
-from autoshard.redistribute import redistribution_plan
+from autoshard.redistribution import redistribution_plan
 
 # -- redistribution -------------------------------------------------------------------------------
 

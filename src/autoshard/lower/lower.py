@@ -17,11 +17,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autoshard.capture import Captured
+from autoshard.graph.capture import Captured
 from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.ops import local, rule_for, tensor_inputs
-from autoshard.plan import Plan
-from autoshard.redistribute import _execute, redistribute, redistribution_plan
+from autoshard.redistribution import execute, redistribute, redistribution_plan
+from autoshard.search.semi import Plan
 
 
 @dataclass
@@ -54,7 +54,7 @@ class _ReduceGrad(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         partial, full = ctx.layouts
         plan = redistribution_plan(partial.with_dtype(grad.dtype), full.with_dtype(grad.dtype))
-        return _execute(grad, plan, torch.distributed.get_rank()), None, None
+        return execute(grad, plan, torch.distributed.get_rank()), None, None
 
 
 class ReduceGrad(nn.Module):

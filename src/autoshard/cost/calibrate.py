@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autoshard.cluster import ClusterSpec
+from autoshard.cost.cluster import ClusterSpec
 
 
 def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from autoshard.layout import Layout, LayoutError
-from autoshard.redistribute import redistribution_plan
+from autoshard.redistribution import redistribution_plan
 
 _DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -168,10 +168,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from autoshard.auto import plan_json
-    from autoshard.capture import capture
-    from autoshard.cluster import cluster_spec
-    from autoshard.search import PlanningError, search
+    from autoshard.cost.cluster import cluster_spec
+    from autoshard.graph.capture import capture
+    from autoshard.search.costgraph import PlanningError, search
+    from autoshard.search.driver import plan_json
 
     start = time.perf_counter()
     spec = cluster_spec(args.cluster)
@@ -257,7 +257,7 @@ def format_search(data: dict, result) -> str:  # noqa: ANN001
 
 
 def _calibrate_command(args: argparse.Namespace) -> int:
-    from autoshard.calibrate import calibrate
+    from autoshard.cost.calibrate import calibrate
 
     spec = calibrate(args.ranks, args.threads)
     spec.save(args.out)

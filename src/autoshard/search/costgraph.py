@@ -22,9 +22,8 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autoshard.capture import Captured, module_path
-from autoshard.cluster import ClusterSpec
-from autoshard.cost import (
+from autoshard.cost.cluster import ClusterSpec
+from autoshard.cost.model import (
     ADAM_STATES,
     differentiable,
     grad_sync,
@@ -35,8 +34,10 @@ from autoshard.cost import (
     saves_output,
     transition,
 )
+from autoshard.graph.capture import Captured, module_path
 from autoshard.layout import Layout, LayoutError
-from autoshard.ops import MeshInfo, Strategy, StrategyError, rule_for, tensor_inputs
+from autoshard.mesh import MeshInfo
+from autoshard.ops import Strategy, StrategyError, rule_for, tensor_inputs
 from autoshard.ops.base import FIXED, SUM, SpaceRule, shape_of
 
 SEARCHES = ("optimal", "recursive", "propagate")

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.capture import Captured, module_path
+from autoshard.graph.capture import Captured, module_path
 from autoshard.layout import Factored, Layout, LayoutError
-from autoshard.ops import MeshInfo, Strategy, StrategyError, node_title, rule_for, tensor_inputs
+from autoshard.mesh import MeshInfo
+from autoshard.ops import Strategy, StrategyError, node_title, rule_for, tensor_inputs
 from autoshard.ops.base import shape_of
-from autoshard.redistribute import redistribution_plan
+from autoshard.redistribution import redistribution_plan
 
 
 @dataclass

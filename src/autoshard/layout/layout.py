@@ -16,15 +16,26 @@ Mesh axes never used and never partial are replicated axes: every coordinate hol
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Factored", "Layout", "LayoutError"]
+from autoshard.layout.grid import common_grid, suffix_products
+from autoshard.layout.normal import (
+    NOT_SPLIT,
+    LayoutError,
+    init_canonical,
+    is_block_split,
+    ranks_str,
+    resolve_view_shape,
+    shape_str,
+    split_factors,
+)
+from autoshard.mesh import mesh_axes
 
-NOT_SPLIT = -1
+__all__ = ["NOT_SPLIT", "Factored", "Layout", "LayoutError"]
 
 _DTYPE_NAMES = {
     torch.float64: "f64",
@@ -37,10 +48,6 @@ _DTYPE_NAMES = {
     torch.uint8: "u8",
     torch.bool: "b8",
 }
-
-
-class LayoutError(ValueError):
-    """A layout or a layout operation that cannot describe a valid placement."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +69,6 @@ class Factored:
             raise LayoutError(
                 f"Factored: {len(self.sizes)} sizes {self.sizes} but {len(self.maps)} map entries"
             )
-
-
-def _prod(values: Sequence[int]) -> int:
-    return math.prod(values)
 
 
 class Layout:
@@ -136,12 +139,12 @@ class Layout:
 
         factors = []
         for dim, (size, entry) in enumerate(zip(shape, tensor_map, strict=True)):
-            where = f"tensor {_shape_str(shape)} dim {dim}"
+            where = f"tensor {shape_str(shape)} dim {dim}"
             if isinstance(entry, Factored):
-                if _prod(entry.sizes) != size:
+                if math.prod(entry.sizes) != size:
                     raise LayoutError(
                         f"{where}: factors {entry.sizes} multiply to "
-                        f"{_prod(entry.sizes)}, not {size}"
+                        f"{math.prod(entry.sizes)}, not {size}"
                     )
                 parts = [
                     (fsize, axes_of(fmap, where))
@@ -149,16 +152,16 @@ class Layout:
                 ]
             else:
                 parts = [(size, axes_of(entry, where))]
-            factors.append(_split_factors(parts, device_matrix, where))
+            factors.append(split_factors(parts, device_matrix, where))
         partial_axes = tuple(axis_of(int(p), "partial") for p in partial)
         if ranks is None:
-            ranks = range(_prod(device_matrix))
-        _init_canonical(self, shape, device_matrix, factors, partial_axes, ranks, dtype, axis_names)
+            ranks = range(math.prod(device_matrix))
+        init_canonical(self, shape, device_matrix, factors, partial_axes, ranks, dtype, axis_names)
 
     # -- other constructors -------------------------------------------------------------------
 
     @classmethod
-    def _make(
+    def from_factors(
         cls,
         shape: Sequence[int],
         mesh: Sequence[int],
@@ -168,11 +171,12 @@ class Layout:
         dtype: torch.dtype = torch.float32,
         axis_names: Sequence[str] | None = None,
     ) -> Layout:
-        """Build from the internal form (mesh axes counted from the left)."""
+        """Build from the internal form: ``factors`` per dim as ``(size, axis)``, major first, axes
+        counted from the left of ``mesh`` (-1: not split); normalized like every layout."""
         self = cls.__new__(cls)
         if ranks is None:
-            ranks = range(_prod(mesh))
-        _init_canonical(self, shape, mesh, factors, partial, ranks, dtype, axis_names)
+            ranks = range(math.prod(mesh))
+        init_canonical(self, shape, mesh, factors, partial, ranks, dtype, axis_names)
         return self
 
     @classmethod
@@ -193,13 +197,13 @@ class Layout:
         splits = tuple(int(s) for s in splits)
         if len(splits) != len(shape):
             raise LayoutError(
-                f"strategy {splits} has {len(splits)} entries but tensor {_shape_str(shape)} "
+                f"strategy {splits} has {len(splits)} entries but tensor {shape_str(shape)} "
                 f"has {len(shape)} dims"
             )
-        num_used = _prod(splits)
+        num_used = math.prod(splits)
         if any(s < 1 for s in splits) or num_devices % num_used:
             raise LayoutError(
-                f"strategy {splits} for tensor {_shape_str(shape)} uses {num_used} devices, "
+                f"strategy {splits} for tensor {shape_str(shape)} uses {num_used} devices, "
                 f"which does not divide the {num_devices} devices available"
             )
         device_matrix = splits + (num_devices // num_used,)
@@ -219,7 +223,7 @@ class Layout:
         """The named form: one entry per tensor dim, ``None``, an axis name, a tuple of names
         (major first) or :class:`Factored` with names; ``mesh`` is a DeviceMesh or a mapping
         ``{"dp": 2, "tp": 2}`` over ranks ``0..N-1``."""
-        names, sizes, ranks = _mesh_description(mesh)
+        names, sizes, ranks = mesh_axes(mesh)
         index = {name: len(names) - 1 - i for i, name in enumerate(names)}
 
         def to_map(entry: Any) -> Any:
@@ -241,7 +245,7 @@ class Layout:
         if len(tensor_map) != len(tuple(tensor_shape)):
             raise LayoutError(
                 f"spec {tuple(spec)} has {len(tensor_map)} entries but tensor "
-                f"{_shape_str(tuple(tensor_shape))} has {len(tuple(tensor_shape))} dims"
+                f"{shape_str(tuple(tensor_shape))} has {len(tuple(tensor_shape))} dims"
             )
         return cls(
             sizes,
@@ -264,7 +268,9 @@ class Layout:
         """The whole tensor on every rank of ``ranks`` (a count means ``range(count)``)."""
         ranks = range(ranks) if isinstance(ranks, int) else tuple(ranks)
         shape = tuple(int(s) for s in tensor_shape)
-        return cls._make(shape, (len(ranks),), [((s, NOT_SPLIT),) for s in shape], (), ranks, dtype)
+        return cls.from_factors(
+            shape, (len(ranks),), [((s, NOT_SPLIT),) for s in shape], (), ranks, dtype
+        )
 
     # -- value semantics ----------------------------------------------------------------------
 
@@ -297,7 +303,7 @@ class Layout:
         dims = []
         for size, factors in zip(self.shape, self.factors, strict=True):
             axes = [self.axis_names[a] for _, a in factors if a != NOT_SPLIT]
-            if _is_block_split(factors):
+            if is_block_split(factors):
                 where = (
                     "" if not axes else "@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})")
                 )
@@ -320,7 +326,7 @@ class Layout:
                         if not axes
                         else "@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})")
                     )
-                    parts.append(f"{_prod([f for f, _ in group])}{where}")
+                    parts.append(f"{math.prod([f for f, _ in group])}{where}")
                 dims.append("(" + ",".join(parts) + ")")
         text = f"{_DTYPE_NAMES.get(self.dtype, str(self.dtype))}[{','.join(dims)}]"
         if self.partial:
@@ -332,7 +338,7 @@ class Layout:
     def __repr__(self) -> str:
         return (
             f"Layout(shape={self.shape}, mesh={self.mesh}, factors={self.factors}, "
-            f"partial={self.partial}, ranks={_ranks_str(self.ranks)}, dtype={self.dtype}, "
+            f"partial={self.partial}, ranks={ranks_str(self.ranks)}, dtype={self.dtype}, "
             f"axis_names={self.axis_names})"
         )
 
@@ -350,7 +356,7 @@ class Layout:
         out: list[Any] = []
         for factors in self.factors:
             split = [a for _, a in factors if a != NOT_SPLIT]
-            if _is_block_split(factors):
+            if is_block_split(factors):
                 entries = tuple(num_axes - 1 - a for a in split)
                 out.append(-1 if not entries else entries[0] if len(entries) == 1 else entries)
             else:
@@ -364,11 +370,11 @@ class Layout:
 
     @property
     def global_numel(self) -> int:
-        return _prod(self.shape)
+        return math.prod(self.shape)
 
     @property
     def local_numel(self) -> int:
-        return _prod(self.local_shape())
+        return math.prod(self.local_shape())
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         """The shape every rank of the layout holds (splits are even); ``rank`` is checked."""
@@ -378,7 +384,7 @@ class Layout:
             return self._local
         except AttributeError:
             local = tuple(
-                _prod([s for s, a in factors if a == NOT_SPLIT]) for factors in self.factors
+                math.prod([s for s, a in factors if a == NOT_SPLIT]) for factors in self.factors
             )
             object.__setattr__(self, "_local", local)
             return local
@@ -404,11 +410,11 @@ class Layout:
         coords = self.coordinates(rank)
         out: list[slice | torch.Tensor] = []
         for factors in self.factors:
-            if _is_block_split(factors):
+            if is_block_split(factors):
                 start = 0  # row-major over the factors; no division, so a size-0 dim works
                 for size, axis in factors:
                     start = start * size + (coords[axis] if axis != NOT_SPLIT else 0)
-                length = _prod([s for s, a in factors if a == NOT_SPLIT])
+                length = math.prod([s for s, a in factors if a == NOT_SPLIT])
                 out.append(slice(start, start + length))
                 continue
             index = torch.zeros((), dtype=torch.long)
@@ -419,7 +425,7 @@ class Layout:
         return tuple(out)
 
     def with_dtype(self, dtype: torch.dtype) -> Layout:
-        return Layout._make(
+        return Layout.from_factors(
             self.shape, self.mesh, self.factors, self.partial, self.ranks, dtype, self.axis_names
         )
 
@@ -430,7 +436,7 @@ class Layout:
         try:
             return self._grad
         except AttributeError:
-            grad = Layout._make(
+            grad = Layout.from_factors(
                 self.shape, self.mesh, self.factors, (), self.ranks, self.dtype, self.axis_names
             )
             object.__setattr__(self, "_grad", grad)
@@ -441,7 +447,7 @@ class Layout:
     def view(self, shape: Sequence[int]) -> Layout:
         """The layout of ``tensor.view(shape)`` (also reshape, flatten, unflatten, squeeze,
         unsqueeze) where every split survives the view; a LayoutError where one cannot."""
-        shape = _resolve_view_shape(tuple(int(s) for s in shape), self.global_numel)
+        shape = resolve_view_shape(tuple(int(s) for s in shape), self.global_numel)
         stream = [list(f) for factors in self.factors for f in factors]
         new_factors: list[list[tuple[int, int]]] = []
         for dim, want in enumerate(shape):
@@ -461,14 +467,14 @@ class Layout:
                     need = 1
                 else:
                     raise LayoutError(
-                        f"view of {self} as {_shape_str(shape)}: dim {dim} (size {want}) would "
+                        f"view of {self} as {shape_str(shape)}: dim {dim} (size {want}) would "
                         f"cut the factor of size {size}"
                         + ("" if axis == NOT_SPLIT else f" split over {self.axis_names[axis]}")
                     )
             while stream and stream[0][0] == 1:
                 stream.pop(0)
             new_factors.append(current)
-        return Layout._make(
+        return Layout.from_factors(
             shape, self.mesh, new_factors, self.partial, self.ranks, self.dtype, self.axis_names
         )
 
@@ -476,7 +482,7 @@ class Layout:
         dims = tuple(d % max(len(self.shape), 1) for d in dims)
         if sorted(dims) != list(range(len(self.shape))):
             raise LayoutError(f"permute of {self}: {tuple(dims)} is not a permutation")
-        return Layout._make(
+        return Layout.from_factors(
             tuple(self.shape[d] for d in dims),
             self.mesh,
             [self.factors[d] for d in dims],
@@ -514,7 +520,7 @@ class Layout:
             )
         factors = list(viewed.factors)
         del factors[dim]
-        return Layout._make(
+        return Layout.from_factors(
             self.shape[:dim] + (size // num_chunks,) + self.shape[dim + 1 :],
             self.mesh,
             factors,
@@ -530,18 +536,16 @@ class Layout:
         """DTensor placements on ``device_mesh`` (one per mesh dim), where DTensor can say it."""
         from torch.distributed.tensor import Partial, Replicate, Shard
 
-        from autoshard.redistribute import _common_grid, _suffix_products
-
-        names, sizes, ranks = _mesh_description(device_mesh)
+        names, sizes, ranks = mesh_axes(device_mesh)
         if tuple(ranks) != tuple(self.ranks):
-            raise LayoutError(f"{self} lives on ranks {_ranks_str(self.ranks)}, not the mesh's")
-        grid = _common_grid((self,), extra_mesh=_suffix_products(sizes))
+            raise LayoutError(f"{self} lives on ranks {ranks_str(self.ranks)}, not the mesh's")
+        grid = common_grid((self,), extra_mesh=suffix_products(sizes))
         placements: list[Any] = []
         if grid is not None:
             state = grid.encode(self)
-            starts = [_prod(grid.axes[j + 1 :]) for j in range(len(grid.axes))]
+            starts = [math.prod(grid.axes[j + 1 :]) for j in range(len(grid.axes))]
             for mesh_dim, size in enumerate(sizes):
-                lo = _prod(sizes[mesh_dim + 1 :])
+                lo = math.prod(sizes[mesh_dim + 1 :])
                 axes = [j for j, s in enumerate(starts) if lo <= s < lo * size]
                 dims = {d for a in axes for d, row in enumerate(state.assign) if a in row}
                 if all(a in state.partial for a in axes):
@@ -570,7 +574,7 @@ class Layout:
         dtype: torch.dtype = torch.float32,
     ) -> Layout:
         """The layout of a DTensor (shards of one dim split in mesh-dim order, major first)."""
-        names, _, _ = _mesh_description(device_mesh)
+        names, _, _ = mesh_axes(device_mesh)
         shape = tuple(int(s) for s in tensor_shape)
         spec: list[list[str]] = [[] for _ in shape]
         partial = []
@@ -586,243 +590,6 @@ class Layout:
         )
 
 
-# -- normalization ------------------------------------------------------------------------------
-
-
-def _split_factors(
-    parts: list[tuple[int, tuple[int, ...]]],
-    device_matrix: tuple[int, ...],
-    where: str,
-) -> list[tuple[int, int]]:
-    """Turn (factor size, split axes) into factors of the internal form, checking divisibility."""
-    out: list[tuple[int, int]] = []
-    for size, axes in parts:
-        num_parts = _prod([device_matrix[a] for a in axes])
-        if size % num_parts:
-            raise LayoutError(
-                f"{where}: size {size} is not divisible by its split {num_parts} "
-                f"(device matrix {device_matrix}, {_prod(device_matrix)} devices)"
-            )
-        out.extend((device_matrix[a], a) for a in axes)
-        out.append((size // num_parts, NOT_SPLIT))
-    return out
-
-
-def _init_canonical(
-    self: Layout,
-    shape: Sequence[int],
-    mesh: Sequence[int],
-    factors: Sequence[Sequence[tuple[int, int]]],
-    partial: Sequence[int],
-    ranks: Sequence[int],
-    dtype: torch.dtype,
-    axis_names: Sequence[str] | None,
-) -> None:
-    shape = tuple(int(s) for s in shape)
-    mesh_list = [int(m) for m in mesh]
-    ranks = _interned_ranks(ranks)
-    if _prod(mesh_list) != len(ranks):
-        raise LayoutError(
-            f"device matrix {tuple(mesh_list)} has {_prod(mesh_list)} devices but the rank list "
-            f"{_ranks_str(ranks)} has {len(ranks)}"
-        )
-    names = [[n] for n in axis_names] if axis_names is not None else None
-    if names is not None and len(names) != len(mesh_list):
-        raise LayoutError(f"{len(names)} axis names for device matrix {tuple(mesh_list)}")
-    fac = [[(int(s), int(a)) for s, a in f] for f in factors]
-    part = sorted({int(p) for p in partial})
-    if len(fac) != len(shape):
-        raise LayoutError(f"{len(fac)} factor lists for tensor {_shape_str(shape)}")
-    used: dict[int, str] = {}
-    for dim, (size, dim_factors) in enumerate(zip(shape, fac, strict=True)):
-        if _prod([s for s, _ in dim_factors]) != size:
-            raise LayoutError(f"dim {dim}: factors {dim_factors} do not multiply to {size}")
-        for fsize, axis in dim_factors:
-            if axis == NOT_SPLIT:
-                continue
-            if not 0 <= axis < len(mesh_list) or fsize != mesh_list[axis]:
-                raise LayoutError(f"dim {dim}: factor {(fsize, axis)} does not match the mesh")
-            if axis in used:
-                raise LayoutError(
-                    f"tensor {_shape_str(shape)}: device axis {axis} (size {mesh_list[axis]}) "
-                    f"splits both {used[axis]} and dim {dim}"
-                )
-            used[axis] = f"dim {dim}"
-    for axis in part:
-        if axis in used or not 0 <= axis < len(mesh_list):
-            raise LayoutError(
-                f"tensor {_shape_str(shape)}: partial axis {axis} is invalid or split"
-            )
-
-    _drop_unit_axes(mesh_list, fac, part, names)
-    changed = True
-    while changed:
-        fac = [_merge_local(f) for f in fac]
-        changed = _merge_one_axis_pair(mesh_list, fac, part, names)
-    if names is None:
-        final_names = tuple(f"a{i}" for i in range(len(mesh_list)))
-    else:
-        final_names = tuple("*".join(n) for n in names)
-    values = {
-        "shape": shape,
-        "mesh": tuple(mesh_list),
-        "factors": tuple(tuple(f) for f in fac),
-        "partial": tuple(part),
-        "ranks": ranks,
-        "dtype": dtype,
-        "axis_names": final_names,
-    }
-    for name, value in values.items():
-        object.__setattr__(self, name, value)
-    key = (shape, values["mesh"], values["factors"], values["partial"], ranks, dtype)
-    object.__setattr__(self, "_key", key)
-    object.__setattr__(self, "_hash", hash(key))
-
-
-_RANKS: dict[tuple[int, ...], tuple[int, ...]] = {}
-_RANGES: dict[int, tuple[int, ...]] = {}
-
-
-def _interned_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
-    """One shared tuple per rank list, so layouts on the same ranks compare by identity."""
-    if type(ranks) is tuple and _RANKS.get(ranks) is ranks:  # already the shared one
-        return ranks
-    if isinstance(ranks, range) and ranks.start == 0 and ranks.step == 1:
-        found = _RANGES.get(len(ranks))
-        if found is None:
-            found = _interned_ranks(tuple(ranks))
-            _RANGES[len(ranks)] = found
-        return found
-    ranks = tuple(int(r) for r in ranks)
-    found = _RANKS.get(ranks)
-    if found is None:
-        if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
-            raise LayoutError(f"rank list {_ranks_str(ranks)} repeats a rank or has a negative one")
-        found = _RANKS.setdefault(ranks, ranks)
-    return found
-
-
-def _drop_unit_axes(
-    mesh: list[int], fac: list[list[tuple[int, int]]], part: list[int], names: list | None
-) -> None:
-    for axis in reversed(range(len(mesh))):
-        if mesh[axis] == 1:
-            _remove_axis(axis, mesh, fac, part, names)
-
-
-def _remove_axis(
-    axis: int,
-    mesh: list[int],
-    fac: list[list[tuple[int, int]]],
-    part: list[int],
-    names: list | None,
-) -> None:
-    def shift(a: int) -> int:
-        return a - 1 if a > axis else a
-
-    del mesh[axis]
-    if names is not None:
-        del names[axis]
-    for dim, dim_factors in enumerate(fac):
-        fac[dim] = [(s, NOT_SPLIT if a == axis else shift(a)) for s, a in dim_factors]
-    part[:] = [shift(a) for a in part if a != axis]
-
-
-def _merge_local(factors: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Drop size-1 factors and fuse neighbouring unsplit ones; a split factor followed by
-    unsplit ones stays as it is (that is a plain block split)."""
-    out: list[tuple[int, int]] = []
-    for size, axis in factors:
-        if size == 1:
-            continue
-        if axis == NOT_SPLIT and out and out[-1][1] == NOT_SPLIT:
-            out[-1] = (out[-1][0] * size, NOT_SPLIT)
-        else:
-            out.append((size, axis))
-    return out
-
-
-def _merge_one_axis_pair(
-    mesh: list[int], fac: list[list[tuple[int, int]]], part: list[int], names: list | None
-) -> bool:
-    """Merge the first pair of neighbouring axes whose merge keeps the placement; True if any."""
-    where = {a: (d, k) for d, f in enumerate(fac) for k, (_, a) in enumerate(f) if a != NOT_SPLIT}
-    for axis in range(len(mesh) - 1):
-        nxt = axis + 1
-        both_free = axis not in where and nxt not in where and axis not in part and nxt not in part
-        both_partial = axis in part and nxt in part
-        consecutive = (
-            axis in where and nxt in where and where[nxt] == (where[axis][0], where[axis][1] + 1)
-        )
-        if not (both_free or both_partial or consecutive):
-            continue
-        if consecutive:
-            dim, k = where[axis]
-            fac[dim][k] = (mesh[axis] * mesh[nxt], axis)
-            fac[dim][k + 1] = (1, nxt)
-            fac[dim] = [(s, a) for s, a in fac[dim] if not (s == 1 and a == nxt)]
-        mesh[axis] *= mesh[nxt]
-        mesh[nxt] = 1
-        if names is not None:
-            names[axis] = names[axis] + names[nxt]
-            names[nxt] = []
-        if both_partial:
-            part.remove(nxt)
-        _remove_axis(nxt, mesh, fac, part, names)
-        return True
-    return False
-
-
-def _is_block_split(factors: Sequence[tuple[int, int]]) -> bool:
-    """True when the dim is split in contiguous blocks: no unsplit factor before a split one."""
-    seen_local = False
-    for _, axis in factors:
-        if axis == NOT_SPLIT:
-            seen_local = True
-        elif seen_local:
-            return False
-    return True
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
 def _rebuild(shape, mesh, factors, partial, ranks, dtype_name, names) -> Layout:  # noqa: ANN001
     dtype = getattr(torch, dtype_name.replace("torch.", ""))
-    return Layout._make(shape, mesh, factors, partial, ranks, dtype, names)
-
-
-def _shape_str(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(s) for s in shape) + "]"
-
-
-def _ranks_str(ranks: Sequence[int]) -> str:
-    ranks = tuple(ranks)
-    if ranks and ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
-        return f"{ranks[0]}..{ranks[-1]}"
-    return str(list(ranks))
-
-
-def _resolve_view_shape(shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
-    if shape.count(-1) > 1:
-        raise LayoutError(f"view shape {shape} has more than one -1")
-    if -1 in shape:
-        known = _prod([s for s in shape if s != -1])
-        if known == 0 or numel % known:
-            raise LayoutError(f"view shape {shape} does not fit {numel} elements")
-        shape = tuple(numel // known if s == -1 else s for s in shape)
-    if _prod(shape) != numel:
-        raise LayoutError(f"view shape {shape} has {_prod(shape)} elements, not {numel}")
-    return shape
-
-
-def _mesh_description(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
-    """(axis names, axis sizes, global rank list) of a DeviceMesh or a {name: size} mapping."""
-    if isinstance(mesh, Mapping):
-        names = tuple(str(n) for n in mesh)
-        sizes = tuple(int(s) for s in mesh.values())
-        return names, sizes, tuple(range(_prod(sizes)))
-    names = getattr(mesh, "mesh_dim_names", None)
-    if names is None:
-        raise LayoutError("a mesh used with names needs mesh_dim_names")
-    return tuple(names), tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten())
+    return Layout.from_factors(shape, mesh, factors, partial, ranks, dtype, names)

@@ -16,51 +16,17 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard import comm
-from autoshard.capture import Captured, capture_modes
+from autoshard.graph.capture import Captured, capture_modes
 from autoshard.layout import Layout, LayoutError
-from autoshard.lower import RunState, attr_name, lower
-from autoshard.mesh import MeshError
-from autoshard.ops import MeshInfo
-from autoshard.plan import Plan, plan_graph
-from autoshard.redistribute import _execute, gather_tensor, redistribution_plan, shard_tensor
+from autoshard.lower.lower import RunState, attr_name, lower
+from autoshard.mesh import MeshInfo, check_world, mesh_info
+from autoshard.redistribution import execute, gather_tensor, redistribution_plan, shard_tensor
+from autoshard.search import driver as auto
+from autoshard.search.semi import Plan, plan_graph
 
 
 class PlanMismatchError(ValueError):
     """Ranks planned differently (different strategies, model or inputs on some rank)."""
-
-
-def mesh_info(mesh: Any) -> MeshInfo:
-    """A DeviceMesh, ``{"dp": 2, "tp": 2}``, ``[("dp", 2), ...]``, an int (one ``dp`` axis) or a
-    tuple of sizes (``dp``, then ``tp``)."""
-    if isinstance(mesh, MeshInfo):
-        return mesh
-    if hasattr(mesh, "mesh_dim_names"):
-        names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
-        pairs = list(zip(names, tuple(mesh.mesh.shape), strict=True))
-    elif isinstance(mesh, int):
-        pairs = [("dp", mesh)]
-    elif isinstance(mesh, Mapping):
-        pairs = list(mesh.items())
-    elif all(isinstance(m, int) for m in mesh):
-        if len(mesh) > 2:
-            raise MeshError(f"mesh {tuple(mesh)}: name the axes of a mesh of more than 2 axes")
-        pairs = list(zip(("dp", "tp"), mesh, strict=False))
-    else:
-        pairs = [tuple(p) for p in mesh]
-    names = tuple(str(n) for n, _ in pairs)
-    sizes = tuple(int(s) for _, s in pairs)
-    if any(s < 1 for s in sizes) or len(set(names)) != len(names):
-        raise MeshError(f"mesh {pairs}: sizes must be positive and names distinct")
-    dp = tuple(n for n in names if n == "dp" or n.startswith("dp_"))
-    return MeshInfo(names, sizes, dp)
-
-
-def _check_world(mesh: MeshInfo) -> int:
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if mesh.num_devices != world:
-        factors = " * ".join(f"{n}({s})" for n, s in zip(mesh.names, mesh.sizes, strict=True))
-        raise MeshError(f"{factors} = {mesh.num_devices} != world size {world}")
-    return dist.get_rank() if world > 1 else 0
 
 
 class ParallelModule(nn.Module):
@@ -230,7 +196,7 @@ class GradSync:
             plan = redistribution_plan(partial.with_dtype(grad.dtype), full.with_dtype(grad.dtype))
             group = _one_all_reduce(plan, self.rank)
             if group is None:
-                return _execute(grad, plan, self.rank)
+                return execute(grad, plan, self.rank)
             grad = grad.clone(memory_format=torch.contiguous_format)  # ours to overwrite
             if not self._queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
@@ -313,8 +279,6 @@ def parallelize(
     (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a plan
     from ``autoshard.plan`` or ``autoshard plan --json`` (a dict or a file); it sets the mesh.
     ``captured`` (from ``capture_modes``) skips the capture when planning a model again."""
-    from autoshard import auto
-
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
     if search is not None:
@@ -339,7 +303,7 @@ def parallelize(
         strategies = plan["strategies"]
         input_layouts = {**auto.input_layouts(captured[True], plan), **(input_layouts or {})}
     info = mesh_info(mesh)
-    rank = _check_world(info)
+    rank = check_world(info)
     plans = {True: plan_graph(captured[True], info, strategies, input_layouts=input_layouts)}
     param_layouts = {fqn: p.layout for fqn, p in plans[True].params.items()}
     plans[False] = plan_graph(
@@ -413,7 +377,6 @@ def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> A
 __all__ = [
     "ParallelModule",
     "PlanMismatchError",
-    "mesh_info",
     "parallelize",
     "shard_inputs",
     "single_device",

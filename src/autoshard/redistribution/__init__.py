@@ -1,0 +1,15 @@
+"""Redistribution: the least-bytes plan between two layouts (``planner``) and running it on this
+rank's tensor, differentiably (``execute``)."""
+
+from autoshard.redistribution.execute import execute, gather_tensor, redistribute, shard_tensor
+from autoshard.redistribution.planner import RedistributionPlan, Step, redistribution_plan
+
+__all__ = [
+    "RedistributionPlan",
+    "Step",
+    "execute",
+    "gather_tensor",
+    "redistribute",
+    "redistribution_plan",
+    "shard_tensor",
+]

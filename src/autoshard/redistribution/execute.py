@@ -1,0 +1,187 @@
+"""Running a redistribution plan on this rank's tensor, forward and backward.
+
+Each step reshapes the local tensor into its grid factors, calls one collective of
+:mod:`autoshard.comm` (the counting layer) over the step's group, and reshapes back; the autograd
+function runs the mirrored plan in backward (gradients have their tensor's layout with partial
+axes replicated, DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoshard import comm
+from autoshard.layout import NOT_SPLIT, Grid, GridState, Layout, LayoutError
+from autoshard.redistribution.planner import (
+    RedistributionPlan,
+    Step,
+    grid_coords,
+    group_positions,
+    redistribution_plan,
+    swap_partner,
+)
+
+
+def _local_order(state: GridState) -> list[tuple[int, int]]:
+    return [
+        (d, i) for d, row in enumerate(state.assign) for i, a in enumerate(row) if a == NOT_SPLIT
+    ]
+
+
+def _to_factors(x: torch.Tensor, grid: Grid, state: GridState) -> torch.Tensor:
+    return x.reshape([grid.dims[d][i] for d, i in _local_order(state)])
+
+
+def _from_factors(x: torch.Tensor, grid: Grid, state: GridState) -> torch.Tensor:
+    shape = [
+        math.prod(s for s, a in zip(sizes, row, strict=True) if a == NOT_SPLIT)
+        for sizes, row in zip(grid.dims, state.assign, strict=True)
+    ]
+    return x.reshape(shape)
+
+
+def _slot_of(state: GridState, axis: int) -> tuple[int, int]:
+    for d, row in enumerate(state.assign):
+        if axis in row:
+            return d, row.index(axis)
+    raise AssertionError(f"axis {axis} splits nothing")
+
+
+def _arrange(x: torch.Tensor, order: list[Any], wanted: list[Any]) -> torch.Tensor:
+    return x.permute([order.index(w) for w in wanted])
+
+
+def _run_step(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
+    grid, before, after, axes = step._grid, step._before, step._after, step._axes
+    position = step.src.position(rank)
+    if step.kind == "permute":
+        partner = step.src.ranks[swap_partner(grid, axes, position)]
+        return comm.send_recv(x, [partner], partner, x)
+    group = tuple(step.src.ranks[p] for p in group_positions(grid, axes, position))
+    coords = grid_coords(grid, position)
+    x = _to_factors(x, grid, before)
+    order: list[Any] = _local_order(before)
+    if step.kind == "all_reduce":
+        x = comm.all_reduce(x, group)
+    elif step.kind == "split":
+        for axis in axes:
+            slot = _slot_of(after, axis)
+            x = x.select(order.index(slot), coords[axis])
+            order.remove(slot)
+    elif step.kind == "to_partial":
+        for axis in axes:
+            if any(axis in row for row in before.assign):
+                slot = _slot_of(before, axis)
+                padded = x.new_zeros((grid.axes[axis], *x.shape))
+                padded[coords[axis]] = x
+                x, order = padded, [slot, *order]
+            elif coords[axis] != 0:
+                x = torch.zeros_like(x)
+    elif step.kind == "all_gather":
+        x = comm.all_gather(x, group).reshape(*(grid.axes[a] for a in axes), *x.shape)
+        order = [_slot_of(before, a) for a in axes] + order
+    elif step.kind in ("all_to_all", "reduce_scatter"):
+        sent = [_slot_of(after, a) for a in axes]
+        rest = [o for o in order if o not in sent]
+        x = _arrange(x, order, sent + rest).reshape(
+            len(group), *(x.shape[order.index(r)] for r in rest)
+        )
+        if step.kind == "reduce_scatter":
+            x, order = comm.reduce_scatter(x, group), rest
+        else:
+            received = [_slot_of(before, a) for a in axes]
+            x = comm.all_to_all(x, group).reshape(*(grid.axes[a] for a in axes), *x.shape[1:])
+            order = received + rest
+    else:
+        raise AssertionError(f"unknown step kind {step.kind}")
+    x = _arrange(x, order, _local_order(after))
+    return _from_factors(x.contiguous(), grid, after)
+
+
+def _run_send_recv(x: torch.Tensor | None, step: Step, rank: int) -> torch.Tensor | None:
+    send_to = [receiver for sender, receiver in step.groups if sender == rank]
+    recv_from = next((sender for sender, receiver in step.groups if receiver == rank), None)
+    like = torch.empty(step.dst.local_shape(), dtype=step.dst.dtype)
+    if x is not None and x.device != like.device:
+        like = like.to(x.device)
+    return comm.send_recv(x, send_to, recv_from, like if recv_from is not None else None)
+
+
+def execute(x: torch.Tensor, plan: RedistributionPlan, rank: int) -> torch.Tensor:
+    current: torch.Tensor | None = x if rank in plan.src.ranks else None
+    for step in plan.steps:
+        if step.kind == "send_recv":
+            current = _run_send_recv(current, step, rank)
+        elif current is not None:
+            current = _run_step(current, step, rank)
+    if rank not in plan.dst.ranks:
+        return x.new_empty((0,))
+    if current is None:  # a plan with no steps on a rank of both sets
+        current = x
+    return current
+
+
+def _my_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _Redistribute(torch.autograd.Function):
+    """Forward runs plan(src -> dst); backward runs plan(grad(dst) -> grad(src)), gradients
+    having their tensor's layout with partial axes replicated (DESIGN.md)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+        ctx.layouts = (src, dst)
+        return execute(x, redistribution_plan(src, dst), _my_rank())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        src, dst = ctx.layouts
+        plan = redistribution_plan(dst.without_partial(), src.without_partial())
+        return execute(grad, plan, _my_rank()), None, None
+
+
+def redistribute(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+    """This rank's part of the tensor in ``dst``, from its part in ``src`` (differentiable).
+
+    A rank outside ``dst.ranks`` gets an empty tensor (its part of the autograd graph, so a
+    pipeline stage that only sends still runs the backward receive)."""
+    rank = _my_rank()
+    if rank in src.ranks and tuple(local.shape) != src.local_shape():
+        raise LayoutError(
+            f"redistribute: local tensor of shape {tuple(local.shape)} does not match {src} "
+            f"(local shape {src.local_shape()})"
+        )
+    if local.dtype != src.dtype:
+        src, dst = src.with_dtype(local.dtype), dst.with_dtype(local.dtype)
+    return _Redistribute.apply(local, src, dst)
+
+
+def shard_tensor(full: torch.Tensor, layout: Layout, rank: int | None = None) -> torch.Tensor:
+    """This rank's local part of the global tensor ``full`` (on a partial axis, coordinate 0
+    holds the value and the others zeros, so the pending sum is exact)."""
+    rank = _my_rank() if rank is None else rank
+    if tuple(full.shape) != layout.shape:
+        raise LayoutError(f"shard_tensor: tensor of shape {tuple(full.shape)} for {layout}")
+    local = full
+    for dim, index in enumerate(layout.local_index(rank)):
+        if isinstance(index, slice):
+            local = local.narrow(dim, index.start, index.stop - index.start)
+        else:
+            local = local.index_select(dim, index.to(full.device))
+    local = local.contiguous().clone()
+    coords = layout.coordinates(rank)
+    if any(coords[a] != 0 for a in layout.partial):
+        local.zero_()
+    return local
+
+
+def gather_tensor(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The full global tensor on every rank of ``layout`` (differentiable)."""
+    return redistribute(
+        local, layout, Layout.replicated(layout.shape, layout.ranks, dtype=layout.dtype)
+    )

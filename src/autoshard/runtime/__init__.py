@@ -1,0 +1,1 @@
+"""The runtime: the parallel module each rank trains, and its gradient synchronisation."""
