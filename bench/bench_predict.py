@@ -37,27 +37,26 @@ def _megatron(name: str) -> dict:
     }
 
 
-def _model(name: str):  # noqa: ANN202
-    from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
+def _model(name: str):
+    from autoshard.models import build, reference_config
 
+    sizes = {
+        "gpt": {"vocab": 512, "seq": 64, "layers": 2, "heads": 8, "hidden": 256},
+        "llama": {
+            "vocab": 512,
+            "seq": 64,
+            "layers": 2,
+            "heads": 8,
+            "kv_heads": 4,
+            "hidden": 256,
+            "ffn": 512,
+        },
+        "mlp": {"hidden": 256, "ffn": 1024, "vocab": 16, "layers": 3},
+    }[name]
+    batch = 64 if name == "mlp" else 8
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    if name == "gpt":
-        config = GPTConfig(vocab_size=512, block_size=64, num_layers=2, num_heads=8, hidden=256)
-        return GPT(config), config.example_batch(8, gen)
-    if name == "llama":
-        config = LlamaConfig(
-            vocab_size=512,
-            max_seq=64,
-            num_layers=2,
-            num_heads=8,
-            num_kv_heads=4,
-            hidden=256,
-            ffn_hidden=512,
-        )
-        return Llama(config), config.example_batch(8, gen)
-    config = MLPConfig(in_features=256, hidden=1024, out_features=16, num_layers=3)
-    return MLP(config), config.example_batch(64, gen)
+    config = reference_config(name, **sizes)
+    return build(config), config.example_batch(batch, torch.Generator().manual_seed(1))
 
 
 PLANS = [

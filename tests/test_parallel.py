@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from autoshard import Factored, PlanMismatchError, parallelize, shard_inputs, single_device
 from autoshard.graph.capture import capture_modes
 from autoshard.mesh import mesh_info
-from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
+from autoshard.models import GPTConfig, LlamaConfig, reference_config
+from autoshard.models import build as build_model
 from autoshard.ops import SpaceRule, rule_for
 from autoshard.testing import run_ranks
 
@@ -59,14 +60,9 @@ def build(name: str, dropout: float) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     if name == "cnn":
         return SmallCNN(), CNNConfig()
-    if name == "mlp":
-        config: Any = MLPConfig(dropout=dropout)
-        return MLP(config), config
-    if name == "gpt":
-        config = GPTConfig(dropout=dropout)
-        return GPT(config), config
-    config = LlamaConfig(num_heads=8, num_kv_heads=4, dropout=dropout)
-    return Llama(config), config
+    sizes = {"heads": 8, "kv_heads": 4} if name == "llama" else {}
+    config = reference_config(name, dropout=dropout, **sizes)
+    return build_model(config), config
 
 
 def batches(config: Any, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:

@@ -15,7 +15,7 @@ import torch
 
 from autoshard import Factored, Layout, redistribution_plan
 from autoshard.layout.grid import common_grid, prime_cuts
-from autoshard.redistribution.planner import _moves, _step_bytes
+from autoshard.redistribution.planner import candidate_steps, step_bytes
 from autoshard.testing import run_ranks
 
 
@@ -83,8 +83,8 @@ def brute_force_bytes(src: Layout, dst: Layout) -> int:
             return cost
         if seen[state] < cost:
             continue
-        for kind, axes, nxt in _moves(grid, state, goal, exhaustive=True):
-            new = cost + _step_bytes(kind, grid, axes, state, src.dtype.itemsize)
+        for kind, axes, nxt in candidate_steps(grid, state, goal, exhaustive=True):
+            new = cost + step_bytes(kind, grid, axes, state, src.dtype.itemsize)
             if new < seen.get(nxt, math.inf):
                 seen[nxt] = new
                 heapq.heappush(heap, (new, next(tick), nxt))

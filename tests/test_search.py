@@ -20,10 +20,10 @@ from autoshard.graph.capture import capture
 from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
 from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
-from autoshard.search.costgraph import (
-    PlanningError,
+from autoshard.search import PlanningError
+from autoshard.search.costgraph import build_cost_graph
+from autoshard.search.solvers import (
     brute_force,
-    build_cost_graph,
     lower_bound,
     solve_optimal,
     solve_propagate,
@@ -95,13 +95,13 @@ def test_optimal_equals_brute_force_on_small_graphs() -> None:
     assert compared >= 20, compared
 
 
-def _some_choices(graph):  # noqa: ANN001, ANN202
+def _some_choices(graph):
     """A spread of plans (each node's k-th option), to pick memory limits that bind."""
     width = max(len(o) for o in graph.options)
     return [[min(k, len(o) - 1) for o in graph.options] for k in range(width)]
 
 
-def _meta_model(name: str, batch: int, hidden: int, seq: int):  # noqa: ANN202
+def _meta_model(name: str, batch: int, hidden: int, seq: int):
     """A bfloat16 GPT or Llama of the given sizes on the meta device, captured."""
     sizes = dict(hidden=hidden, num_heads=16, vocab_size=4096, num_layers=2)
     with torch.device("meta"):
@@ -114,7 +114,7 @@ def _meta_model(name: str, batch: int, hidden: int, seq: int):  # noqa: ANN202
     return model, (idx, idx.clone()), capture(model, (idx, idx.clone()), {})
 
 
-def _build(name, batch, hidden, seq, mesh, preset, devices):  # noqa: ANN001, ANN202
+def _build(name, batch, hidden, seq, mesh, preset, devices):
     captured = _meta_model(name, batch, hidden, seq)[2]
     return build_cost_graph(captured, mesh, cluster_spec(preset, devices))
 
@@ -144,14 +144,14 @@ def test_recursive_is_within_ten_percent_of_optimal(name: str) -> None:
         assert fast.seconds <= 1.10 * best.seconds, (where, limit, fast.seconds, best.seconds)
 
 
-def _plan_for(name: str, batch: int, hidden: int, devices: int, preset: str, seq: int = 128, **kw):  # noqa: ANN003
+def _plan_for(name: str, batch: int, hidden: int, devices: int, preset: str, seq: int = 128, **kw):
     model, example, captured = _meta_model(name, batch, hidden, seq)
     return autoshard.plan(
         model, example, preset, num_devices=devices, captured={True: captured}, **kw
     )
 
 
-def _weight_splits(plan) -> dict[str, tuple]:  # noqa: ANN001
+def _weight_splits(plan) -> dict[str, tuple]:
     return {
         fqn: tuple(a for f in p.layout.factors for _, a in f if a >= 0)
         for fqn, p in plan.params.items()
@@ -284,7 +284,7 @@ def test_transition_prices_collectives_on_their_links() -> None:
     assert transition(inside, rows, cluster).kinds == ("reduce_scatter",)
 
 
-def test_cluster_spec_round_trips_and_rejects_unknown_fields(tmp_path) -> None:  # noqa: ANN001
+def test_cluster_spec_round_trips_and_rejects_unknown_fields(tmp_path) -> None:
     path = tmp_path / "c.json"
     PRESETS["dgx-a100"].save(path)
     loaded = ClusterSpec.load(path)
@@ -296,7 +296,7 @@ def test_cluster_spec_round_trips_and_rejects_unknown_fields(tmp_path) -> None: 
         cluster_spec("no-such-cluster")
 
 
-def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> None:
     from autoshard.cli.main import main
 
     out = tmp_path / "plan.json"
@@ -337,7 +337,7 @@ def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> No
     assert any(k.startswith("layers.*.") for k in data["strategies"])
     # the JSON plans a real (4-layer) model of the same shape in the planner
     from autoshard.mesh import mesh_info
-    from autoshard.search.driver import input_layouts, load_plan
+    from autoshard.search import input_layouts, load_plan
     from autoshard.search.semi import plan_graph
 
     config = LlamaConfig(
@@ -371,8 +371,8 @@ def test_bad_search_name_is_an_error() -> None:
         _plan_for("gpt", batch=8, hidden=64, devices=2, preset="cpu", search="fastest")
 
 
-def test_bad_plans_and_arguments_are_clear_errors(tmp_path) -> None:  # noqa: ANN001
-    from autoshard.search.driver import load_plan
+def test_bad_plans_and_arguments_are_clear_errors(tmp_path) -> None:
+    from autoshard.search import load_plan
     from autoshard.search.semi import plan_graph
 
     with pytest.raises(ValueError, match="plan format None"):

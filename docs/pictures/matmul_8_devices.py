@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from autoshard.capture import capture  # noqa: E402
-from autoshard.parallel import mesh_info  # noqa: E402
+from autoshard.graph.capture import capture  # noqa: E402
+from autoshard.mesh import mesh_info  # noqa: E402
 from autoshard.search.semi import plan_graph  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """autoshard: automatic parallelism for PyTorch training."""
 
-from autoshard.cost.cluster import PRESETS, ClusterSpec
-from autoshard.graph.capture import CaptureError, capture_modes
+from autoshard.cost import PRESETS, ClusterSpec
+from autoshard.graph import CaptureError, capture_modes
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshError, init_mesh
 from autoshard.ops import StrategyError
@@ -13,16 +13,14 @@ from autoshard.redistribution import (
     redistribution_plan,
     shard_tensor,
 )
-from autoshard.runtime.parallel import (
+from autoshard.runtime import (
     ParallelModule,
     PlanMismatchError,
     parallelize,
     shard_inputs,
     single_device,
 )
-from autoshard.search.costgraph import PlanningError
-from autoshard.search.driver import plan
-from autoshard.search.semi import Plan
+from autoshard.search import Plan, PlanningError, plan
 
 __all__ = [
     "PRESETS",

@@ -56,9 +56,9 @@ class MeshInfo:
     def as_dict(self) -> dict[str, int]:
         return dict(zip(self.names, self.sizes, strict=True))
 
-    def describe(self) -> str:
+    def describe(self, sep: str = " * ") -> str:
         """``dp(2) * tp(2)``: how errors and tables name the mesh."""
-        return " * ".join(f"{n}({s})" for n, s in zip(self.names, self.sizes, strict=True))
+        return sep.join(f"{n}({s})" for n, s in zip(self.names, self.sizes, strict=True))
 
 
 def _pairs(mesh: Any) -> list[tuple[Any, Any]]:

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard.models
-from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
+from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig, reference_config
+from autoshard.models import build as build_model
 from autoshard.models.llama import apply_rotary
 
 CONFIGS = {"mlp": MLPConfig, "gpt": GPTConfig, "llama": LlamaConfig}
@@ -26,7 +27,22 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tens
 def test_public_surface():
     assert sorted(autoshard.models.__all__) == sorted(
         ["MLP", "MLPConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig"]
+        + ["REFERENCE_MODELS", "build", "reference_config"]
     )
+
+
+def test_reference_config_maps_sizes_and_rejects_unknown_ones():
+    llama = reference_config("llama", layers=3, hidden=64, heads=8, vocab=100, seq=32)
+    assert (llama.num_layers, llama.hidden, llama.num_heads, llama.vocab_size) == (3, 64, 8, 100)
+    assert llama.num_kv_heads == 8 and llama.ffn_hidden == 256  # follow heads and 4 x hidden
+    assert reference_config("llama", heads=8, kv_heads=2).num_kv_heads == 2
+    mlp = reference_config("mlp", hidden=20, vocab=5, seq=7)  # an MLP has no sequence
+    assert (mlp.in_features, mlp.hidden, mlp.out_features) == (20, 80, 5)
+    assert isinstance(build_model(reference_config("gpt", hidden=16, heads=2)), GPT)
+    with pytest.raises(ValueError, match="unknown model 'bert'"):
+        reference_config("bert")
+    with pytest.raises(ValueError, match="unknown size 'depth'"):
+        reference_config("gpt", depth=3)
 
 
 @pytest.mark.parametrize(

@@ -15,18 +15,10 @@ import sys
 import torch
 
 from autoshard.layout import Layout, LayoutError
+from autoshard.mesh import MeshError, mesh_info
 from autoshard.redistribution import redistribution_plan
 
 _DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
-
-
-def _parse_mesh(text: str) -> dict[str, int]:
-    try:
-        return {name: int(size) for name, size in (part.split("=") for part in text.split(","))}
-    except ValueError:
-        raise SystemExit(
-            f"--mesh: expected name=size,... such as dp=2,tp=2, got {text!r}"
-        ) from None
 
 
 def _parse_spec(text: str) -> tuple:
@@ -46,7 +38,10 @@ def _parse_spec(text: str) -> tuple:
 
 
 def _redistribute_command(args: argparse.Namespace) -> int:
-    mesh = _parse_mesh(args.mesh)
+    try:
+        mesh = mesh_info(args.mesh).as_dict()
+    except MeshError as err:
+        raise SystemExit(f"--mesh: {err}") from None
     shape = tuple(int(s) for s in args.shape.split(","))
     dtype = _DTYPES[args.dtype]
     layouts = []
@@ -64,7 +59,9 @@ def _redistribute_command(args: argparse.Namespace) -> int:
 def _demo_rank(verbose: bool) -> list[str]:
     import torch.distributed as dist
 
-    from autoshard import comm, gather_tensor, init_mesh, redistribute, shard_tensor
+    from autoshard import comm
+    from autoshard.mesh import init_mesh
+    from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
 
     mesh = init_mesh({"dp": 2, "tp": 2})
     full = torch.randn(16, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -106,53 +103,28 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reference_model(args: argparse.Namespace):  # noqa: ANN202
-    """A reference model with two of its blocks, on the meta device, and its real depth."""
-    from autoshard.models import GPT, MLP, GPTConfig, LlamaConfig, MLPConfig
-    from autoshard.models.llama import Llama
+def _reference_model(args: argparse.Namespace):
+    """A reference model with two of its blocks, on the meta device, its example batch (the
+    model returns its loss) and its real depth."""
+    from autoshard.models import build, reference_config
 
-    captured_layers = min(args.layers, 2)
+    config = reference_config(
+        args.model,
+        layers=min(args.layers, 2),
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn=args.ffn,
+        vocab=args.vocab,
+        seq=args.seq,
+    )
     with torch.device("meta"):
-        if args.model == "llama":
-            config = LlamaConfig(
-                vocab_size=args.vocab,
-                max_seq=args.seq,
-                num_layers=captured_layers,
-                num_heads=args.heads,
-                num_kv_heads=args.kv_heads or args.heads,
-                hidden=args.hidden,
-                ffn_hidden=args.ffn or 4 * args.hidden,
-            )
-            model = Llama(config)
-        elif args.model == "gpt":
-            config = GPTConfig(
-                vocab_size=args.vocab,
-                block_size=args.seq,
-                num_layers=captured_layers,
-                num_heads=args.heads,
-                hidden=args.hidden,
-            )
-            model = GPT(config)
-        else:
-            config = MLPConfig(
-                in_features=args.hidden,
-                hidden=args.ffn or 4 * args.hidden,
-                out_features=args.hidden,
-                num_layers=args.layers,
-            )
-            model = MLP(config)
-            x = torch.empty(args.batch, args.hidden)
-            return model, (x, torch.empty(args.batch, args.hidden)), None, _mse
-        idx = torch.zeros(args.batch, args.seq, dtype=torch.long)
-        example = (idx, torch.zeros(args.batch, args.seq, dtype=torch.long))
+        model = build(config)
+        example = config.example_batch(args.batch)
     return model, example, {"layers": args.layers}, None
 
 
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(out, target)
-
-
-def _user_model(target: str):  # noqa: ANN202
+def _user_model(target: str):
     import importlib
 
     module_name, _, func = target.partition(":")
@@ -168,9 +140,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from autoshard.cost.cluster import cluster_spec
-    from autoshard.graph.capture import capture
-    from autoshard.search.costgraph import PlanningError, search
+    from autoshard.cost import cluster_spec
+    from autoshard.graph import capture
+    from autoshard.search import PlanningError, run_search
     from autoshard.search.driver import plan_json
 
     start = time.perf_counter()
@@ -187,10 +159,11 @@ def _plan_command(args: argparse.Namespace) -> int:
         model, example, depth, loss_fn = _reference_model(args)
     if args.dtype != "f32":
         model = model.to(_DTYPES[args.dtype])
+        example = tuple(t.to(_DTYPES[args.dtype]) if t.is_floating_point() else t for t in example)
     captured = capture(model, example, {}, loss_fn=loss_fn, train=True)
     captured_s = time.perf_counter() - start
     try:
-        result = search(
+        result = run_search(
             captured,
             spec.num_devices,
             spec,
@@ -216,7 +189,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_search(data: dict, result) -> str:  # noqa: ANN001
+def format_search(data: dict, result) -> str:
     """The searched plan as a table: mesh, strategy per op, predicted time, MFU, memory."""
     pred = data["predicted"]
     gib = 2**30

@@ -8,17 +8,17 @@ search prices hundreds of thousands of them, on meshes of hundreds of devices.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from autoshard.cost.cluster import ClusterSpec
+from autoshard.graph import OpGraph, node_info
 from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.ops import Strategy, rule_for, tensor_inputs
-from autoshard.ops.base import SpaceRule
 from autoshard.redistribution import redistribution_plan
 
 # -- redistribution -------------------------------------------------------------------------------
@@ -156,41 +156,18 @@ def _fallback(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 # -- ops ------------------------------------------------------------------------------------------
 
 
-def differentiable(node: fx.Node) -> bool:
-    """Whether a value is floating point (it has a gradient unless it is a buffer)."""
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
-
-
-def backward_factor(node: fx.Node) -> int:
-    """Backward compute as a multiple of forward: one gradient per differentiable input, at most
-    two (a contraction's ``dX`` and ``dW``)."""
-    return min(2, sum(1 for a in tensor_inputs(node) if differentiable(a)))
-
-
 def op_time(node: fx.Node, strategy: Strategy, cluster: ClusterSpec) -> tuple[float, float]:
     """(forward, backward) seconds of one op on one device."""
     rule = rule_for(node)
     if rule.is_shape_op:
-        return cluster.op_overhead, cluster.op_overhead if differentiable(node) else 0.0
+        return cluster.op_overhead, cluster.op_overhead if node_info(node).differentiable else 0.0
     cost = rule.cost(node, strategy)
     out = next((layout for layout in strategy.outs if layout is not None), None)
     dtype = out.dtype if out is not None else torch.float32
     fwd = cluster.compute_time(cost.flops, cost.bytes, dtype)
-    k = backward_factor(node)
+    k = node_info(node).backward_passes
     bwd = k * (fwd - cluster.op_overhead) + (cluster.op_overhead if k else 0.0)
     return fwd, bwd
-
-
-def model_flops(node: fx.Node) -> float:
-    """FLOPs of one training step of this op on one device (forward and backward)."""
-    if node.target is operator.getitem:
-        return 0.0
-    rule = rule_for(node)
-    if not isinstance(rule, SpaceRule):
-        return 0.0
-    space = rule.space(node)
-    return rule.flops_per_point * math.prod(space.sizes) * (1 + backward_factor(node))
 
 
 def local_bytes(layout: Layout | None) -> int:
@@ -199,7 +176,7 @@ def local_bytes(layout: Layout | None) -> int:
 
 def saves_output(node: fx.Node) -> bool:
     """Whether autograd keeps this op's output until backward (views alias their input)."""
-    if node.op != "call_function" or node.target is operator.getitem:
+    if node_info(node).kind != "op":
         return False
     return not rule_for(node).is_shape_op
 
@@ -270,9 +247,11 @@ class Estimate:
         }
 
 
-def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_STATES) -> Estimate:  # noqa: ANN001
-    """Price a :class:`~autoshard.plan.Plan` of ``captured`` on ``cluster``."""
-    graph_nodes = {n.name: n for n in captured.graph.nodes}
+def estimate(
+    plan: Any, og: OpGraph, cluster: ClusterSpec, optimizer_states: int = ADAM_STATES
+) -> Estimate:
+    """Price a :class:`~autoshard.search.Plan` of ``og`` on ``cluster``."""
+    graph_nodes = og.by_name
     est = Estimate(overlap=cluster.overlap, num_devices=plan.mesh.num_devices)
     dtypes = []
     for name, node_plan in plan.nodes.items():
@@ -281,13 +260,13 @@ def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_
         fwd, bwd = op_time(node, strategy, cluster)
         est.compute_forward += fwd
         est.compute_backward += bwd
-        est.model_flops += model_flops(node)
+        est.model_flops += og[node].flops
         if saves_output(node):
             est.memory["activations"] += sum(local_bytes(o) for o in strategy.outs)
         args = tensor_inputs(node)
         for i, (src, dst) in node_plan.moves.items():
             est.comm_forward += transition(src, dst, cluster).seconds
-            if differentiable(args[i]):
+            if og[args[i]].differentiable:
                 back = transition(dst.without_partial(), src.without_partial(), cluster)
                 est.comm_backward += back.seconds
         for i, (grad, want) in node_plan.grad_reduce.items():
@@ -296,13 +275,9 @@ def estimate(plan, captured, cluster: ClusterSpec, optimizer_states: int = ADAM_
                 est.grad_sync += seconds
             else:
                 est.comm_backward += seconds
-        if strategy.outs and strategy.outs[0] is not None and model_flops(node):
+        if strategy.outs and strategy.outs[0] is not None and og[node].flops:
             dtypes.append(strategy.outs[0].dtype)
-    kinds = {
-        n.meta.get("autoshard_fqn"): n.meta.get("autoshard_kind") if n.users else "unused"
-        for n in captured.graph.nodes
-        if n.op == "placeholder"
-    }
+    kinds = {i.fqn: i.kind if i.node.users else "unused" for i in og if i.node.op == "placeholder"}
     buckets: dict[tuple, float] = {}
     for fqn, param in plan.params.items():
         size = local_bytes(param.layout)

@@ -1,5 +1,15 @@
-"""The captured model: torch.export of a model into an aten graph (``capture``)."""
+"""The captured model: torch.export of a model (``capture``) into an OpGraph whose every node
+carries what the later stages ask about it (``opgraph``)."""
 
-from autoshard.graph.capture import Captured, CaptureError, capture, capture_modes
+from autoshard.graph.capture import CaptureError, capture, capture_modes, tied_names
+from autoshard.graph.opgraph import NodeInfo, OpGraph, node_info
 
-__all__ = ["CaptureError", "Captured", "capture", "capture_modes"]
+__all__ = [
+    "CaptureError",
+    "NodeInfo",
+    "OpGraph",
+    "capture",
+    "capture_modes",
+    "node_info",
+    "tied_names",
+]

@@ -1,4 +1,4 @@
-"""Capture: torch.export of a model (and its loss) into an aten graph with shapes and parameters.
+"""Capture: torch.export of a model (and its loss) into an :class:`OpGraph`.
 
 The graph keeps linear, sdpa, layer_norm and cross-entropy whole (``run_decompositions({})``
 removes in-place ops only). Dropout's train flag is baked into the graph, so a model is captured
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +17,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+
+from autoshard.graph.opgraph import OpGraph, annotate, module_path
 
 _DROPPED = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -28,29 +29,6 @@ _DROPPED = {
 
 class CaptureError(ValueError):
     """A model (or part of one) that torch.export cannot capture; names the module."""
-
-
-@dataclass
-class Captured:
-    """One mode's graph: placeholders tagged ``param`` / ``buffer`` / ``input`` in
-    ``node.meta["autoshard_kind"]`` with their names in ``node.meta["autoshard_fqn"]``."""
-
-    graph: fx.Graph
-    train: bool
-    in_spec: Any
-    out_spec: Any
-    inputs: list[str]
-    outputs: list[int]
-    mutations: dict[int, str]
-    aliases: dict[str, list[str]] = field(default_factory=dict)
-
-    def placeholder(self, fqn: str) -> fx.Node | None:
-        for node in self.graph.nodes:
-            if node.op == "placeholder" and fqn in self.aliases.get(
-                node.meta.get("autoshard_fqn", ""), ()
-            ):
-                return node
-        return None
 
 
 class _WithLoss(nn.Module):
@@ -82,7 +60,7 @@ def capture(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     train: bool = True,
-) -> Captured:
+) -> OpGraph:
     """Export ``model`` in train or eval mode; with ``loss_fn`` the last of ``args`` is the
     target and the captured function returns the loss."""
     root: nn.Module = model if loss_fn is None else _WithLoss(model, loss_fn)
@@ -93,7 +71,7 @@ def capture(
     try:
         program = torch.export.export(root, args, kwargs, strict=False)
         program = program.run_decompositions({})
-    except Exception as err:  # noqa: BLE001 - reported with the module that failed
+    except Exception as err:  # reported with the module that failed
         raise CaptureError(_describe_failure(model, err)) from err
     finally:
         model.train(was_training)
@@ -122,14 +100,14 @@ def capture_modes(
     kwargs: dict[str, Any] | None = None,
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
-) -> dict[bool, Captured]:
+) -> dict[bool, OpGraph]:
     """The train and the eval graph (dropout is baked into each); reusable across plans."""
     return {
         mode: capture(model, args, kwargs, loss_fn=loss_fn, train=mode) for mode in (True, False)
     }
 
 
-def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train: bool) -> Captured:
+def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train: bool) -> OpGraph:
     graph = program.graph_module.graph
     signature = program.graph_signature
     kinds = {
@@ -140,17 +118,20 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
     }
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     inputs = []
+    node_kinds: dict[str, str] = {}
+    fqns: dict[str, str] = {}
+    constants: dict[str, torch.Tensor] = {}
     for node, spec in zip(placeholders, signature.input_specs, strict=True):
         if spec.kind not in kinds:
             raise CaptureError(f"input {node.name} of kind {spec.kind} is not supported")
-        node.meta["autoshard_kind"] = kinds[spec.kind]
+        node_kinds[node.name] = kinds[spec.kind]
         if spec.kind == InputKind.USER_INPUT:
             inputs.append(node.name)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            node.meta["autoshard_fqn"] = spec.target
-            node.meta["autoshard_constant"] = program.constants[spec.target]
+            fqns[node.name] = spec.target
+            constants[node.name] = program.constants[spec.target]
         else:
-            node.meta["autoshard_fqn"] = spec.target.removeprefix(prefix)
+            fqns[node.name] = spec.target.removeprefix(prefix)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _DROPPED:
             graph.erase_node(node)
@@ -160,8 +141,9 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
             and node.target.__module__ != "_operator"
         ):
             raise CaptureError(
-                f"{node.name}: {node.target} in {module_path(node)} is not an aten op (a "
-                f"higher-order op such as a no_grad region or a checkpoint); it cannot be split"
+                f"{node.name}: {node.target} in {module_path(node) or 'the model'} is not an aten "
+                f"op (a higher-order op such as a no_grad region or a checkpoint); it cannot be "
+                f"split"
             )
     outputs, mutations = [], {}
     for i, spec in enumerate(signature.output_specs):
@@ -173,7 +155,7 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
             raise CaptureError(f"output {i} of kind {spec.kind} is not supported")
     graph.eliminate_dead_code()
     _strip_prefix(graph, prefix)
-    return Captured(
+    og = OpGraph(
         graph=graph,
         train=train,
         in_spec=program.call_spec.in_spec,
@@ -183,6 +165,8 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
         mutations=mutations,
         aliases=tied_names(model),
     )
+    annotate(og, node_kinds, fqns, constants)
+    return og
 
 
 def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
@@ -195,12 +179,6 @@ def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
                 k: (path.removeprefix(prefix.rstrip(".")).removeprefix("."), cls)
                 for k, (path, cls) in stack.items()
             }
-
-
-def module_path(node: fx.Node) -> str:
-    """The module a node came from (its innermost ``nn_module_stack`` entry)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return (list(stack.values())[-1][0] or "the model") if stack else "the model"
 
 
 def _describe_failure(model: nn.Module, err: Exception) -> str:
@@ -218,4 +196,4 @@ def _describe_failure(model: nn.Module, err: Exception) -> str:
     return f"cannot capture {module}: {type(err).__name__}: {first_line}"
 
 
-__all__ = ["CaptureError", "Captured", "capture", "capture_modes", "tied_names"]
+__all__ = ["CaptureError", "capture", "capture_modes", "tied_names"]

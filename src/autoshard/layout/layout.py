@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autoshard.layout.grid import common_grid, suffix_products
+from autoshard.layout.dtensor import grid_placements, placement_spec
 from autoshard.layout.normal import (
     NOT_SPLIT,
     LayoutError,
@@ -33,21 +33,11 @@ from autoshard.layout.normal import (
     shape_str,
     split_factors,
 )
+from autoshard.layout.text import layout_str
+from autoshard.layout.views import chunk_factors, view_factors
 from autoshard.mesh import mesh_axes
 
 __all__ = ["NOT_SPLIT", "Factored", "Layout", "LayoutError"]
-
-_DTYPE_NAMES = {
-    torch.float64: "f64",
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "b8",
-}
 
 
 @dataclass(frozen=True)
@@ -300,40 +290,7 @@ class Layout:
         )
 
     def __str__(self) -> str:
-        dims = []
-        for size, factors in zip(self.shape, self.factors, strict=True):
-            axes = [self.axis_names[a] for _, a in factors if a != NOT_SPLIT]
-            if is_block_split(factors):
-                where = (
-                    "" if not axes else "@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})")
-                )
-                dims.append(f"{size}{where}")
-            else:
-                # Show the dim as blocks: each split factor with the unsplit ones after it.
-                groups: list[list[tuple[int, int]]] = []
-                for fsize, axis in factors:
-                    if axis != NOT_SPLIT and groups and groups[-1][-1][1] != NOT_SPLIT:
-                        groups[-1].append((fsize, axis))
-                    elif axis != NOT_SPLIT or not groups:
-                        groups.append([(fsize, axis)])
-                    else:
-                        groups[-1].append((fsize, axis))
-                parts = []
-                for group in groups:
-                    axes = [self.axis_names[a] for _, a in group if a != NOT_SPLIT]
-                    where = (
-                        ""
-                        if not axes
-                        else "@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})")
-                    )
-                    parts.append(f"{math.prod([f for f, _ in group])}{where}")
-                dims.append("(" + ",".join(parts) + ")")
-        text = f"{_DTYPE_NAMES.get(self.dtype, str(self.dtype))}[{','.join(dims)}]"
-        if self.partial:
-            text += "{partial:" + ",".join(self.axis_names[a] for a in self.partial) + "}"
-        if tuple(self.ranks) != tuple(range(len(self.ranks))):
-            text += f"on{list(self.ranks)}"
-        return text
+        return layout_str(self)
 
     def __repr__(self) -> str:
         return (
@@ -448,34 +405,9 @@ class Layout:
         """The layout of ``tensor.view(shape)`` (also reshape, flatten, unflatten, squeeze,
         unsqueeze) where every split survives the view; a LayoutError where one cannot."""
         shape = resolve_view_shape(tuple(int(s) for s in shape), self.global_numel)
-        stream = [list(f) for factors in self.factors for f in factors]
-        new_factors: list[list[tuple[int, int]]] = []
-        for dim, want in enumerate(shape):
-            current: list[tuple[int, int]] = []
-            need = want
-            while need > 1:
-                if not stream:
-                    break
-                size, axis = stream[0]
-                if size <= need and need % size == 0:
-                    current.append((size, axis))
-                    need //= size
-                    stream.pop(0)
-                elif axis == NOT_SPLIT and size % need == 0:
-                    current.append((need, NOT_SPLIT))
-                    stream[0][0] = size // need
-                    need = 1
-                else:
-                    raise LayoutError(
-                        f"view of {self} as {shape_str(shape)}: dim {dim} (size {want}) would "
-                        f"cut the factor of size {size}"
-                        + ("" if axis == NOT_SPLIT else f" split over {self.axis_names[axis]}")
-                    )
-            while stream and stream[0][0] == 1:
-                stream.pop(0)
-            new_factors.append(current)
+        factors = view_factors(self, shape)
         return Layout.from_factors(
-            shape, self.mesh, new_factors, self.partial, self.ranks, self.dtype, self.axis_names
+            shape, self.mesh, factors, self.partial, self.ranks, self.dtype, self.axis_names
         )
 
     def permute(self, dims: Sequence[int]) -> Layout:
@@ -501,27 +433,9 @@ class Layout:
         """The layout of ``tensor.chunk(num_chunks, dim)[index]`` (``split`` into equal parts):
         valid when the chunks are whole on every rank, e.g. Q of a head-split fused QKV."""
         dim %= len(self.shape)
-        size = self.shape[dim]
-        if size % num_chunks:
-            raise LayoutError(f"chunk of {self}: dim {dim} ({size}) not divisible by {num_chunks}")
-        unflat = self.shape[:dim] + (num_chunks, size // num_chunks) + self.shape[dim + 1 :]
-        try:
-            viewed = self.view(unflat)
-        except LayoutError as err:
-            raise LayoutError(
-                f"chunk of {self} into {num_chunks} along dim {dim}: chunks are not whole on "
-                f"each rank ({err})"
-            ) from None
-        if viewed.factors[dim] and viewed.factors[dim][0][1] != NOT_SPLIT:
-            axis = viewed.axis_names[viewed.factors[dim][0][1]]
-            raise LayoutError(
-                f"chunk of {self} into {num_chunks} along dim {dim}: each chunk lives on other "
-                f"ranks of axis {axis}; redistribute first"
-            )
-        factors = list(viewed.factors)
-        del factors[dim]
+        factors = chunk_factors(self, dim, num_chunks)
         return Layout.from_factors(
-            self.shape[:dim] + (size // num_chunks,) + self.shape[dim + 1 :],
+            self.shape[:dim] + (self.shape[dim] // num_chunks,) + self.shape[dim + 1 :],
             self.mesh,
             factors,
             self.partial,
@@ -534,27 +448,11 @@ class Layout:
 
     def to_placements(self, device_mesh: Any) -> tuple[Any, ...]:
         """DTensor placements on ``device_mesh`` (one per mesh dim), where DTensor can say it."""
-        from torch.distributed.tensor import Partial, Replicate, Shard
-
         names, sizes, ranks = mesh_axes(device_mesh)
         if tuple(ranks) != tuple(self.ranks):
             raise LayoutError(f"{self} lives on ranks {ranks_str(self.ranks)}, not the mesh's")
-        grid = common_grid((self,), extra_mesh=suffix_products(sizes))
-        placements: list[Any] = []
-        if grid is not None:
-            state = grid.encode(self)
-            starts = [math.prod(grid.axes[j + 1 :]) for j in range(len(grid.axes))]
-            for mesh_dim, size in enumerate(sizes):
-                lo = math.prod(sizes[mesh_dim + 1 :])
-                axes = [j for j, s in enumerate(starts) if lo <= s < lo * size]
-                dims = {d for a in axes for d, row in enumerate(state.assign) if a in row}
-                if all(a in state.partial for a in axes):
-                    placements.append(Partial())
-                elif len(dims) == 1 and all(any(a in r for r in state.assign) for a in axes):
-                    placements.append(Shard(dims.pop()))
-                else:
-                    placements.append(Replicate())
-        if grid is None or (
+        placements = grid_placements(self, sizes)
+        if placements is None or (
             Layout.from_placements(placements, device_mesh, self.shape, dtype=self.dtype) != self
         ):
             raise LayoutError(
@@ -576,20 +474,11 @@ class Layout:
         """The layout of a DTensor (shards of one dim split in mesh-dim order, major first)."""
         names, _, _ = mesh_axes(device_mesh)
         shape = tuple(int(s) for s in tensor_shape)
-        spec: list[list[str]] = [[] for _ in shape]
-        partial = []
-        for name, placement in zip(names, placements, strict=True):
-            if placement.is_shard():
-                spec[placement.dim % len(shape)].append(name)
-            elif placement.is_partial():
-                if getattr(placement, "reduce_op", "sum") != "sum":
-                    raise LayoutError(f"only sum partials are layouts, not {placement}")
-                partial.append(name)
-        return cls.from_named(
-            shape, [tuple(s) or None for s in spec], device_mesh, partial=partial, dtype=dtype
-        )
+        spec, partial = placement_spec(placements, names, len(shape))
+        return cls.from_named(shape, spec, device_mesh, partial=partial, dtype=dtype)
 
 
-def _rebuild(shape, mesh, factors, partial, ranks, dtype_name, names) -> Layout:  # noqa: ANN001
+def _rebuild(shape, mesh, factors, partial, ranks, dtype_name, names) -> Layout:
+    """Unpickle a layout (``Layout.__reduce__``): dtypes travel by name."""
     dtype = getattr(torch, dtype_name.replace("torch.", ""))
     return Layout.from_factors(shape, mesh, factors, partial, ranks, dtype, names)

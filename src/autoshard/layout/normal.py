@@ -48,6 +48,8 @@ def init_canonical(
     dtype: torch.dtype,
     axis_names: Sequence[str] | None,
 ) -> None:
+    """Check the parts and set the normalized fields of the new Layout ``self``: size-1 axes
+    dropped, neighbouring axes merged while the merge keeps the placement."""
     shape = tuple(int(s) for s in shape)
     mesh_list = [int(m) for m in mesh]
     ranks = interned_ranks(ranks)
@@ -61,26 +63,7 @@ def init_canonical(
         raise LayoutError(f"{len(names)} axis names for device matrix {tuple(mesh_list)}")
     fac = [[(int(s), int(a)) for s, a in f] for f in factors]
     part = sorted({int(p) for p in partial})
-    if len(fac) != len(shape):
-        raise LayoutError(f"{len(fac)} factor lists for tensor {shape_str(shape)}")
-    used: dict[int, str] = {}
-    for dim, (size, dim_factors) in enumerate(zip(shape, fac, strict=True)):
-        if math.prod([s for s, _ in dim_factors]) != size:
-            raise LayoutError(f"dim {dim}: factors {dim_factors} do not multiply to {size}")
-        for fsize, axis in dim_factors:
-            if axis == NOT_SPLIT:
-                continue
-            if not 0 <= axis < len(mesh_list) or fsize != mesh_list[axis]:
-                raise LayoutError(f"dim {dim}: factor {(fsize, axis)} does not match the mesh")
-            if axis in used:
-                raise LayoutError(
-                    f"tensor {shape_str(shape)}: device axis {axis} (size {mesh_list[axis]}) "
-                    f"splits both {used[axis]} and dim {dim}"
-                )
-            used[axis] = f"dim {dim}"
-    for axis in part:
-        if axis in used or not 0 <= axis < len(mesh_list):
-            raise LayoutError(f"tensor {shape_str(shape)}: partial axis {axis} is invalid or split")
+    check_factors(shape, mesh_list, fac, part)
 
     drop_unit_axes(mesh_list, fac, part, names)
     changed = True
@@ -105,6 +88,33 @@ def init_canonical(
     key = (shape, values["mesh"], values["factors"], values["partial"], ranks, dtype)
     object.__setattr__(self, "_key", key)
     object.__setattr__(self, "_hash", hash(key))
+
+
+def check_factors(
+    shape: tuple[int, ...], mesh: list[int], fac: list[list[tuple[int, int]]], part: list[int]
+) -> None:
+    """Check that each dim's factors multiply to its size, each split factor is its mesh axis,
+    no axis splits two dims, and partial axes exist and split nothing."""
+    if len(fac) != len(shape):
+        raise LayoutError(f"{len(fac)} factor lists for tensor {shape_str(shape)}")
+    used: dict[int, str] = {}
+    for dim, (size, dim_factors) in enumerate(zip(shape, fac, strict=True)):
+        if math.prod([s for s, _ in dim_factors]) != size:
+            raise LayoutError(f"dim {dim}: factors {dim_factors} do not multiply to {size}")
+        for fsize, axis in dim_factors:
+            if axis == NOT_SPLIT:
+                continue
+            if not 0 <= axis < len(mesh) or fsize != mesh[axis]:
+                raise LayoutError(f"dim {dim}: factor {(fsize, axis)} does not match the mesh")
+            if axis in used:
+                raise LayoutError(
+                    f"tensor {shape_str(shape)}: device axis {axis} (size {mesh[axis]}) "
+                    f"splits both {used[axis]} and dim {dim}"
+                )
+            used[axis] = f"dim {dim}"
+    for axis in part:
+        if axis in used or not 0 <= axis < len(mesh):
+            raise LayoutError(f"tensor {shape_str(shape)}: partial axis {axis} is invalid or split")
 
 
 _RANKS: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -239,6 +249,7 @@ def resolve_view_shape(shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
 __all__ = [
     "NOT_SPLIT",
     "LayoutError",
+    "check_factors",
     "init_canonical",
     "interned_ranks",
     "is_block_split",

@@ -17,11 +17,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autoshard.graph.capture import Captured
+from autoshard.graph import OpGraph
 from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.ops import local, rule_for, tensor_inputs
 from autoshard.redistribution import execute, redistribute, redistribution_plan
-from autoshard.search.semi import Plan
+from autoshard.search import Plan
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _replace(value: Any, new: list[Any]) -> Any:
 
 
 def lower(
-    captured: Captured,
+    og: OpGraph,
     plan: Plan,
     rank: int,
     device: torch.device,
@@ -154,13 +154,13 @@ def lower(
         else:
             low.root.register_buffer(attr_name(fqn), tensor)
     env: dict[fx.Node, Any] = low.env
-    for node in captured.graph.nodes:
-        if node.op == "placeholder":
-            kind = node.meta["autoshard_kind"]
-            if kind == "input":
-                env[node] = low.graph.placeholder(node.name)
-            elif node.meta["autoshard_fqn"] in plan.params:
-                env[node] = low.graph.get_attr(attr_name(node.meta["autoshard_fqn"]))
+    for node in og.graph.nodes:
+        info = og[node]
+        if info.kind == "input":
+            env[node] = low.graph.placeholder(node.name)
+        elif node.op == "placeholder":
+            if info.fqn in plan.params:
+                env[node] = low.graph.get_attr(attr_name(info.fqn))
         elif node.op == "output":
             values = []
             for value, (src, dst) in zip(node.args[0], plan.outputs, strict=True):
@@ -169,7 +169,7 @@ def lower(
                     v = low.module(Redistribute(src, dst), (v,), "redistribute")
                 values.append(v)
             low.graph.output(tuple(values))
-        elif node.target is operator.getitem:
+        elif info.kind == "getitem":
             env[node] = low.call(operator.getitem, (env[node.args[0]], node.args[1]), {})
         else:
             env[node] = _lower_node(low, node)

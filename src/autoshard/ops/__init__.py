@@ -1,5 +1,8 @@
-"""Distributed operators: the op-rule interface (docs/strategies.md) and one rule per op family."""
+"""Distributed operators: the op-rule interface (``base``, docs/strategies.md), one module of rules
+per op family, the registry mapping aten ops to rules, and what runs on a rank's shards
+(``local``)."""
 
+from autoshard.ops import local
 from autoshard.ops.base import (
     FIXED,
     FREE,
@@ -10,10 +13,9 @@ from autoshard.ops.base import (
     SpaceRule,
     Strategy,
     StrategyError,
-    node_title,
-    tensor_inputs,
 )
-from autoshard.ops.rules import RULES, rule_for
+from autoshard.ops.nodes import node_title, tensor_inputs
+from autoshard.ops.registry import RULES, rule_for
 
 __all__ = [
     "FIXED",
@@ -26,6 +28,7 @@ __all__ = [
     "SpaceRule",
     "Strategy",
     "StrategyError",
+    "local",
     "node_title",
     "rule_for",
     "tensor_inputs",

@@ -1,4 +1,5 @@
-"""The op-rule interface: iteration spaces, strategies and the rules that check and apply them.
+"""The op-rule interface: iteration spaces, strategies, and the base rules that check and apply
+them (``OpRule``; ``SpaceRule`` for einsum-like ops). Each op family's rules have their own module.
 
 See docs/strategies.md. A rule turns a strategy (a layout of the op's iteration space) into the
 layouts its inputs must have, the layouts of its outputs, and the layouts of the gradients it
@@ -10,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch.fx as fx
 from autoshard.layout import NOT_SPLIT, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops.local import bias_elsewhere
+from autoshard.ops.nodes import dtype_of, node_title, node_vals, shape_of, tensor_inputs
 
 FREE, SUM, FIXED = "free", "sum", "fixed"
 
@@ -52,7 +54,6 @@ class Strategy:
     grads: tuple[Layout, ...]
     space: Layout | None = None
     replicated_fallback: bool = False
-    extra: tuple[Any, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
         if self.space is None:
@@ -62,53 +63,10 @@ class Strategy:
 
 @dataclass(frozen=True)
 class Cost:
+    """One op's work on one rank: floating-point operations and bytes of memory traffic."""
+
     flops: float
     bytes: float
-
-
-# -- node helpers ---------------------------------------------------------------------------------
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The fx nodes a node reads, in argument order (lists such as cat's are flattened)."""
-    out: list[fx.Node] = []
-
-    def visit(value: Any) -> None:
-        if isinstance(value, fx.Node):
-            out.append(value)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                visit(v)
-
-    for arg in node.args:
-        visit(arg)
-    for arg in node.kwargs.values():
-        visit(arg)
-    return out
-
-
-def node_vals(node: fx.Node) -> list[Any]:
-    """The fake values of a node's outputs (a tuple output flattened, non-tensors kept as None)."""
-    val = node.meta.get("val")
-    values = list(val) if isinstance(val, list | tuple) else [val]
-    return [v if isinstance(v, torch.Tensor) else None for v in values]
-
-
-def shape_of(node: fx.Node) -> tuple[int, ...]:
-    val = node.meta["val"]
-    return tuple(int(s) for s in val.shape)
-
-
-def dtype_of(node: fx.Node) -> torch.dtype:
-    return node.meta["val"].dtype
-
-
-def node_title(node: fx.Node) -> str:
-    """How errors name a node: its graph name, its aten op and the module it came from."""
-    target = getattr(node.target, "__name__", str(node.target))
-    stack = node.meta.get("nn_module_stack") or {}
-    module = list(stack.values())[-1][0] if stack else ""
-    return f"{node.name} (aten.{target}" + (f" in {module}" if module else "") + ")"
 
 
 # -- projection of a space layout -----------------------------------------------------------------
@@ -142,13 +100,21 @@ def split_axes(space: Layout, d: int) -> list[int]:
     return [a for _, a in space.factors[d] if a != NOT_SPLIT]
 
 
+def right_aligned(shape: Sequence[int], out_rank: int) -> tuple[int | None, ...]:
+    """The iteration dims a broadcast operand's dims walk: its dims aligned to the last of
+    ``out_rank`` dims."""
+    offset = out_rank - len(shape)
+    return tuple(offset + i for i in range(len(shape)))
+
+
 # -- rules ----------------------------------------------------------------------------------------
 
 
 class OpRule:
     """The interface every distributed operator implements (docs/strategies.md)."""
 
-    #: True for shape ops, whose strategy is the layout of their first input.
+    #: True for shape ops: they compute nothing, and their strategy is an input's layout mapped
+    #: through the shape change.
     is_shape_op = False
 
     def space(self, node: fx.Node) -> Space | None:
@@ -184,9 +150,9 @@ class OpRule:
 class SpaceRule(OpRule):
     """A rule given by an iteration space (einsum-like ops): everything else is derived."""
 
-    #: per-output: iteration dims a split of which leaves the output partial (default: SUM dims)
+    #: floating-point operations per point of the iteration space (a multiply-add counts 2)
     flops_per_point = 1.0
-    #: the tensor input that is a bias added after the contraction (see rules._bias_once)
+    #: the tensor input that is a bias added after the contraction (see ``_bias_once``)
     bias_input: int | None = None
 
     def bias_index(self, node: fx.Node) -> int | None:
@@ -474,7 +440,12 @@ __all__ = [
     "SpaceRule",
     "Strategy",
     "StrategyError",
+    "dtype_of",
     "node_title",
+    "node_vals",
     "project",
+    "right_aligned",
+    "shape_of",
+    "split_axes",
     "tensor_inputs",
 ]

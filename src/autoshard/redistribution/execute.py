@@ -56,7 +56,7 @@ def _arrange(x: torch.Tensor, order: list[Any], wanted: list[Any]) -> torch.Tens
 
 
 def _run_step(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
-    grid, before, after, axes = step._grid, step._before, step._after, step._axes
+    grid, before, after, axes = step.grid, step.grid_before, step.grid_after, step.grid_axes
     position = step.src.position(rank)
     if step.kind == "permute":
         partner = step.src.ranks[swap_partner(grid, axes, position)]

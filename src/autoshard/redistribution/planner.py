@@ -45,7 +45,16 @@ from autoshard.layout.grid import (
     suffix_products,
 )
 
-__all__ = ["RedistributionPlan", "Step", "redistribution_plan"]
+__all__ = [
+    "RedistributionPlan",
+    "Step",
+    "candidate_steps",
+    "grid_coords",
+    "group_positions",
+    "redistribution_plan",
+    "step_bytes",
+    "swap_partner",
+]
 
 
 # -- the search ---------------------------------------------------------------------------------
@@ -127,9 +136,10 @@ def _swap(state: GridState, a: int, b: int) -> GridState:
     return GridState(assign, frozenset(relabel(x) for x in state.partial), state.frame)
 
 
-def _moves(
+def candidate_steps(
     grid: Grid, state: GridState, goal: GridState, exhaustive: bool
 ) -> Iterator[tuple[str, tuple[int, ...], GridState]]:
+    """Every single step from ``state`` as (kind, grid axes it moves, the state after)."""
     where = {
         axis: (d, i)
         for d, row in enumerate(state.assign)
@@ -171,9 +181,10 @@ def _moves(
         yield "to_partial", axes, _with(state, dict.fromkeys(axes), state.partial | set(axes))
 
 
-def _step_bytes(
+def step_bytes(
     kind: str, grid: Grid, axes: tuple[int, ...], state: GridState, itemsize: int
 ) -> int:
+    """Bytes per rank of a step from ``state`` over grid ``axes`` (ring formulas)."""
     group_size = math.prod(grid.axes[a] for a in axes)
     if kind in ("split", "to_partial"):
         return 0
@@ -196,14 +207,14 @@ def _search(
             break
         if best.get(state, (math.inf, 0)) < (cost, steps):
             continue
-        candidates = list(_moves(grid, state, goal, exhaustive))
+        candidates = list(candidate_steps(grid, state, goal, exhaustive))
         if state.frame != goal.frame:
             candidates.append(("send_recv", (), GridState(state.assign, state.partial, goal.frame)))
         for kind, axes, nxt in candidates:
             nbytes = (
                 _local_numel(grid, state) * itemsize
                 if kind == "send_recv"
-                else _step_bytes(kind, grid, axes, state, itemsize)
+                else step_bytes(kind, grid, axes, state, itemsize)
             )
             key = (cost + nbytes, steps + 1)
             if key < best.get(nxt, (math.inf, 0)):
@@ -234,10 +245,11 @@ class Step:
     axes: tuple[str, ...]
     groups: tuple[tuple[int, ...], ...]
     bytes: int
-    _grid: Grid = field(repr=False, compare=False)
-    _before: GridState = field(repr=False, compare=False)
-    _after: GridState = field(repr=False, compare=False)
-    _axes: tuple[int, ...] = field(repr=False, compare=False)
+    # Where the step sits on the common grid, for running it (None for a whole-copy send_recv).
+    grid: Grid | None = field(repr=False, compare=False)
+    grid_before: GridState | None = field(repr=False, compare=False)
+    grid_after: GridState | None = field(repr=False, compare=False)
+    grid_axes: tuple[int, ...] = field(repr=False, compare=False)
 
     def bytes_on(self, rank: int) -> int:
         """Bytes this step sends from ``rank`` (a rank exchanging with itself sends none)."""

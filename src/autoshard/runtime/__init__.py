@@ -1,1 +1,20 @@
-"""The runtime: the parallel module each rank trains, and its gradient synchronisation."""
+"""The runtime: the parallel module each rank trains (``parallel``) and its gradient
+synchronisation (``grad_sync``)."""
+
+from autoshard.runtime.grad_sync import GradSync
+from autoshard.runtime.parallel import (
+    ParallelModule,
+    PlanMismatchError,
+    parallelize,
+    shard_inputs,
+    single_device,
+)
+
+__all__ = [
+    "GradSync",
+    "ParallelModule",
+    "PlanMismatchError",
+    "parallelize",
+    "shard_inputs",
+    "single_device",
+]

@@ -8,6 +8,7 @@ loss.backward(); opt.step()                        # any elementwise torch.optim
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,14 +16,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard import comm
-from autoshard.graph.capture import Captured, capture_modes
+from autoshard.graph import OpGraph, capture_modes
 from autoshard.layout import Layout, LayoutError
-from autoshard.lower.lower import RunState, attr_name, lower
+from autoshard.lower import RunState, attr_name, lower
 from autoshard.mesh import MeshInfo, check_world, mesh_info
-from autoshard.redistribution import execute, gather_tensor, redistribution_plan, shard_tensor
-from autoshard.search import driver as auto
-from autoshard.search.semi import Plan, plan_graph
+from autoshard.redistribution import gather_tensor, shard_tensor
+from autoshard.runtime.grad_sync import GradSync
+from autoshard.search import Plan, load_plan, plan_graph
+from autoshard.search import input_layouts as plan_input_layouts
+from autoshard.search import plan as search_plan
 
 
 class PlanMismatchError(ValueError):
@@ -35,7 +37,7 @@ class ParallelModule(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        captured: dict[bool, Captured],
+        captured: dict[bool, OpGraph],
         plans: dict[bool, Plan],
         rank: int,
         seed: int,
@@ -56,12 +58,7 @@ class ParallelModule(nn.Module):
         values = dict(model.named_parameters(remove_duplicate=False))
         values |= dict(model.named_buffers(remove_duplicate=False))
         # Tensors export lifted out of the code (an empty KV cache): not part of the state.
-        constants = {
-            n.meta["autoshard_fqn"]: n.meta["autoshard_constant"]
-            for c in captured.values()
-            for n in c.graph.nodes
-            if "autoshard_constant" in n.meta
-        }
+        constants = {fqn: t for og in captured.values() for fqn, t in og.constants.items()}
         values |= constants
         tensors: dict[str, torch.Tensor] = {}
         for fqn, p in self.plan.params.items():
@@ -151,7 +148,7 @@ class ParallelModule(nn.Module):
                     raise KeyError(f"state dict has no entry for {fqn} (or its tied names)")
                 t.copy_(shard_tensor(state_dict[key].to(t.dtype), self._layouts[fqn], self._rank))
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # noqa: ARG002
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Sharded: DTensors on the mesh (a layout DTensor cannot express is gathered first)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Replicate
@@ -171,76 +168,6 @@ class ParallelModule(nn.Module):
             for name in self._aliases.get(fqn, [fqn]):
                 out[name] = value
         return out
-
-
-class GradSync:
-    """Sums the partial gradients of parameters once per backward (DESIGN.md's deferred
-    reduction), coalesced as DDP's buckets are: every gradient whose sum is one all-reduce over
-    the same group joins one flat all-reduce when the backward ends. Other reductions (a
-    reduce-scatter onto a split parameter) run in the parameter's hook.
-
-    The hook keeps a copy of the gradient it was given and hands the copy on. At the end of the
-    backward a ``.grad`` that accumulated it gets the sum in its place, and a copy that went
-    elsewhere (``torch.autograd.grad``'s result) is overwritten with the sum, so gradient
-    accumulation and ``torch.autograd.grad`` both see summed values."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        # (parameter, its gradient, the all-reduce group, whether .grad was empty before)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], bool]] = []
-        self._accumulated: set[int] = set()
-        self._queued = False
-
-    def watch(self, param: torch.Tensor, partial: Layout, full: Layout) -> None:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            plan = redistribution_plan(partial.with_dtype(grad.dtype), full.with_dtype(grad.dtype))
-            group = _one_all_reduce(plan, self.rank)
-            if group is None:
-                return execute(grad, plan, self.rank)
-            grad = grad.clone(memory_format=torch.contiguous_format)  # ours to overwrite
-            if not self._queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-                self._queued = True
-            self._pending.append((param, grad, group, param.grad is None))
-            return grad
-
-        param.register_hook(hook)
-        param.register_post_accumulate_grad_hook(lambda p: self._accumulated.add(id(p)))
-
-    def reset(self) -> None:
-        """Forget a backward that raised before its end (nothing of it was summed)."""
-        self._pending, self._accumulated, self._queued = [], set(), False
-
-    def _flush(self) -> None:
-        pending, accumulated = self._pending, self._accumulated
-        self._pending, self._accumulated, self._queued = [], set(), False
-        buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
-        for param, grad, group, fresh in pending:
-            key = (group, str(grad.dtype), str(grad.device))
-            buckets.setdefault(key, []).append((param, grad, fresh))
-        # The same order on every rank, whatever order its backward ran the hooks in.
-        for key in sorted(buckets):
-            items = buckets[key]
-            flat = torch.cat([grad.reshape(-1) for _, grad, _ in items])
-            comm.all_reduce_(flat, key[0])
-            offset = 0
-            with torch.no_grad():
-                for param, grad, fresh in items:
-                    summed = flat[offset : offset + grad.numel()].view_as(grad)
-                    offset += grad.numel()
-                    if id(param) not in accumulated:
-                        grad.copy_(summed)
-                    elif fresh or param.grad is grad:
-                        param.grad.copy_(summed)
-                    else:  # .grad = earlier + grad: swap this backward's part for its sum
-                        param.grad.add_(summed).sub_(grad)
-
-
-def _one_all_reduce(plan: Any, rank: int) -> tuple[int, ...] | None:
-    """The group of ``rank`` if ``plan`` is a single all-reduce, else None."""
-    if len(plan.steps) != 1 or plan.steps[0].kind != "all_reduce":
-        return None
-    return next((tuple(sorted(g)) for g in plan.steps[0].groups if rank in g), None)
 
 
 def _local_input(x: Any, layout: Layout, rank: int, name: str) -> Any:
@@ -266,7 +193,7 @@ def parallelize(
     example_kwargs: dict[str, Any] | None = None,
     input_layouts: Mapping[str, Layout] | None = None,
     seed: int = 0,
-    captured: dict[bool, Captured] | None = None,
+    captured: dict[bool, OpGraph] | None = None,
     search: str | None = None,
     cluster: Any = None,
     plan: Any = None,
@@ -276,9 +203,9 @@ def parallelize(
     with the given strategies, check every rank planned the same, and lower this rank's part.
 
     ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
-    (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a plan
-    from ``autoshard.plan`` or ``autoshard plan --json`` (a dict or a file); it sets the mesh.
-    ``captured`` (from ``capture_modes``) skips the capture when planning a model again."""
+    (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
+    from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
+    sets the mesh. ``captured`` (``capture_modes``) skips the capture when planning again."""
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
     if search is not None:
@@ -286,7 +213,7 @@ def parallelize(
             raise ValueError("parallelize: give search= or plan=, not both")
         fixed = None if isinstance(mesh, int) else mesh
         num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
-        plan = auto.plan(
+        plan = search_plan(
             model,
             example_inputs,
             cluster,
@@ -296,16 +223,15 @@ def parallelize(
             memory_limit=memory_limit,
             strategies=strategies if search == "propagate" else None,
             captured=captured,
-        ).auto
-    if plan is not None:
-        plan = auto.load_plan(plan)
-        mesh = plan["mesh"]
-        strategies = plan["strategies"]
-        input_layouts = {**auto.input_layouts(captured[True], plan), **(input_layouts or {})}
+        )
+    ready, mesh, strategies, input_layouts, source = _given_plan(
+        plan, captured[True], mesh, strategies, input_layouts
+    )
     info = mesh_info(mesh)
-    rank = check_world(info)
-    plans = {True: plan_graph(captured[True], info, strategies, input_layouts=input_layouts)}
-    param_layouts = {fqn: p.layout for fqn, p in plans[True].params.items()}
+    rank = check_world(info, source)
+    train = ready or plan_graph(captured[True], info, strategies, input_layouts=input_layouts)
+    plans = {True: train}
+    param_layouts = {fqn: p.layout for fqn, p in train.params.items()}
     plans[False] = plan_graph(
         captured[False],
         info,
@@ -318,6 +244,29 @@ def parallelize(
     return ParallelModule(model, captured, plans, rank, seed)
 
 
+def _given_plan(
+    plan: Any,
+    og: OpGraph,
+    mesh: Any,
+    strategies: Mapping[str, Any] | None,
+    input_layouts: Mapping[str, Layout] | None,
+) -> tuple[Plan | None, Any, Any, Any, str]:
+    """What a ``plan=`` argument sets: the train graph's Plan when it was made for ``og``
+    itself (no need to plan it again), the mesh, the strategies and input layouts that plan
+    the eval graph (and the train graph of another capture), and where the mesh came from."""
+    if plan is None:
+        return None, mesh, strategies, input_layouts, ""
+    if isinstance(plan, Plan):
+        ready = plan if plan.graph is og and not input_layouts else None
+        if plan.auto is not None:
+            input_layouts = {**plan_input_layouts(og, plan.auto), **(input_layouts or {})}
+        return ready, plan.mesh, plan.strategies, input_layouts, "the plan given"
+    source = f"plan {plan}" if isinstance(plan, str | Path) else "the plan given"
+    data = load_plan(plan)
+    input_layouts = {**plan_input_layouts(og, data), **(input_layouts or {})}
+    return None, data["mesh"], data["strategies"], input_layouts, source
+
+
 def single_device(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -325,7 +274,7 @@ def single_device(
     *,
     example_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
-    captured: dict[bool, Captured] | None = None,
+    captured: dict[bool, OpGraph] | None = None,
 ) -> ParallelModule:
     """The model as one device runs it under autoshard (the same dropout masks as any split):
     the reference every parallel run must equal. Runs without collectives, on any rank."""

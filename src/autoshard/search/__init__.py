@@ -1,1 +1,30 @@
-"""Planning: the plan format, semi-automatic planning, the cost graph, the solvers, the driver."""
+"""Planning: the plan format (``plans``), semi-automatic planning (``semi``), strategy options
+(``options``), the cost graph and its pricing (``costgraph``, ``pricing``), the solvers
+(``solvers``) and the driver from a model to a plan (``driver``)."""
+
+from autoshard.search.driver import (
+    SEARCHES,
+    SearchResult,
+    build_plan,
+    mesh_shapes,
+    plan,
+    run_search,
+)
+from autoshard.search.plans import FORMAT, Plan, PlanningError, input_layouts, load_plan
+from autoshard.search.semi import match_strategies, plan_graph
+
+__all__ = [
+    "FORMAT",
+    "SEARCHES",
+    "Plan",
+    "PlanningError",
+    "SearchResult",
+    "build_plan",
+    "input_layouts",
+    "load_plan",
+    "match_strategies",
+    "mesh_shapes",
+    "plan",
+    "plan_graph",
+    "run_search",
+]

@@ -1,89 +1,196 @@
-"""``autoshard.plan``: the automatic search from a model to a plan, and the plan's JSON form
-(docs/search.md)."""
+"""The search driver: every mesh shape's cost graph solved, the fastest plan that fits kept,
+and ``autoshard.plan``, from a model to a searched :class:`Plan` (docs/search.md)."""
 
 from __future__ import annotations
 
-import json
-import re
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from autoshard.cost.cluster import ClusterSpec, cluster_spec
-from autoshard.cost.model import estimate
-from autoshard.graph.capture import Captured, capture_modes
-from autoshard.layout import Layout
-from autoshard.mesh import mesh_info
-from autoshard.search.costgraph import SearchResult
-from autoshard.search.costgraph import search as run_search
-from autoshard.search.semi import Plan, op_key_parts, plan_graph
+from autoshard.cost import ClusterSpec, cluster_spec, estimate
+from autoshard.graph import OpGraph, capture_modes
+from autoshard.mesh import MeshInfo, mesh_info
+from autoshard.ops import Strategy
+from autoshard.search import options, pricing
+from autoshard.search.costgraph import CostGraph, build_cost_graph
+from autoshard.search.plans import FORMAT, Plan, PlanningError, input_layouts
+from autoshard.search.semi import plan_graph
+from autoshard.search.solvers import (
+    Solution,
+    lower_bound,
+    solve_optimal,
+    solve_propagate,
+    solve_recursive,
+)
 
-FORMAT = "autoshard-plan/1"
+SEARCHES = ("optimal", "recursive", "propagate")
+
+
+def mesh_shapes(
+    num_devices: int, cluster: ClusterSpec, tp_across_nodes: bool = False
+) -> list[MeshInfo]:
+    """Every ``dp x tp`` factorization of the devices, ``tp`` inside a node unless allowed."""
+    out = []
+    for tp in range(1, num_devices + 1):
+        if num_devices % tp:
+            continue
+        if tp > cluster.devices_per_node and not tp_across_nodes:
+            continue
+        out.append(MeshInfo(("dp", "tp"), (num_devices // tp, tp), ("dp",)))
+    return out
+
+
+@dataclass
+class SearchResult:
+    """The chosen mesh and one option per decision node, with the cost graph it came from."""
+
+    mesh: MeshInfo
+    graph: CostGraph
+    solution: Solution
+    tried: list[dict[str, Any]]
+    search_seconds: float
+
+    def strategies(self) -> dict[str, Strategy]:
+        """Every decision node's strategy (repeated layers share their representative's)."""
+        rep_index = {name: i for i, name in enumerate(self.graph.names)}
+        out = {}
+        for name, rep in self.graph.instances.items():
+            i = rep_index[rep]
+            out[name] = self.graph.options[i][self.solution.choice[i]]
+        return out
+
+
+def run_search(
+    og: OpGraph,
+    num_devices: int,
+    cluster: ClusterSpec,
+    *,
+    search: str = "optimal",
+    mesh: MeshInfo | None = None,
+    memory_limit: float | None = None,
+    tp_across_nodes: bool = False,
+    depth: Mapping[str, int] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+) -> SearchResult:
+    """The fastest plan that fits, over every mesh shape (or the given ``mesh``)."""
+    if search not in SEARCHES:
+        raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
+    start = time.perf_counter()
+    options.clear_caches()
+    pricing.clear_caches()
+    limit = cluster.memory_bytes if memory_limit is None else memory_limit
+    meshes = [mesh] if mesh is not None else mesh_shapes(num_devices, cluster, tp_across_nodes)
+    graphs = [build_cost_graph(og, m, cluster, depth=depth) for m in meshes]
+    ranked = sorted(range(len(meshes)), key=lambda k: lower_bound(graphs[k]))
+    best: tuple[int, Solution] | None = None
+    tried: list[dict[str, Any]] = []
+    smallest = math.inf
+    for k in ranked:
+        graph = graphs[k]
+        row: dict[str, Any] = {"mesh": graph.mesh.as_dict(), "bound_s": lower_bound(graph)}
+        smallest = min(smallest, graph.const_memory + sum(float(m.min()) for m in graph.memory))
+        if best is not None and row["bound_s"] >= best[1].seconds:
+            row["skipped"] = "bound"
+            tried.append(row)
+            continue
+        if search == "optimal":
+            sol = solve_optimal(graph, limit)
+        elif search == "recursive":
+            sol = solve_recursive(graph, limit)
+        else:
+            sol = solve_propagate(graph, _fixed_options(graph, fixed or {}), limit)
+        if sol is None:
+            row["fits"] = False
+        else:
+            row.update(step_s=sol.seconds, memory=sol.memory, solve_s=sol.solve_seconds)
+            # equal times (all axes on the batch: the same plan on any shape): fewer tp
+            if best is None or (sol.seconds, meshes[k].sizes[-1]) < (
+                best[1].seconds * (1 - 1e-9),
+                meshes[best[0]].sizes[-1],
+            ):
+                best = (k, sol)
+        tried.append(row)
+    if best is None:
+        raise PlanningError(
+            f"no plan fits in {limit / 2**30:.2f} GiB per device on {num_devices} devices: the "
+            f"smallest peak found is {smallest / 2**30:.2f} GiB. Add devices, or shard the "
+            f"optimizer state (ZeRO), split the layers into pipeline stages, or recompute "
+            f"activations"
+        )
+    k, sol = best
+    return SearchResult(meshes[k], graphs[k], sol, tried, time.perf_counter() - start)
+
+
+def _fixed_options(graph: CostGraph, fixed: Mapping[str, Any]) -> dict[int, int]:
+    out = {}
+    for name, strategy in fixed.items():
+        if name not in graph.names:
+            continue
+        i = graph.names.index(name)
+        for s, opt in enumerate(graph.options[i]):
+            if opt.strategy.ins == strategy.ins and opt.strategy.outs == strategy.outs:
+                out[i] = s
+                break
+    return out
+
+
+# -- the plan --------------------------------------------------------------------------------------
 
 
 def _jsonable(spec: Sequence[Any]) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
-def plan_json(captured: Captured, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
+def plan_json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
     """The searched plan as JSON: mesh, one space strategy per decision op (repeated layers
     written once as ``<list>.*``), input layouts, and the cost model's prediction."""
-    return _build(captured, result, cluster)[0]
+    return build_plan(og, result, cluster).auto
 
 
-def _build(
-    captured: Captured, result: SearchResult, cluster: ClusterSpec
-) -> tuple[dict[str, Any], Plan]:
-    """The JSON and the Plan of ``captured`` it gives. The search's objective leaves out the one
-    latency each coalesced gradient all-reduce pays (docs/search.md); the prediction adds it,
-    which does not depend on depth."""
-    data = _json(captured, result, cluster)
-    built = plan_graph(
-        captured, result.mesh, data["strategies"], input_layouts=input_layouts(captured, data)
-    )
+def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
+    """The Plan of ``og`` a search result gives, with its JSON (``plan.auto``) and prediction.
+    The search's objective leaves out the one latency each coalesced gradient all-reduce pays
+    (docs/search.md); the prediction adds it, which does not depend on depth."""
+    data = _json(og, result, cluster)
+    built = plan_graph(og, result.mesh, data["strategies"], input_layouts=input_layouts(og, data))
     built.auto = data
-    built.predicted = estimate(built, captured, cluster)
+    built.predicted = estimate(built, og, cluster)
     pred = data["predicted"]
     pred["search_objective_s"] = pred["step_time_s"]
     pred["step_time_s"] += built.predicted.bucket_latency
     pred["mfu"] *= pred["search_objective_s"] / pred["step_time_s"]
-    return data, built
+    return built
 
 
-def _json(captured: Captured, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
-    parts = op_key_parts(captured)
+def _json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
     reps = set(result.graph.instances.values())
-    multi = {name for name, rep in result.graph.instances.items() if name != rep}
-    multi |= {result.graph.instances[n] for n in multi}
     strategies: dict[str, Any] = {}
     inputs: dict[str, Any] = {}
     chosen = result.strategies()
     for name in result.graph.instances:
         option = chosen[name]
-        if name not in parts:  # a model input
+        info = og[og.by_name[name]]
+        if info.kind == "input":
             inputs[name] = _jsonable(option.spec)
-            continue
-        if name not in reps:
-            continue
-        path, op = parts[name]
-        if name in multi:
-            path = re.sub(r"^(.*?)\.(\d+)(?=\.|$)", r"\1.*", path, count=1)
-        strategies[f"{path}/{op}"] = {"space": _jsonable(option.spec)}
+        elif name in reps:
+            strategies[og.key_pattern(info)] = {"space": _jsonable(option.spec)}
     graph = result.graph
     seconds, memory = result.solution.seconds, result.solution.memory
     flops = graph.model_flops
     return {
         "format": FORMAT,
         "mesh": result.mesh.as_dict(),
-        "strategies": dict(sorted(strategies.items(), key=lambda kv: _order(kv[0], parts))),
+        "strategies": dict(sorted(strategies.items(), key=lambda kv: _order(kv[0], og))),
         "inputs": inputs,
         "predicted": {
             "step_time_s": seconds,
             "peak_memory_bytes": memory,
-            "mfu": flops / (seconds * result.mesh.num_devices * _peak(cluster, captured)),
+            "mfu": flops / (seconds * result.mesh.num_devices * _peak(cluster, og)),
             "search": result.solution.search,
             "search_s": result.search_seconds,
             "meshes": result.tried,
@@ -92,44 +199,16 @@ def _json(captured: Captured, result: SearchResult, cluster: ClusterSpec) -> dic
     }
 
 
-def _order(key: str, parts: dict[str, tuple[str, str]]) -> int:
-    for i, (path, op) in enumerate(parts.values()):
-        if key.endswith("/" + op) and re.fullmatch(
-            re.escape(key.rpartition("/")[0]).replace(r"\*", r"\d+"), path
-        ):
-            return i
-    return len(parts)
+def _order(key: str, og: OpGraph) -> int:
+    """Where a strategy key's first op stands in the graph."""
+    ops = og.ops()
+    return next((i for i, info in enumerate(ops) if og.key_pattern(info) == key), len(ops))
 
 
-def _peak(cluster: ClusterSpec, captured: Captured) -> float:
-    dtypes = [
-        n.meta["val"].dtype for n in captured.graph.nodes if n.meta.get("autoshard_kind") == "param"
-    ]
+def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
+    dtypes = [info.dtype for info in og.state() if info.kind == "param"]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
     return cluster.peak_flops(dtype)
-
-
-def load_plan(plan: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A plan dict from a dict or a JSON file, checked for its format."""
-    if not isinstance(plan, Mapping):
-        plan = json.loads(Path(plan).read_text())
-    if plan.get("format") != FORMAT:
-        raise ValueError(f"plan format {plan.get('format')!r}: expected {FORMAT!r}")
-    return dict(plan)
-
-
-def input_layouts(captured: Captured, plan: Mapping[str, Any]) -> dict[str, Layout]:
-    """The plan's input specs as layouts of ``captured``'s inputs."""
-    out = {}
-    nodes = {n.name: n for n in captured.graph.nodes if n.op == "placeholder"}
-    for name, spec in plan.get("inputs", {}).items():
-        node = nodes.get(name)
-        if node is None:
-            continue
-        val = node.meta["val"]
-        entries = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
-        out[name] = Layout.from_named(tuple(val.shape), entries, plan["mesh"], dtype=val.dtype)
-    return out
 
 
 def plan(
@@ -145,7 +224,7 @@ def plan(
     example_kwargs: dict[str, Any] | None = None,
     strategies: Mapping[str, Any] | None = None,
     tp_across_nodes: bool = False,
-    captured: dict[bool, Captured] | None = None,
+    captured: dict[bool, OpGraph] | None = None,
 ) -> Plan:
     """Search the fastest plan of ``model`` that fits on ``cluster`` (a preset name, a JSON
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
@@ -174,7 +253,15 @@ def plan(
         tp_across_nodes=tp_across_nodes,
         fixed=fixed,
     )
-    return _build(captured[True], result, spec)[1]
+    return build_plan(captured[True], result, spec)
 
 
-__all__ = ["FORMAT", "input_layouts", "load_plan", "plan", "plan_json"]
+__all__ = [
+    "SEARCHES",
+    "SearchResult",
+    "build_plan",
+    "mesh_shapes",
+    "plan",
+    "plan_json",
+    "run_search",
+]

@@ -1,0 +1,153 @@
+"""Einsum-like ops that contract over a dim: linear, matmul, attention, convolution, and embedding
+(a lookup is a one-hot matmul, so a split vocabulary leaves a partial sum)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoshard.layout import NOT_SPLIT
+from autoshard.ops import local
+from autoshard.ops.base import (
+    FIXED,
+    FREE,
+    SUM,
+    Space,
+    SpaceRule,
+    Strategy,
+    StrategyError,
+    right_aligned,
+)
+from autoshard.ops.nodes import node_arg, node_title, shape_of, tensor_inputs
+
+aten = torch.ops.aten
+
+
+class Linear(SpaceRule):
+    """linear(x[..., i], W[o, i], bias[o]): batch dims and ``o`` free, ``i`` a sum."""
+
+    flops_per_point = 2.0
+    bias_input = 2
+
+    def make_space(self, node: fx.Node) -> Space:
+        x = shape_of(node.args[0])
+        w = shape_of(node.args[1])
+        nb = len(x) - 1
+        o, i = nb, nb + 1
+        sizes = x[:-1] + (w[0], x[-1])
+        ins = [tuple(range(nb)) + (i,), (o, i)]
+        if len(tensor_inputs(node)) == 3:
+            ins.append((o,))
+        names = tuple(f"b{k}" for k in range(nb)) + ("out", "in")
+        kinds = (FREE,) * (nb + 1) + (SUM,)
+        return Space(sizes, kinds, tuple(ins), (tuple(range(nb)) + (o,),), names)
+
+
+class Matmul(SpaceRule):
+    """matmul / mm / bmm (batch dims broadcast) and addmm (bias broadcast onto [m, n])."""
+
+    flops_per_point = 2.0
+
+    def bias_index(self, node: fx.Node) -> int | None:
+        return 0 if node.target == aten.addmm.default else None
+
+    def make_space(self, node: fx.Node) -> Space:
+        inputs = tensor_inputs(node)
+        bias = None
+        if node.target == aten.addmm.default:
+            bias, inputs = inputs[0], inputs[1:]
+        a, b = shape_of(inputs[0]), shape_of(inputs[1])
+        if len(a) < 2 or len(b) < 2:
+            raise StrategyError(f"{node_title(node)}: matmul of a vector has no rule")
+        batch = tuple(torch.broadcast_shapes(a[:-2], b[:-2]))
+        nb = len(batch)
+        m, n, k = nb, nb + 1, nb + 2
+        sizes = batch + (a[-2], b[-1], a[-1])
+        a_dims = right_aligned(a[:-2], nb) + (m, k)
+        b_dims = right_aligned(b[:-2], nb) + (k, n)
+        ins = [a_dims, b_dims]
+        if bias is not None:
+            bias_dims = (m, n)[2 - len(shape_of(bias)) :]
+            ins.insert(0, bias_dims)
+        names = tuple(f"b{i}" for i in range(nb)) + ("m", "n", "k")
+        kinds = (FREE,) * (nb + 2) + (SUM,)
+        return Space(sizes, kinds, tuple(ins), (tuple(range(nb)) + (m, n),), names)
+
+
+class Attention(SpaceRule):
+    """scaled_dot_product_attention: batch and heads free; query length free unless causal;
+    key length and head dims whole."""
+
+    flops_per_point = 4.0
+
+    def make_space(self, node: fx.Node) -> Space:
+        q, k, v = (shape_of(n) for n in node.args[:3])
+        if q[-3] != k[-3]:
+            raise StrategyError(f"{node_title(node)}: grouped heads need expand + reshape")
+        if node_arg(node, 4, "dropout_p", 0.0):
+            raise StrategyError(
+                f"{node_title(node)}: attention dropout has no split-invariant form; use "
+                f"dropout_p=0 and an nn.Dropout on the output"
+            )
+        causal = bool(node_arg(node, 5, "is_causal", False))
+        nb = len(q) - 2
+        sq, sk, d, dv = nb, nb + 1, nb + 2, nb + 3
+        sizes = q[:-2] + (q[-2], k[-2], q[-1], v[-1])
+        kinds = (FREE,) * nb + ((FIXED if causal else FREE), FIXED, FIXED, FIXED)
+        batch = tuple(range(nb))
+        ins = [batch + (sq, d), batch + (sk, d), batch + (sk, dv)]
+        mask = node_arg(node, 3, "attn_mask", None)
+        if isinstance(mask, fx.Node):
+            ins.append(right_aligned(shape_of(mask), nb + 2)[:-2] + (sq, sk))
+        names = tuple(f"b{i}" for i in range(nb)) + ("q_len", "k_len", "head", "v_head")
+        return Space(sizes, kinds, tuple(ins), (batch + (sq, dv),), names)
+
+
+class Conv2d(SpaceRule):
+    """conv2d: batch and output channels free, input channels a sum, spatial dims whole."""
+
+    flops_per_point = 2.0
+    bias_input = 2
+
+    def make_space(self, node: fx.Node) -> Space:
+        x = shape_of(node.args[0])
+        w = shape_of(node.args[1])
+        if node_arg(node, 6, "groups", 1) != 1:
+            raise StrategyError(f"{node_title(node)}: grouped convolution has no split rule")
+        n, o, c, h, wd, kh, kw = range(7)
+        sizes = (x[0], w[0], x[1], x[2], x[3], w[2], w[3])
+        kinds = (FREE, FREE, SUM, FIXED, FIXED, FIXED, FIXED)
+        ins = [(n, c, h, wd), (o, c, kh, kw)]
+        if len(tensor_inputs(node)) == 3:
+            ins.append((o,))
+        names = ("N", "O", "C", "H", "W", "kh", "kw")
+        return Space(sizes, kinds, tuple(ins), ((n, o, h, wd),), names)
+
+
+class Embedding(SpaceRule):
+    """embedding(weight[V, h], ids[...]): a split vocabulary looks up masked ids and leaves a
+    partial output (each row lives on one rank); a split hidden dim is free."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        v, h = shape_of(node.args[0])
+        ids = shape_of(node.args[1])
+        n = len(ids)
+        sizes = ids + (h, v)
+        kinds = (FREE,) * (n + 1) + (SUM,)
+        ins = ((n + 1, n), tuple(range(n)))
+        names = tuple(f"b{i}" for i in range(n)) + ("hidden", "vocab")
+        return Space(sizes, kinds, ins, (tuple(range(n + 1)),), names)
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        weight = strategy.ins[0]
+        if not any(a != NOT_SPLIT for _, a in weight.factors[0]):
+            return low.call(node.target, args, kwargs)
+        rows = weight.local_index(low.rank)[0]
+        if not isinstance(rows, slice):
+            raise StrategyError(f"{node_title(node)}: the vocabulary split must be contiguous")
+        return low.call(local.vocab_embedding, (args[0], args[1], rows.start), {})
+
+
+__all__ = ["Attention", "Conv2d", "Embedding", "Linear", "Matmul"]

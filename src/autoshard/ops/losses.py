@@ -1,0 +1,55 @@
+"""Loss ops, computed on split logits without gathering them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from autoshard.layout import Layout
+from autoshard.ops import local
+from autoshard.ops.base import FREE, SUM, Space, SpaceRule, Strategy, StrategyError
+from autoshard.ops.nodes import node_arg, node_title, shape_of
+
+
+class CrossEntropy(SpaceRule):
+    """cross_entropy_loss(logits[N, C], target[N]) with split N and/or split classes (Megatron:
+    the logits are never gathered); the loss is complete on every rank."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        logits = shape_of(node.args[0])
+        if len(logits) != 2 or node_arg(node, 2, "weight") is not None:
+            raise StrategyError(f"{node_title(node)}: only [N, C] logits without class weights")
+        if node_arg(node, 5, "label_smoothing", 0.0):
+            raise StrategyError(f"{node_title(node)}: label smoothing has no split rule")
+        reduction = node_arg(node, 3, "reduction", 1)
+        out = (0,) if reduction == 0 else ()
+        return Space(logits, (FREE, SUM), ((0, 1), (0,)), (out,), ("N", "C"))
+
+    def layouts(self, node: fx.Node, space_layout: Layout) -> Strategy:
+        strategy = super().layouts(node, space_layout)
+        out = strategy.outs[0].without_partial()
+        return Strategy(strategy.ins, (out,), strategy.grads, space_layout)
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        space = strategy.space
+        logits = strategy.ins[0]
+        cols = logits.local_index(low.rank)[1]
+        if not isinstance(cols, slice):
+            raise StrategyError(f"{node_title(node)}: the class split must be contiguous")
+        return low.call(
+            local.cross_entropy,
+            (
+                args[0],
+                args[1],
+                node_arg(node, 3, "reduction", 1),
+                node_arg(node, 4, "ignore_index", -100),
+                cols.start,
+                low.group(space, [0]),
+                low.group(space, [1]),
+            ),
+            {},
+        )
+
+
+__all__ = ["CrossEntropy"]

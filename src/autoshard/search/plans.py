@@ -1,0 +1,177 @@
+"""The plan: what every op, parameter and input of one graph does on a mesh, and its JSON form.
+
+A :class:`Plan` is what planning (semi-automatic or searched) produces and what lowering reads:
+per op its strategy, the redistributions of its inputs and the gradient sums it needs; per
+parameter its stored layout and its deferred gradient sum. The JSON form (``FORMAT``,
+docs/search.md) stores the mesh, one space strategy per op key and the input layouts; it is for
+files: within one process the Plan object is handed on as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoshard.graph import OpGraph
+from autoshard.layout import Layout
+from autoshard.mesh import MeshInfo
+from autoshard.ops import Strategy
+from autoshard.redistribution import redistribution_plan
+
+FORMAT = "autoshard-plan/1"
+
+
+class PlanningError(ValueError):
+    """No plan fits: names the smallest peak memory found and what would make one fit."""
+
+
+@dataclass
+class NodePlan:
+    node: str
+    target: str
+    module: str
+    strategy: Strategy
+    configured: bool
+    moves: dict[int, tuple[Layout, Layout]] = field(default_factory=dict)
+    grad_reduce: dict[int, tuple[Layout, Layout]] = field(default_factory=dict)
+
+    def forward_bytes(self) -> int:
+        return sum(redistribution_plan(s, d).bytes for s, d in self.moves.values())
+
+    def backward_bytes(self) -> int:
+        total = sum(
+            redistribution_plan(d.without_partial(), s.without_partial()).bytes
+            for s, d in self.moves.values()
+        )
+        return total + sum(redistribution_plan(p, f).bytes for p, f in self.grad_reduce.values())
+
+
+@dataclass
+class ParamPlan:
+    fqn: str
+    layout: Layout
+    grad_partial: Layout | None = None  # deferred reduction: gradient layout before the sum
+
+
+@dataclass
+class Plan:
+    mesh: MeshInfo
+    nodes: dict[str, NodePlan]
+    params: dict[str, ParamPlan]
+    inputs: dict[str, Layout]
+    outputs: list[tuple[Layout, Layout]]
+    warnings: list[str]
+    #: set by the automatic search: the plan as JSON (docs/search.md) and its predicted cost
+    auto: dict[str, Any] | None = None
+    predicted: Any = None
+    #: the graph this plan was made for (not part of the plan's identity)
+    graph: OpGraph | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def strategies(self) -> dict[str, Any]:
+        """The strategies that rebuild this plan on another capture of the same model: the
+        searched space strategies, else the configured ops' strategies by node name."""
+        if self.auto is not None:
+            return dict(self.auto["strategies"])
+        return {n.node: n.strategy for n in self.nodes.values() if n.configured}
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan's JSON (a searched plan; ``parallelize(plan=path)`` reads it)."""
+        if self.auto is None:
+            raise ValueError("only a searched plan (autoshard.plan) has a JSON form")
+        Path(path).write_text(json.dumps(self.auto, indent=1) + "\n")
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256("\n".join(self.digests()).encode()).hexdigest()[:16]
+
+    def digests(self) -> list[str]:
+        """One line per decision, what ranks compare before the first collective."""
+        lines = [f"mesh {self.mesh}"]
+        lines += [f"input {k} {v!r}" for k, v in self.inputs.items()]
+        lines += [f"param {k} {p.layout!r} {p.grad_partial!r}" for k, p in self.params.items()]
+        lines += [
+            f"node {n.node} {n.target} {n.strategy.ins!r} {n.strategy.outs!r}"
+            for n in self.nodes.values()
+        ]
+        return lines
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def format_plan(plan: Plan) -> str:
+    rows = [("op", "module", "strategy", "in -> out", "communication", "bytes/rank fwd+bwd")]
+    for n in plan.nodes.values():
+        if not (n.configured or n.moves or n.grad_reduce or n.strategy.replicated_fallback):
+            continue
+        comm = [
+            f"in{i}: " + "+".join(s.kind for s in redistribution_plan(a, b).steps)
+            for i, (a, b) in n.moves.items()
+        ]
+        comm += [f"in{i} grad: all_reduce" for i in n.grad_reduce]
+        ins = ",".join(str(x) for x in n.strategy.ins)
+        outs = ",".join(str(x) for x in n.strategy.outs if x is not None)
+        mark = "*" if n.configured else ""
+        rows.append(
+            (
+                f"{n.node}{mark}",
+                n.module,
+                n.strategy.describe(),
+                f"{ins} -> {outs}",
+                "; ".join(comm) or "-",
+                f"{n.forward_bytes()}+{n.backward_bytes()}",
+            )
+        )
+    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
+    lines = [f"plan on mesh {plan.mesh.describe(' x ')} ({plan.mesh.num_devices} devices)"]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    deferred = [p for p in plan.params.values() if p.grad_partial is not None]
+    if deferred:
+        grad_bytes = sum(redistribution_plan(p.grad_partial, p.layout).bytes for p in deferred)
+        lines.append(f"gradient reduction: {len(deferred)} parameters, {grad_bytes} bytes/rank")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    lines.append("(* configured by the user)")
+    return "\n".join(lines)
+
+
+# -- JSON -----------------------------------------------------------------------------------------
+
+
+def load_plan(plan: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A plan dict from a dict or a JSON file, checked for its format."""
+    if not isinstance(plan, Mapping):
+        plan = json.loads(Path(plan).read_text())
+    if plan.get("format") != FORMAT:
+        raise ValueError(f"plan format {plan.get('format')!r}: expected {FORMAT!r}")
+    return dict(plan)
+
+
+def input_layouts(og: OpGraph, plan: Mapping[str, Any]) -> dict[str, Layout]:
+    """The plan's input specs as layouts of ``og``'s inputs."""
+    out = {}
+    for name, spec in plan.get("inputs", {}).items():
+        node = og.by_name.get(name)
+        if node is None or node.op != "placeholder":
+            continue
+        info = og[node]
+        entries = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
+        out[name] = Layout.from_named(info.shape, entries, plan["mesh"], dtype=info.dtype)
+    return out
+
+
+__all__ = [
+    "FORMAT",
+    "NodePlan",
+    "ParamPlan",
+    "Plan",
+    "PlanningError",
+    "format_plan",
+    "input_layouts",
+    "load_plan",
+]

@@ -1,0 +1,295 @@
+"""Pricing for the cost graph: what a decision node and the ops that follow it cost under one
+option, what moving a value between two layouts costs, and gradient sums (docs/search.md).
+
+The caches here are keyed by graph node or by layouts; :func:`clear_caches` forgets the ones
+keyed by node between searches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch.fx as fx
+
+from autoshard.cost import ClusterSpec, grad_sync, transition
+from autoshard.cost.model import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.graph import node_info
+from autoshard.layout import Layout
+from autoshard.mesh import MeshInfo
+from autoshard.ops import Strategy, rule_for, tensor_inputs
+from autoshard.search.options import options
+
+_ROWS: dict[tuple, np.ndarray] = {}
+
+
+_WANTS: dict[tuple, tuple[list[Layout], np.ndarray]] = {}
+
+
+def edge_row(
+    value: fx.Node, layout: Layout, user: fx.Node, i: int, mesh: MeshInfo, cluster: ClusterSpec
+) -> np.ndarray:
+    """Seconds of moving ``value`` in ``layout`` to what each option of ``user`` wants."""
+    backward = _has_gradient(value)
+    key = (layout, user, i, mesh, id(cluster), backward)
+    row = _ROWS.get(key)
+    if row is None:
+        wants, where = _wants(user, i, mesh)
+        row = np.array([move_cost(layout, w, backward, cluster) for w in wants])[where]
+        _ROWS[key] = row
+    return row
+
+
+def _wants(user: fx.Node, i: int, mesh: MeshInfo) -> tuple[list[Layout], np.ndarray]:
+    """The distinct layouts ``user``'s options want for input ``i``, and which each wants."""
+    key = (user, i, mesh)
+    found = _WANTS.get(key)
+    if found is None:
+        index: dict[Layout, int] = {}
+        where = [index.setdefault(o.strategy.ins[i], len(index)) for o in options(user, mesh)]
+        found = _WANTS[key] = (list(index), np.array(where, dtype=np.intp))
+    return found
+
+
+def param_bytes(p: fx.Node, layout: Layout, optimizer_states: int) -> float:
+    size = local_bytes(layout)
+    return size * (2 + optimizer_states) if node_info(p).kind == "param" else size
+
+
+def param_time(p: fx.Node, layout: Layout, cluster: ClusterSpec) -> float:
+    return optimizer_time(layout, cluster) if node_info(p).kind == "param" else 0.0
+
+
+_MOVES: dict[tuple, float] = {}
+
+
+def move(value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec) -> float:
+    """Forward redistribution and, for a differentiable value, its mirror in backward."""
+    if src == want:
+        return 0.0
+    return move_cost(src, want, _has_gradient(value), cluster)
+
+
+def move_cost(src: Layout, want: Layout, backward: bool, cluster: ClusterSpec) -> float:
+    if src == want:
+        return 0.0
+    key = (src, want, backward, id(cluster))
+    seconds = _MOVES.get(key)
+    if seconds is None:
+        seconds = transition(src, want, cluster).seconds
+        if backward:
+            seconds += transition(want.without_partial(), src.without_partial(), cluster).seconds
+        _MOVES[key] = seconds
+    return seconds
+
+
+def grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec) -> float:
+    info = node_info(arg)
+    if not info.differentiable or info.kind == "buffer":
+        return 0.0
+    param = info.kind == "param"
+    key = (grad, want, "param grad" if param else "grad", id(cluster))
+    seconds = _MOVES.get(key)
+    if seconds is None:
+        whole = want.without_partial()
+        if grad == whole:
+            seconds = 0.0
+        elif param:  # summed in the backward's coalesced all-reduce
+            seconds = grad_sync(grad, whole, cluster)[0]
+        else:
+            seconds = transition(grad, whole, cluster).seconds
+        _MOVES[key] = seconds
+    return seconds
+
+
+def replicated(node: fx.Node, mesh: MeshInfo) -> Strategy:
+    ins = [None for _ in tensor_inputs(node)]
+    return rule_for(node).follow(node, ins, mesh)
+
+
+def weight_layouts(
+    graph: fx.Graph, weight: set[fx.Node], mesh: MeshInfo
+) -> tuple[dict[fx.Node, Layout], dict[fx.Node, fx.Node]]:
+    """Layouts of weight-like values (as the planner's walk gives them) and each parameter's
+    first consumer, which decides its stored layout."""
+    layouts: dict[fx.Node, Layout] = {}
+    all_outs: dict[fx.Node, tuple] = {}
+    owner: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        for a in tensor_inputs(node):
+            if node_info(a).is_state:
+                owner.setdefault(a, node)
+        if node not in weight:
+            continue
+        if node_info(node).kind == "getitem":
+            outs = all_outs.get(node.args[0], ())
+            if node.args[1] < len(outs) and outs[node.args[1]] is not None:
+                layouts[node] = outs[node.args[1]]
+            continue
+        args = tensor_inputs(node)
+        ins = [layouts.get(a) for a in args]
+        strategy = rule_for(node).follow(node, ins, mesh)
+        for a, want in zip(args, strategy.ins, strict=True):
+            if a.op == "placeholder" and a not in layouts and owner.get(a) is node:
+                layouts[a] = want.without_partial()
+        all_outs[node] = strategy.outs
+        if strategy.outs and strategy.outs[0] is not None:
+            layouts[node] = strategy.outs[0]
+    return layouts, owner
+
+
+class Region:
+    """Prices a decision node with the ops that follow it (its region) under one option."""
+
+    def __init__(
+        self,
+        followers: dict[fx.Node, list[fx.Node]],
+        const_layout: dict[fx.Node, Layout],
+        owner: dict[fx.Node, fx.Node],
+        mesh: MeshInfo,
+        cluster: ClusterSpec,
+        outputs: set[fx.Node],
+    ) -> None:
+        self.followers, self.const_layout, self.owner = followers, const_layout, owner
+        self.mesh, self.cluster, self.outputs = mesh, cluster, outputs
+
+    def price(
+        self, node: fx.Node, strategy: Strategy, optimizer_states: int
+    ) -> tuple[float, float, dict[fx.Node, Layout]]:
+        """Seconds and bytes of the region under one option of ``node``, and the layouts of
+        every value it produces."""
+        values: dict[fx.Node, Layout] = {}
+        seconds = memory = 0.0
+        if node.op == "placeholder":
+            values[node] = strategy.outs[0]
+            memory += local_bytes(strategy.outs[0])
+        else:
+            fwd, bwd = op_time(node, strategy, self.cluster)
+            seconds += fwd + bwd
+            if saves_output(node):
+                memory += sum(local_bytes(o) for o in strategy.outs)
+            _set_outputs(node, strategy, values)
+        for f in self.followers[node]:
+            if node_info(f).kind == "getitem":
+                continue  # its layout came with its producer's outputs
+            f_seconds, f_memory = self._follower(f, values, optimizer_states)
+            seconds, memory = seconds + f_seconds, memory + f_memory
+        for value in self.outputs & set(values):
+            src = values[value]
+            whole = Layout.replicated(src.shape, self.mesh.num_devices, dtype=src.dtype)
+            seconds += transition(src, whole, self.cluster).seconds
+        return seconds, memory, values
+
+    def _follower(
+        self, f: fx.Node, values: dict[fx.Node, Layout], optimizer_states: int
+    ) -> tuple[float, float]:
+        """A follower follows its inputs' layouts; the parameters it owns take what it wants."""
+        args = tensor_inputs(f)
+        ins: list[Layout | None] = []
+        for a in args:
+            if a in values:
+                ins.append(values[a])
+            elif a.op == "placeholder" and self.owner.get(a) is f:
+                ins.append(None)
+            else:
+                ins.append(self.const_layout.get(a))
+        strategy = follow(f, ins, self.mesh)
+        fwd, bwd = op_time(f, strategy, self.cluster)
+        seconds, memory = fwd + bwd, 0.0
+        for a, have, want, grad in zip(args, ins, strategy.ins, strategy.grads, strict=True):
+            if have is None:
+                if a.op == "placeholder":
+                    whole = want.without_partial()
+                    values[a] = whole
+                    memory += param_bytes(a, whole, optimizer_states)
+                    seconds += param_time(a, whole, self.cluster)
+                    seconds += grad_reduce(a, grad, want, self.cluster)
+                continue
+            seconds += move(a, have, want, self.cluster)
+            seconds += grad_reduce(a, grad, want, self.cluster)
+        if saves_output(f):
+            memory += sum(local_bytes(o) for o in strategy.outs)
+        _set_outputs(f, strategy, values)
+        return seconds, memory
+
+    def stored_layout(
+        self, p: fx.Node, own: fx.Node, own_src: fx.Node, strategy: Strategy
+    ) -> tuple[Layout, Layout]:
+        """The layout a shared parameter is stored in under its owner's source's option, and
+        the layout of its gradient from the owner."""
+        if own is own_src:
+            i = tensor_inputs(own).index(p)
+            return strategy.ins[i].without_partial(), strategy.grads[i]
+        _, _, values = self.price(own_src, strategy, 0)
+        args = tensor_inputs(own)
+        ins = [None if a is p else values.get(a, self.const_layout.get(a)) for a in args]
+        return values[p], follow(own, ins, self.mesh).grads[args.index(p)]
+
+
+_FOLLOWS: dict[tuple, Strategy] = {}
+
+
+def follow(node: fx.Node, ins: list[Layout | None], mesh: MeshInfo) -> Strategy:
+    """``rule.follow``, shared by every node with the same op, arguments and input layouts."""
+    key = (node_info(node).signature, tuple(ins), mesh)
+    found = _FOLLOWS.get(key)
+    if found is None:
+        found = _FOLLOWS[key] = rule_for(node).follow(node, ins, mesh)
+    return found
+
+
+def _set_outputs(node: fx.Node, strategy: Strategy, values: dict[fx.Node, Layout]) -> None:
+    if strategy.outs and strategy.outs[0] is not None:
+        values[node] = strategy.outs[0]
+    for user in node.users:
+        if node_info(user).kind == "getitem":
+            k = user.args[1]
+            if k < len(strategy.outs) and strategy.outs[k] is not None:
+                values[user] = strategy.outs[k]
+
+
+def tied_grads(
+    p: fx.Node, stored: Layout, own_grad: Layout, want: Layout, grad: Layout, cluster: ClusterSpec
+) -> float:
+    """Gradient sums of a parameter's second use beyond what its owner's term priced (one
+    coalesced sum of the owner's gradient). As the planner does: when neither use moves the
+    parameter and both gradients need the same sum, one deferred sum serves both; otherwise each
+    use that needs a sum does its own, alone."""
+    if not node_info(p).differentiable or node_info(p).kind != "param":
+        return 0.0
+    own_needs = own_grad != stored
+    needs = grad != want.without_partial()
+    if own_needs and needs and want == stored and grad == own_grad:
+        return 0.0
+    seconds = transition(grad, want.without_partial(), cluster).seconds if needs else 0.0
+    if own_needs:
+        seconds += transition(own_grad, stored, cluster).seconds
+        seconds -= grad_reduce(p, own_grad, stored, cluster)
+    return seconds
+
+
+def _has_gradient(value: fx.Node) -> bool:
+    info = node_info(value)
+    return info.differentiable and info.kind != "buffer"
+
+
+def clear_caches() -> None:
+    """Forget what was cached per graph node (the caches keyed by op signature stay)."""
+    for cache in (_ROWS, _WANTS, _MOVES):
+        cache.clear()
+
+
+__all__ = [
+    "Region",
+    "clear_caches",
+    "edge_row",
+    "follow",
+    "grad_reduce",
+    "move",
+    "move_cost",
+    "param_bytes",
+    "param_time",
+    "replicated",
+    "tied_grads",
+    "weight_layouts",
+]

@@ -1,0 +1,354 @@
+"""The solvers: one option per decision node of a cost graph (docs/search.md).
+
+``solve_optimal`` is an integer program (HiGHS through scipy) and exact; ``solve_recursive``
+chooses axis by axis and sweeps, linear in the graph; ``solve_propagate`` spreads fixed choices
+breadth first; ``brute_force`` enumerates small graphs and is the tests' reference.
+``lower_bound`` says no plan on a mesh is faster, so the driver can skip mesh shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoshard.search.costgraph import CostGraph
+from autoshard.search.options import Option
+
+
+@dataclass
+class Solution:
+    choice: list[int]
+    seconds: float
+    memory: float
+    search: str
+    solve_seconds: float = 0.0
+
+
+class _Program:
+    """The integer program of a cost graph: binaries per (node, option), then continuous edge
+    variables tied to both ends (their rows and columns sum to the end's binaries), and the
+    constraint rows in coordinate form."""
+
+    def __init__(self, graph: CostGraph) -> None:
+        self.offsets, n = [], 0
+        for opts in graph.options:
+            self.offsets.append(n)
+            n += len(opts)
+        self.num_x = n
+        self.edge_offsets = {}
+        for key, m in graph.edges.items():
+            self.edge_offsets[key] = n
+            n += m.size
+        self.num_vars = n
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def objective(self, graph: CostGraph) -> np.ndarray:
+        scale = 1e3  # milliseconds keep the objective's coefficients near 1
+        c = np.zeros(self.num_vars)
+        for i, u in enumerate(graph.unary):
+            c[self.offsets[i] : self.offsets[i] + len(u)] = u * scale
+        for key, m in graph.edges.items():
+            c[self.edge_offsets[key] : self.edge_offsets[key] + m.size] = m.ravel() * scale
+        return c
+
+    def row(self, cols: list[int], vals: list[float], lo: float, hi: float) -> None:
+        r = len(self.lo)
+        self.rows.extend([r] * len(cols))
+        self.cols.extend(cols)
+        self.vals.extend(vals)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+    def constraints(self, graph: CostGraph, memory_limit: float) -> None:
+        for i, opts in enumerate(graph.options):  # one option per node
+            self.row([self.offsets[i] + s for s in range(len(opts))], [1.0] * len(opts), 1, 1)
+        for (i, j), m in graph.edges.items():  # edge marginals: each row (column) sums to x
+            si, sj = m.shape
+            cells = np.arange(si * sj).reshape(si, sj) + self.edge_offsets[(i, j)]
+            for node, groups in ((i, cells), (j, cells.T)):
+                for s, group in enumerate(groups):
+                    cols = [*group.tolist(), self.offsets[node] + s]
+                    self.row(cols, [1.0] * len(group) + [-1.0], 0.0, 0.0)
+        if math.isfinite(memory_limit):
+            mem_scale = max(1.0, max((float(m.max()) for m in graph.memory), default=1.0))
+            cols = [self.offsets[i] + s for i, m in enumerate(graph.memory) for s in range(len(m))]
+            vals = [v / mem_scale for m in graph.memory for v in m]
+            self.row(cols, vals, -np.inf, (memory_limit - graph.const_memory) / mem_scale)
+
+
+def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution | None:
+    """The exact optimum of the cost graph under the memory limit (None when nothing fits)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    start = time.perf_counter()
+    program = _Program(graph)
+    c = program.objective(graph)
+    program.constraints(graph, memory_limit)
+    shape = (len(program.lo), program.num_vars)
+    a = coo_matrix((program.vals, (program.rows, program.cols)), shape=shape).tocsr()
+    integrality = np.zeros(program.num_vars)
+    integrality[: program.num_x] = 1
+    result = milp(
+        c,
+        constraints=LinearConstraint(a, program.lo, program.hi),
+        integrality=integrality,
+        bounds=Bounds(0, 1),
+        options={"mip_rel_gap": 1e-9, "presolve": True},
+    )
+    if result.x is None:
+        return None
+    offsets = program.offsets
+    choice = [
+        int(np.argmax(result.x[offsets[i] : offsets[i] + len(o)]))
+        for i, o in enumerate(graph.options)
+    ]
+    seconds, memory = graph.objective(choice)
+    return Solution(choice, seconds, memory, "optimal", time.perf_counter() - start)
+
+
+def brute_force(graph: CostGraph, memory_limit: float = math.inf, limit: int = 4_000_000):
+    """Every combination of options (small graphs only): the reference for ``solve_optimal``."""
+    sizes = [len(o) for o in graph.options]
+    if math.prod(sizes) > limit:
+        raise ValueError(f"{math.prod(sizes)} combinations: too many to enumerate")
+    k = len(sizes)
+
+    def along(i: int, v: np.ndarray) -> np.ndarray:
+        shape = [1] * k
+        shape[i] = len(v)
+        return v.reshape(shape)
+
+    total = np.full(sizes, graph.const_time)
+    mem = np.full(sizes, graph.const_memory)
+    for i in range(k):
+        total = total + along(i, graph.unary[i])
+        mem = mem + along(i, graph.memory[i])
+    for (i, j), m in graph.edges.items():
+        shape = [1] * k
+        shape[i], shape[j] = m.shape
+        total = total + m.reshape(shape)
+    total = np.where(mem <= memory_limit, total, np.inf)
+    flat = int(np.argmin(total))
+    if not np.isfinite(total.flat[flat]):
+        return None
+    choice = [int(c) for c in np.unravel_index(flat, sizes)]
+    seconds, memory = graph.objective(choice)
+    return Solution(choice, seconds, memory, "brute_force")
+
+
+def _local_cost(graph, nbrs, i, s, choice, lam):
+    cost = graph.unary[i][s] + lam * graph.memory[i][s]
+    for j, m in nbrs[i]:
+        if choice[j] is not None:
+            cost += m[s, choice[j]]
+    return cost
+
+
+def solve_recursive(graph: CostGraph, memory_limit: float = math.inf, sweeps: int = 20):
+    """Axis by axis, ops by FLOPs choose the dim each axis splits given their neighbours (in
+    both axis orders, and from the all-data-parallel and the cheapest-op starts); then sweeps of
+    local re-choice until nothing changes; the best wins. Memory: a price per byte (Lagrangian),
+    raised until a plan fits and then bisected down to the cheapest price that still fits, and
+    the best fitting plan re-chosen op by op for time within the limit. Each pass is linear in
+    the graph."""
+    start = time.perf_counter()
+    nbrs = graph.neighbours()
+    order = sorted(range(len(graph.names)), key=lambda i: -graph.weight[i])
+    num_axes = len(graph.options[0][0].assign) if graph.options and graph.options[0] else 0
+
+    def attempt(lam: float) -> tuple[Solution | None, list[int]]:
+        starts = [
+            _by_axes(graph, nbrs, order, num_axes, reversed(range(num_axes)), lam),
+            _by_axes(graph, nbrs, order, num_axes, range(num_axes), lam),
+            [_data_parallel_option(opts) for opts in graph.options],
+            [int(np.argmin(u + lam * m)) for u, m in zip(graph.unary, graph.memory, strict=True)],
+        ]
+        fits = []
+        for choice in starts:
+            for _ in range(sweeps):
+                _sweep(graph, nbrs, order, choice, lam, sweeps)
+                if not _pair_sweep(graph, nbrs, choice, lam):
+                    break
+            seconds, memory = graph.objective(choice)
+            if memory <= memory_limit:
+                fits.append(Solution(list(choice), seconds, memory, "recursive"))
+        return (min(fits, key=lambda s: s.seconds) if fits else None), starts[0]
+
+    best, first = attempt(0.0)
+    lam_lo, lam_hi = 0.0, 0.0
+    for _ in range(40):
+        if best is not None:
+            break
+        seconds, memory = graph.objective(first)
+        lam_lo, lam_hi = lam_hi, max(lam_hi * 4, seconds / max(memory, 1.0))
+        best, first = attempt(lam_hi)
+    if best is not None and lam_hi > 0:
+        for _ in range(8):  # the cheapest price of memory that still fits
+            lam = (lam_lo + lam_hi) / 2
+            found, _ = attempt(lam)
+            if found is None:
+                lam_lo = lam
+                continue
+            lam_hi = lam
+            if found.seconds < best.seconds:
+                best = found
+        _fit_sweep(graph, nbrs, order, best, memory_limit)
+    if best is not None:
+        best.solve_seconds = time.perf_counter() - start
+    return best
+
+
+def _fit_sweep(graph, nbrs, order, sol: Solution, memory_limit: float) -> None:
+    """Re-choose op by op for time alone, among the options that keep the plan in the limit."""
+    choice = sol.choice
+    memory = sol.memory
+    for _ in range(20):
+        changed = False
+        for i in order:
+            c = choice[i]
+            room = memory_limit - (memory - graph.memory[i][c])
+            costs = [
+                _local_cost(graph, nbrs, i, s, choice, 0.0)
+                if graph.memory[i][s] <= room
+                else math.inf
+                for s in range(len(graph.options[i]))
+            ]
+            s = int(np.argmin(costs))
+            if costs[s] < costs[c] - 1e-15:
+                memory += graph.memory[i][s] - graph.memory[i][c]
+                choice[i], changed = s, True
+        if not changed:
+            break
+    sol.seconds, sol.memory = graph.objective(choice)
+
+
+def _by_axes(graph, nbrs, order, num_axes, axes, lam) -> list[int]:
+    """Each axis in turn: every op (heaviest first) picks the dim it splits, the other axes as
+    already chosen (later ones unsplit)."""
+    assign: list[list[int | None]] = [[None] * num_axes for _ in graph.names]
+    by_assign = [{o.assign: s for s, o in enumerate(opts)} for opts in graph.options]
+    choice: list[int | None] = [by_assign[i].get(tuple(a)) for i, a in enumerate(assign)]
+    for axis in axes:
+        for i in order:
+            best_s, best_c = choice[i], math.inf
+            for s, opt in enumerate(graph.options[i]):
+                if any(opt.assign[a] != assign[i][a] for a in range(num_axes) if a != axis):
+                    continue
+                c = _local_cost(graph, nbrs, i, s, choice, lam)
+                if c < best_c:
+                    best_s, best_c = s, c
+            choice[i] = best_s
+            if best_s is not None:
+                assign[i] = list(graph.options[i][best_s].assign)
+    return [0 if c is None else c for c in choice]
+
+
+def _data_parallel_option(opts: list[Option]) -> int:
+    """The option that puts every axis on the first dim (else the one splitting the most)."""
+    for s, opt in enumerate(opts):
+        if opt.assign and all(d == 0 for d in opt.assign):
+            return s
+    return max(range(len(opts)), key=lambda s: sum(d is not None for d in opts[s].assign))
+
+
+def _pair_sweep(graph, nbrs, choice, lam) -> bool:
+    """Every edge re-chooses both its ends together, the rest fixed; True if anything moved."""
+    changed = False
+    for (i, j), m in graph.edges.items():
+        ui = graph.unary[i] + lam * graph.memory[i]
+        uj = graph.unary[j] + lam * graph.memory[j]
+        for k, mk in nbrs[i]:
+            if k != j:
+                ui = ui + mk[:, choice[k]]
+        for k, mk in nbrs[j]:
+            if k != i:
+                uj = uj + mk[:, choice[k]]
+        total = ui[:, None] + uj[None, :] + m
+        s, t = np.unravel_index(int(np.argmin(total)), total.shape)
+        if total[s, t] < total[choice[i], choice[j]] - 1e-15:
+            choice[i], choice[j] = int(s), int(t)
+            changed = True
+    return changed
+
+
+def _sweep(graph, nbrs, order, choice, lam, sweeps) -> None:
+    for _ in range(sweeps):
+        changed = False
+        for i in order:
+            costs = [
+                _local_cost(graph, nbrs, i, s, choice, lam) for s in range(len(graph.options[i]))
+            ]
+            s = int(np.argmin(costs))
+            if costs[s] < costs[choice[i]] - 1e-15:
+                choice[i], changed = s, True
+        if not changed:
+            return
+
+
+def solve_propagate(
+    graph: CostGraph, fixed: Mapping[int, int] | None = None, memory_limit: float = math.inf
+):
+    """Sharding propagation: fixed nodes keep their option; the others, breadth-first, take the
+    option with the least edge cost to the nodes already decided (compute breaks ties)."""
+    start = time.perf_counter()
+    nbrs = graph.neighbours()
+    choice: list[int | None] = [None] * len(graph.names)
+    queue: deque[int] = deque()
+    for i, s in (fixed or {}).items():
+        choice[i] = s
+        queue.append(i)
+    while None in choice:
+        if not queue:
+            seed = max(
+                (i for i, c in enumerate(choice) if c is None), key=lambda i: graph.weight[i]
+            )
+            choice[seed] = int(np.argmin(graph.unary[seed]))
+            queue.append(seed)
+        while queue:
+            i = queue.popleft()
+            for j, _ in nbrs[i]:
+                if choice[j] is not None:
+                    continue
+                costs = []
+                for t in range(len(graph.options[j])):
+                    edge = sum(m[t, choice[k]] for k, m in nbrs[j] if choice[k] is not None)
+                    costs.append((edge, graph.unary[j][t]))
+                choice[j] = min(range(len(costs)), key=costs.__getitem__)
+                queue.append(j)
+    seconds, memory = graph.objective(choice)
+    if memory > memory_limit:
+        return None
+    return Solution(list(choice), seconds, memory, "propagate", time.perf_counter() - start)
+
+
+def lower_bound(graph: CostGraph) -> float:
+    """No plan on this mesh is faster: each edge is charged to one of its ends at the cheapest
+    cost that end's option allows, and each node takes its cheapest option with the edges it
+    was charged (the larger of charging every edge to its first or to its second end)."""
+    best = -math.inf
+    for end in (0, 1):
+        totals = [u.copy() for u in graph.unary]
+        for key, m in graph.edges.items():
+            totals[key[end]] += m.min(axis=1 - end)
+        best = max(best, sum(float(t.min()) for t in totals))
+    return graph.const_time + best
+
+
+__all__ = [
+    "Solution",
+    "brute_force",
+    "lower_bound",
+    "solve_optimal",
+    "solve_propagate",
+    "solve_recursive",
+]

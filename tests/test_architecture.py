@@ -1,0 +1,205 @@
+"""The shape of the package (docs/architecture.md): imports point one way, down the data flow,
+never in a circle; no private name crosses a package; modules and functions stay small; the
+public surface is what the docs list and every name in it imports."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import autoshard
+
+SRC = Path(autoshard.__file__).resolve().parent
+
+# Bottom first: a module may import its own package and the packages listed before it.
+LAYERS = [
+    ("comm", "mesh", "testing"),
+    ("layout",),
+    ("redistribution",),
+    ("ops",),
+    ("graph",),
+    ("cost",),
+    ("search",),
+    ("lower",),
+    ("runtime",),
+    ("models",),
+    ("cli",),
+]
+LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
+TOP = len(LAYERS)  # autoshard/__init__.py: the public surface over everything
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+#: a function longer than MAX_FUNCTION_LINES says why in a comment starting with this
+LONG_REASON = "# Whole:"
+
+PUBLIC = {
+    "PRESETS",
+    "CaptureError",
+    "ClusterSpec",
+    "Factored",
+    "Layout",
+    "LayoutError",
+    "MeshError",
+    "ParallelModule",
+    "Plan",
+    "PlanMismatchError",
+    "PlanningError",
+    "RedistributionPlan",
+    "Step",
+    "StrategyError",
+    "capture_modes",
+    "gather_tensor",
+    "init_mesh",
+    "parallelize",
+    "plan",
+    "redistribute",
+    "redistribution_plan",
+    "shard_inputs",
+    "shard_tensor",
+    "single_device",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["autoshard", *parts])
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _package(module: str) -> str:
+    """``autoshard.search.driver`` -> ``search``; the top-level package is ``autoshard``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "autoshard"
+
+
+def _level(module: str) -> int:
+    return LEVEL[_package(module)] if _package(module) != "autoshard" else TOP
+
+
+def _resolve(importer: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = importer.split(".")
+    if not MODULES[importer].name == "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import of ``module``, including
+    imports inside functions: a lazy import is still an edge."""
+    tree = ast.parse(MODULES[module].read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("autoshard")]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node)
+            if not target.startswith("autoshard"):
+                continue
+            names = [a.name for a in node.names]
+            submodules = [n for n in names if f"{target}.{n}" in MODULES]
+            out += [(f"{target}.{n}", [], node.lineno) for n in submodules]
+            rest = [n for n in names if n not in submodules]
+            if rest:
+                out.append((target, rest, node.lineno))
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    return {m: {t for t, _, _ in _imports(m) if t in MODULES and t != m} for m in MODULES}
+
+
+def test_every_package_has_a_layer():
+    packages = {_package(m) for m in MODULES} - {"autoshard"}
+    assert packages <= set(LEVEL), f"add {sorted(packages - set(LEVEL))} to LAYERS"
+
+
+def test_no_upward_imports():
+    bad = []
+    for module in MODULES:
+        for target, _, line in _imports(module):
+            if target in MODULES and _level(target) > _level(module):
+                bad.append(f"{module}:{line} imports {target}")
+    assert not bad, "imports that point up the data flow:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    edges = _edges()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_private_names_across_packages():
+    bad = []
+    for module in MODULES:
+        for target, names, line in _imports(module):
+            if _package(target) == _package(module):
+                continue
+            private = [n for n in names if n.startswith("_")]
+            if private or any(p.startswith("_") for p in target.split(".")[1:]):
+                bad.append(f"{module}:{line} takes {private or target} from {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_modules_and_functions_are_small():
+    bad = []
+    for module, path in MODULES.items():
+        text = path.read_text()
+        lines = text.splitlines()
+        if len(lines) > MAX_MODULE_LINES:
+            bad.append(f"{module}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            body = lines[node.lineno - 1 : node.end_lineno]
+            if length > MAX_FUNCTION_LINES and not any(LONG_REASON in b for b in body):
+                bad.append(f"{module}.{node.name}: {length} lines and no '{LONG_REASON}' reason")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checks_see_a_violation():
+    """The import walk finds a known edge, so an empty finding above means something."""
+    targets = {t for t, _, _ in _imports("autoshard.search.driver")}
+    assert "autoshard.search.costgraph" in targets
+    assert _level("autoshard.cli.main") > _level("autoshard.layout.layout")
+
+
+def test_public_surface():
+    assert set(autoshard.__all__) == PUBLIC
+    for name in autoshard.__all__:
+        assert getattr(autoshard, name) is not None
+
+
+# ``__main__`` modules run the command line when imported.
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.endswith("__main__")))
+def test_every_module_imports(module):
+    importlib.import_module(module)
