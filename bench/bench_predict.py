@@ -74,8 +74,8 @@ def _rank(spec_json: dict) -> list[dict]:
     import torch.distributed as dist
 
     from autoshard import parallelize, shard_inputs
+    from autoshard.cost import estimate
     from autoshard.cost.cluster import ClusterSpec
-    from autoshard.cost.model import estimate
     from autoshard.graph.capture import capture_modes
 
     warnings.filterwarnings("ignore")

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from autoshard import Layout, MeshError, init_mesh
+from autoshard import Layout, MeshError, init_mesh, parallelize
+from autoshard.models import MLP, MLPConfig
 from autoshard.testing import run_ranks
 
 
@@ -64,3 +65,9 @@ def test_init_mesh_without_a_launcher_is_a_clear_error(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(MeshError, match="no process group and no launcher environment"):
         init_mesh({"dp": 2})
+
+
+def test_mesh_that_does_not_match_the_world_names_every_factor() -> None:
+    model = MLP(MLPConfig())
+    with pytest.raises(MeshError, match=r"dp\(2\) \* tp\(2\) = 4 != world size 1"):
+        parallelize(model, MLPConfig().example_batch(4), {"dp": 2, "tp": 2})

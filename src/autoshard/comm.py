@@ -40,6 +40,8 @@ _bytes: Counter[str] = Counter()
 def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
     """Bytes one rank sends for a collective whose local input has ``nbytes`` (ring formulas)."""
     g = group_size
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+        raise ValueError(f"unknown collective kind {kind!r}")
     if g <= 1:
         return 0
     if kind == "all_reduce":
@@ -48,9 +50,7 @@ def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
         return (g - 1) * nbytes
     if kind in ("reduce_scatter", "all_to_all"):
         return (g - 1) * nbytes // g
-    if kind == "send_recv":
-        return nbytes
-    raise ValueError(f"unknown collective kind {kind!r}")
+    return nbytes  # send_recv
 
 
 def counters() -> dict[str, dict[str, int]]:

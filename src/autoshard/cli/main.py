@@ -189,6 +189,23 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _assumptions(data: dict) -> list[str]:
+    """What the prediction rests on: the precision planned in and the cluster's efficiencies."""
+    c = data["cluster"]
+    dtype = data["predicted"].get("dtype", "float32")
+    peak = c["flops"].get(dtype) or max(c["flops"].values())
+    shares = c.get("matmul_efficiency") or [[0, 1.0]]
+    attention = c.get("attention_efficiency", [1.0, 1.0])
+    return [
+        f"precision: {dtype} compute (--dtype); peak {peak / 1e12:.1f} TFLOP/s per device",
+        f"assumes: matrix products at {shares[0][1]:.0%}-{shares[-1][1]:.0%} of peak by size, "
+        f"attention {attention[0]:.0%} forward / {attention[1]:.0%} backward, memory "
+        f"{c['memory_bandwidth'] / 1e9:.0f} GB/s, {c['op_overhead'] * 1e6:.1f} us per op; links "
+        f"{c['intra_bandwidth'] / 1e9:.0f} GB/s in a node, {c['inter_bandwidth'] / 1e9:.0f} GB/s "
+        f"across; communication not overlapped with compute (docs/cost.md)",
+    ]
+
+
 def format_search(data: dict, result) -> str:
     """The searched plan as a table: mesh, strategy per op, predicted time, MFU, memory."""
     pred = data["predicted"]
@@ -202,6 +219,7 @@ def format_search(data: dict, result) -> str:
         f"search '{pred['search']}' {pred['search_s']:.2f} s "
         f"(graph of {result.graph.size[0]} decision nodes)",
     ]
+    lines += _assumptions(data)
     if "end_to_end_s" in pred:
         lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
     lines.append("meshes tried:")

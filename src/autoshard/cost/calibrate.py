@@ -180,7 +180,6 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         inter_latency=m["latency"],
         op_overhead=m["op_overhead"],
         optimizer_passes=m["optimizer_passes"],
-        overlap=False,
         extra={
             "threads_per_rank": threads,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,17 @@ _DTYPE_NAMES = {
 
 @dataclass(frozen=True, eq=False)
 class ClusterSpec:
-    """A cluster of ``nodes`` x ``devices_per_node`` identical devices.
+    """A cluster of ``nodes`` x ``devices_per_node`` identical devices (docs/cost.md).
 
-    Bandwidths are bytes/s per device (the inter-node one is a device's share of its node's
-    network), latencies seconds per message, ``flops`` peak FLOP/s per dtype name.
-    ``optimizer_passes``: bytes of memory traffic of one AdamW step per parameter byte (torch's
-    default per-tensor and foreach AdamW make about 20 passes; a fused kernel about 7)."""
+    ``flops``: peak FLOP/s per dtype name. ``matmul_efficiency``: the share of peak a matrix
+    product reaches, as ``[size, share]`` points over the cube root of its M*N*K (interpolated
+    in log size; beyond the ends, the end values); ``attention_efficiency``: the share of peak a
+    fused attention kernel reaches, forward and backward. ``memory_bandwidth``: achievable bytes/s
+    of a streaming kernel; ``op_overhead``: seconds each kernel (or CPU op) costs beyond its work.
+    Links: bytes/s of bus bandwidth per device (the inter-node one is a device's share of its
+    node's network) and seconds of latency per step of a collective. ``optimizer_passes``: bytes
+    of memory traffic of one AdamW step per parameter byte (torch's default per-tensor and
+    foreach AdamW make about 20 passes; a fused kernel about 7)."""
 
     name: str
     nodes: int
@@ -45,7 +49,8 @@ class ClusterSpec:
     inter_latency: float
     op_overhead: float = 5e-6
     optimizer_passes: float = 20.0
-    overlap: bool = False
+    matmul_efficiency: list[list[float]] = field(default_factory=list)
+    attention_efficiency: list[float] = field(default_factory=lambda: [1.0, 1.0])
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -69,54 +74,41 @@ class ClusterSpec:
             )
         return replace(self, nodes=num_devices // self.devices_per_node)
 
-    # -- communication ---------------------------------------------------------------------
-
-    def spans_nodes(self, group: Iterable[int]) -> bool:
-        return len({r // self.devices_per_node for r in group}) > 1
-
     def link(self, crosses: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the link a group uses."""
         if crosses:
             return self.inter_bandwidth, self.inter_latency
         return self.intra_bandwidth, self.intra_latency
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, crosses: bool) -> float:
-        """Seconds for one collective of ``kind`` moving ``nbytes`` (per rank: the input of an
-        all-reduce / reduce-scatter / all-to-all, the output of an all-gather): ring bandwidth,
-        tree latency (``log2`` steps), as collective libraries pick per message size."""
-        g = group_size
-        if g <= 1 or nbytes <= 0:
+    # -- compute -------------------------------------------------------------------------------
+
+    def matmul_share(self, size: float) -> float:
+        """The share of peak a matrix product of cube-root size ``size`` reaches."""
+        points = self.matmul_efficiency
+        if not points:
+            return 1.0
+        if size <= points[0][0]:
+            return points[0][1]
+        for (s0, e0), (s1, e1) in zip(points, points[1:], strict=False):
+            if size <= s1:
+                t = math.log(size / s0) / math.log(s1 / s0)
+                return e0 + t * (e1 - e0)
+        return points[-1][1]
+
+    def compute_time(self, cost: Any, dtype: torch.dtype, backward: bool = False) -> float:
+        """Seconds of one op's forward (or backward) on one device: its FLOPs at the share of
+        peak its kind and size reach, or its bytes at the memory bandwidth, whichever is slower,
+        plus the per-op overhead (a backward with nothing to do costs nothing)."""
+        flops = cost.backward_flops if backward else cost.flops
+        nbytes = cost.backward_bytes if backward else cost.bytes
+        if backward and not flops and not nbytes:
             return 0.0
-        bw, _ = self.link(crosses)
-        if kind == "all_reduce":
-            volume = 2 * (g - 1) / g * nbytes
-        elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
-            volume = (g - 1) / g * nbytes
-        elif kind == "send_recv":
-            volume = nbytes
+        if cost.kind == "attention":
+            share = self.attention_efficiency[1 if backward else 0]
         else:
-            raise ValueError(f"unknown collective {kind!r}")
-        return volume / bw + self.collective_latency(kind, g, crosses)
-
-    def collective_latency(self, kind: str, group_size: int, crosses: bool) -> float:
-        """The latency term of :meth:`collective_time`."""
-        g = group_size
-        if g <= 1:
-            return 0.0
-        _, alpha = self.link(crosses)
-        steps = math.ceil(math.log2(g))
-        if kind == "all_reduce":
-            return 2 * steps * alpha
-        if kind in ("all_gather", "reduce_scatter"):
-            return steps * alpha
-        if kind == "all_to_all":
-            return (g - 1) * alpha
-        return alpha
-
-    def compute_time(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
-        return (
-            max(flops / self.peak_flops(dtype), nbytes / self.memory_bandwidth) + self.op_overhead
-        )
+            share = self.matmul_share(cost.size) if cost.kind == "matmul" else 1.0
+        work = flops * cost.work / (self.peak_flops(dtype) * share) if flops else 0.0
+        return max(work, nbytes / self.memory_bandwidth) + self.op_overhead
 
     # -- files -------------------------------------------------------------------------------
 
@@ -126,6 +118,7 @@ class ClusterSpec:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ClusterSpec:
         known = {f for f in cls.__dataclass_fields__}
+        data = {k: v for k, v in data.items() if k not in _RETIRED}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"cluster spec: unknown fields {sorted(unknown)}")
@@ -139,39 +132,63 @@ class ClusterSpec:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+#: fields older specs carry that no longer mean anything (overlap is the runtime's, docs/cost.md)
+_RETIRED = {"overlap"}
+
 _GB = 1e9
 _GIB = 1024**3
 
+# Where each preset number comes from: docs/cost.md ("Presets").
 PRESETS: dict[str, ClusterSpec] = {
-    # 8 x A100-SXM4-80GB, NVLink3 (300 GB/s per direction per GPU), 8 x 200 Gb/s HDR per node.
+    # 8 x A100-SXM4-80GB, NVLink3 + NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
     "dgx-a100": ClusterSpec(
         name="dgx-a100",
         nodes=1,
         devices_per_node=8,
         flops={"bfloat16": 312e12, "float16": 312e12, "float32": 156e12, "float64": 19.5e12},
         memory_bytes=80 * _GIB,
-        memory_bandwidth=2039 * _GB,
-        intra_bandwidth=240 * _GB,
-        intra_latency=5e-6,
+        memory_bandwidth=1790 * _GB,
+        intra_bandwidth=235 * _GB,
+        intra_latency=2e-6,
         inter_bandwidth=23 * _GB,
-        inter_latency=1e-5,
+        inter_latency=5e-6,
         op_overhead=5e-6,
-        overlap=False,  # the runtime reduces gradients synchronously (docs/search.md)
+        optimizer_passes=7.0,
+        matmul_efficiency=[
+            [128, 0.02],
+            [256, 0.08],
+            [512, 0.25],
+            [1024, 0.42],
+            [2048, 0.5],
+            [4096, 0.55],
+            [8192, 0.57],
+        ],
+        attention_efficiency=[0.6, 0.5],
     ),
-    # 8 x H100-SXM5-80GB, NVLink4 (450 GB/s per direction per GPU), 8 x 400 Gb/s NDR per node.
+    # 8 x H100-SXM5-80GB, NVLink4 + NVSwitch, 8 x 400 Gb/s NDR InfiniBand per node.
     "dgx-h100": ClusterSpec(
         name="dgx-h100",
         nodes=1,
         devices_per_node=8,
         flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494e12, "float64": 67e12},
         memory_bytes=80 * _GIB,
-        memory_bandwidth=3350 * _GB,
-        intra_bandwidth=360 * _GB,
-        intra_latency=4e-6,
+        memory_bandwidth=3000 * _GB,
+        intra_bandwidth=450 * _GB,
+        intra_latency=1.5e-6,
         inter_bandwidth=46 * _GB,
-        inter_latency=8e-6,
+        inter_latency=5e-6,
         op_overhead=4e-6,
-        overlap=False,  # the runtime reduces gradients synchronously (docs/search.md)
+        optimizer_passes=7.0,
+        matmul_efficiency=[
+            [128, 0.01],
+            [256, 0.035],
+            [512, 0.12],
+            [1024, 0.3],
+            [2048, 0.45],
+            [4096, 0.53],
+            [8192, 0.55],
+        ],
+        attention_efficiency=[0.45, 0.35],
     ),
     # This kind of machine: 2 CPU ranks of one thread each, gloo over loopback. Rough; run
     # `autoshard calibrate` for measured numbers.
@@ -187,7 +204,6 @@ PRESETS: dict[str, ClusterSpec] = {
         inter_bandwidth=0.5 * _GB,
         inter_latency=1e-4,
         op_overhead=1e-5,
-        overlap=False,
     ),
 }
 

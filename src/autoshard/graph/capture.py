@@ -132,19 +132,7 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
             constants[node.name] = program.constants[spec.target]
         else:
             fqns[node.name] = spec.target.removeprefix(prefix)
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in _DROPPED:
-            graph.erase_node(node)
-        elif (
-            node.op == "call_function"
-            and not isinstance(node.target, torch._ops.OpOverload)
-            and node.target.__module__ != "_operator"
-        ):
-            raise CaptureError(
-                f"{node.name}: {node.target} in {module_path(node) or 'the model'} is not an aten "
-                f"op (a higher-order op such as a no_grad region or a checkpoint); it cannot be "
-                f"split"
-            )
+    _drop_checks(graph)
     outputs, mutations = [], {}
     for i, spec in enumerate(signature.output_specs):
         if spec.kind == OutputKind.USER_OUTPUT:
@@ -165,8 +153,26 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
         mutations=mutations,
         aliases=tied_names(model),
     )
-    annotate(og, node_kinds, fqns, constants)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    annotate(og, node_kinds, fqns, constants, frozen)
     return og
+
+
+def _drop_checks(graph: fx.Graph) -> None:
+    """Remove export's shape and metadata assertions; refuse ops no rule can split."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED:
+            graph.erase_node(node)
+        elif (
+            node.op == "call_function"
+            and not isinstance(node.target, torch._ops.OpOverload)
+            and node.target.__module__ != "_operator"
+        ):
+            raise CaptureError(
+                f"{node.name}: {node.target} in {module_path(node) or 'the model'} is not an aten "
+                f"op (a higher-order op such as a no_grad region or a checkpoint); it cannot be "
+                f"split"
+            )
 
 
 def _strip_prefix(graph: fx.Graph, prefix: str) -> None:

@@ -13,7 +13,6 @@ block the same ops) has a block identity ``("layers", 3)``, and its key pattern
 
 from __future__ import annotations
 
-import math
 import operator
 import re
 from collections import defaultdict
@@ -89,6 +88,9 @@ class NodeInfo:
     constant: torch.Tensor | None = None
     #: (target, arguments, keyword arguments, outputs) with values as (shape, dtype)
     signature: tuple = field(default=(), repr=False)
+    #: whether autograd makes a gradient for this value: a trainable parameter, or a floating
+    #: value computed from one (buffers, inputs and integer values never)
+    requires_grad: bool = False
 
     @property
     def key(self) -> str:
@@ -115,29 +117,22 @@ class NodeInfo:
         return self.kind in ("param", "buffer")
 
     @cached_property
-    def differentiable(self) -> bool:
-        """Whether the value is one floating or complex tensor, which has a gradient (unless it
-        is a buffer); a tuple of outputs is not (its getitems are)."""
-        val = self.node.meta.get("val")
-        return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.is_complex())
-
-    @cached_property
-    def flops(self) -> float:
-        """FLOPs of one training step of this op on one device (forward and backward): the
-        rule's per-point count over its whole iteration space; backward does one such pass per
-        differentiable input, at most two (a contraction's ``dX`` and ``dW``)."""
+    def forward_backward_flops(self) -> tuple[float, float]:
+        """Model FLOPs of the op's forward and backward on one device: its matrix products
+        (``Contraction``), as torch's FlopCounterMode counts them; backward only for the
+        operands whose gradient is needed."""
         if self.kind != "op":
-            return 0.0
+            return 0.0, 0.0
         rule = rule_for(self.node)
         if not isinstance(rule, SpaceRule):
-            return 0.0
-        space = rule.space(self.node)
-        return rule.flops_per_point * math.prod(space.sizes) * (1 + self.backward_passes)
+            return 0.0, 0.0
+        needs = [node_info(a).requires_grad for a in tensor_inputs(self.node)]
+        return rule.flops(self.node, rule.space(self.node).sizes, needs)
 
-    @cached_property
-    def backward_passes(self) -> int:
-        """Backward compute as a multiple of forward (see :attr:`flops`)."""
-        return min(2, sum(1 for a in tensor_inputs(self.node) if node_info(a).differentiable))
+    @property
+    def flops(self) -> float:
+        """FLOPs of one training step of this op on one device (forward and backward)."""
+        return sum(self.forward_backward_flops)
 
 
 def node_info(node: fx.Node) -> NodeInfo:
@@ -207,9 +202,16 @@ def module_path(node: fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def annotate(og: OpGraph, kinds: dict[str, str], fqns: dict[str, str], constants: dict) -> None:
+def annotate(
+    og: OpGraph,
+    kinds: dict[str, str],
+    fqns: dict[str, str],
+    constants: dict[str, torch.Tensor],
+    frozen: set[str],
+) -> None:
     """Attach a NodeInfo to every node of ``og`` (placeholders' kinds, names and constants given
-    by node name) and find the repeated block lists."""
+    by node name; ``frozen``: parameters that need no gradient) and find the repeated block
+    lists."""
     seen: dict[tuple[str, str], int] = defaultdict(int)
     for node in og.graph.nodes:
         ins_shapes, ins_dtypes = _tensor_facts([a.meta.get("val") for a in tensor_inputs(node)])
@@ -227,6 +229,7 @@ def annotate(og: OpGraph, kinds: dict[str, str], fqns: dict[str, str], constants
             info.fqn = fqns.get(node.name)
             info.names = tuple(og.aliases.get(info.fqn, [info.fqn])) if info.fqn else ()
             info.constant = constants.get(node.name)
+            info.requires_grad = info.kind == "param" and info.fqn not in frozen
         elif node.op == "call_function":
             info.path = module_path(node)
             match = _BLOCK.match(info.path)
@@ -237,6 +240,7 @@ def annotate(og: OpGraph, kinds: dict[str, str], fqns: dict[str, str], constants
                 tuple(sorted((k, _norm(v)) for k, v in node.kwargs.items())),
                 _out_signature(node),
             )
+            info.requires_grad = _requires_grad(node)
             if info.kind == "op":
                 op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
                 info.op = f"{op}.{seen[(info.path, op)]}"
@@ -248,6 +252,19 @@ def annotate(og: OpGraph, kinds: dict[str, str], fqns: dict[str, str], constants
             args = tensor_inputs(node)
             info.params = tuple(node_info(a).fqn for a in args if node_info(a).is_state)
     og.repeated = _repeated_blocks(og)
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    """A floating output of an op with an input that requires a gradient (autograd's rule)."""
+    if node.target in _NO_GRAD:
+        return False
+    if not any(node_info(a).requires_grad for a in tensor_inputs(node)):
+        return False
+    return any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in _vals(node))
+
+
+# Ops whose outputs never carry a gradient, whatever their inputs.
+_NO_GRAD = {torch.ops.aten.detach.default}
 
 
 def _kind(node: fx.Node, kinds: dict[str, str]) -> str:

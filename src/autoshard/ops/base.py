@@ -62,11 +62,31 @@ class Strategy:
 
 
 @dataclass(frozen=True)
+class Contraction:
+    """One matrix product inside an op: 2 FLOPs (a multiply-add) per point of ``dims``, the
+    iteration dims it walks. Backward does one product of the same size per operand whose
+    gradient is needed; ``operands`` lists, per operand, the op's tensor inputs it is made from
+    (an attention's probabilities come from the query and the key)."""
+
+    dims: tuple[int, ...]
+    operands: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class Cost:
-    """One op's work on one rank: floating-point operations and bytes of memory traffic."""
+    """One op's work on one rank. FLOPs are model FLOPs: the matrix products only, as torch's
+    ``FlopCounterMode`` and the MFU formulas of Megatron-LM count them. ``kind`` ("matmul",
+    "attention" or "memory") and ``size`` (the cube root of a product's points, M*N*K) pick the
+    device's efficiency; ``work`` is the share of the FLOPs the kernel really does (a causal
+    attention kernel skips the masked half)."""
 
     flops: float
     bytes: float
+    backward_flops: float = 0.0
+    backward_bytes: float = 0.0
+    kind: str = "memory"
+    size: float = 0.0
+    work: float = 1.0
 
 
 # -- projection of a space layout -----------------------------------------------------------------
@@ -139,19 +159,21 @@ class OpRule:
         """Emit the op on this rank's shards (``args`` already hold local values)."""
         return low.call(node.target, args, kwargs)
 
-    def cost(self, node: fx.Node, strategy: Strategy) -> Cost:
+    def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
+        """This rank's work under ``strategy``; ``needs_grad[i]``: whether tensor input ``i``
+        needs a gradient. A memory-bound op reads its inputs and writes its outputs; its
+        backward moves that again per input that needs a gradient (at most twice)."""
         out_bytes = sum(
             layout.local_numel * layout.dtype.itemsize for layout in strategy.outs if layout
         )
         in_bytes = sum(layout.local_numel * layout.dtype.itemsize for layout in strategy.ins)
-        return Cost(flops=0.0, bytes=float(in_bytes + out_bytes))
+        nbytes = float(in_bytes + out_bytes)
+        return Cost(0.0, nbytes, backward_bytes=min(2, sum(needs_grad)) * nbytes)
 
 
 class SpaceRule(OpRule):
     """A rule given by an iteration space (einsum-like ops): everything else is derived."""
 
-    #: floating-point operations per point of the iteration space (a multiply-add counts 2)
-    flops_per_point = 1.0
     #: the tensor input that is a bias added after the contraction (see ``_bias_once``)
     bias_input: int | None = None
 
@@ -384,11 +406,33 @@ class SpaceRule(OpRule):
         args[position] = low.call(bias_elsewhere, (args[position],), {})
         return args
 
-    def cost(self, node: fx.Node, strategy: Strategy) -> Cost:
-        base = super().cost(node, strategy)
-        space_layout = strategy.space
-        points = space_layout.local_numel if space_layout is not None else 0
-        return Cost(flops=self.flops_per_point * points, bytes=base.bytes)
+    def contractions(self, node: fx.Node) -> tuple[Contraction, ...]:
+        """The matrix products the op does (none for an elementwise op or a norm)."""
+        return ()
+
+    def flops(
+        self, node: fx.Node, sizes: Sequence[int], needs_grad: Sequence[bool]
+    ) -> tuple[float, float]:
+        """(forward, backward) model FLOPs over an iteration space of ``sizes`` (the global
+        sizes, or a rank's local ones)."""
+        forward = backward = 0.0
+        for c in self.contractions(node):
+            points = 2.0 * math.prod(sizes[d] for d in c.dims)
+            forward += points
+            needed = sum(1 for op in c.operands if any(needs_grad[i] for i in op))
+            backward += needed * points
+        return forward, backward
+
+    def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
+        base = super().cost(node, strategy, needs_grad)
+        contractions = self.contractions(node)
+        if not contractions or strategy.space is None:
+            return base
+        sizes = strategy.space.local_shape()
+        needs = tuple(needs_grad) or (False,) * len(tensor_inputs(node))
+        forward, backward = self.flops(node, sizes, needs)
+        size = math.prod(sizes[d] for d in contractions[0].dims) ** (1 / 3)
+        return Cost(forward, base.bytes, backward, base.backward_bytes, "matmul", size)
 
 
 def _check_arity(node: fx.Node, given: int, what: str, num_inputs: int) -> None:
@@ -434,6 +478,7 @@ __all__ = [
     "FIXED",
     "FREE",
     "SUM",
+    "Contraction",
     "Cost",
     "OpRule",
     "Space",

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,13 +17,15 @@ from autoshard.ops.base import (
     FIXED,
     FREE,
     SUM,
+    Contraction,
+    Cost,
     Space,
     SpaceRule,
     Strategy,
     StrategyError,
     right_aligned,
 )
-from autoshard.ops.nodes import node_arg, node_title, shape_of, tensor_inputs
+from autoshard.ops.nodes import node_arg, node_title, node_vals, shape_of, tensor_inputs
 
 aten = torch.ops.aten
 
@@ -28,8 +33,10 @@ aten = torch.ops.aten
 class Linear(SpaceRule):
     """linear(x[..., i], W[o, i], bias[o]): batch dims and ``o`` free, ``i`` a sum."""
 
-    flops_per_point = 2.0
     bias_input = 2
+
+    def contractions(self, node: fx.Node) -> tuple[Contraction, ...]:
+        return (Contraction(tuple(range(len(self.space(node).sizes))), ((0,), (1,))),)
 
     def make_space(self, node: fx.Node) -> Space:
         x = shape_of(node.args[0])
@@ -48,7 +55,10 @@ class Linear(SpaceRule):
 class Matmul(SpaceRule):
     """matmul / mm / bmm (batch dims broadcast) and addmm (bias broadcast onto [m, n])."""
 
-    flops_per_point = 2.0
+    def contractions(self, node: fx.Node) -> tuple[Contraction, ...]:
+        first = 1 if node.target == aten.addmm.default else 0
+        dims = tuple(range(len(self.space(node).sizes)))
+        return (Contraction(dims, ((first,), (first + 1,))),)
 
     def bias_index(self, node: fx.Node) -> int | None:
         return 0 if node.target == aten.addmm.default else None
@@ -78,9 +88,29 @@ class Matmul(SpaceRule):
 
 class Attention(SpaceRule):
     """scaled_dot_product_attention: batch and heads free; query length free unless causal;
-    key length and head dims whole."""
+    key length and head dims whole. Two products: scores from query and key, then the output
+    from the probabilities (made from query and key) and the value."""
 
-    flops_per_point = 4.0
+    #: a fused kernel works on square tiles of this many rows; a causal one skips the tiles
+    #: above the diagonal
+    TILE = 128
+
+    def contractions(self, node: fx.Node) -> tuple[Contraction, ...]:
+        nb = len(self.space(node).sizes) - 4
+        batch = tuple(range(nb))
+        sq, sk, d, dv = nb, nb + 1, nb + 2, nb + 3
+        return (
+            Contraction(batch + (sq, sk, d), ((0,), (1,))),
+            Contraction(batch + (sq, sk, dv), ((0, 1), (2,))),
+        )
+
+    def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
+        base = super().cost(node, strategy, needs_grad)
+        work = 1.0
+        if node_arg(node, 5, "is_causal", False):
+            k_len = self.space(node).sizes[-3]
+            work = min(1.0, 0.5 + self.TILE / (2 * k_len))
+        return replace(base, kind="attention", work=work)
 
     def make_space(self, node: fx.Node) -> Space:
         q, k, v = (shape_of(n) for n in node.args[:3])
@@ -108,8 +138,18 @@ class Attention(SpaceRule):
 class Conv2d(SpaceRule):
     """conv2d: batch and output channels free, input channels a sum, spatial dims whole."""
 
-    flops_per_point = 2.0
     bias_input = 2
+
+    def contractions(self, node: fx.Node) -> tuple[Contraction, ...]:
+        return (Contraction((0, 1, 2, 5, 6), ((0,), (1,))),)
+
+    def flops(
+        self, node: fx.Node, sizes: Sequence[int], needs_grad: Sequence[bool]
+    ) -> tuple[float, float]:
+        """A product per output position (the space walks the input's positions)."""
+        forward, backward = super().flops(node, sizes, needs_grad)
+        out_positions = math.prod(node_vals(node)[0].shape[2:])
+        return forward * out_positions, backward * out_positions
 
     def make_space(self, node: fx.Node) -> Space:
         x = shape_of(node.args[0])

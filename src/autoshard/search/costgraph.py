@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.fx as fx
 
-from autoshard.cost import ClusterSpec
-from autoshard.cost.model import ADAM_STATES, local_bytes, op_time, saves_output
+from autoshard.cost import ADAM_STATES, ClusterSpec
+from autoshard.cost.compute import local_bytes, op_time, saves_output
 from autoshard.graph import OpGraph, node_info
 from autoshard.mesh import MeshInfo
 from autoshard.ops import SUM, SpaceRule, Strategy, rule_for, tensor_inputs

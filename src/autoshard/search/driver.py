@@ -191,6 +191,7 @@ def _json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[str, 
             "step_time_s": seconds,
             "peak_memory_bytes": memory,
             "mfu": flops / (seconds * result.mesh.num_devices * _peak(cluster, og)),
+            "dtype": _compute_dtype(og),
             "search": result.solution.search,
             "search_s": result.search_seconds,
             "meshes": result.tried,
@@ -205,10 +206,15 @@ def _order(key: str, og: OpGraph) -> int:
     return next((i for i, info in enumerate(ops) if og.key_pattern(info) == key), len(ops))
 
 
-def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
+def _compute_dtype(og: OpGraph) -> str:
+    """The dtype most parameters have: the precision the plan computes in."""
     dtypes = [info.dtype for info in og.state() if info.kind == "param"]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
-    return cluster.peak_flops(dtype)
+    return str(dtype).removeprefix("torch.")
+
+
+def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
+    return cluster.peak_flops(getattr(torch, _compute_dtype(og)))
 
 
 def plan(

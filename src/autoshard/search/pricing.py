@@ -11,7 +11,7 @@ import numpy as np
 import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
-from autoshard.cost.model import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
 from autoshard.graph import node_info
 from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
@@ -28,7 +28,7 @@ def edge_row(
     value: fx.Node, layout: Layout, user: fx.Node, i: int, mesh: MeshInfo, cluster: ClusterSpec
 ) -> np.ndarray:
     """Seconds of moving ``value`` in ``layout`` to what each option of ``user`` wants."""
-    backward = _has_gradient(value)
+    backward = node_info(value).requires_grad
     key = (layout, user, i, mesh, id(cluster), backward)
     row = _ROWS.get(key)
     if row is None:
@@ -62,10 +62,10 @@ _MOVES: dict[tuple, float] = {}
 
 
 def move(value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec) -> float:
-    """Forward redistribution and, for a differentiable value, its mirror in backward."""
+    """Forward redistribution and, for a value that needs a gradient, its mirror in backward."""
     if src == want:
         return 0.0
-    return move_cost(src, want, _has_gradient(value), cluster)
+    return move_cost(src, want, node_info(value).requires_grad, cluster)
 
 
 def move_cost(src: Layout, want: Layout, backward: bool, cluster: ClusterSpec) -> float:
@@ -83,7 +83,7 @@ def move_cost(src: Layout, want: Layout, backward: bool, cluster: ClusterSpec) -
 
 def grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec) -> float:
     info = node_info(arg)
-    if not info.differentiable or info.kind == "buffer":
+    if not info.requires_grad:
         return 0.0
     param = info.kind == "param"
     key = (grad, want, "param grad" if param else "grad", id(cluster))
@@ -255,7 +255,7 @@ def tied_grads(
     coalesced sum of the owner's gradient). As the planner does: when neither use moves the
     parameter and both gradients need the same sum, one deferred sum serves both; otherwise each
     use that needs a sum does its own, alone."""
-    if not node_info(p).differentiable or node_info(p).kind != "param":
+    if not node_info(p).requires_grad or node_info(p).kind != "param":
         return 0.0
     own_needs = own_grad != stored
     needs = grad != want.without_partial()
@@ -266,11 +266,6 @@ def tied_grads(
         seconds += transition(own_grad, stored, cluster).seconds
         seconds -= grad_reduce(p, own_grad, stored, cluster)
     return seconds
-
-
-def _has_gradient(value: fx.Node) -> bool:
-    info = node_info(value)
-    return info.differentiable and info.kind != "buffer"
 
 
 def clear_caches() -> None:

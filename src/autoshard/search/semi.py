@@ -163,7 +163,7 @@ class _Walk:
             self.layouts[arg] = [self.stored[arg]]
         if self.layouts[arg][0] != want:
             plan.moves[i] = (self.layouts[arg][0], want)
-        if grad == want.without_partial() or not info.differentiable or info.kind == "buffer":
+        if grad == want.without_partial() or not info.requires_grad:
             return
         if info.kind == "param" and i not in plan.moves:
             self.deferred.setdefault(arg, []).append((plan, i, grad))

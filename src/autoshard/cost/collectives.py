@@ -1,0 +1,206 @@
+"""Collectives as the cost model prices them: a redistribution between two layouts priced per
+mesh axis (without the least-bytes planner: the search prices hundreds of thousands of them, on
+meshes of hundreds of devices), and each collective by the link its group uses (docs/cost.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autoshard.cost.cluster import ClusterSpec
+from autoshard.layout import NOT_SPLIT, Layout
+from autoshard.redistribution import redistribution_plan
+
+
+def _boundaries(layout: Layout) -> list[int]:
+    out, acc = [1], 1
+    for m in reversed(layout.mesh):
+        acc *= m
+        out.append(acc)
+    return out
+
+
+def _axis_states(layout: Layout) -> list[tuple[int, int, object]]:
+    """(stride, size, state) per mesh axis: state is ("P",), ("S", dim) or ("R",)."""
+    state: dict[int, object] = {a: ("R",) for a in range(len(layout.mesh))}
+    for a in layout.partial:
+        state[a] = ("P",)
+    for d, factors in enumerate(layout.factors):
+        for _, a in factors:
+            if a != NOT_SPLIT:
+                state[a] = ("S", d)
+    out, stride = [], 1
+    for a in reversed(range(len(layout.mesh))):
+        out.append((stride, layout.mesh[a], state[a]))
+        stride *= layout.mesh[a]
+    return out
+
+
+def _refine(layout: Layout, cuts: list[int]) -> list[tuple[int, int, object]]:
+    """Each axis split into the sub-axes between consecutive cuts: (stride, size, state)."""
+    out = []
+    for stride, size, state in _axis_states(layout):
+        inner = [c for c in cuts if stride <= c < stride * size]
+        for lo, hi in zip(inner, inner[1:] + [stride * size], strict=True):
+            out.append((lo, hi // lo, state))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _group(axes: tuple[tuple[int, int], ...], devices_per_node: int) -> tuple[int, int]:
+    """(size, ranks per node) of the group over sub-axes ``(stride, size)``; rank 0's group
+    stands for all, the groups of a row-major mesh being translates of each other."""
+    members = [0]
+    for stride, size in axes:
+        members = [m + c * stride for m in members for c in range(size)]
+    return len(members), sum(1 for m in members if m < devices_per_node)
+
+
+def _flat(kind: str, nbytes: float, g: int, crosses: bool, cluster: ClusterSpec) -> tuple:
+    """(bandwidth term, latency term) of one collective over one kind of link. All-reduce
+    pays a tree's latency (NCCL's tree and NVLS algorithms for latency-bound sizes), the
+    others a ring's: one step per peer."""
+    bw, alpha = cluster.link(crosses)
+    if kind == "all_reduce":
+        return 2 * (g - 1) / g * nbytes / bw, 2 * math.ceil(math.log2(g)) * alpha
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (g - 1) / g * nbytes / bw, (g - 1) * alpha
+    if kind == "send_recv":
+        return nbytes / bw, alpha
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def collective_parts(
+    kind: str, nbytes: float, g: int, per_node: int, cluster: ClusterSpec
+) -> tuple[float, float]:
+    """(bandwidth term, latency term) of a collective of ``nbytes`` per rank (the input of an
+    all-reduce, reduce-scatter or all-to-all, the output of an all-gather) over ``g`` ranks,
+    ``per_node`` of them in each node. A group inside a node uses the intra-node link, one with
+    a rank per node the network; one with several ranks in each of several nodes runs
+    hierarchically, as NCCL does: inside the nodes, then across them on ``1/per_node`` of the
+    data (each rank on its own network rail), then inside again."""
+    if g <= 1:
+        return 0.0, 0.0
+    k = min(per_node, g)
+    if k >= g or k <= 1:
+        return _flat(kind, nbytes, g, k <= 1, cluster)
+    n = g // k
+    if kind == "all_reduce":
+        steps = [("reduce_scatter", nbytes, k, False), ("all_reduce", nbytes / k, n, True)]
+        steps.append(("all_gather", nbytes, k, False))
+    elif kind == "reduce_scatter":
+        steps = [("reduce_scatter", nbytes, k, False), ("reduce_scatter", nbytes / k, n, True)]
+    elif kind == "all_gather":
+        steps = [("all_gather", nbytes / k, n, True), ("all_gather", nbytes, k, False)]
+    else:  # all-to-all: the share bound for other nodes crosses the network
+        inside, _ = _flat(kind, nbytes * (k - 1) / (g - 1), g, False, cluster)
+        outside, latency = _flat(kind, nbytes * (g - k) / (g - 1), g, True, cluster)
+        return max(inside, outside), latency
+    parts = [_flat(*step, cluster) for step in steps]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def collective_time(kind: str, nbytes: float, g: int, per_node: int, cluster: ClusterSpec) -> float:
+    """Seconds of one collective (see :func:`collective_parts`)."""
+    if nbytes <= 0:
+        return 0.0
+    return sum(collective_parts(kind, nbytes, g, per_node, cluster))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A priced redistribution: seconds and bytes sent per rank, and the collectives in order."""
+
+    seconds: float
+    bytes: float
+    kinds: tuple[str, ...] = ()
+
+
+_NONE = Transfer(0.0, 0.0)
+
+
+def transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
+    """Price taking a tensor from ``src`` to ``dst`` (both on the same devices)."""
+    if src == dst:
+        return _NONE
+    return _transition(src, dst, cluster)
+
+
+@lru_cache(maxsize=1 << 18)
+def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
+    n = src.num_devices
+    if n != dst.num_devices or src.ranks != dst.ranks or src.ranks != tuple(range(n)):
+        return _fallback(src, dst, cluster)
+    cuts = sorted(set(_boundaries(src)) | set(_boundaries(dst)))
+    if any(b % a for a, b in zip(cuts, cuts[1:], strict=False)):
+        return _fallback(src, dst, cluster)
+    cuts = cuts[:-1]
+    pairs = list(zip(_refine(src, cuts), _refine(dst, cuts), strict=True))
+    local = src.local_numel * src.dtype.itemsize
+    seconds = sent = 0.0
+    kinds = []
+
+    def do(kind: str, axes: list[tuple[int, int]], nbytes: float) -> None:
+        nonlocal seconds, sent
+        if not axes:
+            return
+        g, per_node = _group(tuple(axes), cluster.devices_per_node)
+        seconds += collective_time(kind, nbytes, g, per_node, cluster)
+        factor = 2 * (g - 1) / g if kind == "all_reduce" else (g - 1) / g
+        sent += factor * nbytes
+        kinds.append(kind)
+
+    reduce = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a == ("P",) and b == ("R",)]
+    scatter = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a == ("P",) and b[0] == "S"]
+    do("all_reduce", reduce, local)
+    if scatter:
+        do("reduce_scatter", scatter, local)
+        local /= math.prod(sz for _, sz in scatter)
+    swap = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a[0] == "S" and b[0] == "S" and a != b]
+    do("all_to_all", swap, local)
+    gather = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a[0] == "S" and b[0] != "S"]
+    if gather:
+        local *= math.prod(sz for _, sz in gather)
+        do("all_gather", gather, local)
+    return Transfer(seconds, sent, tuple(kinds))
+
+
+def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[float, tuple | None]:
+    """A parameter's gradient sum at the end of the backward. One all-reduce joins its group's
+    flat all-reduce (``parallel.GradSync``): returned are its bandwidth term and the bucket's key,
+    the bucket's latency being paid once (:func:`bucket_latency`). Anything else is priced whole,
+    with key None."""
+    t = transition(partial, full, cluster)
+    if t.kinds != ("all_reduce",):
+        return t.seconds, None
+    key = (tuple(sorted(partial.partial)), partial.ranks, partial.dtype)
+    return t.seconds - bucket_latency(partial, cluster), key
+
+
+def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
+    """Latency of the all-reduce over ``partial``'s partial axes."""
+    axes = tuple((st, sz) for st, sz, state in _axis_states(partial) if state == ("P",))
+    g, per_node = _group(axes, cluster.devices_per_node)
+    return collective_parts("all_reduce", 1.0, g, per_node, cluster)[1]
+
+
+def _fallback(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
+    """Layouts on meshes with no common refinement: the least-bytes plan's bytes, priced as an
+    all-to-all over all the devices."""
+    nbytes = redistribution_plan(src, dst).bytes
+    n = max(src.num_devices, dst.num_devices)
+    crosses = n > cluster.devices_per_node
+    bw, alpha = cluster.link(crosses)
+    return Transfer(nbytes / bw + (n - 1) * alpha, float(nbytes), ("all_to_all",))
+
+
+__all__ = [
+    "Transfer",
+    "bucket_latency",
+    "collective_parts",
+    "collective_time",
+    "grad_sync",
+    "transition",
+]

@@ -1,0 +1,47 @@
+"""Compute as the cost model prices it: an op's forward and backward time on one device, the
+bytes a layout holds, which outputs autograd keeps, and an optimizer step (docs/cost.md)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autoshard.cost.cluster import ClusterSpec
+from autoshard.graph import node_info
+from autoshard.layout import Layout
+from autoshard.ops import Strategy, rule_for, tensor_inputs
+
+
+def op_time(node: fx.Node, strategy: Strategy, cluster: ClusterSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of one op on one device: its rule's work at the device's
+    efficiency for that kind and size of work (``ClusterSpec.compute_time``). A view costs the
+    per-op overhead, in backward too when a gradient flows through it."""
+    rule = rule_for(node)
+    if rule.is_shape_op:
+        return cluster.op_overhead, cluster.op_overhead if node_info(node).requires_grad else 0.0
+    needs = [node_info(a).requires_grad for a in tensor_inputs(node)]
+    cost = rule.cost(node, strategy, needs)
+    out = next((layout for layout in strategy.outs if layout is not None), None)
+    dtype = out.dtype if out is not None else torch.float32
+    return cluster.compute_time(cost, dtype), cluster.compute_time(cost, dtype, backward=True)
+
+
+def local_bytes(layout: Layout | None) -> int:
+    return 0 if layout is None else layout.local_numel * layout.dtype.itemsize
+
+
+def saves_output(node: fx.Node) -> bool:
+    """Whether autograd keeps this op's output until backward (views alias their input)."""
+    if node_info(node).kind != "op":
+        return False
+    return not rule_for(node).is_shape_op
+
+
+def optimizer_time(layout: Layout, cluster: ClusterSpec) -> float:
+    """One AdamW step on a parameter shard: about ten elementwise ops over it (torch.optim's
+    per-parameter loop), ``optimizer_passes`` times its bytes of memory traffic in all."""
+    traffic = cluster.optimizer_passes * local_bytes(layout)
+    return 10 * cluster.op_overhead + traffic / cluster.memory_bandwidth
+
+
+__all__ = ["local_bytes", "op_time", "optimizer_time", "saves_output"]

@@ -1,0 +1,151 @@
+"""The ``autoshard`` command line (cli/): plan, redistribute, argument errors and ``-m``."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autoshard.cost import cluster_spec, estimate
+from autoshard.graph.capture import capture
+from autoshard.models import Llama, LlamaConfig
+
+
+def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> None:
+    from autoshard.cli.main import main
+
+    out = tmp_path / "plan.json"
+    code = main(
+        [
+            "plan",
+            "--model",
+            "llama",
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--heads",
+            "8",
+            "--kv-heads",
+            "4",
+            "--ffn",
+            "512",
+            "--seq",
+            "64",
+            "--batch",
+            "16",
+            "--vocab",
+            "1000",
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "predicted step" in text and "MFU" in text and "meshes tried" in text
+    data = json.loads(out.read_text())
+    assert math.prod(data["mesh"].values()) == 16
+    assert any(k.startswith("layers.*.") for k in data["strategies"])
+    # the JSON plans a real (4-layer) model of the same shape in the planner
+    from autoshard.mesh import mesh_info
+    from autoshard.search import input_layouts, load_plan
+    from autoshard.search.semi import plan_graph
+
+    config = LlamaConfig(
+        num_layers=4,
+        hidden=256,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_hidden=512,
+        max_seq=64,
+        vocab_size=1000,
+    )
+    with torch.device("meta"):
+        model = Llama(config).to(torch.bfloat16)
+        idx = torch.zeros(16, 64, dtype=torch.long)
+    captured = capture(model, (idx, idx.clone()), {})
+    plan = load_plan(out)
+    built = plan_graph(
+        captured,
+        mesh_info(plan["mesh"]),
+        plan["strategies"],
+        input_layouts=input_layouts(captured, plan),
+    )
+    configured = [n for n in built.nodes.values() if n.configured]
+    assert len(configured) >= 4 * 20
+    got = estimate(built, captured, cluster_spec(plan["cluster"]))
+    assert got.step_time == pytest.approx(data["predicted"]["step_time_s"], rel=1e-6)
+
+
+def test_redistribute_command_prints_the_least_bytes_plan(capsys) -> None:
+    """Rows split over dp to columns split over tp: each rank keeps its [8, 16] corner and
+    all-gathers it over dp, (2 - 1) x 8 x 16 x 4 = 512 bytes per rank."""
+    from autoshard.cli.main import main
+
+    argv = ["redistribute", "--mesh", "dp=2,tp=2", "--shape", "16,32"]
+    code = main([*argv, "--src", "dp,_", "--dst", "_,tp"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "all_gather over {dp}" in text
+    assert "f32[16@dp,32] -> f32[16,32@tp]: 512 B/rank" in text
+    assert "all_to_all" not in text and "all_reduce" not in text
+    code = main([*argv, "--src", "dp,_", "--dst", "_,tp", "--dtype", "f64"])
+    assert code == 0 and "1024 B/rank" in capsys.readouterr().out
+
+
+def test_redistribute_command_names_a_bad_mesh() -> None:
+    """A mesh size that is not a number stops the command with a message naming --mesh."""
+    from autoshard.cli.main import main
+
+    argv = ["redistribute", "--mesh", "dp=2,tp=x", "--shape", "16,32"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--src", "dp,_", "--dst", "_,tp"])
+    assert str(exit_info.value.code).startswith("--mesh:"), exit_info.value.code
+    assert "dp=2,tp=x" in str(exit_info.value.code)
+
+
+def test_plan_command_for_the_mlp_on_one_node(tmp_path, capsys) -> None:
+    """One dgx-h100 node is 8 devices: the plan's mesh uses all of them, in the plan format."""
+    from autoshard.cli.main import main
+
+    out = tmp_path / "out.json"
+    assert main(["plan", "--model", "mlp", "--nodes", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["format"] == "autoshard-plan/1"
+    assert math.prod(data["mesh"].values()) == 8
+    assert data["cluster"]["nodes"] == 1 and data["cluster"]["devices_per_node"] == 8
+    assert "meshes tried" in capsys.readouterr().out
+
+
+def test_python_dash_m_autoshard_cli_help() -> None:
+    """``python -m autoshard.cli --help`` exits 0 and lists the subcommands."""
+    done = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for command in ("demo", "redistribute", "plan", "calibrate"):
+        assert command in done.stdout
+
+
+def test_plan_command_states_its_precision_and_assumptions(capsys) -> None:
+    from autoshard.cli.main import main
+
+    assert main(["plan", "--model", "gpt", "--cluster", "dgx-a100", "--nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "precision: bfloat16 compute" in out  # a cluster job trains in bf16
+    assert "peak 312.0 TFLOP/s" in out  # the A100's bf16 peak, not its TF32 one
+    assert "attention 60% forward / 50% backward" in out
+    assert "communication not overlapped" in out
+    assert main(["plan", "--model", "gpt", "--nodes", "1", "--dtype", "f32"]) == 0
+    assert "precision: float32 compute" in capsys.readouterr().out

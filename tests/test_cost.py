@@ -1,0 +1,188 @@
+"""The cost model (cost/): collectives priced on their links, cluster specs, calibration and the
+estimate of a plan's memory and FLOPs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from autoshard.cost import (
+    PRESETS,
+    ClusterSpec,
+    Estimate,
+    cluster_spec,
+    collective_time,
+    estimate,
+    transition,
+)
+from autoshard.graph import capture
+from autoshard.layout import Layout
+from autoshard.mesh import mesh_info
+from autoshard.models import MLP, MLPConfig
+from autoshard.search import plan_graph
+
+
+def test_transition_prices_collectives_on_their_links() -> None:
+    cluster = cluster_spec("dgx-h100", 16)
+    mesh = {"dp": 2, "tp": 8}
+    shape = (64, 1024)
+    whole = Layout.from_named(shape, (None, None), mesh, dtype=torch.bfloat16)
+    nbytes = 64 * 1024 * 2
+    inside = Layout.from_named(shape, (None, None), mesh, partial=("tp",), dtype=torch.bfloat16)
+    across = Layout.from_named(shape, (None, None), mesh, partial=("dp",), dtype=torch.bfloat16)
+    t_in = transition(inside, whole, cluster)
+    t_out = transition(across, whole, cluster)
+    assert t_in.kinds == ("all_reduce",) and t_out.kinds == ("all_reduce",)
+    bw_in, lat_in = cluster.intra_bandwidth, cluster.intra_latency
+    # ring bandwidth, tree latency: 3 steps in a group of 8, 1 in a group of 2
+    assert t_in.seconds == pytest.approx(2 * 7 / 8 * nbytes / bw_in + 2 * 3 * lat_in)
+    bw_out, lat_out = cluster.inter_bandwidth, cluster.inter_latency
+    assert t_out.seconds == pytest.approx(2 * 1 / 2 * nbytes / bw_out + 2 * lat_out)
+    rows = Layout.from_named(shape, ("tp", None), mesh, dtype=torch.bfloat16)
+    cols = Layout.from_named(shape, (None, "tp"), mesh, dtype=torch.bfloat16)
+    assert transition(rows, cols, cluster).kinds == ("all_to_all",)
+    assert transition(rows, whole, cluster).kinds == ("all_gather",)
+    assert transition(whole, rows, cluster).seconds == 0.0
+    assert transition(inside, rows, cluster).kinds == ("reduce_scatter",)
+
+
+def test_cluster_spec_round_trips_and_rejects_unknown_fields(tmp_path) -> None:
+    path = tmp_path / "c.json"
+    PRESETS["dgx-a100"].save(path)
+    loaded = ClusterSpec.load(path)
+    assert loaded.to_json() == PRESETS["dgx-a100"].to_json()
+    assert cluster_spec(str(path), 32).nodes == 4
+    with pytest.raises(ValueError, match="unknown fields"):
+        ClusterSpec.from_json({**PRESETS["cpu"].to_json(), "bogus": 1})
+    with pytest.raises(ValueError, match="not a preset"):
+        cluster_spec("no-such-cluster")
+
+
+def test_calibration_fit_recovers_latency_and_bandwidth() -> None:
+    from autoshard.cost.calibrate import COMM_SIZES, fit_all_reduce
+
+    for group, alpha, bw in ((2, 6e-4, 1.5e9), (4, 5e-6, 2.4e11), (8, 3e-5, 2e10)):
+        spec = ClusterSpec(
+            name="t",
+            nodes=1,
+            devices_per_node=group,
+            flops={"float32": 1e12},
+            memory_bytes=1e9,
+            memory_bandwidth=1e11,
+            intra_bandwidth=bw,
+            intra_latency=alpha,
+            inter_bandwidth=bw,
+            inter_latency=alpha,
+        )
+        # the joint fit over group sizes 2..group (and each size alone) recovers the link
+        sizes = [g for g in (2, 4, 8) if g <= group]
+        samples = [
+            (g, s, collective_time("all_reduce", s, g, g, spec)) for g in sizes for s in COMM_SIZES
+        ]
+        fit = fit_all_reduce(samples)
+        assert fit["latency"] == pytest.approx(alpha, rel=1e-6)
+        assert fit["bandwidth"] == pytest.approx(bw, rel=1e-6)
+    # times that fall with size fit no positive line: smallest message and largest instead
+    fit = fit_all_reduce([(2, 1000, 2e-3), (2, 10**6, 1e-3)])
+    assert fit["latency"] == pytest.approx(1e-3)
+    assert fit["bandwidth"] > 0
+
+
+def test_estimate_of_data_parallel_mlp_counts_replicated_state_and_model_flops() -> None:
+    """Data parallel on 2 devices: every device holds all parameters and their gradients,
+    Adam's two moments are twice that, and model FLOPs are the sum over the graph's ops."""
+    torch.manual_seed(0)
+    config = MLPConfig()
+    model = MLP(config)
+    og = capture(model, config.example_batch(8))
+    plan = plan_graph(og, mesh_info({"dp": 2}))
+    est = estimate(plan, og, cluster_spec("cpu", 2))
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert nbytes == 4 * (2 * (16 * 32 + 32 + 32 * 16 + 16) + 16 * 8 + 8)
+    assert est.memory["params"] == nbytes
+    assert est.memory["grads"] == nbytes
+    assert est.memory["optimizer"] == 2 * nbytes
+    flops = sum(og[node].flops for node in og.graph.nodes if og[node].kind == "op")
+    assert flops > 0
+    assert est.model_flops == pytest.approx(flops, rel=1e-12)
+    assert est.num_devices == 2
+
+
+# -- the device and link models (docs/cost.md) -----------------------------------------------------
+
+
+def _link_spec(**kw: float) -> ClusterSpec:
+    fields = dict(
+        name="links",
+        nodes=4,
+        devices_per_node=8,
+        flops={"float32": 1e14},
+        memory_bytes=1e10,
+        memory_bandwidth=1e12,
+        intra_bandwidth=400e9,
+        intra_latency=2e-6,
+        inter_bandwidth=40e9,
+        inter_latency=10e-6,
+    )
+    return ClusterSpec(**(fields | kw))
+
+
+def test_collectives_run_on_their_links_and_hierarchically_across_nodes() -> None:
+    spec = _link_spec()
+    nbytes = 64e6
+    inside = collective_time("all_reduce", nbytes, 8, 8, spec)
+    assert inside == pytest.approx(2 * 7 / 8 * nbytes / 400e9 + 2 * 3 * 2e-6)
+    one_per_node = collective_time("all_reduce", nbytes, 4, 1, spec)
+    assert one_per_node == pytest.approx(2 * 3 / 4 * nbytes / 40e9 + 2 * 2 * 10e-6)
+    # 32 ranks, 8 per node: inside, then across on an eighth of the bytes, then inside again
+    hier = collective_time("all_reduce", nbytes, 32, 8, spec)
+    expected = (
+        7 / 8 * nbytes / 400e9 + 7 * 2e-6  # reduce-scatter inside (a ring)
+        + 2 * 3 / 4 * nbytes / 8 / 40e9 + 2 * 2 * 10e-6  # all-reduce across
+        + 7 / 8 * nbytes / 400e9 + 7 * 2e-6  # all-gather inside
+    )  # fmt: skip
+    assert hier == pytest.approx(expected)
+    flat_ring_over_the_network = 2 * 31 / 32 * nbytes / 40e9
+    assert hier < flat_ring_over_the_network / 4
+    # rings pay a latency per peer, all-reduce a tree's
+    assert collective_time("all_gather", 8.0, 8, 8, spec) == pytest.approx(
+        7 / 8 * 8 / 400e9 + 7 * 2e-6
+    )
+
+
+def test_compute_time_reaches_the_share_of_peak_its_size_gets() -> None:
+    from autoshard.ops import Cost
+
+    spec = _link_spec(matmul_efficiency=[[100, 0.1], [1000, 0.5], [10000, 0.8]])
+    assert spec.matmul_share(50) == 0.1 and spec.matmul_share(1e5) == 0.8
+    assert spec.matmul_share(math.sqrt(100 * 1000)) == pytest.approx(0.3)  # log-interpolated
+    big = Cost(2e12, 1e6, kind="matmul", size=1000)
+    assert spec.compute_time(big, torch.float32) == pytest.approx(2e12 / (1e14 * 0.5) + 5e-6)
+    skinny = Cost(2e9, 4e9, kind="matmul", size=1000)  # its bytes take longer than its FLOPs
+    assert spec.compute_time(skinny, torch.float32) == pytest.approx(4e9 / 1e12 + 5e-6)
+    causal = Cost(1e12, 0.0, 2e12, kind="attention", work=0.5)
+    attention = _link_spec(attention_efficiency=[0.5, 0.25])
+    assert attention.compute_time(causal, torch.float32) == pytest.approx(1e12 * 0.5 / 5e13 + 5e-6)
+    assert attention.compute_time(causal, torch.float32, backward=True) == pytest.approx(
+        2e12 * 0.5 / 2.5e13 + 5e-6
+    )
+    assert spec.compute_time(Cost(0.0, 0.0), torch.float32, backward=True) == 0.0
+
+
+def test_overlapped_communication_is_exposed_only_where_compute_waits() -> None:
+    from autoshard.cost import Overlapped
+    from autoshard.cost.estimate import exposed
+
+    assert exposed([]) == 0.0
+    assert exposed([Overlapped(1.0, ready=0.0, due=5.0)]) == 0.0  # hidden behind compute
+    assert exposed([Overlapped(3.0, ready=4.0, due=5.0)]) == pytest.approx(2.0)
+    # one stream: the second transfer waits for the first, and the stall delays what follows
+    two = [Overlapped(2.0, ready=0.0, due=10.0), Overlapped(2.0, ready=1.0, due=3.0)]
+    assert exposed(two) == pytest.approx(1.0)
+    est = Estimate(compute_forward=1.0, compute_backward=2.0, optimizer=0.5)
+    est.overlapped.append(Overlapped(1.5, ready=2.5, due=3.0))
+    assert est.exposed_comm == pytest.approx(1.0)
+    assert est.step_time == pytest.approx(3.0 + 1.0 + 0.5)
+    assert est.comm == pytest.approx(1.5)
