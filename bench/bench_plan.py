@@ -1,6 +1,8 @@
 """Planning speed: ``autoshard plan`` from process start to the JSON file, capture included, and
 the search alone, for the Llama-3-8B shape on 64 devices and a Llama-70B shape on 512 (8-device
-H100 nodes), with each search. Also the recursive search's plan against the optimal one's."""
+H100 nodes), with each search; the recursive search's plan against the optimal one's. And the
+presets' predicted MFU for shapes published runs trained: Megatron-LM's GPT-1.7B on 32 A100s
+(2021: 44% of peak) and Llama-3-8B at a larger batch."""
 
 from __future__ import annotations
 
@@ -24,7 +26,22 @@ SHAPES = {
         "--seq 4096 --batch 64 --vocab 128256",
         "nodes": 64,
     },
+    "gpt-1.7b": {
+        "args": "--model gpt --layers 24 --hidden 2304 --heads 24 --seq 2048 --batch 512 "
+        "--vocab 51200",
+        "nodes": 4,
+        "cluster": "dgx-a100",
+    },
+    "llama3-8b-bs256": {
+        "args": "--model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 "
+        "--seq 2048 --batch 256 --vocab 128256",
+        "nodes": 8,
+    },
 }
+
+#: MFU published large runs reach (docs/cost.md): Llama 3 405B on H100 38-43%, Megatron-LM on
+#: A100 44-52%, MegaScale 55.2%
+PUBLISHED_MFU = (0.38, 0.55)
 
 
 def _one(shape: str, search: str) -> dict:
@@ -32,7 +49,8 @@ def _one(shape: str, search: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         cmd = [sys.executable, "-m", "autoshard.cli", "plan", *spec["args"].split()]
-        cmd += ["--cluster", "dgx-h100", "--nodes", str(spec["nodes"]), "--search", search]
+        cluster = spec.get("cluster", "dgx-h100")
+        cmd += ["--cluster", cluster, "--nodes", str(spec["nodes"]), "--search", search]
         cmd += ["--json", str(out)]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -41,6 +59,7 @@ def _one(shape: str, search: str) -> dict:
     pred = data["predicted"]
     return {
         "shape": shape,
+        "cluster": spec.get("cluster", "dgx-h100"),
         "devices": spec["nodes"] * 8,
         "search": search,
         "process_s": wall,
@@ -58,7 +77,8 @@ def _one(shape: str, search: str) -> dict:
 def run(quick: bool) -> dict:
     rows = []
     for shape in SHAPES:
-        for search in ("optimal", "recursive") if not quick else ("optimal",):
+        searches = ("optimal", "recursive") if not quick and shape.startswith("llama") else ()
+        for search in searches or ("optimal",):
             rows.append(_one(shape, search))
     return {"rows": rows}
 
@@ -70,14 +90,15 @@ def summary(result: dict) -> str:
         "from process start to the JSON file; search: building the cost graphs of every mesh "
         "shape and solving them.",
         "",
-        "| model | devices | search | process s | capture s | search s | mesh | predicted step ms "
-        "| MFU | peak GiB |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
+        "| model | cluster | devices | search | process s | capture s | search s | mesh "
+        "| predicted step ms | MFU | peak GiB |",
+        "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in result["rows"]:
         mesh = " x ".join(f"{k}{v}" for k, v in r["mesh"].items())
         lines.append(
-            f"| {r['shape']} | {r['devices']} | {r['search']} | {r['process_s']:.2f} | "
+            f"| {r['shape']} | {r.get('cluster', 'dgx-h100')} | {r['devices']} | {r['search']} | "
+            f"{r['process_s']:.2f} | "
             f"{r['capture_s']:.2f} | {r['search_s']:.2f} | {mesh} | {r['step_ms']:.0f} | "
             f"{r['mfu'] * 100:.1f}% | {r['peak_gib']:.1f} |"
         )
@@ -86,6 +107,14 @@ def summary(result: dict) -> str:
         if (shape, "optimal") in by and (shape, "recursive") in by:
             ratio = by[(shape, "recursive")]["step_ms"] / by[(shape, "optimal")]["step_ms"]
             lines.append(f"- {shape}: recursive's predicted step is {ratio:.3f}x optimal's.")
+    low, high = PUBLISHED_MFU
+    for r in result["rows"]:
+        if r["search"] == "optimal":
+            inside = "inside" if low <= r["mfu"] <= high else "outside"
+            lines.append(
+                f"- {r['shape']} on {r.get('cluster', 'dgx-h100')}: predicted MFU "
+                f"{r['mfu'] * 100:.1f}%, {inside} the {low:.0%}-{high:.0%} published runs reach."
+            )
     lines.append("")
-    lines.append("Commands: " + "; ".join(f"`{r['command']}`" for r in result["rows"][:2]))
+    lines.append("Commands: " + "; ".join(f"`{r['command']}`" for r in result["rows"]))
     return "\n".join(lines)

@@ -186,3 +186,17 @@ def test_overlapped_communication_is_exposed_only_where_compute_waits() -> None:
     assert est.exposed_comm == pytest.approx(1.0)
     assert est.step_time == pytest.approx(3.0 + 1.0 + 0.5)
     assert est.comm == pytest.approx(1.5)
+
+
+def test_calibration_measures_the_matmul_curve_and_attention_shares() -> None:
+    """This machine's products: the best size is the peak (share 1), tiny ones reach less; the
+    attention shares are fractions of that peak."""
+    from autoshard.cost.calibrate import MATMUL_SIZES, measure_attention, measure_matmul
+
+    peak, curve = measure_matmul(torch.float32)
+    assert peak > 1e8
+    assert [size for size, _ in curve] == list(MATMUL_SIZES)
+    assert max(share for _, share in curve) == 1.0
+    assert curve[0][1] < 1.0  # a 16-cube product is overhead-bound
+    forward, backward = measure_attention(peak)
+    assert 0 < forward <= 1 and 0 < backward <= 1

@@ -1,10 +1,12 @@
 """``autoshard calibrate``: measure this machine into a :class:`ClusterSpec` (docs/search.md).
 
 Each rank is one process of ``threads`` threads, and every rank measures at the same time, so a
-device is measured as it runs in training: beside its neighbours. Measured: matmul FLOP/s per
-dtype, memory bandwidth (a copy larger than the caches), the per-op overhead (a small op through
-autograd), the memory passes of one AdamW step, and all-reduce time at several message sizes,
-each all-reduce issued between slices of compute as a backward issues them. Latency and bandwidth
+device is measured as it runs in training: beside its neighbours. Measured: matrix-product FLOP/s
+at sizes 16 to 512 (the best is the peak, the others its efficiency curve), the share of it
+attention reaches forward and backward, memory bandwidth (a copy larger than the caches), the
+per-op overhead (a small op through autograd), the memory passes of one AdamW step, and
+all-reduce time at several message sizes, each all-reduce issued between slices of compute as a
+backward issues them. Latency and bandwidth
 are the least-squares fit of the cost model's own all-reduce formula to those times. Medians of
 repeated timings, then the median over ranks.
 """
@@ -33,16 +35,55 @@ def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def measure_compute(threads: int = 1) -> dict[str, float]:
-    """FLOP/s per dtype, memory bandwidth, op overhead and AdamW passes of this process."""
+#: cube-root sizes of the matrix products the efficiency curve is measured at
+MATMUL_SIZES = (16, 32, 64, 128, 256, 384, 512)
+
+
+def _matmul_rate(n: int, dtype: torch.dtype) -> float:
+    """FLOP/s of an ``n``-cube product, as training runs it: forward and both gradients."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    reps = max(5, min(200, int(2e8 / (2 * n**3))))
+    return 2 * n**3 / _median_time(lambda: a @ b, reps=reps)
+
+
+def measure_matmul(dtype: torch.dtype = torch.float32) -> tuple[float, list[list[float]]]:
+    """Peak FLOP/s (the best product measured) and the share of it each size reaches."""
+    rates = [_matmul_rate(n, dtype) for n in MATMUL_SIZES]
+    peak = max(rates)
+    return peak, [[float(n), r / peak] for n, r in zip(MATMUL_SIZES, rates, strict=True)]
+
+
+def measure_attention(peak: float) -> list[float]:
+    """The share of ``peak`` a causal attention reaches, forward and backward, at a training
+    shape (4 sequences of 128, 4 heads of 64), counted as the time model counts it (the
+    kernel's work on and below the diagonal)."""
+    b, h, s, d = 4, 4, 128, 64
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    fwd_flops = 4 * b * h * s * s * d * (0.5 + 64 / s)
+    grad = torch.randn(b, h, s, d)
+
+    def forward() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    fwd = _median_time(forward, reps=15)
+    both = _median_time(lambda: forward().backward(grad), reps=15)
+    return [
+        min(1.0, fwd_flops / fwd / peak),
+        min(1.0, 2 * fwd_flops / max(both - fwd, 1e-9) / peak),
+    ]
+
+
+def measure_compute(threads: int = 1) -> dict[str, Any]:
+    """FLOP/s per dtype with the matrix-product efficiency curve and attention shares, memory
+    bandwidth, op overhead and AdamW passes of this process."""
     torch.set_num_threads(threads)
-    out: dict[str, float] = {}
-    n = 384
-    for dtype in (torch.float32, torch.float64):
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
-        seconds = _median_time(lambda a=a, b=b: a @ b, reps=15)
-        out[str(dtype).removeprefix("torch.")] = 2 * n**3 / seconds
+    out: dict[str, Any] = {}
+    peak, curve = measure_matmul(torch.float32)
+    out["float32"] = peak
+    out["matmul_efficiency"] = curve
+    out["attention_efficiency"] = measure_attention(peak)
+    out["float64"] = _matmul_rate(256, torch.float64)
     big = torch.empty(64 * 2**20 // 4)  # 64 MiB: training's tensors do not live in cache
     dst = torch.empty_like(big)
     seconds = _median_time(lambda: dst.copy_(big), reps=9)
@@ -154,7 +195,13 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
     comm = per_rank[0].pop("comm")
     for r in per_rank[1:]:
         r.pop("comm")
+    curves = [r.pop("matmul_efficiency") for r in per_rank]
+    attention = [r.pop("attention_efficiency") for r in per_rank]
     m = {key: statistics.median(r[key] for r in per_rank) for key in per_rank[0]}
+    curve = [
+        [size, statistics.median(c[i][1] for c in curves)] for i, (size, _) in enumerate(curves[0])
+    ]
+    shares = [statistics.median(a[i] for a in attention) for i in range(2)]
     samples = [
         (g, s, t) for g, times in comm.items() for s, t in zip(COMM_SIZES, times, strict=True)
     ]
@@ -167,6 +214,7 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         for g, times in comm.items()
     }
     flops = {key: v for key, v in m.items() if key.startswith("float")}
+    flops["float64"] = m["float64"] / curve[MATMUL_SIZES.index(256)][1]  # on the same curve
     return ClusterSpec(
         name=name,
         nodes=1,
@@ -180,6 +228,8 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         inter_latency=m["latency"],
         op_overhead=m["op_overhead"],
         optimizer_passes=m["optimizer_passes"],
+        matmul_efficiency=curve,
+        attention_efficiency=shares,
         extra={
             "threads_per_rank": threads,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -188,4 +238,4 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
     )
 
 
-__all__ = ["calibrate", "fit_all_reduce", "measure_compute"]
+__all__ = ["calibrate", "fit_all_reduce", "measure_attention", "measure_compute", "measure_matmul"]
