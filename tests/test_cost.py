@@ -200,3 +200,21 @@ def test_calibration_measures_the_matmul_curve_and_attention_shares() -> None:
     assert curve[0][1] < 1.0  # a 16-cube product is overhead-bound
     forward, backward = measure_attention(peak)
     assert 0 < forward <= 1 and 0 < backward <= 1
+
+
+def test_a_parallel_job_waits_for_its_slowest_rank() -> None:
+    """``sync_wait`` slows the compute of ops that run on several devices, not on one."""
+    from dataclasses import replace
+
+    from autoshard.cost import op_time
+
+    config = MLPConfig()
+    og = capture(MLP(config), config.example_batch(8))
+    node = next(i.node for i in og.ops() if i.key == "layers.0.fc1/linear.0")
+    spec = replace(cluster_spec("cpu"), sync_wait=0.25)
+    for devices, factor in ((1, 1.0), (2, 1.25)):
+        plan = plan_graph(og, mesh_info({"dp": devices}))
+        strategy = plan.nodes[node.name].strategy
+        plain = op_time(node, strategy, replace(spec, sync_wait=0.0))
+        slowed = op_time(node, strategy, spec)
+        assert slowed == pytest.approx(tuple(factor * t for t in plain)), devices

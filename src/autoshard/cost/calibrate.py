@@ -178,12 +178,43 @@ def fit_all_reduce(samples: Sequence[tuple[int, int, float]]) -> dict[str, float
     return {"latency": latency, "bandwidth": 1 / per_byte}
 
 
+def _measure_sync_wait(threads: int) -> float:
+    """The share of the compute between two synchronizing collectives a rank spends waiting
+    for the slowest one (stragglers: the OS, a shared host): the extra time per all-reduce of
+    4 bytes when the ranks compute long between calls, over the extra compute."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    a = torch.randn(256, 256)
+    tiny = torch.ones(1)
+
+    def segment(products: int, sync: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(6):
+            for _ in range(products):
+                a @ a
+            if sync:
+                dist.all_reduce(tiny)
+        return time.perf_counter() - start
+
+    def extra(products: int) -> tuple[float, float]:
+        synced = statistics.median(segment(products, True) for _ in range(5))
+        alone = statistics.median(segment(products, False) for _ in range(5))
+        return max(synced - alone, 0.0), alone
+
+    short_wait, short = extra(2)
+    long_wait, long = extra(40)
+    return max(long_wait - short_wait, 0.0) / max(long - short, 1e-9)
+
+
 def _measure_rank(threads: int) -> dict[str, float]:
     import torch.distributed as dist
 
     dist.barrier()
     out: dict[str, Any] = dict(measure_compute(threads))
     out["comm"] = _measure_comm(threads)
+    out["sync_wait"] = _measure_sync_wait(threads) if dist.get_world_size() > 1 else 0.0
     return out
 
 
@@ -228,6 +259,7 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         inter_latency=m["latency"],
         op_overhead=m["op_overhead"],
         optimizer_passes=m["optimizer_passes"],
+        sync_wait=m["sync_wait"],
         matmul_efficiency=curve,
         attention_efficiency=shares,
         extra={

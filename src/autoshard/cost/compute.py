@@ -14,16 +14,27 @@ from autoshard.ops import Strategy, rule_for, tensor_inputs
 
 def op_time(node: fx.Node, strategy: Strategy, cluster: ClusterSpec) -> tuple[float, float]:
     """(forward, backward) seconds of one op on one device: its rule's work at the device's
-    efficiency for that kind and size of work (``ClusterSpec.compute_time``). A view costs the
+    efficiency for that kind and size of work (``ClusterSpec.compute_time``), and in a parallel
+    job the waits for the slowest rank that compute brings (``sync_wait``). A view costs the
     per-op overhead, in backward too when a gradient flows through it."""
     rule = rule_for(node)
+    slowed = 1.0 + (cluster.sync_wait if _spans_devices(strategy) else 0.0)
     if rule.is_shape_op:
-        return cluster.op_overhead, cluster.op_overhead if node_info(node).requires_grad else 0.0
+        backward = cluster.op_overhead if node_info(node).requires_grad else 0.0
+        return cluster.op_overhead * slowed, backward * slowed
     needs = [node_info(a).requires_grad for a in tensor_inputs(node)]
     cost = rule.cost(node, strategy, needs)
     out = next((layout for layout in strategy.outs if layout is not None), None)
     dtype = out.dtype if out is not None else torch.float32
-    return cluster.compute_time(cost, dtype), cluster.compute_time(cost, dtype, backward=True)
+    forward = cluster.compute_time(cost, dtype)
+    return forward * slowed, cluster.compute_time(cost, dtype, backward=True) * slowed
+
+
+def _spans_devices(strategy: Strategy) -> bool:
+    """Whether the op runs in a job of more than one device, whose ranks wait for each other
+    at the collectives that synchronize them (``ClusterSpec.sync_wait``)."""
+    layouts = [*strategy.ins, *strategy.outs]
+    return any(layout is not None and layout.num_devices > 1 for layout in layouts)
 
 
 def local_bytes(layout: Layout | None) -> int:
