@@ -100,12 +100,14 @@ def measure_compute(threads: int = 1) -> dict[str, Any]:
 
     overhead = _median_time(chain, reps=15) / (2 * ops)
     out["op_overhead"] = overhead
-    param = torch.nn.Parameter(torch.zeros(2**22))  # 16 MiB
-    param.grad = torch.ones_like(param)
-    opt = torch.optim.AdamW([param], lr=1e-6)
+    # A model's parameters: several tensors of a few MiB, stepped one after the other.
+    params = [torch.nn.Parameter(torch.zeros(2**19)) for _ in range(8)]  # 8 x 2 MiB
+    for param in params:
+        param.grad = torch.ones_like(param)
+    opt = torch.optim.AdamW(params, lr=1e-6)
     seconds = _median_time(opt.step, reps=7)
-    traffic = max(seconds - 10 * overhead, 0.0) * bandwidth
-    out["optimizer_passes"] = traffic / (param.numel() * 4)
+    traffic = max(seconds - 10 * overhead * len(params), 0.0) * bandwidth
+    out["optimizer_passes"] = traffic / sum(p.numel() * 4 for p in params)
     return out
 
 

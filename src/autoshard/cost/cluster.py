@@ -27,17 +27,17 @@ _DTYPE_NAMES = {
 class ClusterSpec:
     """A cluster of ``nodes`` x ``devices_per_node`` identical devices (docs/cost.md).
 
-        ``flops``: peak FLOP/s per dtype name. ``matmul_efficiency``: the share of peak a matrix
-        product reaches, as ``[size, share]`` points over the cube root of its M*N*K (interpolated
-        in log size; beyond the ends, the end values); ``attention_efficiency``: the share of peak a
-        fused attention kernel reaches, forward and backward. ``memory_bandwidth``: achievable bytes/s
-        of a streaming kernel; ``op_overhead``: seconds each kernel (or CPU op) costs beyond its work;
-    ``sync_wait``: the share of its compute a rank of a parallel job waits for the slowest rank at
-    the collectives that synchronize them (stragglers; a shared host's scheduler).
-        Links: bytes/s of bus bandwidth per device (the inter-node one is a device's share of its
-        node's network) and seconds of latency per step of a collective. ``optimizer_passes``: bytes
-        of memory traffic of one AdamW step per parameter byte (torch's default per-tensor and
-        foreach AdamW make about 20 passes; a fused kernel about 7)."""
+    ``flops``: peak FLOP/s per dtype name. ``matmul_efficiency``: the share of peak a matrix
+    product reaches, as ``[size, share]`` points over the cube root of its M*N*K (interpolated in
+    log size; beyond the ends, the end values); ``attention_efficiency``: the share of peak a
+    fused attention kernel reaches, forward and backward. ``memory_bandwidth``: achievable
+    bytes/s of a streaming kernel; ``op_overhead``: seconds each kernel (or CPU op) costs beyond
+    its work; ``sync_wait``: the share of its compute a rank of a parallel job waits for the
+    slowest rank at the collectives that synchronize them (stragglers; a shared host's
+    scheduler). Links: bytes/s of bus bandwidth per device (the inter-node one is a device's
+    share of its node's network) and seconds of latency per step of a collective.
+    ``optimizer_passes``: bytes of memory traffic of one AdamW step per parameter byte (torch's
+    default per-tensor and foreach AdamW make about 20 passes; a fused kernel about 7)."""
 
     name: str
     nodes: int

@@ -169,14 +169,16 @@ def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 
 def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[float, tuple | None]:
     """A parameter's gradient sum at the end of the backward. One all-reduce joins its group's
-    flat all-reduce (``parallel.GradSync``): returned are its bandwidth term and the bucket's key,
-    the bucket's latency being paid once (:func:`bucket_latency`). Anything else is priced whole,
-    with key None."""
+    flat all-reduce (``runtime.GradSync``): returned are its bandwidth term, the copies the
+    runtime makes of it (the hook's copy, into the flat buffer and back: three passes over its
+    bytes), and the bucket's key, the bucket's latency being paid once (:func:`bucket_latency`).
+    Anything else is priced whole, with key None."""
     t = transition(partial, full, cluster)
     if t.kinds != ("all_reduce",):
         return t.seconds, None
     key = (tuple(sorted(partial.partial)), partial.ranks, partial.dtype)
-    return t.seconds - bucket_latency(partial, cluster), key
+    copies = 3 * partial.local_numel * partial.dtype.itemsize / cluster.memory_bandwidth
+    return t.seconds - bucket_latency(partial, cluster) + copies, key
 
 
 def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
