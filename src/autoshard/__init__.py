@@ -1,5 +1,6 @@
 """autoshard: automatic parallelism for PyTorch training."""
 
+from autoshard import data
 from autoshard.cost import PRESETS, ClusterSpec
 from autoshard.graph import CaptureError, capture_modes
 from autoshard.layout import Factored, Layout, LayoutError
@@ -38,6 +39,7 @@ __all__ = [
     "Step",
     "StrategyError",
     "capture_modes",
+    "data",
     "gather_tensor",
     "init_mesh",
     "parallelize",

@@ -108,6 +108,16 @@ class ParallelModule(nn.Module):
         outputs = [results[i] for i in captured.outputs]
         return pytree.tree_unflatten(outputs, captured.out_spec)
 
+    @property
+    def rank(self) -> int:
+        """This rank in the plan's mesh."""
+        return self._rank
+
+    @property
+    def input_names(self) -> list[str]:
+        """The model's tensor inputs, in order (the keys of ``plan.inputs``)."""
+        return list(self._captured[True].inputs)
+
     def program(self, train: bool = True) -> torch.fx.GraphModule:
         """The GraphModule this rank runs (``print(pm.program().code)``)."""
         return self._programs[train]
