@@ -411,3 +411,44 @@ def _coalesced_gradients() -> None:
 
 def test_gradient_sums_are_coalesced_and_accumulate() -> None:
     run_ranks(_coalesced_gradients, 2, timeout=120)
+
+
+# -- replicas start equal --------------------------------------------------------------------------
+
+
+def _perturbed_start(replicas: str) -> dict:
+    """Every rank builds the model from seed 0, rank 3 then perturbs its copy."""
+    import torch.distributed as dist
+
+    from autoshard.runtime.replicas import ReplicaMismatchError
+
+    model, config = build("mlp", 0.0)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    batch = config.example_batch(BATCH, torch.Generator().manual_seed(1))
+    try:
+        pm = parallelize(model, batch, {"dp": 2, "tp": 2}, megatron("mlp"), replicas=replicas)
+    except ReplicaMismatchError as err:
+        return {"error": str(err)}
+    full = pm.full_state_dict()
+    return {"equal": all(torch.equal(full[k], reference[k]) for k in reference)}
+
+
+def test_replicas_start_equal_or_the_rank_that_differs_is_named() -> None:
+    for outcome in run_ranks(_perturbed_start, 4, "broadcast", timeout=120):
+        assert outcome == {"equal": True}  # rank 3's copy replaced by its group's first
+    outcomes = run_ranks(_perturbed_start, 4, "check", timeout=120)
+    assert outcomes[0] == outcomes[1] == outcomes[2] == outcomes[3]  # one decision everywhere
+    assert "rank 3 holds other values of" in outcomes[0]["error"]
+    none = run_ranks(_perturbed_start, 4, "none", timeout=120)
+    assert none[3] == {"equal": False}  # rank 3 keeps its perturbed copy
+
+
+def test_an_unknown_replicas_mode_is_an_error() -> None:
+    from autoshard.runtime.replicas import sync_replicas
+
+    with pytest.raises(ValueError, match="replicas='bogus': expected one of broadcast, check"):
+        sync_replicas({}, {}, 0, "bogus")

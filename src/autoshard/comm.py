@@ -24,13 +24,18 @@ __all__ = [
     "all_reduce",
     "all_reduce_",
     "all_to_all",
+    "broadcast_",
     "collective_bytes",
     "counters",
     "counting",
+    "process_group",
     "reduce_scatter",
     "reset_counters",
     "send_recv",
 ]
+
+#: the collectives the counting layer knows
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 _groups: dict[tuple[int, ...], object] = {}
 _calls: Counter[str] = Counter()
@@ -40,7 +45,7 @@ _bytes: Counter[str] = Counter()
 def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
     """Bytes one rank sends for a collective whose local input has ``nbytes`` (ring formulas)."""
     g = group_size
-    if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+    if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r}")
     if g <= 1:
         return 0
@@ -50,7 +55,7 @@ def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
         return (g - 1) * nbytes
     if kind in ("reduce_scatter", "all_to_all"):
         return (g - 1) * nbytes // g
-    return nbytes  # send_recv
+    return nbytes  # send_recv, broadcast (the root's bytes, once)
 
 
 def counters() -> dict[str, dict[str, int]]:
@@ -88,6 +93,11 @@ def _group(ranks: Sequence[int]) -> object:
     return _groups[key]
 
 
+def process_group(ranks: Sequence[int]) -> object:
+    """torch's process group of ``ranks`` (created once, by its members only)."""
+    return _group(ranks)
+
+
 def _to_sorted(ranks: Sequence[int]) -> list[int] | None:
     """Index permutation from torch's (ascending) member order to ``ranks``; None if the same."""
     ordered = sorted(ranks)
@@ -115,6 +125,13 @@ def all_reduce_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Sum of the contiguous ``x`` over the group, in place."""
     _count("all_reduce", len(ranks), x)
     dist.all_reduce(x, group=_group(ranks))
+    return x
+
+
+def broadcast_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """``ranks[0]``'s contiguous ``x`` on every member of the group, in place."""
+    _count("broadcast", len(ranks), x)
+    dist.broadcast(x, src=ranks[0], group=_group(ranks))
     return x
 
 

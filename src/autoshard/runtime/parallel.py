@@ -22,6 +22,7 @@ from autoshard.lower import RunState, attr_name, lower
 from autoshard.mesh import MeshInfo, check_world, mesh_info
 from autoshard.redistribution import gather_tensor, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
+from autoshard.runtime.replicas import sync_replicas
 from autoshard.search import Plan, load_plan, plan_graph
 from autoshard.search import input_layouts as plan_input_layouts
 from autoshard.search import plan as search_plan
@@ -41,6 +42,7 @@ class ParallelModule(nn.Module):
         plans: dict[bool, Plan],
         rank: int,
         seed: int,
+        replicas: str = "broadcast",
     ) -> None:
         super().__init__()
         self.plan = plans[True]
@@ -78,6 +80,7 @@ class ParallelModule(nn.Module):
                 self.register_buffer(attr_name(fqn), local, persistent=fqn not in constants)
             if p.grad_partial is not None and tensors[fqn].requires_grad:
                 self._grad_sync.watch(tensors[fqn], p.grad_partial, p.layout)
+        sync_replicas({fqn: tensors[fqn] for fqn in self._layouts}, self._layouts, rank, replicas)
         self._programs = {
             mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
             for mode in captured
@@ -208,6 +211,7 @@ def parallelize(
     cluster: Any = None,
     plan: Any = None,
     memory_limit: float | None = None,
+    replicas: str = "broadcast",
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -215,7 +219,10 @@ def parallelize(
     ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
     (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
     from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
-    sets the mesh. ``captured`` (``capture_modes``) skips the capture when planning again."""
+    sets the mesh. ``captured`` (``capture_modes``) skips the capture when planning again.
+    ``replicas``: "broadcast" the first rank's part of each parameter and buffer to the ranks
+    that hold the same part, "check" that they are equal (naming the rank that differs), or
+    "none"."""
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
     if search is not None:
@@ -223,17 +230,11 @@ def parallelize(
             raise ValueError("parallelize: give search= or plan=, not both")
         fixed = None if isinstance(mesh, int) else mesh
         num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
+        given = strategies if search == "propagate" else None
         plan = search_plan(
-            model,
-            example_inputs,
-            cluster,
-            search=search,
-            num_devices=num,
-            mesh=fixed,
-            memory_limit=memory_limit,
-            strategies=strategies if search == "propagate" else None,
-            captured=captured,
-        )
+            model, example_inputs, cluster, search=search, num_devices=num, mesh=fixed,
+            memory_limit=memory_limit, strategies=given, captured=captured,
+        )  # fmt: skip
     ready, mesh, strategies, input_layouts, source = _given_plan(
         plan, captured[True], mesh, strategies, input_layouts
     )
@@ -251,7 +252,7 @@ def parallelize(
         strict=False,  # dropout nodes exist in the train graph only
     )
     _compare_plans(plans[True], rank)
-    return ParallelModule(model, captured, plans, rank, seed)
+    return ParallelModule(model, captured, plans, rank, seed, replicas)
 
 
 def _given_plan(
