@@ -452,3 +452,73 @@ def test_an_unknown_replicas_mode_is_an_error() -> None:
 
     with pytest.raises(ValueError, match="replicas='bogus': expected one of broadcast, check"):
         sync_replicas({}, {}, 0, "bogus")
+
+
+# -- clipping and non-finite gradients -------------------------------------------------------------
+
+
+def _clipped_training(mesh: Any, strategies: Any, inject: bool) -> dict:
+    """GPT (tied embeddings) in float64: 3 steps clipped to a norm it exceeds, against
+    torch.nn.utils.clip_grad_norm_ on one device; then an inf on rank 1's gradient."""
+    import torch.distributed as dist
+
+    from autoshard import NonFiniteGradientError, clip_grad_norm_
+
+    model, config = build("gpt", 0.0)
+    model = model.to(torch.float64)
+    data = batches(config, torch.float64)[:3]
+    captured = capture_modes(model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], mesh, strategies, captured=captured)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    norms = []
+    for batch in data:
+        ref(*batch).backward()
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        pm(*shard_inputs(batch, pm)).backward()
+        got = clip_grad_norm_(pm, 0.05)
+        norms.append((float(got), float(expected)))
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    for k in full_ref:
+        torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
+    before = pm.full_state_dict()
+    pm(*shard_inputs(data[0], pm)).backward()
+    if dist.get_rank() == 1:
+        next(p for p in pm.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+    if inject:
+        try:
+            clip_grad_norm_(pm, 0.05, error_if_nonfinite=True)
+        except NonFiniteGradientError as err:
+            return {"norms": norms, "error": str(err)}
+        return {"norms": norms, "error": None}
+    norm = clip_grad_norm_(pm, 0.05)
+    skipped = not torch.isfinite(norm)
+    if not skipped:
+        opt.step()
+    opt.zero_grad()
+    after = pm.full_state_dict()
+    unchanged = all(torch.equal(after[k], before[k]) for k in before)
+    return {"norms": norms, "skipped": skipped, "unchanged": unchanged}
+
+
+@pytest.mark.parametrize(
+    "mesh, strategies",
+    [({"dp": 4}, None), ({"tp": 4}, "megatron"), ({"dp": 2, "tp": 2}, "megatron")],
+    ids=["dp", "tp", "dp x tp"],
+)
+def test_clipping_equals_one_device_and_a_nonfinite_gradient_skips_everywhere(
+    mesh: Any, strategies: Any
+) -> None:
+    tp = "tp" if "tp" in mesh else None
+    given = megatron("gpt", tp) if strategies else None
+    outcomes = run_ranks(_clipped_training, 4, mesh, given, False, timeout=240)
+    for outcome in outcomes:
+        for got, expected in outcome["norms"]:
+            assert got == pytest.approx(expected, rel=1e-9)
+            assert expected > 0.05  # the clipping was active
+        assert outcome["skipped"] and outcome["unchanged"]
+    raised = run_ranks(_clipped_training, 4, mesh, given, True, timeout=240)
+    assert all(r["error"] == raised[0]["error"] for r in raised)
+    assert raised[0]["error"].startswith("non-finite gradient on rank 1: ")

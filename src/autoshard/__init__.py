@@ -15,8 +15,10 @@ from autoshard.redistribution import (
     shard_tensor,
 )
 from autoshard.runtime import (
+    NonFiniteGradientError,
     ParallelModule,
     PlanMismatchError,
+    clip_grad_norm_,
     parallelize,
     shard_inputs,
     single_device,
@@ -31,6 +33,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "MeshError",
+    "NonFiniteGradientError",
     "ParallelModule",
     "Plan",
     "PlanMismatchError",
@@ -39,6 +42,7 @@ __all__ = [
     "Step",
     "StrategyError",
     "capture_modes",
+    "clip_grad_norm_",
     "data",
     "gather_tensor",
     "init_mesh",

@@ -1,0 +1,78 @@
+"""Gradient clipping across shards, and one decision on non-finite gradients for every rank.
+
+``autoshard.clip_grad_norm_(pm, max_norm)`` is ``torch.nn.utils.clip_grad_norm_`` of the single-
+device model: the norm is over every parameter's whole gradient, each counted once however it
+is split or replicated (a tied weight is one parameter), and every rank gets the same norm and
+scales by the same factor. A non-finite gradient on any rank makes the norm non-finite on every
+rank, so all skip the step together (``torch.isfinite(norm)``), or, with
+``error_if_nonfinite=True``, all raise naming the rank and the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoshard.runtime.replicas import replica_group
+
+
+class NonFiniteGradientError(ValueError):
+    """A gradient holds inf or nan; names the ranks and parameters."""
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def clip_grad_norm_(
+    pm: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Scale every gradient of ``pm`` so that their global ``norm_type`` norm is at most
+    ``max_norm``; returns the global norm (before clipping), the same on every rank."""
+    grads = {fqn: t.grad for fqn, t in pm.local_tensors().items() if t.grad is not None}
+    if not grads:
+        return torch.tensor(0.0)
+    device = next(iter(grads.values())).device
+    if error_if_nonfinite:
+        _raise_if_nonfinite(grads, pm.rank)
+    if math.isinf(norm_type):
+        local = max(g.detach().abs().max().to(torch.float64) for g in grads.values())
+        total = local.reshape(1).to(device)
+        if _world() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        norm = total[0]
+    else:
+        # Each part's share: its sum of powers over the number of ranks holding that same part.
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for fqn, g in grads.items():
+            copies = len(replica_group(pm.layout_of(fqn), pm.rank))
+            local += g.detach().to(torch.float64).abs().pow(norm_type).sum() / copies
+        total = local.reshape(1)
+        if _world() > 1:
+            dist.all_reduce(total)
+        norm = total[0] ** (1.0 / norm_type)
+    if torch.isfinite(norm):
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads.values():
+            g.detach().mul_(scale.to(g.dtype))
+    return norm.to(next(iter(grads.values())).dtype)
+
+
+def _raise_if_nonfinite(grads: dict[str, torch.Tensor], rank: int) -> None:
+    mine = [f"rank {rank}: {fqn}" for fqn, g in grads.items() if not torch.isfinite(g).all()]
+    everyone: list = [mine]
+    if _world() > 1:
+        everyone = [None] * _world()
+        dist.all_gather_object(everyone, mine)
+    found = [line for lines in everyone for line in lines]
+    if found:
+        raise NonFiniteGradientError(
+            f"non-finite gradient on {', '.join(found[:4])}"
+            + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        )
+
+
+__all__ = ["NonFiniteGradientError", "clip_grad_norm_"]
