@@ -41,9 +41,12 @@ def test_collective_bytes_known_values_group_of_one_and_unknown_kind() -> None:
     assert collective_bytes("reduce_scatter", 4, 1024) == 768
     assert collective_bytes("all_to_all", 4, 1024) == 768
     assert collective_bytes("send_recv", 2, 1024) == 1024
-    assert all(collective_bytes(k, 1, 1024) == 0 for k in KINDS)
-    with pytest.raises(ValueError, match="broadcast"):
-        collective_bytes("broadcast", 2, 1024)
+    assert collective_bytes("broadcast", 4, 1024) == 1024  # the root's bytes, once
+    assert all(collective_bytes(k, 1, 1024) == 0 for k in (*KINDS, "broadcast"))
+    with pytest.raises(ValueError, match="'gather'"):
+        collective_bytes("gather", 2, 1024)
+    with pytest.raises(ValueError, match="'gather'"):
+        collective_bytes("gather", 1, 1024)  # refused even where nothing would be sent
 
 
 # -- on ranks ---------------------------------------------------------------------------------
