@@ -522,3 +522,55 @@ def test_clipping_equals_one_device_and_a_nonfinite_gradient_skips_everywhere(
     raised = run_ranks(_clipped_training, 4, mesh, given, True, timeout=240)
     assert all(r["error"] == raised[0]["error"] for r in raised)
     assert raised[0]["error"].startswith("non-finite gradient on rank 1: ")
+
+
+# -- gradient accumulation with no_sync ------------------------------------------------------------
+
+
+def _accumulate_with_no_sync(mesh: Any, strategies: Any) -> list[int]:
+    """GPT in float64, 3 optimizer steps of 4 micro-batches, the first 3 under no_sync, against
+    one device accumulating the same micro-batches; returns the number of all-reduces each
+    micro-batch's backward made."""
+    from autoshard import comm
+
+    model, config = build("gpt", 0.0)
+    model = model.to(torch.float64)
+    data = batches(config, torch.float64)
+    captured = capture_modes(model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], mesh, strategies, captured=captured)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    calls = []
+    for step in range(3):
+        micro = [data[(step + j) % len(data)] for j in range(4)]
+        for i, batch in enumerate(micro):
+            (ref(*batch) / len(micro)).backward()
+            loss = pm(*shard_inputs(batch, pm)) / len(micro)
+            with comm.counting() as counted:
+                if i < len(micro) - 1:
+                    with pm.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            calls.append(counted.get("all_reduce", {}).get("calls", 0))
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    for k in full_ref:
+        torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
+    return calls
+
+
+@pytest.mark.parametrize(
+    "mesh, tp", [({"dp": 2}, None), ({"dp": 2, "tp": 2}, "tp")], ids=["dp", "dp x tp"]
+)
+def test_no_sync_accumulates_and_sums_once_per_step(mesh: Any, tp: Any) -> None:
+    # dp x tp: the batch split over dp and the weights over tp, so weights need dp sums
+    strategies = mixed("gpt", 2, 2) if tp else None
+    world = 4 if tp else 2
+    for calls in run_ranks(_accumulate_with_no_sync, world, mesh, strategies, timeout=240):
+        skipped = [c for i, c in enumerate(calls) if i % 4 != 3]
+        synced = [c for i, c in enumerate(calls) if i % 4 == 3]
+        # the synced backward makes at least the bucket's all-reduce more than the others
+        assert all(s > max(skipped) for s in synced), calls
+        assert len(set(skipped)) == 1 and len(set(synced)) == 1, calls

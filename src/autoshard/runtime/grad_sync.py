@@ -20,13 +20,19 @@ class GradSync:
     The hook keeps a copy of the gradient it was given and hands the copy on. At the end of the
     backward a ``.grad`` that accumulated it gets the sum in its place, and a copy that went
     elsewhere (``torch.autograd.grad``'s result) is overwritten with the sum, so gradient
-    accumulation and ``torch.autograd.grad`` both see summed values."""
+    accumulation and ``torch.autograd.grad`` both see summed values.
+
+    While ``syncing`` is off (``ParallelModule.no_sync``) these sums are skipped: ``.grad``
+    accumulates this rank's parts, and the next backward that syncs sums the whole ``.grad``
+    once, as DDP's ``no_sync`` does. Reductions that backward itself needs still run."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self.syncing = True
         # (parameter, its gradient, the all-reduce group, whether .grad was empty before)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], bool]] = []
         self._accumulated: set[int] = set()
+        self._unsynced: set[int] = set()  # parameters whose .grad holds unsummed parts
         self._queued = False
 
     def watch(self, param: torch.Tensor, partial: Layout, full: Layout) -> None:
@@ -35,6 +41,9 @@ class GradSync:
             group = _one_all_reduce(plan, self.rank)
             if group is None:
                 return execute(grad, plan, self.rank)
+            if not self.syncing:
+                self._unsynced.add(id(param))
+                return grad
             grad = grad.clone(memory_format=torch.contiguous_format)  # ours to overwrite
             if not self._queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
@@ -59,19 +68,23 @@ class GradSync:
         # The same order on every rank, whatever order its backward ran the hooks in.
         for key in sorted(buckets):
             items = buckets[key]
-            flat = torch.cat([grad.reshape(-1) for _, grad, _ in items])
+            # A .grad that accumulated unsummed parts (no_sync) is summed whole.
+            whole = [id(p) in self._unsynced and id(p) in accumulated for p, _, _ in items]
+            parts = [p.grad if w else g for (p, g, _), w in zip(items, whole, strict=True)]
+            flat = torch.cat([part.reshape(-1) for part in parts])
             comm.all_reduce_(flat, key[0])
             offset = 0
             with torch.no_grad():
-                for param, grad, fresh in items:
-                    summed = flat[offset : offset + grad.numel()].view_as(grad)
-                    offset += grad.numel()
-                    if id(param) not in accumulated:
-                        grad.copy_(summed)
-                    elif fresh or param.grad is grad:
+                for (param, grad, fresh), part, is_whole in zip(items, parts, whole, strict=True):
+                    summed = flat[offset : offset + part.numel()].view_as(part)
+                    offset += part.numel()
+                    if is_whole or (id(param) in accumulated and (fresh or param.grad is grad)):
                         param.grad.copy_(summed)
+                    elif id(param) not in accumulated:
+                        grad.copy_(summed)
                     else:  # .grad = earlier + grad: swap this backward's part for its sum
                         param.grad.add_(summed).sub_(grad)
+                    self._unsynced.discard(id(param))
 
 
 def _one_all_reduce(plan: Any, rank: int) -> tuple[int, ...] | None:

@@ -7,7 +7,8 @@ loss.backward(); opt.step()                        # any elementwise torch.optim
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,17 @@ class ParallelModule(nn.Module):
             self._state.step += 1
         outputs = [results[i] for i in captured.outputs]
         return pytree.tree_unflatten(outputs, captured.out_spec)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the data-parallel gradient sums of the backwards inside (micro-batches of
+        gradient accumulation); the first backward after it sums the accumulated gradients."""
+        before = self._grad_sync.syncing
+        self._grad_sync.syncing = False
+        try:
+            yield
+        finally:
+            self._grad_sync.syncing = before
 
     @property
     def rank(self) -> int:
