@@ -12,6 +12,7 @@ import datetime
 import os
 import pickle
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -94,8 +95,12 @@ def _rank_main(
         conn.send_bytes(payload)
     finally:
         conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Leave without tearing the process group down: gloo's teardown races with peers that
+        # already left (a transport thread calls std::terminate, the rank dies by SIGABRT after
+        # its result was sent). The outcome is delivered; nothing else needs this process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _check_spawnable(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
