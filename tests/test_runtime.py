@@ -457,6 +457,18 @@ def test_an_unknown_replicas_mode_is_an_error() -> None:
 # -- clipping and non-finite gradients -------------------------------------------------------------
 
 
+def _gpt_against_one_device(mesh: Any, strategies: Any) -> tuple:
+    """GPT in float64 on ``mesh`` and on one device, each with its AdamW, and the batches."""
+    model, config = build("gpt", 0.0)
+    model = model.to(torch.float64)
+    data = batches(config, torch.float64)
+    captured = capture_modes(model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], mesh, strategies, captured=captured)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    return data, ref, pm, opt_ref, torch.optim.AdamW(pm.parameters(), lr=1e-2)
+
+
 def _clipped_training(mesh: Any, strategies: Any, inject: bool) -> dict:
     """GPT (tied embeddings) in float64: 3 steps clipped to a norm it exceeds, against
     torch.nn.utils.clip_grad_norm_ on one device; then an inf on rank 1's gradient."""
@@ -464,14 +476,8 @@ def _clipped_training(mesh: Any, strategies: Any, inject: bool) -> dict:
 
     from autoshard import NonFiniteGradientError, clip_grad_norm_
 
-    model, config = build("gpt", 0.0)
-    model = model.to(torch.float64)
-    data = batches(config, torch.float64)[:3]
-    captured = capture_modes(model, data[0])
-    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
-    pm = parallelize(model, data[0], mesh, strategies, captured=captured)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    data, ref, pm, opt_ref, opt = _gpt_against_one_device(mesh, strategies)
+    data = data[:3]
     norms = []
     for batch in data:
         ref(*batch).backward()
@@ -533,14 +539,7 @@ def _accumulate_with_no_sync(mesh: Any, strategies: Any) -> list[int]:
     micro-batch's backward made."""
     from autoshard import comm
 
-    model, config = build("gpt", 0.0)
-    model = model.to(torch.float64)
-    data = batches(config, torch.float64)
-    captured = capture_modes(model, data[0])
-    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
-    pm = parallelize(model, data[0], mesh, strategies, captured=captured)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    data, ref, pm, opt_ref, opt = _gpt_against_one_device(mesh, strategies)
     calls = []
     for step in range(3):
         micro = [data[(step + j) % len(data)] for j in range(4)]
