@@ -149,3 +149,18 @@ def test_plan_command_states_its_precision_and_assumptions(capsys) -> None:
     assert "communication not overlapped" in out
     assert main(["plan", "--model", "gpt", "--nodes", "1", "--dtype", "f32"]) == 0
     assert "precision: float32 compute" in capsys.readouterr().out
+
+
+def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
+    version = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.startswith("autoshard 0.1.0 (torch ")
+    planned = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "plan", "--model", "mlp", "--nodes", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert planned.returncode == 0, planned.stderr
+    assert "FutureWarning" not in planned.stderr + planned.stdout
+    assert planned.stdout.startswith("mesh ")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 import torch
 
@@ -262,10 +263,23 @@ def _calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"autoshard {version('autoshard')} (torch {torch.__version__})"
+    except PackageNotFoundError:
+        return f"autoshard (not installed; torch {torch.__version__})"
+
+
 def main(argv: list[str] | None = None) -> int:
+    # torch's own deprecation notices (pytree's LeafSpec, from torch.export) are not the user's
+    # to act on; they would open every command's output.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|copyreg)(\.|$)")
     parser = argparse.ArgumentParser(
         prog="autoshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="move tensors between layouts on 4 local CPU ranks")
     demo.set_defaults(run=_demo_command)
