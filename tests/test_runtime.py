@@ -573,3 +573,154 @@ def test_no_sync_accumulates_and_sums_once_per_step(mesh: Any, tp: Any) -> None:
         # the synced backward makes at least the bucket's all-reduce more than the others
         assert all(s > max(skipped) for s in synced), calls
         assert len(set(skipped)) == 1 and len(set(synced)) == 1, calls
+
+
+# -- gradient buckets that overlap backward --------------------------------------------------------
+
+#: small enough that the reference models' gradients fill several buckets
+SMALL_BUCKET_MB = 0.02
+
+
+class WithUnused(nn.Module):
+    """A model with a parameter its forward never reads (a frozen head, an unused expert)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.inner(*args)
+
+
+def _bucketed_training(name: str, mesh: Any, strategies: Any, micro: int) -> list[int]:
+    """``name`` with an unused parameter, in float64 with dropout, on ``mesh`` in small buckets
+    against one device: 5 AdamW steps of ``micro`` micro-batches (all but the last under
+    no_sync); returns the all-reduces of each step's syncing backward."""
+    from autoshard import comm
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    inner, config = build(name, 0.1)
+    model = WithUnused(inner).to(torch.float64)
+    data = batches(config, torch.float64)
+    captured = capture_modes(model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(
+        model, data[0], mesh, strategies, captured=captured, bucket_cap_mb=SMALL_BUCKET_MB
+    )
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    calls = []
+    for step in range(STEPS):
+        for i in range(micro):
+            batch = data[(step + i) % len(data)]
+            loss_ref = ref(*batch) / micro
+            loss_ref.backward()
+            loss = pm(*shard_inputs(batch, pm)) / micro
+            torch.testing.assert_close(loss, loss_ref, msg=lambda m, s=step: f"step {s}: {m}")
+            with comm.counting() as counted:
+                if i < micro - 1:
+                    with pm.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+        calls.append(counted.get("all_reduce", {}).get("calls", 0))
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    for k in full_ref:
+        torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
+    assert torch.equal(full["unused.weight"], model.unused.weight)  # no gradient, no step
+    return calls
+
+
+def _bucket_cases(cases: list[tuple]) -> list[list[int]]:
+    return [_bucketed_training(*case) for case in cases]
+
+
+@pytest.mark.parametrize(
+    "world, cases",
+    [
+        (2, [("gpt", {"dp": 2}, None, 1), ("llama", {"dp": 2}, None, 2)]),
+        (
+            4,
+            [
+                ("gpt", {"dp": 4}, None, 1),
+                ("llama", {"dp": 4}, None, 1),
+                ("gpt", {"dp": 2, "tp": 2}, "mixed", 1),
+                ("llama", {"dp": 2, "tp": 2}, "megatron", 1),
+                ("gpt", {"dp": 2, "tp": 2}, "mixed", 3),
+            ],
+        ),
+    ],
+    ids=["2 ranks", "4 ranks"],
+)
+def test_buckets_train_as_one_device(world: int, cases: list[tuple]) -> None:
+    """dp and dp x tp, tied embeddings (GPT) and an unused parameter, with gradient
+    accumulation under no_sync, each against one device."""
+    chosen = {"mixed": mixed, "megatron": lambda name, *_: megatron(name)}
+    given = [
+        (name, mesh, how and {f"inner.{k}": v for k, v in chosen[how](name, 2, 2).items()}, k)
+        for name, mesh, how, k in cases
+    ]
+    for per_rank in run_ranks(_bucket_cases, world, given, timeout=600):
+        for case, calls in zip(cases, per_rank, strict=True):
+            assert len(set(calls)) == 1 and calls[0] >= 2, (case, calls)  # several buckets
+
+
+def _bucket_starts_during_backward() -> dict:
+    """The event order of one backward: each parameter's gradient as autograd completes it,
+    and the collectives as the counting layer issues them."""
+    from autoshard import comm
+
+    torch.set_num_threads(1)
+    model, config = build("gpt", 0.0)
+    data = batches(config, torch.float32)
+    pm = parallelize(model, data[0], {"dp": 2}, bucket_cap_mb=SMALL_BUCKET_MB)
+    loss = pm(*shard_inputs(data[0], pm))
+    with comm.recording() as events:
+        for name, p in pm.named_parameters():
+            p.register_hook(lambda g, name=name: events.append(("gradient", name)))
+        loss.backward()
+    return {"events": [e[:2] for e in events]}
+
+
+def test_a_bucket_sum_starts_before_backward_ends() -> None:
+    for outcome in run_ranks(_bucket_starts_during_backward, 2, timeout=120):
+        events = outcome["events"]
+        kinds = [e[0] for e in events]
+        first_sum = kinds.index("all_reduce")
+        last_gradient = len(kinds) - 1 - kinds[::-1].index("gradient")
+        assert first_sum < last_gradient, events  # overlapped with the rest of backward
+        assert kinds.count("all_reduce") >= 3, events
+
+
+def test_a_bucket_must_hold_bytes() -> None:
+    from autoshard.runtime import GradSync
+
+    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
+        GradSync(0, bucket_cap_mb=0)
+
+
+def _gradients_of_some_parameters() -> None:
+    """torch.autograd.grad for every other parameter: the buckets holding the others are
+    summed with zeros in their place, and nothing else changes."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model, config = build("gpt", 0.0)
+    model = model.double()
+    data = batches(config, torch.float64)
+    ref = single_device(copy.deepcopy(model), data[0])
+    pm = parallelize(model, data[0], {"dp": 2}, bucket_cap_mb=SMALL_BUCKET_MB)
+    names = [n for n, _ in pm.named_parameters()][::2]
+    params, params_ref = list(pm.parameters())[::2], list(ref.parameters())[::2]
+    for batch in data[:2]:
+        grads = torch.autograd.grad(pm(*shard_inputs(batch, pm)), params)
+        grads_ref = torch.autograd.grad(ref(*batch), params_ref)
+        for name, g, g_ref in zip(names, grads, grads_ref, strict=True):
+            torch.testing.assert_close(g, g_ref, msg=lambda m, n=name: f"{n}: {m}")
+    assert all(p.grad is None for p in pm.parameters())
+
+
+def test_gradients_of_some_parameters_through_buckets() -> None:
+    run_ranks(_gradients_of_some_parameters, 2, timeout=120)

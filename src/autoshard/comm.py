@@ -23,6 +23,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_",
+    "all_reduce_async_",
     "all_to_all",
     "broadcast_",
     "collective_bytes",
@@ -30,6 +31,7 @@ __all__ = [
     "counting",
     "process_group",
     "reduce_scatter",
+    "recording",
     "reset_counters",
     "send_recv",
 ]
@@ -40,6 +42,7 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"
 _groups: dict[tuple[int, ...], object] = {}
 _calls: Counter[str] = Counter()
 _bytes: Counter[str] = Counter()
+_events: list[list] = []  # the open recordings, innermost last
 
 
 def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
@@ -79,9 +82,25 @@ def counting() -> Iterator[dict[str, dict[str, int]]]:
         result.update(counters())
 
 
+@contextmanager
+def recording() -> Iterator[list]:
+    """The collectives of a block in the order they were issued, as ``(kind, group size,
+    bytes sent)`` tuples; the caller may append its own markers to the same list (a test
+    interleaves autograd hooks with them to see when a bucket's sum starts)."""
+    events: list = []
+    _events.append(events)
+    try:
+        yield events
+    finally:
+        _events.remove(events)
+
+
 def _count(kind: str, group_size: int, tensor: torch.Tensor) -> None:
+    sent = collective_bytes(kind, group_size, tensor.numel() * tensor.element_size())
     _calls[kind] += 1
-    _bytes[kind] += collective_bytes(kind, group_size, tensor.numel() * tensor.element_size())
+    _bytes[kind] += sent
+    for events in _events:
+        events.append((kind, group_size, sent))
 
 
 def _group(ranks: Sequence[int]) -> object:
@@ -126,6 +145,13 @@ def all_reduce_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     _count("all_reduce", len(ranks), x)
     dist.all_reduce(x, group=_group(ranks))
     return x
+
+
+def all_reduce_async_(x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
+    """Start the sum of the contiguous ``x`` over the group, in place; ``x`` belongs to the
+    collective until the returned work's ``wait()``."""
+    _count("all_reduce", len(ranks), x)
+    return dist.all_reduce(x, group=_group(ranks), async_op=True)
 
 
 def broadcast_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:

@@ -6,6 +6,7 @@ meshes of hundreds of devices), and each collective by the link its group uses (
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -181,6 +182,31 @@ def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[floa
     return t.seconds - bucket_latency(partial, cluster) + copies, key
 
 
+#: the size of a gradient bucket, in MiB (DDP's default)
+BUCKET_CAP_MB = 25.0
+
+
+def assign_buckets(
+    items: Sequence[tuple[Hashable, Hashable, float]], cap_bytes: float
+) -> list[tuple[Hashable, list[Hashable]]]:
+    """Gradient buckets as the runtime fills them: ``items`` are (name, key, bytes) in the
+    order backward completes the gradients, the key naming the one all-reduce a gradient can
+    join (its group and dtype). Each key fills its own bucket until it holds ``cap_bytes`` or
+    more, then opens the next. Returns (key, names) per bucket, in the order they were opened."""
+    filling: dict[Hashable, tuple[list[Hashable], list[float]]] = {}
+    out: list[tuple[Hashable, list[Hashable]]] = []
+    for name, key, nbytes in items:
+        if key not in filling:
+            filling[key] = ([], [0.0])
+            out.append((key, filling[key][0]))
+        names, size = filling[key]
+        names.append(name)
+        size[0] += nbytes
+        if size[0] >= cap_bytes:
+            del filling[key]
+    return out
+
+
 def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
     """Latency of the all-reduce over ``partial``'s partial axes."""
     axes = tuple((st, sz) for st, sz, state in _axis_states(partial) if state == ("P",))
@@ -199,7 +225,9 @@ def _fallback(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 
 
 __all__ = [
+    "BUCKET_CAP_MB",
     "Transfer",
+    "assign_buckets",
     "bucket_latency",
     "collective_parts",
     "collective_time",

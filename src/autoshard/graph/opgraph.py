@@ -183,6 +183,19 @@ class OpGraph:
         """Tensors torch.export lifted out of the code (an empty KV cache), by name."""
         return {i.fqn: i.constant for i in self if i.constant is not None}
 
+    @cached_property
+    def gradient_order(self) -> list[str]:
+        """Trainable parameters in the order backward completes their gradients: the reverse
+        of their first use in forward (a tied weight is complete at its earliest use). The
+        runtime's buckets and the cost model's overlap both follow it."""
+        first: dict[str, int] = {}
+        for index, node in enumerate(self.graph.nodes):
+            for arg in node.all_input_nodes:
+                info = self[arg]
+                if info.kind == "param" and info.requires_grad:
+                    first.setdefault(info.fqn, index)
+        return sorted(first, key=lambda fqn: -first[fqn])
+
     def is_repeated(self, info: NodeInfo) -> bool:
         """Whether the node sits in a block list whose blocks are all the same ops."""
         return info.block is not None and info.block[0] in self.repeated

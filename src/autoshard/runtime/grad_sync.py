@@ -1,90 +1,192 @@
-"""Gradient sums of parameters, once per backward (DESIGN.md's deferred reduction)."""
+"""Gradient sums of parameters in buckets that overlap backward (DESIGN.md's deferred
+reduction, DDP's buckets)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from autoshard import comm
+from autoshard.cost.collectives import BUCKET_CAP_MB, assign_buckets
 from autoshard.layout import Layout
 from autoshard.redistribution import execute, redistribution_plan
 
 
+@dataclass(eq=False)
+class _Bucket:
+    """Parameters whose sums are one all-reduce over ``group``, at fixed offsets of a flat
+    buffer made anew for each backward."""
+
+    group: tuple[int, ...]
+    params: list[torch.Tensor]
+    offsets: list[int]
+    numel: int
+    # this backward's: the flat buffer, (param, how, its part) per ready member, the work
+    flat: torch.Tensor | None = None
+    ready: list[tuple[torch.Tensor, str, torch.Tensor]] = field(default_factory=list)
+    work: Any = None
+
+
 class GradSync:
     """Sums the partial gradients of parameters once per backward (DESIGN.md's deferred
-    reduction), coalesced as DDP's buckets are: every gradient whose sum is one all-reduce over
-    the same group joins one flat all-reduce when the backward ends. Other reductions (a
-    reduce-scatter onto a split parameter) run in the parameter's hook.
+    reduction), in buckets as DDP's are. Gradients whose sum is an all-reduce over the same
+    group are bucketed in the order backward completes them (``OpGraph.gradient_order``), up to
+    ``bucket_cap_mb`` each; a bucket's all-reduce starts, asynchronously, as soon as its last
+    gradient is complete, while backward goes on; every sum is waited for and in place when
+    the backward ends, before anything can read ``.grad``. Other reductions (a reduce-scatter
+    onto a split parameter) run in the parameter's hook.
 
-    The hook keeps a copy of the gradient it was given and hands the copy on. At the end of the
-    backward a ``.grad`` that accumulated it gets the sum in its place, and a copy that went
-    elsewhere (``torch.autograd.grad``'s result) is overwritten with the sum, so gradient
-    accumulation and ``torch.autograd.grad`` both see summed values.
+    The hook copies the gradient into its bucket's flat buffer and hands autograd that slot:
+    a fresh ``.grad`` becomes the slot itself (autograd keeps a tensor it is given alone), so
+    the sum lands in it with no copy back; ``torch.autograd.grad``'s result is the slot too.
+    A ``.grad`` that already held a summed value gets this backward's sum in place of its part.
+    A bucket some of whose members get no gradient in a backward (``torch.autograd.grad`` for
+    some parameters) is summed when the backward ends, and their ``.grad`` is left alone.
 
     While ``syncing`` is off (``ParallelModule.no_sync``) these sums are skipped: ``.grad``
     accumulates this rank's parts, and the next backward that syncs sums the whole ``.grad``
     once, as DDP's ``no_sync`` does. Reductions that backward itself needs still run."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, bucket_cap_mb: float = BUCKET_CAP_MB) -> None:
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: a bucket must hold some bytes")
         self.rank = rank
+        self.cap_bytes = bucket_cap_mb * 2**20
         self.syncing = True
-        # (parameter, its gradient, the all-reduce group, whether .grad was empty before)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], bool]] = []
+        self._groups: dict[int, tuple[int, ...]] = {}  # id(param) -> its all-reduce group
+        self._watched: list[torch.Tensor] = []
+        self._buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[_Bucket, int]] = {}
         self._accumulated: set[int] = set()
+        self._full: list[_Bucket] = []  # complete buckets whose sums have not started
         self._unsynced: set[int] = set()  # parameters whose .grad holds unsummed parts
         self._queued = False
 
     def watch(self, param: torch.Tensor, partial: Layout, full: Layout) -> None:
+        """Sum ``param``'s gradient from ``partial`` to ``full`` in every backward."""
+        plan = redistribution_plan(partial.with_dtype(param.dtype), full.with_dtype(param.dtype))
+        group = _one_all_reduce(plan, self.rank)
+        if group is not None:
+            self._groups[id(param)] = group
+            self._watched.append(param)
+
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            plan = redistribution_plan(partial.with_dtype(grad.dtype), full.with_dtype(grad.dtype))
-            group = _one_all_reduce(plan, self.rank)
             if group is None:
                 return execute(grad, plan, self.rank)
             if not self.syncing:
                 self._unsynced.add(id(param))
                 return grad
-            grad = grad.clone(memory_format=torch.contiguous_format)  # ours to overwrite
-            if not self._queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-                self._queued = True
-            self._pending.append((param, grad, group, param.grad is None))
-            return grad
+            return self._ready(param, grad)
+
+        def accumulated(p: torch.Tensor) -> None:
+            self._accumulated.add(id(p))
+            self._start_full()
 
         param.register_hook(hook)
-        param.register_post_accumulate_grad_hook(lambda p: self._accumulated.add(id(p)))
+        param.register_post_accumulate_grad_hook(accumulated)
+
+    def arrange(self, order: list[torch.Tensor]) -> None:
+        """Fix the buckets: the watched parameters in the order backward completes them (the
+        same on every rank, so every rank's buckets hold the same parameters); any watched
+        parameter missing from ``order`` follows it."""
+        given = {id(p) for p in order}
+        order = list(order) + [p for p in self._watched if id(p) not in given]
+        items = [
+            (i, (self._groups[id(p)], p.dtype, p.device), p.numel() * p.element_size())
+            for i, p in enumerate(order)
+            if id(p) in self._groups
+        ]
+        self._buckets, self._where = [], {}
+        for key, members in assign_buckets(items, self.cap_bytes):
+            params = [order[i] for i in members]
+            offsets = [0]
+            for p in params:
+                offsets.append(offsets[-1] + p.numel())
+            bucket = _Bucket(key[0], params, offsets[:-1], offsets[-1])
+            for slot, p in enumerate(params):
+                self._where[id(p)] = (bucket, slot)
+            self._buckets.append(bucket)
 
     def reset(self) -> None:
-        """Forget a backward that raised before its end (nothing of it was summed)."""
-        self._pending, self._accumulated, self._queued = [], set(), False
+        """Forget a backward that raised before its end (a sum it started is waited for, so
+        the group's next collective cannot overtake it)."""
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.flat, bucket.ready, bucket.work = None, [], None
+        self._accumulated, self._full, self._queued = set(), [], False
 
-    def _flush(self) -> None:
-        pending, accumulated = self._pending, self._accumulated
-        self._pending, self._accumulated, self._queued = [], set(), False
-        buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
-        for param, grad, group, fresh in pending:
-            key = (group, str(grad.dtype), str(grad.device))
-            buckets.setdefault(key, []).append((param, grad, fresh))
-        # The same order on every rank, whatever order its backward ran the hooks in.
-        for key in sorted(buckets):
-            items = buckets[key]
-            # A .grad that accumulated unsummed parts (no_sync) is summed whole.
-            whole = [id(p) in self._unsynced and id(p) in accumulated for p, _, _ in items]
-            parts = [p.grad if w else g for (p, g, _), w in zip(items, whole, strict=True)]
-            flat = torch.cat([part.reshape(-1) for part in parts])
-            comm.all_reduce_(flat, key[0])
-            offset = 0
+    def _start_full(self) -> None:
+        # Not in the hook that completes a bucket: autograd has yet to accumulate that
+        # gradient, which may read the slot the collective is writing. The next hook (or the
+        # parameter's own post-accumulate hook) comes after it.
+        for bucket in self._full:
+            bucket.work = comm.all_reduce_async_(bucket.flat, bucket.group)
+        self._full = []
+
+    def _ready(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        self._start_full()
+        bucket, index = self._where[id(param)]
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        if bucket.flat is None:
+            bucket.flat = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
+        start = bucket.offsets[index]
+        slot = bucket.flat[start : start + param.numel()].view_as(param)
+        handed = slot
+        with torch.no_grad():
+            if id(param) in self._unsynced and param.grad is not None:
+                # .grad holds this rank's parts of earlier backwards: sum it whole, once
+                torch.add(param.grad, grad, out=slot)
+                how, handed = "whole", grad
+            else:
+                slot.copy_(grad)
+                how = "fresh" if param.grad is None else "add"
+        bucket.ready.append((param, how, grad))
+        if len(bucket.ready) == len(bucket.params):
+            self._full.append(bucket)
+        return handed
+
+    def _finish(self) -> None:
+        """The end of the backward: start what is left, wait for every sum, put each where
+        autograd left this backward's part."""
+        self._queued = False
+        self._start_full()
+        for bucket in self._buckets:
+            if bucket.flat is not None and bucket.work is None:
+                # some members got no gradient (the same on every rank): the sum is
+                # elementwise, so what their slots hold reaches nothing
+                bucket.work = comm.all_reduce_async_(bucket.flat, bucket.group)
+        for bucket in self._buckets:
+            if bucket.work is None:
+                continue
+            bucket.work.wait()
             with torch.no_grad():
-                for (param, grad, fresh), part, is_whole in zip(items, parts, whole, strict=True):
-                    summed = flat[offset : offset + part.numel()].view_as(part)
-                    offset += part.numel()
-                    if is_whole or (id(param) in accumulated and (fresh or param.grad is grad)):
-                        param.grad.copy_(summed)
-                    elif id(param) not in accumulated:
-                        grad.copy_(summed)
-                    else:  # .grad = earlier + grad: swap this backward's part for its sum
-                        param.grad.add_(summed).sub_(grad)
-                    self._unsynced.discard(id(param))
+                for param, how, part in bucket.ready:
+                    self._place(bucket, param, how, part)
+            bucket.flat, bucket.ready, bucket.work = None, [], None
+        self._accumulated = set()
+
+    def _place(self, bucket: _Bucket, param: torch.Tensor, how: str, part: torch.Tensor) -> None:
+        start = bucket.offsets[self._where[id(param)][1]]
+        summed = bucket.flat[start : start + param.numel()].view_as(param)
+        accumulated = id(param) in self._accumulated
+        if how == "whole":
+            if not accumulated:
+                raise ValueError(
+                    "torch.autograd.grad after backwards under no_sync: the accumulated .grad "
+                    "can only be summed by a backward() that accumulates into it"
+                )
+            param.grad.copy_(summed)
+        elif how == "fresh" and accumulated and param.grad.data_ptr() != summed.data_ptr():
+            param.grad.copy_(summed)  # autograd copied the slot instead of keeping it
+        elif how == "add" and accumulated:  # .grad = earlier + part: swap the part for its sum
+            param.grad.add_(summed).sub_(part)
+        if accumulated:
+            self._unsynced.discard(id(param))  # .grad holds sums only
 
 
 def _one_all_reduce(plan: Any, rank: int) -> tuple[int, ...] | None:

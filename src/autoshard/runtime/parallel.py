@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.graph import OpGraph, capture_modes
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, lower
@@ -44,6 +45,7 @@ class ParallelModule(nn.Module):
         rank: int,
         seed: int,
         replicas: str = "broadcast",
+        bucket_cap_mb: float = BUCKET_CAP_MB,
     ) -> None:
         super().__init__()
         self.plan = plans[True]
@@ -51,7 +53,7 @@ class ParallelModule(nn.Module):
         self._captured = captured
         self._rank = rank
         self._state = RunState(seed=seed)
-        self._grad_sync = GradSync(rank)
+        self._grad_sync = GradSync(rank, bucket_cap_mb)
         self._full_keys = list(model.state_dict().keys())
         self._aliases = captured[True].aliases
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -81,6 +83,8 @@ class ParallelModule(nn.Module):
                 self.register_buffer(attr_name(fqn), local, persistent=fqn not in constants)
             if p.grad_partial is not None and tensors[fqn].requires_grad:
                 self._grad_sync.watch(tensors[fqn], p.grad_partial, p.layout)
+        order = captured[True].gradient_order
+        self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
         sync_replicas({fqn: tensors[fqn] for fqn in self._layouts}, self._layouts, rank, replicas)
         self._programs = {
             mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
@@ -224,6 +228,7 @@ def parallelize(
     plan: Any = None,
     memory_limit: float | None = None,
     replicas: str = "broadcast",
+    bucket_cap_mb: float = BUCKET_CAP_MB,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -234,7 +239,8 @@ def parallelize(
     sets the mesh. ``captured`` (``capture_modes``) skips the capture when planning again.
     ``replicas``: "broadcast" the first rank's part of each parameter and buffer to the ranks
     that hold the same part, "check" that they are equal (naming the rank that differs), or
-    "none"."""
+    "none". ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward
+    (DDP's default, 25)."""
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
     if search is not None:
@@ -264,7 +270,7 @@ def parallelize(
         strict=False,  # dropout nodes exist in the train graph only
     )
     _compare_plans(plans[True], rank)
-    return ParallelModule(model, captured, plans, rank, seed, replicas)
+    return ParallelModule(model, captured, plans, rank, seed, replicas, bucket_cap_mb)
 
 
 def _given_plan(
