@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard import Factored, PlanMismatchError, parallelize, shard_inputs, single_device
+from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture_modes
 from autoshard.mesh import mesh_info
 from autoshard.models import GPTConfig, LlamaConfig, reference_config
@@ -682,7 +683,16 @@ def _bucket_starts_during_backward() -> dict:
         for name, p in pm.named_parameters():
             p.register_hook(lambda g, name=name: events.append(("gradient", name)))
         loss.backward()
-    return {"events": [e[:2] for e in events]}
+    # the cost model prices the buckets the runtime made (one source of truth)
+    cluster = cluster_spec("cpu", 2)
+    predicted = estimate(pm.plan, pm._captured[True], cluster, bucket_cap_mb=SMALL_BUCKET_MB)
+    return {
+        "events": [e[:2] for e in events],
+        "sent": [e[2] for e in events if e[0] != "gradient"],
+        "predicted": [(o.seconds, o.ready, o.due) for o in predicted.overlapped],
+        "latency": cluster.link(False)[1],
+        "bandwidth": cluster.link(False)[0],
+    }
 
 
 def test_a_bucket_sum_starts_before_backward_ends() -> None:
@@ -693,6 +703,16 @@ def test_a_bucket_sum_starts_before_backward_ends() -> None:
         last_gradient = len(kinds) - 1 - kinds[::-1].index("gradient")
         assert first_sum < last_gradient, events  # overlapped with the rest of backward
         assert kinds.count("all_reduce") >= 3, events
+        # every bucket's sum priced: its bytes on the link and one latency (2 steps of a
+        # 2-rank tree), ready in the order backward fills them, due when backward ends
+        predicted, sent = outcome["predicted"], list(outcome["sent"])
+        for seconds, _, _ in predicted:
+            nbytes = (seconds - 2 * outcome["latency"]) * outcome["bandwidth"]
+            assert round(nbytes) in sent, (nbytes, sent)
+            sent.remove(round(nbytes))
+        assert len(sent) == 1  # the position embedding's gradient, summed in backward
+        readies = [r for _, r, _ in predicted]
+        assert readies == sorted(readies) and readies[-1] <= predicted[0][2] * (1 + 1e-12)
 
 
 def test_a_bucket_must_hold_bytes() -> None:

@@ -168,22 +168,25 @@ def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
     return Transfer(seconds, sent, tuple(kinds))
 
 
-def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[float, tuple | None]:
-    """A parameter's gradient sum at the end of the backward. One all-reduce joins its group's
-    flat all-reduce (``runtime.GradSync``): returned are its bandwidth term, the copies the
-    runtime makes of it (the hook's copy, into the flat buffer and back: three passes over its
-    bytes), and the bucket's key, the bucket's latency being paid once (:func:`bucket_latency`).
-    Anything else is priced whole, with key None."""
+def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[float, float, tuple]:
+    """A parameter's gradient sum once per backward: (communication, in-line copies, bucket
+    key). One all-reduce joins a bucket of its group's (``runtime.GradSync``): its bandwidth
+    term, the hook's copy into the bucket (one pass over its bytes), and the bucket's key, the
+    latency being the bucket's (:func:`bucket_latency`). Anything else runs in the hook:
+    priced whole, in line, with key None."""
     t = transition(partial, full, cluster)
     if t.kinds != ("all_reduce",):
-        return t.seconds, None
+        return 0.0, t.seconds, None
     key = (tuple(sorted(partial.partial)), partial.ranks, partial.dtype)
-    copies = 3 * partial.local_numel * partial.dtype.itemsize / cluster.memory_bandwidth
-    return t.seconds - bucket_latency(partial, cluster) + copies, key
+    copy = partial.local_numel * partial.dtype.itemsize / cluster.memory_bandwidth
+    return t.seconds - bucket_latency(partial, cluster), copy, key
 
 
 #: the size of a gradient bucket, in MiB (DDP's default)
 BUCKET_CAP_MB = 25.0
+#: the first bucket of each group is smaller, so that communication starts early in backward
+#: (DDP's 1 MiB)
+FIRST_BUCKET_MB = 1.0
 
 
 def assign_buckets(
@@ -192,17 +195,21 @@ def assign_buckets(
     """Gradient buckets as the runtime fills them: ``items`` are (name, key, bytes) in the
     order backward completes the gradients, the key naming the one all-reduce a gradient can
     join (its group and dtype). Each key fills its own bucket until it holds ``cap_bytes`` or
-    more, then opens the next. Returns (key, names) per bucket, in the order they were opened."""
+    more (its first bucket: :data:`FIRST_BUCKET_MB` or more, if that is less), then opens the
+    next. Returns (key, names) per bucket, in the order they were opened."""
     filling: dict[Hashable, tuple[list[Hashable], list[float]]] = {}
+    opened: set[Hashable] = set()
     out: list[tuple[Hashable, list[Hashable]]] = []
     for name, key, nbytes in items:
         if key not in filling:
-            filling[key] = ([], [0.0])
+            limit = cap_bytes if key in opened else min(cap_bytes, FIRST_BUCKET_MB * 2**20)
+            filling[key] = ([], [0.0, limit])
+            opened.add(key)
             out.append((key, filling[key][0]))
         names, size = filling[key]
         names.append(name)
         size[0] += nbytes
-        if size[0] >= cap_bytes:
+        if size[0] >= size[1]:
             del filling[key]
     return out
 
@@ -226,6 +233,7 @@ def _fallback(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 
 __all__ = [
     "BUCKET_CAP_MB",
+    "FIRST_BUCKET_MB",
     "Transfer",
     "assign_buckets",
     "bucket_latency",

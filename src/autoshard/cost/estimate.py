@@ -8,13 +8,20 @@ says it is.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from autoshard.cost.cluster import ClusterSpec
-from autoshard.cost.collectives import bucket_latency, grad_sync, transition
+from autoshard.cost.collectives import (
+    BUCKET_CAP_MB,
+    assign_buckets,
+    bucket_latency,
+    grad_sync,
+    transition,
+)
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
 from autoshard.graph import OpGraph
 from autoshard.ops import tensor_inputs
@@ -57,7 +64,7 @@ class Estimate:
     comm_forward: float = 0.0
     comm_backward: float = 0.0
     grad_sync: float = 0.0
-    bucket_latency: float = 0.0  # part of grad_sync: one latency per coalesced all-reduce
+    bucket_latency: float = 0.0  # part of the overlapped: one latency per bucket
     optimizer: float = 0.0
     overlapped: list[Overlapped] = field(default_factory=list)
     memory: dict[str, float] = field(
@@ -91,6 +98,14 @@ class Estimate:
         return self.compute + self.exposed_comm + self.optimizer
 
     @property
+    def search_step_time(self) -> float:
+        """The step time as a sum over ops, which the searches price (docs/search.md): every
+        bucketed gradient sum in line and without its bucket's latency."""
+        inline = self.comm_forward + self.comm_backward + self.grad_sync
+        bucketed = self.overlapped_comm - self.bucket_latency
+        return self.compute + inline + bucketed + self.optimizer
+
+    @property
     def peak_memory(self) -> float:
         return sum(self.memory.values())
 
@@ -113,60 +128,112 @@ class Estimate:
 
 
 def estimate(
-    plan: Any, og: OpGraph, cluster: ClusterSpec, optimizer_states: int = ADAM_STATES
+    plan: Any,
+    og: OpGraph,
+    cluster: ClusterSpec,
+    optimizer_states: int = ADAM_STATES,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
 ) -> Estimate:
-    """Price a :class:`~autoshard.search.Plan` of ``og`` on ``cluster``."""
-    graph_nodes = og.by_name
+    """Price a :class:`~autoshard.search.Plan` of ``og`` on ``cluster``: the runtime's gradient
+    buckets of ``bucket_cap_mb`` overlap what is left of backward once they are full."""
     est = Estimate(num_devices=plan.mesh.num_devices)
     dtypes = []
-    for name, node_plan in plan.nodes.items():
-        node = graph_nodes[name]
+    backward_at: list[float] = []  # in-line backward seconds of each node, in graph order
+    for node in og.graph.nodes:
+        node_plan = plan.nodes.get(node.name)
+        if node_plan is None:
+            backward_at.append(0.0)
+            continue
+        before = est.compute_backward + est.comm_backward
+        _price_node(est, og, node, node_plan, cluster)
+        backward_at.append(est.compute_backward + est.comm_backward - before)
         strategy = node_plan.strategy
-        fwd, bwd = op_time(node, strategy, cluster)
-        est.compute_forward += fwd
-        est.compute_backward += bwd
-        est.model_flops += og[node].flops
-        if saves_output(node):
-            est.memory["activations"] += sum(local_bytes(o) for o in strategy.outs)
-        args = tensor_inputs(node)
-        for i, (src, dst) in node_plan.moves.items():
-            est.comm_forward += transition(src, dst, cluster).seconds
-            if og[args[i]].requires_grad:
-                back = transition(dst.without_partial(), src.without_partial(), cluster)
-                est.comm_backward += back.seconds
-        for i, (grad, want) in node_plan.grad_reduce.items():
-            seconds = transition(grad, want, cluster).seconds
-            if args[i].op == "placeholder":
-                est.grad_sync += seconds
-            else:
-                est.comm_backward += seconds
         if strategy.outs and strategy.outs[0] is not None and og[node].flops:
             dtypes.append(strategy.outs[0].dtype)
-    kinds = {i.fqn: i.kind if i.node.users else "unused" for i in og if i.node.op == "placeholder"}
-    buckets: dict[tuple, float] = {}
-    for fqn, param in plan.params.items():
-        size = local_bytes(param.layout)
-        if kinds.get(fqn) == "param":
-            est.memory["params"] += size
-            est.memory["grads"] += size
-            est.memory["optimizer"] += optimizer_states * size
-            est.optimizer += optimizer_time(param.layout, cluster)
-            if param.grad_partial is not None:
-                seconds, key = grad_sync(param.grad_partial, param.layout, cluster)
-                est.grad_sync += seconds
-                if key is not None and key not in buckets:
-                    buckets[key] = bucket_latency(param.grad_partial, cluster)
-        else:
-            est.memory["params"] += size
-    est.bucket_latency = sum(buckets.values())
-    est.grad_sync += est.bucket_latency
-    for layout in plan.inputs.values():
-        est.memory["activations"] += local_bytes(layout)
     for src, dst in plan.outputs:
         est.comm_forward += transition(src, dst, cluster).seconds
+    bucketed = _price_params(est, plan, og, cluster, optimizer_states)
+    for layout in plan.inputs.values():
+        est.memory["activations"] += local_bytes(layout)
+    _overlap_buckets(est, og, bucketed, backward_at, bucket_cap_mb * 2**20, cluster)
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
     est.peak_flops = cluster.peak_flops(dtype)
     return est
+
+
+def _price_node(est: Estimate, og: OpGraph, node: Any, node_plan: Any, cluster: ClusterSpec):
+    strategy = node_plan.strategy
+    fwd, bwd = op_time(node, strategy, cluster)
+    est.compute_forward += fwd
+    est.compute_backward += bwd
+    est.model_flops += og[node].flops
+    if saves_output(node):
+        est.memory["activations"] += sum(local_bytes(o) for o in strategy.outs)
+    args = tensor_inputs(node)
+    for i, (src, dst) in node_plan.moves.items():
+        est.comm_forward += transition(src, dst, cluster).seconds
+        if og[args[i]].requires_grad:
+            back = transition(dst.without_partial(), src.without_partial(), cluster)
+            est.comm_backward += back.seconds
+    for i, (grad, want) in node_plan.grad_reduce.items():
+        seconds = transition(grad, want, cluster).seconds
+        if args[i].op == "placeholder":
+            est.grad_sync += seconds
+        else:
+            est.comm_backward += seconds
+
+
+def _price_params(
+    est: Estimate, plan: Any, og: OpGraph, cluster: ClusterSpec, optimizer_states: int
+) -> dict[str, tuple[float, tuple, float, float]]:
+    """Memory and optimizer time of the parameters and buffers; the gradient sums the hooks
+    run in line; and the bucketed ones: (bandwidth seconds, bucket key, bytes, the bucket's
+    latency) by name."""
+    kinds = {i.fqn: i.kind if i.node.users else "unused" for i in og if i.node.op == "placeholder"}
+    bucketed: dict[str, tuple[float, tuple, float, float]] = {}
+    for fqn, param in plan.params.items():
+        size = local_bytes(param.layout)
+        est.memory["params"] += size
+        if kinds.get(fqn) != "param":
+            continue
+        est.memory["grads"] += size
+        est.memory["optimizer"] += optimizer_states * size
+        est.optimizer += optimizer_time(param.layout, cluster)
+        if param.grad_partial is not None:
+            seconds, in_line, key = grad_sync(param.grad_partial, param.layout, cluster)
+            est.grad_sync += in_line
+            if key is not None:
+                latency = bucket_latency(param.grad_partial, cluster)
+                bucketed[fqn] = (seconds, key, size, latency)
+    return bucketed
+
+
+def _overlap_buckets(
+    est: Estimate,
+    og: OpGraph,
+    bucketed: dict[str, tuple[float, tuple, float, float]],
+    backward_at: list[float],
+    cap_bytes: float,
+    cluster: ClusterSpec,
+) -> None:
+    """The runtime's buckets (``runtime.GradSync``) as overlapped transfers: each starts when
+    backward completes its last gradient (at its first reader in forward, backward running in
+    reverse) and is due when backward ends."""
+    order = [fqn for fqn in og.gradient_order if fqn in bucketed]
+    order += [fqn for fqn in bucketed if fqn not in og.first_use]
+    items = [(fqn, bucketed[fqn][1], bucketed[fqn][2]) for fqn in order]
+    forward = est.compute_forward + est.comm_forward
+    due = forward + est.compute_backward + est.comm_backward + est.grad_sync
+    # in-line work done when backward has gone back through node i: forward, the backward of
+    # nodes i.. and the hooks' copies (spread over backward as its share of it)
+    tail = list(itertools.accumulate(reversed(backward_at)))[::-1] + [0.0]
+    share = est.grad_sync / max(tail[0], 1e-30)
+    for _, names in assign_buckets(items, cap_bytes):
+        seconds = sum(bucketed[n][0] for n in names)
+        latency = bucketed[names[0]][3]
+        done = max(tail[og.first_use.get(n, 0)] for n in names)
+        est.bucket_latency += latency
+        est.overlapped.append(Overlapped(seconds + latency, forward + done * (1 + share), due))
 
 
 __all__ = ["ADAM_STATES", "Estimate", "Overlapped", "estimate", "exposed"]

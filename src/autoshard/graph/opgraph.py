@@ -184,17 +184,22 @@ class OpGraph:
         return {i.fqn: i.constant for i in self if i.constant is not None}
 
     @cached_property
-    def gradient_order(self) -> list[str]:
-        """Trainable parameters in the order backward completes their gradients: the reverse
-        of their first use in forward (a tied weight is complete at its earliest use). The
-        runtime's buckets and the cost model's overlap both follow it."""
+    def first_use(self) -> dict[str, int]:
+        """Each trainable parameter's first reader: its index among the graph's nodes."""
         first: dict[str, int] = {}
         for index, node in enumerate(self.graph.nodes):
             for arg in node.all_input_nodes:
                 info = self[arg]
                 if info.kind == "param" and info.requires_grad:
                     first.setdefault(info.fqn, index)
-        return sorted(first, key=lambda fqn: -first[fqn])
+        return first
+
+    @cached_property
+    def gradient_order(self) -> list[str]:
+        """Trainable parameters in the order backward completes their gradients: the reverse
+        of their first use in forward (a tied weight is complete at its earliest use). The
+        runtime's buckets and the cost model's overlap both follow it."""
+        return sorted(self.first_use, key=lambda fqn: -self.first_use[fqn])
 
     def is_repeated(self, info: NodeInfo) -> bool:
         """Whether the node sits in a block list whose blocks are all the same ops."""

@@ -187,10 +187,21 @@ def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
         if i in node_plan.grad_reduce:
             v = low.module(ReduceGrad(*node_plan.grad_reduce[i]), (v,), "reduce_grad")
         values.append(v)
+    if _needless_copy(node):
+        return values[0]
     args = _replace(tuple(node.args), values)
     kwargs = {k: _replace(v, values) for k, v in node.kwargs.items()}
     rule = rule_for(node)
     return rule.lower(low, node, node_plan.strategy, list(args), kwargs)
+
+
+def _needless_copy(node: fx.Node) -> bool:
+    """A clone that keeps the layout of an op's result: the captured graph is functional (no
+    op writes into a tensor), so nothing can tell the copy from the original. Export leaves one
+    for every dropout of p=0, which eager skips."""
+    if node.target is not torch.ops.aten.clone.default or node.args[0].op == "placeholder":
+        return False
+    return node.kwargs.get("memory_format", torch.preserve_format) == torch.preserve_format
 
 
 __all__ = ["Dropout", "Redistribute", "ReduceGrad", "RunState", "attr_name", "lower"]

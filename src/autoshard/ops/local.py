@@ -70,13 +70,18 @@ def cross_entropy(
     """Cross-entropy of logits split by rows and/or classes, never gathering the logits: the
     max, the sum of exponentials and the target logit are reduced over the class group, the
     loss over the batch group."""
+    valid = target != ignore_index
+    if len(class_ranks) == 1:  # whole rows: torch's own kernel
+        if reduction == 0:
+            return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none")
+        loss_sum = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+        return _batch_mean(loss_sum, valid, reduction, batch_ranks)
     num_local = logits.shape[1]
     top = logits.detach().amax(dim=1)
     if len(class_ranks) > 1:
         top = comm.all_reduce_max(top, class_ranks)
     shifted = logits - top.unsqueeze(1)
     sum_exp = sum_over(shifted.exp().sum(dim=1), class_ranks)
-    valid = target != ignore_index
     local_target = target - class_start
     mine = valid & (local_target >= 0) & (local_target < num_local)
     index = (local_target * mine).unsqueeze(1)
@@ -84,12 +89,17 @@ def cross_entropy(
     loss = (sum_exp.log() - picked) * valid
     if reduction == 0:
         return loss
-    total = sum_over(loss.sum(), batch_ranks)
+    return _batch_mean(loss.sum(), valid, reduction, batch_ranks)
+
+
+def _batch_mean(
+    loss_sum: torch.Tensor, valid: torch.Tensor, reduction: int, batch_ranks: list[int]
+) -> torch.Tensor:
+    """The sum (reduction 2) or the mean over the valid targets (1) of every rank's rows."""
     if reduction == 2:
-        return total
-    count = valid.sum().to(logits.dtype)
-    if len(batch_ranks) > 1:
-        count = comm.all_reduce(count, batch_ranks)
+        return sum_over(loss_sum, batch_ranks)
+    # the count travels with the sum: one collective for both
+    total, count = sum_over(torch.stack([loss_sum, valid.sum().to(loss_sum.dtype)]), batch_ranks)
     return total / count
 
 

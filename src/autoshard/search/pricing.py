@@ -92,8 +92,8 @@ def grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec) 
         whole = want.without_partial()
         if grad == whole:
             seconds = 0.0
-        elif param:  # summed in the backward's coalesced all-reduce
-            seconds = grad_sync(grad, whole, cluster)[0]
+        elif param:  # summed in a bucket: in line, without the bucket's latency
+            seconds = sum(grad_sync(grad, whole, cluster)[:2])
         else:
             seconds = transition(grad, whole, cluster).seconds
         _MOVES[key] = seconds
