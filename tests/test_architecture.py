@@ -16,7 +16,7 @@ SRC = Path(autoshard.__file__).resolve().parent
 
 # Bottom first: a module may import its own package and the packages listed before it.
 LAYERS = [
-    ("comm", "mesh", "testing"),
+    ("comm", "mesh", "precision", "testing"),
     ("layout",),
     ("redistribution",),
     ("data",),
@@ -42,6 +42,7 @@ PUBLIC = {
     "CaptureError",
     "ClusterSpec",
     "Factored",
+    "GradScaler",
     "Layout",
     "LayoutError",
     "MeshError",
@@ -50,6 +51,7 @@ PUBLIC = {
     "Plan",
     "PlanMismatchError",
     "PlanningError",
+    "Precision",
     "RedistributionPlan",
     "Step",
     "StrategyError",

@@ -6,6 +6,7 @@ from autoshard.graph import CaptureError, capture_modes
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshError, init_mesh
 from autoshard.ops import StrategyError
+from autoshard.precision import Precision
 from autoshard.redistribution import (
     RedistributionPlan,
     Step,
@@ -15,6 +16,7 @@ from autoshard.redistribution import (
     shard_tensor,
 )
 from autoshard.runtime import (
+    GradScaler,
     NonFiniteGradientError,
     ParallelModule,
     PlanMismatchError,
@@ -30,6 +32,7 @@ __all__ = [
     "CaptureError",
     "ClusterSpec",
     "Factored",
+    "GradScaler",
     "Layout",
     "LayoutError",
     "MeshError",
@@ -38,6 +41,7 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "PlanningError",
+    "Precision",
     "RedistributionPlan",
     "Step",
     "StrategyError",

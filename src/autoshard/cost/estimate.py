@@ -152,7 +152,8 @@ def estimate(
             dtypes.append(strategy.outs[0].dtype)
     for src, dst in plan.outputs:
         est.comm_forward += transition(src, dst, cluster).seconds
-    bucketed = _price_params(est, plan, og, cluster, optimizer_states)
+    reduce_dtype = _reduce_dtype(plan, og)
+    bucketed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype)
     for layout in plan.inputs.values():
         est.memory["activations"] += local_bytes(layout)
     _overlap_buckets(est, og, bucketed, backward_at, bucket_cap_mb * 2**20, cluster)
@@ -183,8 +184,22 @@ def _price_node(est: Estimate, og: OpGraph, node: Any, node_plan: Any, cluster: 
             est.comm_backward += seconds
 
 
+def _reduce_dtype(plan: Any, og: OpGraph) -> torch.dtype | None:
+    """The dtype gradient sums travel in under the plan's precision policy: its reduce dtype,
+    else the master weights' (the model's: float32 when the graph computes in half)."""
+    precision = getattr(plan, "precision", None)
+    if precision is None or precision.compute is None:
+        return None
+    return precision.reduce or torch.float32
+
+
 def _price_params(
-    est: Estimate, plan: Any, og: OpGraph, cluster: ClusterSpec, optimizer_states: int
+    est: Estimate,
+    plan: Any,
+    og: OpGraph,
+    cluster: ClusterSpec,
+    optimizer_states: int,
+    reduce_dtype: torch.dtype | None,
 ) -> dict[str, tuple[float, tuple, float, float]]:
     """Memory and optimizer time of the parameters and buffers; the gradient sums the hooks
     run in line; and the bucketed ones: (bandwidth seconds, bucket key, bytes, the bucket's
@@ -200,7 +215,10 @@ def _price_params(
         est.memory["optimizer"] += optimizer_states * size
         est.optimizer += optimizer_time(param.layout, cluster)
         if param.grad_partial is not None:
-            seconds, in_line, key = grad_sync(param.grad_partial, param.layout, cluster)
+            partial, full = param.grad_partial, param.layout
+            if reduce_dtype is not None:  # mixed precision: summed in its reduce dtype
+                partial, full = partial.with_dtype(reduce_dtype), full.with_dtype(reduce_dtype)
+            seconds, in_line, key = grad_sync(partial, full, cluster)
             est.grad_sync += in_line
             if key is not None:
                 latency = bucket_latency(param.grad_partial, cluster)

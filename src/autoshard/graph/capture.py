@@ -8,7 +8,8 @@ once per mode.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -60,22 +61,63 @@ def capture(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     train: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> OpGraph:
     """Export ``model`` in train or eval mode; with ``loss_fn`` the last of ``args`` is the
-    target and the captured function returns the loss."""
+    target and the captured function returns the loss. With ``dtype``, the model is captured
+    as if its floating parameters, buffers and inputs were of that dtype (mixed precision's
+    compute dtype), on the meta device; the model itself is left as it is."""
     root: nn.Module = model if loss_fn is None else _WithLoss(model, loss_fn)
     prefix = "" if loss_fn is None else "model."
     was_training = model.training
     model.train(train)
     args, kwargs = _unaliased(tuple(args), kwargs or {})
     try:
-        program = torch.export.export(root, args, kwargs, strict=False)
-        program = program.run_decompositions({})
+        with _state_in(model, dtype):
+            if dtype is not None:
+                args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
+            program = torch.export.export(root, args, kwargs, strict=False)
+            program = program.run_decompositions({})
     except Exception as err:  # reported with the module that failed
         raise CaptureError(_describe_failure(model, err)) from err
     finally:
         model.train(was_training)
     return _from_program(program, model, prefix, train)
+
+
+def _on_meta(x: Any, dtype: torch.dtype) -> Any:
+    """``x`` as a meta tensor, of ``dtype`` if floating."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty(x.shape, dtype=dtype if x.is_floating_point() else x.dtype, device="meta")
+
+
+@contextmanager
+def _state_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """The model's parameters and buffers swapped, for the block, for meta tensors (floating
+    ones of ``dtype``), tied ones still tied; the originals are back afterwards."""
+    if dtype is None:
+        yield
+        return
+    swapped: list[tuple[dict, str, Any]] = []
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, value in list(table.items()):
+                if value is None:
+                    continue
+                if id(value) not in made:
+                    meta = _on_meta(value, dtype)
+                    if isinstance(value, nn.Parameter):
+                        meta = nn.Parameter(meta, requires_grad=value.requires_grad)
+                    made[id(value)] = meta
+                swapped.append((table, name, value))
+                table[name] = made[id(value)]
+    try:
+        yield
+    finally:
+        for table, name, value in swapped:
+            table[name] = value
 
 
 def _unaliased(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -100,10 +142,13 @@ def capture_modes(
     kwargs: dict[str, Any] | None = None,
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict[bool, OpGraph]:
-    """The train and the eval graph (dropout is baked into each); reusable across plans."""
+    """The train and the eval graph (dropout is baked into each); reusable across plans.
+    ``dtype``: capture in that compute dtype (see :func:`capture`)."""
     return {
-        mode: capture(model, args, kwargs, loss_fn=loss_fn, train=mode) for mode in (True, False)
+        mode: capture(model, args, kwargs, loss_fn=loss_fn, train=mode, dtype=dtype)
+        for mode in (True, False)
     }
 
 

@@ -161,6 +161,10 @@ def lower(
         elif node.op == "placeholder":
             if info.fqn in plan.params:
                 env[node] = low.graph.get_attr(attr_name(info.fqn))
+                stored = tensors.get(info.fqn)
+                if stored is not None and stored.is_floating_point() and stored.dtype != info.dtype:
+                    # mixed precision: the master copy, cast where the program reads it
+                    env[node] = low.call(local.cast, (env[node], info.dtype), {})
         elif node.op == "output":
             values = []
             for value, (src, dst) in zip(node.args[0], plan.outputs, strict=True):

@@ -26,6 +26,11 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (autograd casts its gradient back)."""
+    return x.to(dtype)
+
+
 def sum_over(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     return _SumOverGroup.apply(x, list(ranks)) if len(ranks) > 1 else x
 

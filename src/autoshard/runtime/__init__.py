@@ -1,5 +1,5 @@
-"""The runtime: the parallel module each rank trains (``parallel``) and its gradient
-synchronisation (``grad_sync``)."""
+"""The runtime: the parallel module each rank trains (``parallel``), its gradient buckets
+(``grad_sync``), clipping (``clip``), loss scaling (``scaler``) and replicas (``replicas``)."""
 
 from autoshard.runtime.clip import NonFiniteGradientError, clip_grad_norm_
 from autoshard.runtime.grad_sync import GradSync
@@ -10,8 +10,10 @@ from autoshard.runtime.parallel import (
     shard_inputs,
     single_device,
 )
+from autoshard.runtime.scaler import GradScaler
 
 __all__ = [
+    "GradScaler",
     "GradSync",
     "NonFiniteGradientError",
     "clip_grad_norm_",

@@ -23,9 +23,11 @@ class _Bucket:
     params: list[torch.Tensor]
     offsets: list[int]
     numel: int
-    # this backward's: the flat buffer, (param, how, its part) per ready member, the work
+    dtype: torch.dtype
+    # this backward's: the flat buffer, (param, how, its part, whether autograd got the slot)
+    # per ready member, the work
     flat: torch.Tensor | None = None
-    ready: list[tuple[torch.Tensor, str, torch.Tensor]] = field(default_factory=list)
+    ready: list[tuple[torch.Tensor, str, torch.Tensor, bool]] = field(default_factory=list)
     work: Any = None
 
 
@@ -47,13 +49,22 @@ class GradSync:
 
     While ``syncing`` is off (``ParallelModule.no_sync``) these sums are skipped: ``.grad``
     accumulates this rank's parts, and the next backward that syncs sums the whole ``.grad``
-    once, as DDP's ``no_sync`` does. Reductions that backward itself needs still run."""
+    once, as DDP's ``no_sync`` does. Reductions that backward itself needs still run.
 
-    def __init__(self, rank: int, bucket_cap_mb: float = BUCKET_CAP_MB) -> None:
+    ``reduce_dtype`` (mixed precision's reduce dtype): buckets hold that dtype, and each sum
+    is cast back into ``.grad``."""
+
+    def __init__(
+        self,
+        rank: int,
+        bucket_cap_mb: float = BUCKET_CAP_MB,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: a bucket must hold some bytes")
         self.rank = rank
         self.cap_bytes = bucket_cap_mb * 2**20
+        self.reduce_dtype = reduce_dtype
         self.syncing = True
         self._groups: dict[int, tuple[int, ...]] = {}  # id(param) -> its all-reduce group
         self._watched: list[torch.Tensor] = []
@@ -93,18 +104,19 @@ class GradSync:
         parameter missing from ``order`` follows it."""
         given = {id(p) for p in order}
         order = list(order) + [p for p in self._watched if id(p) not in given]
-        items = [
-            (i, (self._groups[id(p)], p.dtype, p.device), p.numel() * p.element_size())
-            for i, p in enumerate(order)
-            if id(p) in self._groups
-        ]
+        items = []
+        for i, p in enumerate(order):
+            if id(p) in self._groups:
+                dtype = self.reduce_dtype or p.dtype
+                key = (self._groups[id(p)], dtype, p.device)
+                items.append((i, key, p.numel() * dtype.itemsize))
         self._buckets, self._where = [], {}
         for key, members in assign_buckets(items, self.cap_bytes):
             params = [order[i] for i in members]
             offsets = [0]
             for p in params:
                 offsets.append(offsets[-1] + p.numel())
-            bucket = _Bucket(key[0], params, offsets[:-1], offsets[-1])
+            bucket = _Bucket(key[0], params, offsets[:-1], offsets[-1], key[1])
             for slot, p in enumerate(params):
                 self._where[id(p)] = (bucket, slot)
             self._buckets.append(bucket)
@@ -133,10 +145,11 @@ class GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
         if bucket.flat is None:
-            bucket.flat = torch.empty(bucket.numel, dtype=param.dtype, device=param.device)
+            bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=param.device)
         start = bucket.offsets[index]
         slot = bucket.flat[start : start + param.numel()].view_as(param)
-        handed = slot
+        # autograd gets the slot unless it is of another dtype (a reduce dtype)
+        handed = slot if bucket.dtype == param.dtype else grad
         with torch.no_grad():
             if id(param) in self._unsynced and param.grad is not None:
                 # .grad holds this rank's parts of earlier backwards: sum it whole, once
@@ -145,7 +158,7 @@ class GradSync:
             else:
                 slot.copy_(grad)
                 how = "fresh" if param.grad is None else "add"
-        bucket.ready.append((param, how, grad))
+        bucket.ready.append((param, how, grad, handed is slot))
         if len(bucket.ready) == len(bucket.params):
             self._full.append(bucket)
         return handed
@@ -165,12 +178,14 @@ class GradSync:
                 continue
             bucket.work.wait()
             with torch.no_grad():
-                for param, how, part in bucket.ready:
-                    self._place(bucket, param, how, part)
+                for param, how, part, slot_handed in bucket.ready:
+                    self._place(bucket, param, how, part, slot_handed)
             bucket.flat, bucket.ready, bucket.work = None, [], None
         self._accumulated = set()
 
-    def _place(self, bucket: _Bucket, param: torch.Tensor, how: str, part: torch.Tensor) -> None:
+    def _place(
+        self, bucket: _Bucket, param: torch.Tensor, how: str, part: torch.Tensor, slot: bool
+    ) -> None:
         start = bucket.offsets[self._where[id(param)][1]]
         summed = bucket.flat[start : start + param.numel()].view_as(param)
         accumulated = id(param) in self._accumulated
@@ -185,6 +200,8 @@ class GradSync:
             param.grad.copy_(summed)  # autograd copied the slot instead of keeping it
         elif how == "add" and accumulated:  # .grad = earlier + part: swap the part for its sum
             param.grad.add_(summed).sub_(part)
+        elif not accumulated and not slot:  # torch.autograd.grad's result is the part itself
+            part.copy_(summed)
         if accumulated:
             self._unsynced.discard(id(param))  # .grad holds sums only
 

@@ -22,6 +22,7 @@ from autoshard.graph import OpGraph, capture_modes
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, lower
 from autoshard.mesh import MeshInfo, check_world, mesh_info
+from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
 from autoshard.runtime.replicas import sync_replicas
@@ -46,14 +47,18 @@ class ParallelModule(nn.Module):
         seed: int,
         replicas: str = "broadcast",
         bucket_cap_mb: float = BUCKET_CAP_MB,
+        precision: Precision | None = None,
     ) -> None:
         super().__init__()
+        self.precision = precision or Precision()
         self.plan = plans[True]
+        for p in plans.values():
+            p.precision = precision
         self._plans = plans
         self._captured = captured
         self._rank = rank
         self._state = RunState(seed=seed)
-        self._grad_sync = GradSync(rank, bucket_cap_mb)
+        self._grad_sync = GradSync(rank, bucket_cap_mb, self.precision.reduce)
         self._full_keys = list(model.state_dict().keys())
         self._aliases = captured[True].aliases
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -101,8 +106,9 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
             raise ValueError(f"inputs {spec} do not match the example inputs {captured.in_spec}")
+        cast = self.precision.compute is not None
         local = [
-            _local_input(x, plan.inputs[name], self._rank, name)
+            _local_input(x, plan.inputs[name], self._rank, name, cast)
             for x, name in zip(flat, captured.inputs, strict=True)
         ]
         results = self._programs[mode](*local)
@@ -199,9 +205,11 @@ class ParallelModule(nn.Module):
         return out
 
 
-def _local_input(x: Any, layout: Layout, rank: int, name: str) -> Any:
+def _local_input(x: Any, layout: Layout, rank: int, name: str, cast: bool = False) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
+    if cast and x.is_floating_point() and x.dtype != layout.dtype:
+        x = x.to(layout.dtype)  # mixed precision: inputs in the compute dtype
     if tuple(x.shape) == layout.local_shape():
         return x
     if tuple(x.shape) == layout.shape:
@@ -229,6 +237,7 @@ def parallelize(
     memory_limit: float | None = None,
     replicas: str = "broadcast",
     bucket_cap_mb: float = BUCKET_CAP_MB,
+    precision: str | Precision | None = None,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -240,9 +249,14 @@ def parallelize(
     ``replicas``: "broadcast" the first rank's part of each parameter and buffer to the ranks
     that hold the same part, "check" that they are equal (naming the rank that differs), or
     "none". ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward
-    (DDP's default, 25)."""
+    (DDP's default, 25). ``precision`` ("fp32", "bf16", "fp16" or a ``Precision``): the dtype
+    the model computes in and gradients are summed in (docs/precision.md); a ``captured``
+    given with it must have been captured in its compute dtype."""
+    policy = precision_policy(precision)
     if captured is None:
-        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
+        captured = capture_modes(
+            model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=policy.compute
+        )
     if search is not None:
         if plan is not None:
             raise ValueError("parallelize: give search= or plan=, not both")
@@ -258,10 +272,23 @@ def parallelize(
     )
     info = mesh_info(mesh)
     rank = check_world(info, source)
+    plans = _plan_modes(captured, info, ready, strategies, input_layouts)
+    _compare_plans(plans[True], rank)
+    return ParallelModule(model, captured, plans, rank, seed, replicas, bucket_cap_mb, policy)
+
+
+def _plan_modes(
+    captured: dict[bool, OpGraph],
+    info: MeshInfo,
+    ready: Plan | None,
+    strategies: Any,
+    input_layouts: Any,
+) -> dict[bool, Plan]:
+    """The train graph's plan (``ready`` when given) and the eval graph's, which keeps the
+    train graph's parameter layouts."""
     train = ready or plan_graph(captured[True], info, strategies, input_layouts=input_layouts)
-    plans = {True: train}
     param_layouts = {fqn: p.layout for fqn, p in train.params.items()}
-    plans[False] = plan_graph(
+    evaluate = plan_graph(
         captured[False],
         info,
         strategies,
@@ -269,8 +296,7 @@ def parallelize(
         param_layouts=param_layouts,
         strict=False,  # dropout nodes exist in the train graph only
     )
-    _compare_plans(plans[True], rank)
-    return ParallelModule(model, captured, plans, rank, seed, replicas, bucket_cap_mb)
+    return {True: train, False: evaluate}
 
 
 def _given_plan(
@@ -304,14 +330,19 @@ def single_device(
     example_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
     captured: dict[bool, OpGraph] | None = None,
+    precision: str | Precision | None = None,
 ) -> ParallelModule:
-    """The model as one device runs it under autoshard (the same dropout masks as any split):
-    the reference every parallel run must equal. Runs without collectives, on any rank."""
+    """The model as one device runs it under autoshard (the same dropout masks as any split,
+    the same ``precision`` policy): the reference every parallel run must equal. Runs without
+    collectives, on any rank."""
     info = MeshInfo(("dp",), (1,), ("dp",))
+    policy = precision_policy(precision)
     if captured is None:
-        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
+        captured = capture_modes(
+            model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=policy.compute
+        )
     plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
-    return ParallelModule(model, captured, plans, 0, seed)
+    return ParallelModule(model, captured, plans, 0, seed, precision=policy)
 
 
 def _compare_plans(plan: Plan, rank: int) -> None:

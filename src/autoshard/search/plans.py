@@ -20,6 +20,7 @@ from autoshard.graph import OpGraph
 from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
+from autoshard.precision import Precision
 from autoshard.redistribution import redistribution_plan
 
 FORMAT = "autoshard-plan/1"
@@ -68,6 +69,8 @@ class Plan:
     #: set by the automatic search: the plan as JSON (docs/search.md) and its predicted cost
     auto: dict[str, Any] | None = None
     predicted: Any = None
+    #: the mixed precision policy it runs under (None: the captured dtypes throughout)
+    precision: Precision | None = field(default=None, compare=False)
     #: the graph this plan was made for (not part of the plan's identity)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
