@@ -100,7 +100,7 @@ def _held_bytes(model: torch.nn.Module, step) -> int:
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
+        s = _local(t).untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
         return t
 

@@ -21,7 +21,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoshard import Factored, PlanMismatchError, parallelize, shard_inputs, single_device
+from autoshard import (
+    Factored,
+    PlanMismatchError,
+    gather_tensor,
+    parallelize,
+    shard_inputs,
+    single_device,
+)
 from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture_modes
 from autoshard.mesh import mesh_info
@@ -342,6 +349,47 @@ def _megatron_layer_volume() -> None:
     full_sd = pm.full_state_dict()
     for name, value in pm.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), full_sd[name])
+
+
+def _llama_block_inputs_summed_once() -> dict:
+    """Llama's layers split Megatron's way (embedding and output whole): the input of the
+    column-split q, k and v (and of w1 and w3) gets one gradient sum, not one per reader."""
+    from autoshard import comm
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model, config = build("llama", 0.0)
+    model = model.double()
+    data = batches(config, torch.float64)
+    layers = {k: v for k, v in megatron("llama").items() if k.startswith("layers.*")}
+    ref = single_device(copy.deepcopy(model), data[0])
+    pm = parallelize(model, data[0], {"tp": 2}, layers)
+    loss = pm(*shard_inputs(data[0], pm))
+    with comm.counting() as forward:
+        loss = pm(*shard_inputs(data[0], pm))
+    with comm.counting() as backward:
+        loss.backward()
+    ref(*data[0]).backward()
+    grads = {fqn: t.grad for fqn, t in pm.local_tensors().items() if t.grad is not None}
+    for fqn, t in ref.local_tensors().items():
+        if t.grad is not None:
+            layout = pm.layout_of(fqn)
+            got = gather_tensor(grads[fqn], layout) if layout.num_devices > 1 else grads[fqn]
+            torch.testing.assert_close(got, t.grad, msg=lambda m, f=fqn: f"{f}: {m}")
+    return {
+        "forward": forward["all_reduce"]["calls"],
+        "backward": backward["all_reduce"]["calls"],
+        "layers": config.num_layers,
+        "shared": len(pm.plan.shared_reduce),
+    }
+
+
+def test_megatron_llama_sums_each_block_input_gradient_once() -> None:
+    for outcome in run_ranks(_llama_block_inputs_summed_once, 2, timeout=120):
+        # per layer: after wo and after w2 forward; the inputs of q/k/v and of w1/w3 backward
+        assert outcome["forward"] == 2 * outcome["layers"], outcome
+        assert outcome["backward"] == 2 * outcome["layers"], outcome
+        assert outcome["shared"] == 2 * outcome["layers"], outcome
 
 
 def _different_plans() -> None:

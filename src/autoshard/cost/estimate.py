@@ -65,6 +65,8 @@ class Estimate:
     comm_backward: float = 0.0
     grad_sync: float = 0.0
     bucket_latency: float = 0.0  # part of the overlapped: one latency per bucket
+    #: what summing a value's gradient once for all its readers saves over once per reader
+    shared_saving: float = 0.0
     optimizer: float = 0.0
     overlapped: list[Overlapped] = field(default_factory=list)
     memory: dict[str, float] = field(
@@ -100,8 +102,9 @@ class Estimate:
     @property
     def search_step_time(self) -> float:
         """The step time as a sum over ops, which the searches price (docs/search.md): every
-        bucketed gradient sum in line and without its bucket's latency."""
-        inline = self.comm_forward + self.comm_backward + self.grad_sync
+        bucketed gradient sum in line and without its bucket's latency, and a value's gradient
+        summed once per reader."""
+        inline = self.comm_forward + self.comm_backward + self.grad_sync + self.shared_saving
         bucketed = self.overlapped_comm - self.bucket_latency
         return self.compute + inline + bucketed + self.optimizer
 
@@ -140,16 +143,19 @@ def estimate(
     dtypes = []
     backward_at: list[float] = []  # in-line backward seconds of each node, in graph order
     for node in og.graph.nodes:
-        node_plan = plan.nodes.get(node.name)
-        if node_plan is None:
-            backward_at.append(0.0)
-            continue
         before = est.compute_backward + est.comm_backward
-        _price_node(est, og, node, node_plan, cluster)
+        node_plan = plan.nodes.get(node.name)
+        if node_plan is not None:
+            _price_node(est, og, node, node_plan, cluster)
+            strategy = node_plan.strategy
+            if strategy.outs and strategy.outs[0] is not None and og[node].flops:
+                dtypes.append(strategy.outs[0].dtype)
+        if node.name in plan.shared_reduce:
+            seconds = transition(*plan.shared_reduce[node.name], cluster).seconds
+            readers = sum(1 for u in node.users for a in tensor_inputs(u) if a is node)
+            est.comm_backward += seconds
+            est.shared_saving += (readers - 1) * seconds
         backward_at.append(est.compute_backward + est.comm_backward - before)
-        strategy = node_plan.strategy
-        if strategy.outs and strategy.outs[0] is not None and og[node].flops:
-            dtypes.append(strategy.outs[0].dtype)
     for src, dst in plan.outputs:
         est.comm_forward += transition(src, dst, cluster).seconds
     reduce_dtype = _reduce_dtype(plan, og)

@@ -177,6 +177,9 @@ def lower(
             env[node] = low.call(operator.getitem, (env[node.args[0]], node.args[1]), {})
         else:
             env[node] = _lower_node(low, node)
+        if node.name in plan.shared_reduce:  # one sum for all readers' gradient parts
+            reduce = ReduceGrad(*plan.shared_reduce[node.name])
+            env[node] = low.module(reduce, (env[node],), "reduce_grad")
     gm = fx.GraphModule(low.root, low.graph, class_name=f"Rank{rank}")
     return gm
 

@@ -69,6 +69,10 @@ class Plan:
     #: set by the automatic search: the plan as JSON (docs/search.md) and its predicted cost
     auto: dict[str, Any] | None = None
     predicted: Any = None
+    #: values whose readers all need the same sum of their gradient parts, by value name:
+    #: (partial, whole), summed once after autograd adds the parts (Megatron's one ``f`` for
+    #: the input of column-split q, k and v) instead of once per reader
+    shared_reduce: dict[str, tuple[Layout, Layout]] = field(default_factory=dict)
     #: the mixed precision policy it runs under (None: the captured dtypes throughout)
     precision: Precision | None = field(default=None, compare=False)
     #: the graph this plan was made for (not part of the plan's identity)
@@ -101,6 +105,7 @@ class Plan:
             f"node {n.node} {n.target} {n.strategy.ins!r} {n.strategy.outs!r}"
             for n in self.nodes.values()
         ]
+        lines += [f"shared {k} {g!r} {w!r}" for k, (g, w) in self.shared_reduce.items()]
         return lines
 
     def __str__(self) -> str:
@@ -138,6 +143,9 @@ def format_plan(plan: Plan) -> str:
     if deferred:
         grad_bytes = sum(redistribution_plan(p.grad_partial, p.layout).bytes for p in deferred)
         lines.append(f"gradient reduction: {len(deferred)} parameters, {grad_bytes} bytes/rank")
+    for value, (grad, whole) in plan.shared_reduce.items():
+        sent = redistribution_plan(grad, whole).bytes
+        lines.append(f"gradient of {value}: summed once for all its readers, {sent} bytes/rank")
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append("(* configured by the user)")
     return "\n".join(lines)

@@ -194,6 +194,32 @@ class _Walk:
             params[info.fqn] = plan
         return params
 
+    def share_reductions(self) -> dict[str, tuple[Layout, Layout]]:
+        """Values every reader of which needs the same sum of its gradient part, with no move
+        in between: one sum, once autograd has added the parts (the input of column-split q, k
+        and v: one all-reduce, not three), taken off the readers."""
+        shared: dict[str, tuple[Layout, Layout]] = {}
+        for node in self.og.graph.nodes:
+            if node.op == "placeholder" or not self.og[node].requires_grad:
+                continue
+            uses = [
+                (self.nodes.get(user.name), i)
+                for user in node.users
+                for i, arg in enumerate(tensor_inputs(user))
+                if arg is node
+            ]
+            if len(uses) < 2 or any(p is None or i in p.moves for p, i in uses):
+                continue
+            if any(u.op == "output" for u in node.users):
+                continue
+            sums = {p.grad_reduce.get(i) for p, i in uses}
+            if len(sums) != 1 or None in sums:
+                continue
+            for p, i in uses:
+                del p.grad_reduce[i]
+            shared[node.name] = sums.pop()
+        return shared
+
     def outputs(self, out_node: fx.Node) -> list[tuple[Layout, Layout]]:
         """Outputs go back to whole tensors; buffer updates to their buffer's layout."""
         by_fqn = {self.og[n].fqn: n for n in self.stored}
@@ -232,7 +258,9 @@ def plan_graph(
             walk.op(node)
     params = walk.params()
     outputs = walk.outputs(out_node)
-    return Plan(mesh, walk.nodes, params, walk.inputs, outputs, walk.warnings, graph=og)
+    shared = walk.share_reductions()
+    nodes, inputs = walk.nodes, walk.inputs
+    return Plan(mesh, nodes, params, inputs, outputs, walk.warnings, shared_reduce=shared, graph=og)
 
 
 __all__ = ["match_strategies", "plan_graph"]
