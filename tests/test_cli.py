@@ -146,7 +146,7 @@ def test_plan_command_states_its_precision_and_assumptions(capsys) -> None:
     assert "precision: bfloat16 compute" in out  # a cluster job trains in bf16
     assert "peak 312.0 TFLOP/s" in out  # the A100's bf16 peak, not its TF32 one
     assert "attention 60% forward / 50% backward" in out
-    assert "communication not overlapped" in out
+    assert "buckets overlapping backward" in out
     assert main(["plan", "--model", "gpt", "--nodes", "1", "--dtype", "f32"]) == 0
     assert "precision: float32 compute" in capsys.readouterr().out
 

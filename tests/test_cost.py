@@ -218,3 +218,33 @@ def test_a_parallel_job_waits_for_its_slowest_rank() -> None:
         plain = op_time(node, strategy, replace(spec, sync_wait=0.0))
         slowed = op_time(node, strategy, spec)
         assert slowed == pytest.approx(tuple(factor * t for t in plain)), devices
+
+
+def test_an_estimate_at_depth_equals_the_deeper_capture() -> None:
+    """A Llama captured with 2 blocks and priced at 4 costs what the 4-block capture costs:
+    compute, communication, memory, and the buckets of its gradients with their overlap,
+    under a plan that splits every layer alike (dp 2 x tp 4 on 8 devices)."""
+    from autoshard.models import build, reference_config
+
+    batch_and_rows = (("dp", None, None), ("tp", None))  # weights summed over dp
+    strategies = {
+        "layers.*.attention.w*": batch_and_rows,
+        "layers.*.feed_forward.w*": batch_and_rows,
+    }
+    mesh = mesh_info({"dp": 2, "tp": 4})
+    cluster = cluster_spec("dgx-h100", 8)
+    estimates = {}
+    for layers in (2, 4):
+        config = reference_config("llama", layers=layers, hidden=256, heads=8, kv_heads=4)
+        with torch.device("meta"):
+            model = build(config)
+        batch = tuple(t.to("meta") for t in config.example_batch(8))
+        og = capture(model, batch)
+        plan = plan_graph(og, mesh, strategies)
+        depth = {"layers": 4} if layers == 2 else None
+        estimates[layers] = estimate(plan, og, cluster, bucket_cap_mb=0.5, depth=depth)
+    shallow, deep = estimates[2], estimates[4]
+    assert len(shallow.overlapped) == len(deep.overlapped) > 2
+    for field in ("step_time", "compute", "comm", "exposed_comm", "peak_memory", "model_flops"):
+        assert getattr(shallow, field) == pytest.approx(getattr(deep, field), rel=1e-9), field
+    assert shallow.memory == pytest.approx(deep.memory, rel=1e-9)

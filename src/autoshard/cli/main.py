@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshError, mesh_info
 from autoshard.redistribution import redistribution_plan
@@ -203,7 +204,8 @@ def _assumptions(data: dict) -> list[str]:
         f"attention {attention[0]:.0%} forward / {attention[1]:.0%} backward, memory "
         f"{c['memory_bandwidth'] / 1e9:.0f} GB/s, {c['op_overhead'] * 1e6:.1f} us per op; links "
         f"{c['intra_bandwidth'] / 1e9:.0f} GB/s in a node, {c['inter_bandwidth'] / 1e9:.0f} GB/s "
-        f"across; communication not overlapped with compute (docs/cost.md)",
+        f"across; gradient sums in {BUCKET_CAP_MB:.0f} MiB buckets overlapping backward, other "
+        f"communication in line (docs/cost.md)",
     ]
 
 

@@ -9,10 +9,12 @@ says it is.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.collectives import (
@@ -136,36 +138,102 @@ def estimate(
     cluster: ClusterSpec,
     optimizer_states: int = ADAM_STATES,
     bucket_cap_mb: float = BUCKET_CAP_MB,
+    depth: Mapping[str, int] | None = None,
 ) -> Estimate:
     """Price a :class:`~autoshard.search.Plan` of ``og`` on ``cluster``: the runtime's gradient
-    buckets of ``bucket_cap_mb`` overlap what is left of backward once they are full."""
+    buckets of ``bucket_cap_mb`` overlap what is left of backward once they are full. ``depth``
+    (block list prefix -> its real number of blocks) prices a model captured with fewer blocks
+    as the real one: each captured block stands for its share of the real ones."""
     est = Estimate(num_devices=plan.mesh.num_devices)
     dtypes = []
-    backward_at: list[float] = []  # in-line backward seconds of each node, in graph order
-    for node in og.graph.nodes:
-        before = est.compute_backward + est.comm_backward
-        node_plan = plan.nodes.get(node.name)
-        if node_plan is not None:
-            _price_node(est, og, node, node_plan, cluster)
-            strategy = node_plan.strategy
-            if strategy.outs and strategy.outs[0] is not None and og[node].flops:
+    sequence, copies = _as_run(og, depth)
+    terms: dict[fx.Node, Estimate] = {}
+    backward_at: list[float] = []  # in-line backward seconds of each node run, in order
+    for node, _ in sequence:
+        if node not in terms:
+            terms[node] = _node_terms(plan, og, node, cluster)
+            node_plan = plan.nodes.get(node.name)
+            strategy = node_plan.strategy if node_plan is not None else None
+            if strategy and strategy.outs and strategy.outs[0] is not None and og[node].flops:
                 dtypes.append(strategy.outs[0].dtype)
-        if node.name in plan.shared_reduce:
-            seconds = transition(*plan.shared_reduce[node.name], cluster).seconds
-            readers = sum(1 for u in node.users for a in tensor_inputs(u) if a is node)
-            est.comm_backward += seconds
-            est.shared_saving += (readers - 1) * seconds
-        backward_at.append(est.compute_backward + est.comm_backward - before)
+        _add(est, terms[node])
+        backward_at.append(terms[node].compute_backward + terms[node].comm_backward)
     for src, dst in plan.outputs:
         est.comm_forward += transition(src, dst, cluster).seconds
     reduce_dtype = _reduce_dtype(plan, og)
-    bucketed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype)
+    nodes = list(og.graph.nodes)
+    owners = {fqn: copies.get(nodes[i], 1) for fqn, i in og.first_use.items()}
+    bucketed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
     for layout in plan.inputs.values():
         est.memory["activations"] += local_bytes(layout)
-    _overlap_buckets(est, og, bucketed, backward_at, bucket_cap_mb * 2**20, cluster)
+    position = {item: k for k, item in enumerate(sequence)}
+    ready = {  # each copy of a bucketed parameter: where it is first read in the run
+        f"{fqn}#{c}": position[(nodes[og.first_use[fqn]], c)] if fqn in og.first_use else 0
+        for fqn in bucketed
+        for c in range(owners.get(fqn, 1))
+    }
+    _overlap_buckets(est, bucketed, ready, backward_at, bucket_cap_mb * 2**20)
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
     est.peak_flops = cluster.peak_flops(dtype)
     return est
+
+
+def _as_run(
+    og: OpGraph, depth: Mapping[str, int] | None
+) -> tuple[list[tuple[fx.Node, int]], dict[fx.Node, int]]:
+    """The graph's nodes in the order the real model runs them, as (node, copy): of a
+    repeated block list whose real depth is D, k blocks captured, the last captured block
+    stands for the last D - k + 1 (the first reads the embedding, its successors each other),
+    its nodes repeated whole block after whole block. Also how many copies each node has."""
+    sequence: list[tuple[fx.Node, int]] = []
+    copies: dict[fx.Node, int] = {}
+    segment: list[fx.Node] = []
+    current: tuple[str, int] | None = None
+
+    def flush() -> None:
+        count = 1
+        if current is not None and depth and depth.get(current[0]):
+            blocks = og.repeated[current[0]]
+            if current[1] == blocks[-1]:
+                count = max(1, depth[current[0]] - len(blocks) + 1)
+        for node in segment:
+            copies[node] = count
+        sequence.extend((node, c) for c in range(count) for node in segment)
+
+    for node in og.graph.nodes:
+        info = og[node]
+        block = info.block if node.op != "placeholder" and og.is_repeated(info) else None
+        if block != current:
+            flush()
+            segment, current = [], block
+        segment.append(node)
+    flush()
+    return sequence, copies
+
+
+def _node_terms(plan: Any, og: OpGraph, node: fx.Node, cluster: ClusterSpec) -> Estimate:
+    """What one run of ``node`` adds to a step: its op, moves and gradient sums."""
+    terms = Estimate()
+    node_plan = plan.nodes.get(node.name)
+    if node_plan is not None:
+        _price_node(terms, og, node, node_plan, cluster)
+    if node.name in plan.shared_reduce:
+        seconds = transition(*plan.shared_reduce[node.name], cluster).seconds
+        readers = sum(1 for u in node.users for a in tensor_inputs(u) if a is node)
+        terms.comm_backward += seconds
+        terms.shared_saving += (readers - 1) * seconds
+    return terms
+
+
+def _add(est: Estimate, terms: Estimate) -> None:
+    est.compute_forward += terms.compute_forward
+    est.compute_backward += terms.compute_backward
+    est.comm_forward += terms.comm_forward
+    est.comm_backward += terms.comm_backward
+    est.grad_sync += terms.grad_sync
+    est.shared_saving += terms.shared_saving
+    est.model_flops += terms.model_flops
+    est.memory["activations"] += terms.memory["activations"]
 
 
 def _price_node(est: Estimate, og: OpGraph, node: Any, node_plan: Any, cluster: ClusterSpec):
@@ -206,26 +274,27 @@ def _price_params(
     cluster: ClusterSpec,
     optimizer_states: int,
     reduce_dtype: torch.dtype | None,
+    copies: Mapping[str, int],
 ) -> dict[str, tuple[float, tuple, float, float]]:
-    """Memory and optimizer time of the parameters and buffers; the gradient sums the hooks
-    run in line; and the bucketed ones: (bandwidth seconds, bucket key, bytes, the bucket's
-    latency) by name."""
+    """Memory and optimizer time of the parameters and buffers (``copies`` of a block's); the
+    gradient sums the hooks run in line; and the bucketed ones: (bandwidth seconds, bucket
+    key, bytes, the bucket's latency) by name, for each copy."""
     kinds = {i.fqn: i.kind if i.node.users else "unused" for i in og if i.node.op == "placeholder"}
     bucketed: dict[str, tuple[float, tuple, float, float]] = {}
     for fqn, param in plan.params.items():
-        size = local_bytes(param.layout)
-        est.memory["params"] += size
+        size, count = local_bytes(param.layout), copies.get(fqn, 1)
+        est.memory["params"] += count * size
         if kinds.get(fqn) != "param":
             continue
-        est.memory["grads"] += size
-        est.memory["optimizer"] += optimizer_states * size
-        est.optimizer += optimizer_time(param.layout, cluster)
+        est.memory["grads"] += count * size
+        est.memory["optimizer"] += count * optimizer_states * size
+        est.optimizer += count * optimizer_time(param.layout, cluster)
         if param.grad_partial is not None:
             partial, full = param.grad_partial, param.layout
             if reduce_dtype is not None:  # mixed precision: summed in its reduce dtype
                 partial, full = partial.with_dtype(reduce_dtype), full.with_dtype(reduce_dtype)
             seconds, in_line, key = grad_sync(partial, full, cluster)
-            est.grad_sync += in_line
+            est.grad_sync += count * in_line
             if key is not None:
                 latency = bucket_latency(param.grad_partial, cluster)
                 bucketed[fqn] = (seconds, key, size, latency)
@@ -234,28 +303,28 @@ def _price_params(
 
 def _overlap_buckets(
     est: Estimate,
-    og: OpGraph,
     bucketed: dict[str, tuple[float, tuple, float, float]],
+    ready: dict[str, int],
     backward_at: list[float],
     cap_bytes: float,
-    cluster: ClusterSpec,
 ) -> None:
-    """The runtime's buckets (``runtime.GradSync``) as overlapped transfers: each starts when
-    backward completes its last gradient (at its first reader in forward, backward running in
-    reverse) and is due when backward ends."""
-    order = [fqn for fqn in og.gradient_order if fqn in bucketed]
-    order += [fqn for fqn in bucketed if fqn not in og.first_use]
-    items = [(fqn, bucketed[fqn][1], bucketed[fqn][2]) for fqn in order]
+    """The runtime's buckets (``runtime.GradSync``) as overlapped transfers: gradients join
+    them in the order backward completes them, the reverse of where each is first read
+    (``ready``: its position in the run), as ``OpGraph.gradient_order`` has it; each bucket
+    starts when its last gradient is complete and is due when backward ends."""
+    order = sorted(ready, key=lambda name: -ready[name])
+    base = {name: name.rsplit("#", 1)[0] for name in order}
+    items = [(n, bucketed[base[n]][1], bucketed[base[n]][2]) for n in order]
     forward = est.compute_forward + est.comm_forward
     due = forward + est.compute_backward + est.comm_backward + est.grad_sync
-    # in-line work done when backward has gone back through node i: forward, the backward of
-    # nodes i.. and the hooks' copies (spread over backward as its share of it)
+    # in-line work done when backward has gone back through run position i: forward, the
+    # backward from i on and the hooks' copies (spread over backward as its share of it)
     tail = list(itertools.accumulate(reversed(backward_at)))[::-1] + [0.0]
     share = est.grad_sync / max(tail[0], 1e-30)
     for _, names in assign_buckets(items, cap_bytes):
-        seconds = sum(bucketed[n][0] for n in names)
-        latency = bucketed[names[0]][3]
-        done = max(tail[og.first_use.get(n, 0)] for n in names)
+        seconds = sum(bucketed[base[n]][0] for n in names)
+        latency = bucketed[base[names[0]]][3]
+        done = max(tail[ready[n]] for n in names)
         est.bucket_latency += latency
         est.overlapped.append(Overlapped(seconds + latency, forward + done * (1 + share), due))
 

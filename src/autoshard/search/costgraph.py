@@ -108,6 +108,8 @@ class CostGraph:
     const_memory: float = 0.0
     model_flops: float = 0.0
     build_seconds: float = 0.0
+    #: block list prefix -> its real number of blocks, when fewer were captured
+    depth: Mapping[str, int] | None = None
 
     def neighbours(self) -> list[list[tuple[int, np.ndarray]]]:
         """Per node: (other node, cost matrix oriented [this, other])."""
@@ -348,6 +350,7 @@ def build_cost_graph(
         const_memory=const_memory,
         model_flops=total_flops,
         build_seconds=time.perf_counter() - start,
+        depth=dict(depth) if depth else None,
     )
 
 

@@ -155,12 +155,12 @@ def plan_json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[s
 def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
     """The Plan of ``og`` a search result gives, with its JSON (``plan.auto``) and prediction.
     The search's objective is a sum over ops: it prices the bucketed gradient sums in line
-    and without their buckets' latencies (docs/search.md); the prediction is the estimate's,
-    with the overlap the buckets get."""
+    and without their buckets' latencies (docs/search.md); the prediction adds what the
+    buckets' overlap and latencies change, at the real depth."""
     data = _json(og, result, cluster)
     built = plan_graph(og, result.mesh, data["strategies"], input_layouts=input_layouts(og, data))
     built.auto = data
-    built.predicted = estimate(built, og, cluster)
+    built.predicted = estimate(built, og, cluster, depth=result.graph.depth)
     pred = data["predicted"]
     pred["search_objective_s"] = pred["step_time_s"]
     pred["step_time_s"] += built.predicted.step_time - built.predicted.search_step_time
