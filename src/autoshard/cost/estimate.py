@@ -103,12 +103,13 @@ class Estimate:
 
     @property
     def search_step_time(self) -> float:
-        """The step time as a sum over ops, which the searches price (docs/search.md): every
-        bucketed gradient sum in line and without its bucket's latency, and a value's gradient
-        summed once per reader."""
+        """The step time as the searches price it, a sum over ops (docs/search.md): a value's
+        gradient summed once per reader, and the bucketed gradient sums, without their
+        buckets' latencies, exposed only as far as they outlast the backward compute."""
         inline = self.comm_forward + self.comm_backward + self.grad_sync + self.shared_saving
         bucketed = self.overlapped_comm - self.bucket_latency
-        return self.compute + inline + bucketed + self.optimizer
+        exposed = bucketed - min(bucketed, self.compute_backward)
+        return self.compute + inline + exposed + self.optimizer
 
     @property
     def peak_memory(self) -> float:

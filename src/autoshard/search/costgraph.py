@@ -110,6 +110,11 @@ class CostGraph:
     build_seconds: float = 0.0
     #: block list prefix -> its real number of blocks, when fewer were captured
     depth: Mapping[str, int] | None = None
+    #: per node and option: the bucketed gradient sums among ``unary`` (they run beside
+    #: backward) and the backward compute they can hide behind (docs/search.md)
+    overlap: list[np.ndarray] = field(default_factory=list)
+    window: list[np.ndarray] = field(default_factory=list)
+    const_window: float = 0.0
 
     def neighbours(self) -> list[list[tuple[int, np.ndarray]]]:
         """Per node: (other node, cost matrix oriented [this, other])."""
@@ -120,11 +125,23 @@ class CostGraph:
         return out
 
     def objective(self, choice: Sequence[int]) -> tuple[float, float]:
-        """(seconds, bytes per device) of one option per node."""
+        """(seconds, bytes per device) of one option per node: its terms summed, but the
+        bucketed gradient sums only as far as they outlast the backward compute, which they
+        run beside (``hidden``)."""
         seconds = self.const_time + sum(u[c] for u, c in zip(self.unary, choice, strict=True))
         seconds += sum(m[choice[i], choice[j]] for (i, j), m in self.edges.items())
+        seconds -= self.hidden(choice)
         memory = self.const_memory + sum(m[c] for m, c in zip(self.memory, choice, strict=True))
         return float(seconds), float(memory)
+
+    def hidden(self, choice: Sequence[int]) -> float:
+        """Seconds of bucketed gradient sums the backward compute hides: all of them, up to
+        the backward's length."""
+        if not self.overlap:
+            return 0.0
+        bucketed = sum(o[c] for o, c in zip(self.overlap, choice, strict=True))
+        window = self.const_window + sum(w[c] for w, c in zip(self.window, choice, strict=True))
+        return float(min(bucketed, window))
 
     @property
     def size(self) -> tuple[int, int, int]:
@@ -169,6 +186,8 @@ class _Builder:
         self.opts = [options(n, mesh) for n in self.reps]
         self.unary = [np.zeros(len(o)) for o in self.opts]
         self.memory = [np.zeros(len(o)) for o in self.opts]
+        self.overlap = [np.zeros(len(o)) for o in self.opts]
+        self.window = [np.zeros(len(o)) for o in self.opts]
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.weights = [0.0 for _ in self.reps]
         # Weight-like values have one layout whatever the plan (as the planner gives them).
@@ -218,13 +237,15 @@ class _Builder:
             return real / got
         return (real - 1) / (got - 1) if got > 1 else 1.0
 
-    def constants(self) -> tuple[float, float]:
+    def constants(self) -> tuple[float, float, float]:
         """Seconds and bytes that no option changes: weight-like ops, parameters whose layout
-        weight-like ops decide, and stored parameters nothing uses."""
-        const_time = const_memory = 0.0
+        weight-like ops decide, and stored parameters nothing uses; and the backward compute
+        among those seconds."""
+        const_time = const_memory = const_window = 0.0
         for node in self.og.graph.nodes:
             if node in self.weight and self.og[node].kind == "op":
-                const_time += sum(op_time(node, pricing.replicated(node, self.mesh), self.cluster))
+                fwd, bwd = op_time(node, pricing.replicated(node, self.mesh), self.cluster)
+                const_time, const_window = const_time + fwd + bwd, const_window + bwd
                 if saves_output(node) and node in self.const_layout:
                     const_memory += local_bytes(self.const_layout[node])
         for p, layout in self.const_layout.items():
@@ -235,7 +256,7 @@ class _Builder:
             if info.node.users or len(self.og.aliases.get(info.fqn, ())) > 1:
                 continue  # used, or a tied name stored under another placeholder
             const_memory += info.node.meta["val"].numel() * info.node.meta["val"].element_size()
-        return const_time, const_memory
+        return const_time, const_memory, const_window
 
     def add_edge(self, u: fx.Node, v: fx.Node, mat: np.ndarray) -> None:
         i, j = self.index[self.rep.get(u, u)], self.index[self.rep.get(v, v)]
@@ -248,23 +269,25 @@ class _Builder:
 
     def own_inputs(
         self, node: fx.Node, strategy: Strategy, seconds: float, mem: float
-    ) -> tuple[float, float]:
+    ) -> tuple[float, float, float]:
         """A decision op's own inputs under one option: the parameters it owns (their bytes,
         optimizer step and gradient sum), moves of other weight-like values, gradient sums;
-        added to the region's ``seconds`` and ``mem`` in this order, as the estimate adds them."""
+        added to the region's ``seconds`` and ``mem`` in this order, as the estimate adds them.
+        Also returned: the bucketed gradient sums among the seconds added."""
+        bucketed = 0.0
         for i, arg in enumerate(tensor_inputs(node)):
             want, grad = strategy.ins[i], strategy.grads[i]
-            if arg not in self.weight:
-                seconds += pricing.grad_reduce(arg, grad, want, self.cluster)
-            elif self.owner.get(arg) is node and arg.op == "placeholder":
+            if arg in self.weight and self.owner.get(arg) is node and arg.op == "placeholder":
                 whole = want.without_partial()
                 mem += pricing.param_bytes(arg, whole, self.optimizer_states)
                 seconds += pricing.param_time(arg, whole, self.cluster)
-                seconds += pricing.grad_reduce(arg, grad, want, self.cluster)
-            elif arg in self.const_layout:  # else a parameter owned by another decision node
+            elif arg in self.weight and arg in self.const_layout:
                 seconds += pricing.move(arg, self.const_layout[arg], want, self.cluster)
-                seconds += pricing.grad_reduce(arg, grad, want, self.cluster)
-        return seconds, mem
+            elif arg in self.weight:
+                continue  # a parameter owned by another decision node
+            in_line, in_bucket = pricing.grad_reduce_parts(arg, grad, want, self.cluster)
+            seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
+        return seconds, mem, bucketed
 
     def decision_node(self, node: fx.Node) -> float:
         """Add a decision node's region under each option, and the edges to the decision nodes
@@ -277,11 +300,16 @@ class _Builder:
         region_opts = options(node, self.mesh)
         edge_terms: dict[fx.Node, np.ndarray] = {}
         for s, opt in enumerate(region_opts):
-            seconds, mem, values = self.region.price(node, opt.strategy, self.optimizer_states)
+            seconds, mem, values, (bucketed, backward) = self.region.price(
+                node, opt.strategy, self.optimizer_states
+            )
             if node.op == "call_function":
-                seconds, mem = self.own_inputs(node, opt.strategy, seconds, mem)
+                seconds, mem, own_bucketed = self.own_inputs(node, opt.strategy, seconds, mem)
+                bucketed += own_bucketed
             self.unary[r][s] += k * seconds
             self.memory[r][s] += k * mem
+            self.overlap[r][s] += k * bucketed
+            self.window[r][s] += k * backward
             for value, layout in values.items():
                 for user in value.users:
                     if user not in self.decision or user is node:
@@ -334,7 +362,7 @@ def build_cost_graph(
     held more blocks than were captured (``{"layers": 80}`` with two blocks captured)."""
     start = time.perf_counter()
     b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states)
-    const_time, const_memory = b.constants()
+    const_time, const_memory, const_window = b.constants()
     total_flops = sum(b.decision_node(node) for node in b.order)
     b.tied_parameters()
     return CostGraph(
@@ -349,6 +377,9 @@ def build_cost_graph(
         const_time=const_time,
         const_memory=const_memory,
         model_flops=total_flops,
+        overlap=b.overlap,
+        window=b.window,
+        const_window=const_window,
         build_seconds=time.perf_counter() - start,
         depth=dict(depth) if depth else None,
     )

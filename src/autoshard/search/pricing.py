@@ -82,22 +82,36 @@ def move_cost(src: Layout, want: Layout, backward: bool, cluster: ClusterSpec) -
 
 
 def grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec) -> float:
+    """Seconds of ``arg``'s gradient sum, in line or bucketed alike."""
+    return sum(grad_reduce_parts(arg, grad, want, cluster))
+
+
+_PARTS: dict[tuple, tuple[float, float]] = {}
+
+
+def grad_reduce_parts(
+    arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec
+) -> tuple[float, float]:
+    """(in line, bucketed) seconds of ``arg``'s gradient sum: a parameter's all-reduce joins
+    a bucket that runs beside backward (its bandwidth term; the hook's copy is in line, the
+    bucket's latency left out), anything else runs in line."""
     info = node_info(arg)
     if not info.requires_grad:
-        return 0.0
+        return 0.0, 0.0
     param = info.kind == "param"
     key = (grad, want, "param grad" if param else "grad", id(cluster))
-    seconds = _MOVES.get(key)
-    if seconds is None:
+    parts = _PARTS.get(key)
+    if parts is None:
         whole = want.without_partial()
         if grad == whole:
-            seconds = 0.0
-        elif param:  # summed in a bucket: in line, without the bucket's latency
-            seconds = sum(grad_sync(grad, whole, cluster)[:2])
+            parts = (0.0, 0.0)
+        elif param:
+            bucketed, in_line, _ = grad_sync(grad, whole, cluster)
+            parts = (in_line, bucketed)
         else:
-            seconds = transition(grad, whole, cluster).seconds
-        _MOVES[key] = seconds
-    return seconds
+            parts = (transition(grad, whole, cluster).seconds, 0.0)
+        _PARTS[key] = parts
+    return parts
 
 
 def replicated(node: fx.Node, mesh: MeshInfo) -> Strategy:
@@ -155,34 +169,38 @@ class Region:
 
     def price(
         self, node: fx.Node, strategy: Strategy, optimizer_states: int
-    ) -> tuple[float, float, dict[fx.Node, Layout]]:
-        """Seconds and bytes of the region under one option of ``node``, and the layouts of
-        every value it produces."""
+    ) -> tuple[float, float, dict[fx.Node, Layout], tuple[float, float]]:
+        """Seconds and bytes of the region under one option of ``node``, the layouts of every
+        value it produces, and (the bucketed gradient sums among those seconds, its backward
+        compute): what the overlap term of the objective needs."""
         values: dict[fx.Node, Layout] = {}
-        seconds = memory = 0.0
+        seconds = memory = bucketed = backward = 0.0
         if node.op == "placeholder":
             values[node] = strategy.outs[0]
             memory += local_bytes(strategy.outs[0])
         else:
             fwd, bwd = op_time(node, strategy, self.cluster)
-            seconds += fwd + bwd
+            seconds, backward = seconds + fwd + bwd, backward + bwd
             if saves_output(node):
                 memory += sum(local_bytes(o) for o in strategy.outs)
             _set_outputs(node, strategy, values)
         for f in self.followers[node]:
             if node_info(f).kind == "getitem":
                 continue  # its layout came with its producer's outputs
-            f_seconds, f_memory = self._follower(f, values, optimizer_states)
+            f_seconds, f_memory, (f_bucketed, f_backward) = self._follower(
+                f, values, optimizer_states
+            )
             seconds, memory = seconds + f_seconds, memory + f_memory
+            bucketed, backward = bucketed + f_bucketed, backward + f_backward
         for value in self.outputs & set(values):
             src = values[value]
             whole = Layout.replicated(src.shape, self.mesh.num_devices, dtype=src.dtype)
             seconds += transition(src, whole, self.cluster).seconds
-        return seconds, memory, values
+        return seconds, memory, values, (bucketed, backward)
 
     def _follower(
         self, f: fx.Node, values: dict[fx.Node, Layout], optimizer_states: int
-    ) -> tuple[float, float]:
+    ) -> tuple[float, float, tuple[float, float]]:
         """A follower follows its inputs' layouts; the parameters it owns take what it wants."""
         args = tensor_inputs(f)
         ins: list[Layout | None] = []
@@ -195,7 +213,7 @@ class Region:
                 ins.append(self.const_layout.get(a))
         strategy = follow(f, ins, self.mesh)
         fwd, bwd = op_time(f, strategy, self.cluster)
-        seconds, memory = fwd + bwd, 0.0
+        seconds, memory, bucketed = fwd + bwd, 0.0, 0.0
         for a, have, want, grad in zip(args, ins, strategy.ins, strategy.grads, strict=True):
             if have is None:
                 if a.op == "placeholder":
@@ -203,14 +221,16 @@ class Region:
                     values[a] = whole
                     memory += param_bytes(a, whole, optimizer_states)
                     seconds += param_time(a, whole, self.cluster)
-                    seconds += grad_reduce(a, grad, want, self.cluster)
+                    in_line, in_bucket = grad_reduce_parts(a, grad, want, self.cluster)
+                    seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
                 continue
             seconds += move(a, have, want, self.cluster)
-            seconds += grad_reduce(a, grad, want, self.cluster)
+            in_line, in_bucket = grad_reduce_parts(a, grad, want, self.cluster)
+            seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
         if saves_output(f):
             memory += sum(local_bytes(o) for o in strategy.outs)
         _set_outputs(f, strategy, values)
-        return seconds, memory
+        return seconds, memory, (bucketed, bwd)
 
     def stored_layout(
         self, p: fx.Node, own: fx.Node, own_src: fx.Node, strategy: Strategy
@@ -220,7 +240,7 @@ class Region:
         if own is own_src:
             i = tensor_inputs(own).index(p)
             return strategy.ins[i].without_partial(), strategy.grads[i]
-        _, _, values = self.price(own_src, strategy, 0)
+        _, _, values, _ = self.price(own_src, strategy, 0)
         args = tensor_inputs(own)
         ins = [None if a is p else values.get(a, self.const_layout.get(a)) for a in args]
         return values[p], follow(own, ins, self.mesh).grads[args.index(p)]
@@ -270,7 +290,7 @@ def tied_grads(
 
 def clear_caches() -> None:
     """Forget what was cached per graph node (the caches keyed by op signature stay)."""
-    for cache in (_ROWS, _WANTS, _MOVES):
+    for cache in (_ROWS, _WANTS, _MOVES, _PARTS):
         cache.clear()
 
 
@@ -280,6 +300,7 @@ __all__ = [
     "edge_row",
     "follow",
     "grad_reduce",
+    "grad_reduce_parts",
     "move",
     "move_cost",
     "param_bytes",

@@ -44,7 +44,8 @@ class _Program:
         for key, m in graph.edges.items():
             self.edge_offsets[key] = n
             n += m.size
-        self.num_vars = n
+        self.exposed = n  # the bucketed gradient sums that outlast backward
+        self.num_vars = n + 1
         self.rows: list[int] = []
         self.cols: list[int] = []
         self.vals: list[float] = []
@@ -55,9 +56,11 @@ class _Program:
         scale = 1e3  # milliseconds keep the objective's coefficients near 1
         c = np.zeros(self.num_vars)
         for i, u in enumerate(graph.unary):
-            c[self.offsets[i] : self.offsets[i] + len(u)] = u * scale
+            hidden = graph.overlap[i] if graph.overlap else 0.0
+            c[self.offsets[i] : self.offsets[i] + len(u)] = (u - hidden) * scale
         for key, m in graph.edges.items():
             c[self.edge_offsets[key] : self.edge_offsets[key] + m.size] = m.ravel() * scale
+        c[self.exposed] = scale
         return c
 
     def row(self, cols: list[int], vals: list[float], lo: float, hi: float) -> None:
@@ -78,6 +81,14 @@ class _Program:
                 for s, group in enumerate(groups):
                     cols = [*group.tolist(), self.offsets[node] + s]
                     self.row(cols, [1.0] * len(group) + [-1.0], 0.0, 0.0)
+        if graph.overlap:  # exposed >= bucketed - window (and >= 0, its bound)
+            cols = [self.exposed] + [
+                self.offsets[i] + s for i, o in enumerate(graph.overlap) for s in range(len(o))
+            ]
+            vals = [1.0]
+            for o, w in zip(graph.overlap, graph.window, strict=True):
+                vals.extend((w - o).tolist())
+            self.row(cols, vals, -graph.const_window, np.inf)
         if math.isfinite(memory_limit):
             mem_scale = max(1.0, max((float(m.max()) for m in graph.memory), default=1.0))
             cols = [self.offsets[i] + s for i, m in enumerate(graph.memory) for s in range(len(m))]
@@ -98,11 +109,13 @@ def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution 
     a = coo_matrix((program.vals, (program.rows, program.cols)), shape=shape).tocsr()
     integrality = np.zeros(program.num_vars)
     integrality[: program.num_x] = 1
+    upper = np.ones(program.num_vars)
+    upper[program.exposed] = np.inf
     result = milp(
         c,
         constraints=LinearConstraint(a, program.lo, program.hi),
         integrality=integrality,
-        bounds=Bounds(0, 1),
+        bounds=Bounds(0, upper),
         options={"mip_rel_gap": 1e-9, "presolve": True},
     )
     if result.x is None:
@@ -130,9 +143,14 @@ def brute_force(graph: CostGraph, memory_limit: float = math.inf, limit: int = 4
 
     total = np.full(sizes, graph.const_time)
     mem = np.full(sizes, graph.const_memory)
+    bucketed, window = np.zeros(sizes), np.full(sizes, graph.const_window)
     for i in range(k):
         total = total + along(i, graph.unary[i])
         mem = mem + along(i, graph.memory[i])
+        if graph.overlap:
+            bucketed = bucketed + along(i, graph.overlap[i])
+            window = window + along(i, graph.window[i])
+    total = total - np.minimum(bucketed, window)
     for (i, j), m in graph.edges.items():
         shape = [1] * k
         shape[i], shape[j] = m.shape
@@ -336,11 +354,16 @@ def lower_bound(graph: CostGraph) -> float:
     cost that end's option allows, and each node takes its cheapest option with the edges it
     was charged (the larger of charging every edge to its first or to its second end)."""
     best = -math.inf
-    for end in (0, 1):
-        totals = [u.copy() for u in graph.unary]
-        for key, m in graph.edges.items():
-            totals[key[end]] += m.min(axis=1 - end)
-        best = max(best, sum(float(t.min()) for t in totals))
+    # the objective is the larger of two sums: with every bucketed sum hidden, and with all
+    # the backward compute hiding them (docs/search.md); each bounds it from below
+    overlap = graph.overlap or [np.zeros_like(u) for u in graph.unary]
+    window = graph.window or [np.zeros_like(u) for u in graph.unary]
+    for hide, offset in ((overlap, 0.0), (window, graph.const_window)):
+        for end in (0, 1):
+            totals = [u - h for u, h in zip(graph.unary, hide, strict=True)]
+            for key, m in graph.edges.items():
+                totals[key[end]] += m.min(axis=1 - end)
+            best = max(best, sum(float(t.min()) for t in totals) - offset)
     return graph.const_time + best
 
 
