@@ -245,6 +245,11 @@ def test_an_estimate_at_depth_equals_the_deeper_capture() -> None:
         estimates[layers] = estimate(plan, og, cluster, bucket_cap_mb=0.5, depth=depth)
     shallow, deep = estimates[2], estimates[4]
     assert len(shallow.overlapped) == len(deep.overlapped) > 2
-    for field in ("step_time", "compute", "comm", "exposed_comm", "peak_memory", "model_flops"):
+    for field in ("comm", "exposed_comm", "peak_memory", "model_flops"):
         assert getattr(shallow, field) == pytest.approx(getattr(deep, field), rel=1e-9), field
     assert shallow.memory == pytest.approx(deep.memory, rel=1e-9)
+    # compute differs by one thing only: the residual stream out of the last captured block
+    # has one reader (the final norm) where the blocks it stands for have two (the next
+    # block's norm and residual add), so autograd's add of those two gradients is missing
+    for field in ("step_time", "compute"):
+        assert getattr(shallow, field) == pytest.approx(getattr(deep, field), rel=5e-3), field

@@ -40,11 +40,18 @@ MATMUL_SIZES = (16, 32, 64, 128, 256, 384, 512)
 
 
 def _matmul_rate(n: int, dtype: torch.dtype) -> float:
-    """FLOP/s of an ``n``-cube product, as training runs it: forward and both gradients."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    reps = max(5, min(200, int(2e8 / (2 * n**3))))
-    return 2 * n**3 / _median_time(lambda: a @ b, reps=reps)
+    """FLOP/s of an ``n``-cube product as training runs it: a linear layer's forward and both
+    gradients (three products, two on transposed operands), each into a fresh output."""
+    x = torch.randn(n, n, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, n, dtype=dtype, requires_grad=True)
+    grad = torch.randn(n, n, dtype=dtype)
+
+    def step() -> None:
+        torch.nn.functional.linear(x, w).backward(grad)
+        x.grad = w.grad = None
+
+    reps = max(5, min(200, int(6e8 / (6 * n**3))))
+    return 6 * n**3 / _median_time(step, reps=reps)
 
 
 def measure_matmul(dtype: torch.dtype = torch.float32) -> tuple[float, list[list[float]]]:

@@ -27,7 +27,20 @@ def op_time(node: fx.Node, strategy: Strategy, cluster: ClusterSpec) -> tuple[fl
     out = next((layout for layout in strategy.outs if layout is not None), None)
     dtype = out.dtype if out is not None else torch.float32
     forward = cluster.compute_time(cost, dtype)
-    return forward * slowed, cluster.compute_time(cost, dtype, backward=True) * slowed
+    backward = cluster.compute_time(cost, dtype, backward=True) + _accumulation(node, out, cluster)
+    return forward * slowed, backward * slowed
+
+
+def _accumulation(node: fx.Node, out: Layout | None, cluster: ClusterSpec) -> float:
+    """Autograd adds the gradients of a value read k times: k - 1 adds over its bytes (each
+    reads two and writes one), before the op's own backward (a residual stream's every add)."""
+    if out is None or not node_info(node).requires_grad:
+        return 0.0
+    reads = sum(1 for user in node.users for a in tensor_inputs(user) if a is node)
+    if reads < 2:
+        return 0.0
+    nbytes = 3 * local_bytes(out)
+    return (reads - 1) * (nbytes / cluster.memory_bandwidth + cluster.op_overhead)
 
 
 def _spans_devices(strategy: Strategy) -> bool:

@@ -21,6 +21,7 @@ from autoshard.layout import NOT_SPLIT, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops.local import bias_elsewhere
 from autoshard.ops.nodes import dtype_of, node_title, node_vals, shape_of, tensor_inputs
+from autoshard.ops.work import Contraction, Cost, product_size
 
 FREE, SUM, FIXED = "free", "sum", "fixed"
 
@@ -59,34 +60,6 @@ class Strategy:
         if self.space is None:
             return ",".join(str(layout) for layout in self.ins) or "-"
         return str(self.space)
-
-
-@dataclass(frozen=True)
-class Contraction:
-    """One matrix product inside an op: 2 FLOPs (a multiply-add) per point of ``dims``, the
-    iteration dims it walks. Backward does one product of the same size per operand whose
-    gradient is needed; ``operands`` lists, per operand, the op's tensor inputs it is made from
-    (an attention's probabilities come from the query and the key)."""
-
-    dims: tuple[int, ...]
-    operands: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True)
-class Cost:
-    """One op's work on one rank. FLOPs are model FLOPs: the matrix products only, as torch's
-    ``FlopCounterMode`` and the MFU formulas of Megatron-LM count them. ``kind`` ("matmul",
-    "attention" or "memory") and ``size`` (the cube root of a product's points, M*N*K) pick the
-    device's efficiency; ``work`` is the share of the FLOPs the kernel really does (a causal
-    attention kernel skips the masked half)."""
-
-    flops: float
-    bytes: float
-    backward_flops: float = 0.0
-    backward_bytes: float = 0.0
-    kind: str = "memory"
-    size: float = 0.0
-    work: float = 1.0
 
 
 # -- projection of a space layout -----------------------------------------------------------------
@@ -431,7 +404,7 @@ class SpaceRule(OpRule):
         sizes = strategy.space.local_shape()
         needs = tuple(needs_grad) or (False,) * len(tensor_inputs(node))
         forward, backward = self.flops(node, sizes, needs)
-        size = math.prod(sizes[d] for d in contractions[0].dims) ** (1 / 3)
+        size = product_size(self.space(node), contractions[0], sizes)
         return Cost(forward, base.bytes, backward, base.backward_bytes, "matmul", size)
 
 
