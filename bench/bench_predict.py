@@ -148,6 +148,9 @@ def _rank(spec_json: dict) -> list[dict]:
 
 
 def run(quick: bool) -> dict:
+    import json
+    from pathlib import Path
+
     from autoshard.cost.calibrate import calibrate
     from autoshard.testing import run_ranks
 
@@ -155,7 +158,17 @@ def run(quick: bool) -> dict:
     rows = run_ranks(_rank, 2, spec.to_json(), timeout=900)[0]
     for r in rows:
         r["error"] = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
-    return {"spec": spec.to_json(), "rows": rows}
+    result = {"spec": spec.to_json(), "rows": rows}
+    # the previous run, kept beside this one: the goal holds over two runs
+    stored = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
+    if stored.exists():
+        before = json.loads(stored.read_text())
+        result["previous"] = {
+            "date": before.get("date"),
+            "commit": str(before.get("machine", {}).get("git_commit"))[:10],
+            "errors": [r["error"] for r in before["result"]["rows"]],
+        }
+    return result
 
 
 def summary(result: dict) -> str:
@@ -195,4 +208,13 @@ def summary(result: dict) -> str:
         f"Median absolute error {statistics.median(errors) * 100:.0f}% over {len(rows)} plans "
         f"(max {max(errors) * 100:.0f}%)."
     )
+    previous = result.get("previous")
+    if previous:
+        before = [abs(e) for e in previous["errors"]]
+        signed = ", ".join(f"{e * 100:+.0f}%" for e in previous["errors"])
+        lines.append(
+            f"The run before ({previous['date']}, commit {previous['commit']}): median "
+            f"absolute error {statistics.median(before) * 100:.0f}% (max "
+            f"{max(before) * 100:.0f}%); errors in the order above: {signed}."
+        )
     return "\n".join(lines)
