@@ -12,10 +12,11 @@ autoshard's counting layer, computed for DDP from its gradient bytes (one all-re
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 
 import torch
+
+from bench.timing import timed
 
 NAME = "ddp"
 
@@ -32,18 +33,6 @@ def _model(name: str):
     torch.manual_seed(0)
     config = reference_config(name, **sizes)
     return build(config), config.example_batch(BATCH, torch.Generator().manual_seed(1))
-
-
-def _timed(step, times: list[float], keep: bool) -> None:
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    if keep:
-        times.append(float(elapsed))
 
 
 def _rank(steps: int) -> list[dict]:
@@ -79,8 +68,8 @@ def _rank(steps: int) -> list[dict]:
 
         times: dict[str, list[float]] = {"autoshard": [], "ddp": []}
         for step in range(WARMUP + steps):
-            _timed(ours, times["autoshard"], step >= WARMUP)
-            _timed(theirs, times["ddp"], step >= WARMUP)
+            timed(ours, times["autoshard"], step >= WARMUP)
+            timed(theirs, times["ddp"], step >= WARMUP)
         with comm.counting() as counted:
             ours()
         grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 import warnings
 from typing import Any
 
 import torch
+
+from bench.timing import timed
 
 NAME = "tp"
 
@@ -114,18 +115,6 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _timed(step, times: list[float], keep: bool) -> None:
-    import torch.distributed as dist
-
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    if keep:
-        times.append(float(elapsed))
-
-
 def _rank(steps: int) -> dict:
     import torch.distributed as dist
 
@@ -159,8 +148,8 @@ def _rank(steps: int) -> dict:
 
     times: dict[str, list[float]] = {"autoshard": [], "dtensor": []}
     for step in range(WARMUP + steps):
-        _timed(ours, times["autoshard"], step >= WARMUP)
-        _timed(dtensor, times["dtensor"], step >= WARMUP)
+        timed(ours, times["autoshard"], step >= WARMUP)
+        timed(dtensor, times["dtensor"], step >= WARMUP)
     with comm.counting() as counted:
         ours_fb()
     counter = _FunctionalBytes(tp)

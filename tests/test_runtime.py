@@ -586,7 +586,6 @@ def _accumulate_with_no_sync(mesh: Any, strategies: Any) -> list[int]:
     """GPT in float64, 3 optimizer steps of 4 micro-batches, the first 3 under no_sync, against
     one device accumulating the same micro-batches; returns the number of all-reduces each
     micro-batch's backward made."""
-    from autoshard import comm
 
     data, ref, pm, opt_ref, opt = _gpt_against_one_device(mesh, strategies)
     calls = []
@@ -595,18 +594,31 @@ def _accumulate_with_no_sync(mesh: Any, strategies: Any) -> list[int]:
         for i, batch in enumerate(micro):
             (ref(*batch) / len(micro)).backward()
             loss = pm(*shard_inputs(batch, pm)) / len(micro)
-            with comm.counting() as counted:
-                if i < len(micro) - 1:
-                    with pm.no_sync():
-                        loss.backward()
-                else:
-                    loss.backward()
-            calls.append(counted.get("all_reduce", {}).get("calls", 0))
+            calls.append(_micro_backward(pm, loss, last=i == len(micro) - 1))
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    _assert_same_state(pm, ref)
+    return calls
+
+
+def _micro_backward(pm: Any, loss: torch.Tensor, last: bool) -> int:
+    """A micro-batch's backward, under no_sync unless it is the last; its all-reduces."""
+    from autoshard import comm
+
+    with comm.counting() as counted:
+        if last:
+            loss.backward()
+        else:
+            with pm.no_sync():
+                loss.backward()
+    return counted.get("all_reduce", {}).get("calls", 0)
+
+
+def _assert_same_state(pm: Any, ref: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``pm`` equals one device's; the full state."""
     full, full_ref = pm.full_state_dict(), ref.full_state_dict()
     for k in full_ref:
         torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
-    return calls
+    return full
 
 
 @pytest.mark.parametrize(
@@ -646,7 +658,6 @@ def _bucketed_training(name: str, mesh: Any, strategies: Any, micro: int) -> lis
     """``name`` with an unused parameter, in float64 with dropout, on ``mesh`` in small buckets
     against one device: 5 AdamW steps of ``micro`` micro-batches (all but the last under
     no_sync); returns the all-reduces of each step's syncing backward."""
-    from autoshard import comm
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -668,17 +679,10 @@ def _bucketed_training(name: str, mesh: Any, strategies: Any, micro: int) -> lis
             loss_ref.backward()
             loss = pm(*shard_inputs(batch, pm)) / micro
             torch.testing.assert_close(loss, loss_ref, msg=lambda m, s=step: f"step {s}: {m}")
-            with comm.counting() as counted:
-                if i < micro - 1:
-                    with pm.no_sync():
-                        loss.backward()
-                else:
-                    loss.backward()
-        calls.append(counted.get("all_reduce", {}).get("calls", 0))
+            synced = _micro_backward(pm, loss, last=i == micro - 1)
+        calls.append(synced)
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
-    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
-    for k in full_ref:
-        torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
+    full = _assert_same_state(pm, ref)
     assert torch.equal(full["unused.weight"], model.unused.weight)  # no gradient, no step
     return calls
 
