@@ -149,3 +149,13 @@ def test_collectives_values_counters_and_rank_order(world: int) -> None:
     exactly collective_bytes for it, and non-ascending groups return chunks in their order."""
     results = run_ranks(_comm_body, world, timeout=180)
     assert results == [3 if world == 2 else 7] * world
+
+
+def test_recordings_nest_and_each_sees_its_own_block() -> None:
+    from autoshard import comm
+
+    with comm.recording() as outer:
+        with comm.recording() as inner:
+            pass  # closed while both are empty, so equal: the outer one must stay open
+        comm._count("all_reduce", 2, torch.zeros(4))
+    assert inner == [] and outer == [("all_reduce", 2, 16)]
