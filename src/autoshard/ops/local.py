@@ -103,9 +103,12 @@ def _batch_mean(
     """The sum (reduction 2) or the mean over the valid targets (1) of every rank's rows."""
     if reduction == 2:
         return sum_over(loss_sum, batch_ranks)
-    # the count travels with the sum: one collective for both
-    total, count = sum_over(torch.stack([loss_sum, valid.sum().to(loss_sum.dtype)]), batch_ranks)
-    return total / count
+    # the count travels with the sum: one collective for both, in at least float32 (bfloat16
+    # holds integers exactly only up to 256)
+    dtype = torch.promote_types(loss_sum.dtype, torch.float32)
+    both = torch.stack([loss_sum.to(dtype), valid.sum().to(dtype)])
+    total, count = sum_over(both, batch_ranks)
+    return (total / count).to(loss_sum.dtype)
 
 
 # -- split-invariant dropout ----------------------------------------------------------------------
