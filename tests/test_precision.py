@@ -10,6 +10,7 @@ part is off by tens of percent), and losses within 2%.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from test_runtime import batches, build, megatron
 
 from autoshard import GradScaler, Precision, gather_tensor, parallelize, shard_inputs, single_device
+from autoshard.cost import cluster_spec, estimate
 from autoshard.precision import PrecisionError, precision_policy
 from autoshard.testing import run_ranks
 
@@ -63,6 +65,11 @@ def _train_in_precision(name: str, mesh: Any, strategies: Any, precision: Any) -
             worst = max(worst, error)
         losses.append((float(loss), float(loss_ref)))
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    # the bytes the cost model's buckets sum (bandwidth term of each, on 2 ranks its input)
+    cluster = cluster_spec("cpu", pm.plan.mesh.num_devices)
+    bandwidth, latency = cluster.link(False)
+    steps = 2 * math.ceil(math.log2(max(2, pm.plan.mesh.num_devices)))
+    predicted = estimate(pm.plan, pm._captured[True], cluster).overlapped
     return {
         "worst": worst,
         "losses": losses,
@@ -70,6 +77,7 @@ def _train_in_precision(name: str, mesh: Any, strategies: Any, precision: Any) -
         "master": sorted({str(p.dtype) for p in pm.parameters()}),
         "sent": sent,
         "numel": sum(p.numel() for p in pm.parameters()),
+        "priced": sum(round((o.seconds - steps * latency) * bandwidth) for o in predicted),
     }
 
 
@@ -99,6 +107,8 @@ def test_bf16_data_parallel_equals_one_device_under_the_same_policy() -> None:
     grad_bytes = llama["numel"] * 4
     assert all(grad_bytes <= s < grad_bytes + 64 for s in llama["sent"]), llama["sent"]
     assert all(grad_bytes // 2 <= s < grad_bytes // 2 + 64 for s in llama_bf16_sums["sent"])
+    # and the cost model prices the buckets in the dtype they travel in
+    assert llama["priced"] == grad_bytes and llama_bf16_sums["priced"] == grad_bytes // 2
 
 
 def test_bf16_data_and_tensor_parallel_equals_one_device() -> None:

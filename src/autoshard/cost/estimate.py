@@ -296,9 +296,9 @@ def _price_params(
                 partial, full = partial.with_dtype(reduce_dtype), full.with_dtype(reduce_dtype)
             seconds, in_line, key = grad_sync(partial, full, cluster)
             est.grad_sync += count * in_line
-            if key is not None:
+            if key is not None:  # a bucket holds it in the dtype it is summed in
                 latency = bucket_latency(param.grad_partial, cluster)
-                bucketed[fqn] = (seconds, key, size, latency)
+                bucketed[fqn] = (seconds, key, local_bytes(partial), latency)
     return bucketed
 
 
