@@ -72,6 +72,15 @@ def _dtensor_tp(model: torch.nn.Module, tp: int) -> torch.nn.Module:
     return model
 
 
+#: DTensor's functional collectives by the counting layer's names
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+
+
 class _FunctionalBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Bytes per rank of the functional collectives DTensor issues, by the ring formulas."""
 
@@ -82,14 +91,9 @@ class _FunctionalBytes(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         from autoshard import comm
 
-        name = func.__name__ if hasattr(func, "__name__") else str(func)
-        kind = {
-            "all_reduce": "all_reduce",
-            "all_gather_into_tensor": "all_gather",
-            "reduce_scatter_tensor": "reduce_scatter",
-            "all_to_all_single": "all_to_all",
-        }.get(str(func).split(".")[1] if str(func).startswith("_c10d_functional") else name)
-        if str(func).startswith("_c10d_functional") and kind is not None:
+        op = str(func).split(".")  # _c10d_functional.all_reduce.default
+        kind = _KINDS.get(op[1]) if op[0] == "_c10d_functional" and len(op) > 1 else None
+        if kind is not None:
             x = args[0]
             self.calls += 1
             self.bytes += comm.collective_bytes(kind, self.world, x.numel() * x.element_size())

@@ -364,7 +364,6 @@ def _llama_block_inputs_summed_once() -> dict:
     layers = {k: v for k, v in megatron("llama").items() if k.startswith("layers.*")}
     ref = single_device(copy.deepcopy(model), data[0])
     pm = parallelize(model, data[0], {"tp": 2}, layers)
-    loss = pm(*shard_inputs(data[0], pm))
     with comm.counting() as forward:
         loss = pm(*shard_inputs(data[0], pm))
     with comm.counting() as backward:
@@ -776,7 +775,9 @@ def test_a_bucket_must_hold_bytes() -> None:
 
 def _gradients_of_some_parameters() -> None:
     """torch.autograd.grad for every other parameter: the buckets holding the others are
-    summed with zeros in their place, and nothing else changes."""
+    summed when backward ends (the sum is elementwise, so their unfilled slots reach nothing)
+    and no .grad changes. After backwards under no_sync, torch.autograd.grad cannot sum the
+    accumulated .grad and says so."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     model, config = build("gpt", 0.0)
@@ -792,6 +793,10 @@ def _gradients_of_some_parameters() -> None:
         for name, g, g_ref in zip(names, grads, grads_ref, strict=True):
             torch.testing.assert_close(g, g_ref, msg=lambda m, n=name: f"{n}: {m}")
     assert all(p.grad is None for p in pm.parameters())
+    with pm.no_sync():
+        pm(*shard_inputs(data[2], pm)).backward()
+    with pytest.raises(ValueError, match="torch.autograd.grad after backwards under no_sync"):
+        torch.autograd.grad(pm(*shard_inputs(data[3], pm)), list(pm.parameters()))
 
 
 def test_gradients_of_some_parameters_through_buckets() -> None:
