@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather",
+    "all_gather_async",
     "all_reduce",
     "all_reduce_",
     "all_reduce_async_",
@@ -31,6 +32,7 @@ __all__ = [
     "counting",
     "process_group",
     "reduce_scatter",
+    "reduce_scatter_async",
     "recording",
     "reset_counters",
     "send_recv",
@@ -180,6 +182,20 @@ def all_gather(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     out = out.reshape(len(ranks), *x.shape)
     order = _from_sorted(ranks)
     return out if order is None else out[order]
+
+
+def all_gather_async(out: torch.Tensor, x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
+    """Start gathering every member's contiguous ``x`` into ``out`` (the group size times its
+    elements, members in ascending rank order); both belong to the collective until ``wait()``."""
+    _count("all_gather", len(ranks), x)
+    return dist.all_gather_into_tensor(out, x, group=_group(ranks), async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
+    """Start summing the contiguous ``x`` (the group size times ``out``'s elements) over the
+    group, leaving chunk ``i`` on the ``i``-th member in ascending rank order in ``out``."""
+    _count("reduce_scatter", len(ranks), x)
+    return dist.reduce_scatter_tensor(out, x, group=_group(ranks), async_op=True)
 
 
 def all_to_all(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:

@@ -90,6 +90,14 @@ class Dropout(nn.Module):
         return f"p={self.p}, op={self.op}, {self.layout}"
 
 
+@dataclass(frozen=True)
+class _Fetched:
+    """A parameter the program gets by calling ``source`` (not yet called)."""
+
+    source: nn.Module
+    fqn: str
+
+
 def attr_name(fqn: str) -> str:
     return fqn.replace(".", "__")
 
@@ -101,6 +109,14 @@ class _Lowerer:
         self.root = nn.Module()
         self._count = itertools.count()
         self.env: dict[fx.Node, Any] = {}
+
+    def value(self, node: fx.Node) -> Any:
+        """What the program holds for ``node``; a parameter read through a module (a ZeRO
+        gather) is called here, just before its first reader, not where the graph lists it."""
+        v = self.env[node]
+        if isinstance(v, _Fetched):
+            v = self.env[node] = self.module(v.source, (), f"fetch_{attr_name(v.fqn)}")
+        return v
 
     def call(self, target: Any, args: Any, kwargs: dict) -> fx.Node:
         return self.graph.call_function(target, tuple(args), kwargs)
@@ -146,9 +162,12 @@ def lower(
     tensors: dict[str, torch.Tensor],
     state: RunState,
 ) -> fx.GraphModule:
-    """The rank's program; ``tensors`` holds its parameter and buffer shards by name."""
+    """The rank's program; ``tensors`` holds its parameter and buffer shards by name, or a
+    module that returns the parameter's local tensor when called (ZeRO's gather)."""
     low = _Lowerer(plan, rank, device, state)
     for fqn, tensor in tensors.items():
+        if isinstance(tensor, nn.Module):
+            continue
         if isinstance(tensor, nn.Parameter):
             low.root.register_parameter(attr_name(fqn), tensor)
         else:
@@ -159,27 +178,29 @@ def lower(
         if info.kind == "input":
             env[node] = low.graph.placeholder(node.name)
         elif node.op == "placeholder":
-            if info.fqn in plan.params:
+            stored = tensors.get(info.fqn)
+            if isinstance(stored, nn.Module):
+                env[node] = _Fetched(stored, info.fqn)  # in the compute dtype already
+            elif info.fqn in plan.params:
                 env[node] = low.graph.get_attr(attr_name(info.fqn))
-                stored = tensors.get(info.fqn)
                 if stored is not None and stored.is_floating_point() and stored.dtype != info.dtype:
                     # mixed precision: the master copy, cast where the program reads it
                     env[node] = low.call(local.cast, (env[node], info.dtype), {})
         elif node.op == "output":
             values = []
             for value, (src, dst) in zip(node.args[0], plan.outputs, strict=True):
-                v = env[value]
+                v = low.value(value)
                 if src != dst:
                     v = low.module(Redistribute(src, dst), (v,), "redistribute")
                 values.append(v)
             low.graph.output(tuple(values))
         elif info.kind == "getitem":
-            env[node] = low.call(operator.getitem, (env[node.args[0]], node.args[1]), {})
+            env[node] = low.call(operator.getitem, (low.value(node.args[0]), node.args[1]), {})
         else:
             env[node] = _lower_node(low, node)
         if node.name in plan.shared_reduce:  # one sum for all readers' gradient parts
             reduce = ReduceGrad(*plan.shared_reduce[node.name])
-            env[node] = low.module(reduce, (env[node],), "reduce_grad")
+            env[node] = low.module(reduce, (low.value(node),), "reduce_grad")
     gm = fx.GraphModule(low.root, low.graph, class_name=f"Rank{rank}")
     return gm
 
@@ -188,7 +209,7 @@ def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
     node_plan = low.plan.nodes[node.name]
     values = []
     for i, arg in enumerate(tensor_inputs(node)):
-        v = low.env[arg]
+        v = low.value(arg)
         if i in node_plan.moves:
             v = low.module(Redistribute(*node_plan.moves[i]), (v,), "redistribute")
         if i in node_plan.grad_reduce:

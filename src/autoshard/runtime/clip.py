@@ -16,8 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoshard.runtime.replicas import replica_group
-
 
 class NonFiniteGradientError(ValueError):
     """A gradient holds inf or nan; names the ranks and parameters."""
@@ -48,7 +46,7 @@ def clip_grad_norm_(
         # Each part's share: its sum of powers over the number of ranks holding that same part.
         local = torch.zeros((), dtype=torch.float64, device=device)
         for fqn, g in grads.items():
-            copies = len(replica_group(pm.layout_of(fqn), pm.rank))
+            copies = pm.holders(fqn)
             local += g.detach().to(torch.float64).abs().pow(norm_type).sum() / copies
         total = local.reshape(1)
         if _world() > 1:

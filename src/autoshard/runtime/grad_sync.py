@@ -206,6 +206,15 @@ class GradSync:
             self._unsynced.discard(id(param))  # .grad holds sums only
 
 
+def all_reduce_group(
+    partial: Layout, full: Layout, dtype: torch.dtype, rank: int
+) -> tuple[int, ...] | None:
+    """The ranks ``rank`` sums a gradient with when going from ``partial`` to ``full`` is one
+    all-reduce (a data-parallel replica's sum), else None."""
+    plan = redistribution_plan(partial.with_dtype(dtype), full.with_dtype(dtype))
+    return _one_all_reduce(plan, rank)
+
+
 def _one_all_reduce(plan: Any, rank: int) -> tuple[int, ...] | None:
     """The group of ``rank`` if ``plan`` is a single all-reduce, else None."""
     if len(plan.steps) != 1 or plan.steps[0].kind != "all_reduce":
@@ -213,4 +222,4 @@ def _one_all_reduce(plan: Any, rank: int) -> tuple[int, ...] | None:
     return next((tuple(sorted(g)) for g in plan.steps[0].groups if rank in g), None)
 
 
-__all__ = ["GradSync"]
+__all__ = ["GradSync", "all_reduce_group"]

@@ -7,7 +7,8 @@ loss.backward(); opt.step()                        # any elementwise torch.optim
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,9 @@ from autoshard.mesh import MeshInfo, check_world, mesh_info
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
-from autoshard.runtime.replicas import sync_replicas
-from autoshard.search import Plan, load_plan, plan_graph
+from autoshard.runtime.replicas import replica_group, sync_replicas
+from autoshard.runtime.zero import build_zero
+from autoshard.search import Plan, check_zero, load_plan, plan_graph
 from autoshard.search import input_layouts as plan_input_layouts
 from autoshard.search import plan as search_plan
 
@@ -48,6 +50,7 @@ class ParallelModule(nn.Module):
         replicas: str = "broadcast",
         bucket_cap_mb: float = BUCKET_CAP_MB,
         precision: Precision | None = None,
+        reshard_after_forward: bool = True,
     ) -> None:
         super().__init__()
         self.precision = precision or Precision()
@@ -61,6 +64,28 @@ class ParallelModule(nn.Module):
         self._grad_sync = GradSync(rank, bucket_cap_mb, self.precision.reduce)
         self._full_keys = list(model.state_dict().keys())
         self._aliases = captured[True].aliases
+        tensors, device = self._local_state(model, captured)
+        sync_replicas({fqn: tensors[fqn] for fqn in self._layouts}, self._layouts, rank, replicas)
+        self._zero, fetchers, shards = build_zero(
+            captured[True], self.plan, tensors, rank, self.precision.reduce, reshard_after_forward
+        )
+        for fqn, shard in shards.items():  # the optimizer steps the shards
+            self.register_parameter(attr_name(fqn), shard)
+        for fqn, p in self.plan.params.items():
+            if p.grad_partial is not None and tensors[fqn].requires_grad and fqn not in shards:
+                self._grad_sync.watch(tensors[fqn], p.grad_partial, p.layout)
+        order = captured[True].gradient_order
+        self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
+        tensors |= fetchers
+        self._programs = {
+            mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
+            for mode in captured
+        }
+
+    def _local_state(
+        self, model: nn.Module, captured: dict[bool, OpGraph]
+    ) -> tuple[dict[str, torch.Tensor], torch.device]:
+        """This rank's local tensor of every parameter and buffer, registered on the module."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         if device.type == "meta":
             device = torch.device("cpu")
@@ -76,7 +101,7 @@ class ParallelModule(nn.Module):
                 self._layouts[fqn] = p.layout
             full = values[fqn].detach()
             local = (
-                shard_tensor(full, p.layout, rank).to(device)
+                shard_tensor(full, p.layout, self._rank).to(device)
                 if full.device.type != "meta"
                 else torch.empty(p.layout.local_shape(), dtype=full.dtype, device=device)
             )
@@ -86,15 +111,7 @@ class ParallelModule(nn.Module):
             else:
                 tensors[fqn] = local
                 self.register_buffer(attr_name(fqn), local, persistent=fqn not in constants)
-            if p.grad_partial is not None and tensors[fqn].requires_grad:
-                self._grad_sync.watch(tensors[fqn], p.grad_partial, p.layout)
-        order = captured[True].gradient_order
-        self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
-        sync_replicas({fqn: tensors[fqn] for fqn in self._layouts}, self._layouts, rank, replicas)
-        self._programs = {
-            mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
-            for mode in captured
-        }
+        return tensors, device
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -102,6 +119,7 @@ class ParallelModule(nn.Module):
         mode = self.training
         if mode:
             self._grad_sync.reset()
+            self._zero.reset()
         captured, plan = self._captured[mode], self._plans[mode]
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
@@ -111,7 +129,8 @@ class ParallelModule(nn.Module):
             _local_input(x, plan.inputs[name], self._rank, name, cast)
             for x, name in zip(flat, captured.inputs, strict=True)
         ]
-        results = self._programs[mode](*local)
+        with self._zero.saving():
+            results = self._programs[mode](*local)
         with torch.no_grad():
             for i, fqn in captured.mutations.items():
                 # Through .data: the step's autograd graph saved the old buffer (batch norm's
@@ -129,7 +148,8 @@ class ParallelModule(nn.Module):
         before = self._grad_sync.syncing
         self._grad_sync.syncing = False
         try:
-            yield
+            with self._zero.paused():
+                yield
         finally:
             self._grad_sync.syncing = before
 
@@ -150,7 +170,49 @@ class ParallelModule(nn.Module):
     # -- state ------------------------------------------------------------------------------------
 
     def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by name: the plan's local tensors, or for a
+        parameter under ZeRO this rank's rows of it (what the optimizer steps)."""
         return {fqn: getattr(self, attr_name(fqn)) for fqn in self._layouts}
+
+    def holders(self, fqn: str) -> int:
+        """How many ranks hold the same values as this rank's ``local_tensors()[fqn]``."""
+        fqn = self._canonical(fqn)
+        copies = len(replica_group(self._layouts[fqn], self._rank))
+        return copies // self._zero.group_size(fqn)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds now, by storage (a buffer shared by views counted once):
+        ``parameters`` (the optimizer's, ZeRO's gathered copies, buffers), ``gradients``
+        (``.grad`` and gradient buffers kept between backwards), ``optimizer`` (its state)."""
+        seen: set[int] = set()
+
+        def size(tensors: Iterable[torch.Tensor | None]) -> int:
+            total = 0
+            for t in tensors:
+                if t is None or t.device.type == "meta":
+                    continue
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        local = list(self.local_tensors().values())
+        held = self._zero.held()
+        return {
+            "parameters": size(local + held["parameters"]),
+            "gradients": size([t.grad for t in local] + held["gradients"]),
+            "optimizer": size(
+                v
+                for state in (optimizer.state.values() if optimizer else [])
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            ),  # fmt: skip
+        }
+
+    def _whole_local(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        """The plan's local tensor of ``fqn`` (gathered from ZeRO's rows; a collective)."""
+        return self._zero.unsharded(fqn) if fqn in self._zero else t.detach()
 
     def layout_of(self, fqn: str) -> Layout:
         return self._layouts[self._canonical(fqn)]
@@ -163,12 +225,11 @@ class ParallelModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-device state dict (tied weights under every name); a collective."""
-        full = {
-            fqn: t.detach().clone()
-            if self._layouts[fqn].num_devices == 1
-            else gather_tensor(t.detach(), self._layouts[fqn])
-            for fqn, t in self.local_tensors().items()
-        }
+        full = {}
+        for fqn, t in self.local_tensors().items():
+            t = self._whole_local(fqn, t)
+            layout = self._layouts[fqn]
+            full[fqn] = t.clone() if layout.num_devices == 1 else gather_tensor(t, layout)
         return {key: full[self._canonical(key)] for key in self._full_keys}
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -181,7 +242,8 @@ class ParallelModule(nn.Module):
                 key = next((n for n in names if n in state_dict), None)
                 if key is None:
                     raise KeyError(f"state dict has no entry for {fqn} (or its tied names)")
-                t.copy_(shard_tensor(state_dict[key].to(t.dtype), self._layouts[fqn], self._rank))
+                part = shard_tensor(state_dict[key].to(t.dtype), self._layouts[fqn], self._rank)
+                t.copy_(self._zero.rows_of(fqn, part) if fqn in self._zero else part)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Sharded: DTensors on the mesh (a layout DTensor cannot express is gathered first)."""
@@ -194,11 +256,12 @@ class ParallelModule(nn.Module):
         out: dict[str, Any] = {}
         for fqn, t in self.local_tensors().items():
             layout = self._layouts[fqn]
+            t = self._whole_local(fqn, t)
             try:
                 placements = layout.to_placements(device_mesh)
-                value = DTensor.from_local(t.detach(), device_mesh, placements, run_check=False)
+                value = DTensor.from_local(t, device_mesh, placements, run_check=False)
             except LayoutError:
-                full = gather_tensor(t.detach(), layout)
+                full = gather_tensor(t, layout)
                 value = DTensor.from_local(full, device_mesh, [Replicate()] * len(mesh.sizes))
             for name in self._aliases.get(fqn, [fqn]):
                 out[name] = value
@@ -238,6 +301,8 @@ def parallelize(
     replicas: str = "broadcast",
     bucket_cap_mb: float = BUCKET_CAP_MB,
     precision: str | Precision | None = None,
+    zero: int | Mapping[str, int] | None = None,
+    reshard_after_forward: bool = True,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -251,7 +316,10 @@ def parallelize(
     "none". ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward
     (DDP's default, 25). ``precision`` ("fp32", "bf16", "fp16" or a ``Precision``): the dtype
     the model computes in and gradients are summed in (docs/precision.md); a ``captured``
-    given with it must have been captured in its compute dtype."""
+    given with it must have been captured in its compute dtype. ``zero`` (0, 1, 2, 3, or
+    ``{fqn pattern: stage}``; default the plan's, else 0): ZeRO over each parameter's
+    data-parallel replicas (docs/zero.md); ``reshard_after_forward`` (stage 3): drop gathered
+    parameters after forward and gather them again in backward."""
     policy = precision_policy(precision)
     if captured is None:
         captured = capture_modes(
@@ -260,21 +328,49 @@ def parallelize(
     if search is not None:
         if plan is not None:
             raise ValueError("parallelize: give search= or plan=, not both")
-        fixed = None if isinstance(mesh, int) else mesh
-        num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
         given = strategies if search == "propagate" else None
-        plan = search_plan(
-            model, example_inputs, cluster, search=search, num_devices=num, mesh=fixed,
-            memory_limit=memory_limit, strategies=given, captured=captured,
-        )  # fmt: skip
+        plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit, given)
     ready, mesh, strategies, input_layouts, source = _given_plan(
         plan, captured[True], mesh, strategies, input_layouts
     )
     info = mesh_info(mesh)
     rank = check_world(info, source)
     plans = _plan_modes(captured, info, ready, strategies, input_layouts)
+    plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
     _compare_plans(plans[True], rank)
-    return ParallelModule(model, captured, plans, rank, seed, replicas, bucket_cap_mb, policy)
+    return ParallelModule(
+        model, captured, plans, rank, seed, replicas, bucket_cap_mb, policy, reshard_after_forward
+    )
+
+
+def _search(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    captured: dict[bool, OpGraph],
+    mesh: Any,
+    search: str,
+    cluster: Any,
+    memory_limit: float | None,
+    strategies: Any,
+) -> Plan:
+    """The searched plan: an int ``mesh`` is a device count whose mesh shape is searched too."""
+    fixed = None if isinstance(mesh, int) else mesh
+    num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
+    return search_plan(
+        model, example_inputs, cluster, search=search, num_devices=num, mesh=fixed,
+        memory_limit=memory_limit, strategies=strategies, captured=captured,
+    )  # fmt: skip
+
+
+def _zero_of(zero: Any, given: Any, planned: Plan) -> int | dict[str, int]:
+    """The ZeRO stages to run: ``zero`` when given, else the given plan's, else the plan's."""
+    if zero is not None:
+        return check_zero(zero)
+    if isinstance(given, Plan):
+        return given.zero
+    if given is not None:
+        return check_zero(load_plan(given).get("zero", 0))
+    return planned.zero
 
 
 def _plan_modes(

@@ -10,7 +10,16 @@ from autoshard.search.driver import (
     plan,
     run_search,
 )
-from autoshard.search.plans import FORMAT, Plan, PlanningError, input_layouts, load_plan
+from autoshard.search.plans import (
+    FORMAT,
+    ZERO_LEVELS,
+    Plan,
+    PlanningError,
+    ZeroError,
+    check_zero,
+    input_layouts,
+    load_plan,
+)
 from autoshard.search.semi import match_strategies, plan_graph
 
 __all__ = [
@@ -19,7 +28,10 @@ __all__ = [
     "Plan",
     "PlanningError",
     "SearchResult",
+    "ZERO_LEVELS",
+    "ZeroError",
     "build_plan",
+    "check_zero",
     "input_layouts",
     "load_plan",
     "match_strategies",

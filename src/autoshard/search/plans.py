@@ -9,6 +9,7 @@ files: within one process the Plan object is handed on as it is.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 from collections.abc import Mapping
@@ -24,6 +25,27 @@ from autoshard.precision import Precision
 from autoshard.redistribution import redistribution_plan
 
 FORMAT = "autoshard-plan/1"
+
+#: ZeRO stages (docs/zero.md): 0 none, 1 optimizer state, 2 and gradients, 3 and parameters
+ZERO_LEVELS = (0, 1, 2, 3)
+
+
+class ZeroError(ValueError):
+    """A ZeRO level autoshard cannot run."""
+
+
+def check_zero(zero: Any) -> int | dict[str, int]:
+    """``zero`` as a plan holds it: one stage, or ``{fqn pattern: stage}`` (fnmatch patterns,
+    the first that matches a parameter's name wins, unmatched parameters 0)."""
+    if isinstance(zero, Mapping):
+        return {str(k): _check_level(v, f"zero[{k!r}]") for k, v in zero.items()}
+    return _check_level(zero, "zero")
+
+
+def _check_level(level: Any, where: str) -> int:
+    if isinstance(level, bool) or level not in ZERO_LEVELS:
+        raise ZeroError(f"{where}={level!r}: expected a ZeRO stage, one of 0, 1, 2, 3")
+    return int(level)
 
 
 class PlanningError(ValueError):
@@ -75,6 +97,8 @@ class Plan:
     shared_reduce: dict[str, tuple[Layout, Layout]] = field(default_factory=dict)
     #: the mixed precision policy it runs under (None: the captured dtypes throughout)
     precision: Precision | None = field(default=None, compare=False)
+    #: ZeRO (docs/zero.md): one stage for every parameter, or {fqn pattern: stage}
+    zero: int | dict[str, int] = 0
     #: the graph this plan was made for (not part of the plan's identity)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
@@ -85,6 +109,12 @@ class Plan:
         if self.auto is not None:
             return dict(self.auto["strategies"])
         return {n.node: n.strategy for n in self.nodes.values() if n.configured}
+
+    def zero_level(self, fqn: str) -> int:
+        """The ZeRO stage of parameter ``fqn``."""
+        if isinstance(self.zero, int):
+            return self.zero
+        return next((v for k, v in self.zero.items() if fnmatch.fnmatchcase(fqn, k)), 0)
 
     def save(self, path: str | Path) -> None:
         """Write the plan's JSON (a searched plan; ``parallelize(plan=path)`` reads it)."""
@@ -106,6 +136,7 @@ class Plan:
             for n in self.nodes.values()
         ]
         lines += [f"shared {k} {g!r} {w!r}" for k, (g, w) in self.shared_reduce.items()]
+        lines.append(f"zero {self.zero!r}")
         return lines
 
     def __str__(self) -> str:
@@ -178,6 +209,9 @@ def input_layouts(og: OpGraph, plan: Mapping[str, Any]) -> dict[str, Layout]:
 
 __all__ = [
     "FORMAT",
+    "ZERO_LEVELS",
+    "ZeroError",
+    "check_zero",
     "NodePlan",
     "ParamPlan",
     "Plan",

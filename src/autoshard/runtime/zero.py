@@ -1,0 +1,430 @@
+"""Optimizer parallelism: ZeRO stages 1, 2 and 3 over the ranks that sum each parameter's
+gradient (docs/zero.md).
+
+A parameter whose gradient sum is one all-reduce over a group of ranks (its data-parallel
+replicas) is held by each member as a block of rows: its local tensor (what the plan's layout
+gives the rank, split over tensor parallelism or not) cut along dim 0 into ``ceil(rows / n)``
+rows per member, the last members holding fewer (or none). The optimizer sees only these
+shards. Parameters are grouped into units, one per block of the model (the block of their first
+reader), gathered by one all-gather and summed by one reduce-scatter each:
+
+- stage 1: the gathered parameters stay between steps (gathered again, before their first use,
+  after the optimizer changed the shards); each unit's gradient buffer stays too, and the
+  syncing backward reduce-scatters it into the shards' ``.grad``.
+- stage 2: as 1, but a unit's gradient buffer lives only until its reduce-scatter.
+- stage 3: parameters are gathered before their first use in every forward (the next unit's
+  gather started while this one computes), dropped after their last use (``reshard_after_forward``;
+  autograd keeps a note in their place and backward gathers them again, the previous unit's
+  gather started ahead) and dropped again after the unit's reduce-scatter.
+
+Under ``no_sync`` every stage adds backward's gradients into the unit's whole gradient buffer and
+the next syncing backward reduce-scatters the sum once (as FSDP2 does; DeepSpeed's stage 2
+reduce-scatters every micro-batch instead).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autoshard import comm
+from autoshard.graph import OpGraph
+from autoshard.runtime.grad_sync import all_reduce_group
+from autoshard.search import Plan, ZeroError
+
+
+@dataclass(eq=False)
+class _Member:
+    """One parameter of a unit: its local tensor's shape, cut into ``chunk`` rows per rank."""
+
+    fqn: str
+    shard: nn.Parameter
+    shape: torch.Size
+    rows: int
+    row: int  # elements per row
+    chunk: int  # rows per rank, the last ranks padded
+    offset: int  # where its chunk starts in a rank's block
+    mine: tuple[int, int]  # this rank's rows
+
+    def grid(self, flat: torch.Tensor, size: int, block: int) -> torch.Tensor:
+        """Its chunks in a ``size`` x ``block`` buffer, as (rank, row, element)."""
+        cols = flat.view(size, block)[:, self.offset : self.offset + self.chunk * self.row]
+        return cols.view(size, self.chunk, self.row)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What autograd keeps for a gathered parameter of stage 3: where to find it again."""
+
+    unit: _Unit
+    fqn: str
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(eq=False)
+class _Unit:
+    """Parameters gathered by one all-gather and summed by one reduce-scatter over ``group``."""
+
+    name: str
+    level: int
+    group: tuple[int, ...]
+    index: int  # this rank's position in the group
+    members: list[_Member]
+    block: int  # elements per rank
+    compute: torch.dtype
+    reduce: torch.dtype
+    device: torch.device
+    used: int = 0  # members the program reads
+    full: dict[str, torch.Tensor] | None = None
+    version: int | None = None  # the shards' versions when ``full`` was gathered
+    gathering: tuple[Any, torch.Tensor] | None = None
+    fetched: set[str] = field(default_factory=set)
+    staging: torch.Tensor | None = None
+    pending: int = 0  # fetches whose gradient has not come yet
+    deposited: set[str] = field(default_factory=set)
+    summing: tuple[Any, torch.Tensor] | None = None
+
+    def versions(self) -> int:
+        return sum(m.shard._version for m in self.members)
+
+    def stale(self) -> bool:
+        return self.full is None or self.version != self.versions()
+
+    def start_gather(self) -> None:
+        if self.gathering is not None or not self.stale():
+            return
+        size = len(self.group)
+        send = torch.empty(self.block, dtype=self.compute, device=self.device)
+        for m in self.members:
+            n = (m.mine[1] - m.mine[0]) * m.row
+            send[m.offset : m.offset + n].copy_(m.shard.detach().reshape(-1))
+        out = torch.empty(size * self.block, dtype=self.compute, device=self.device)
+        self.version = self.versions()
+        self.gathering = (comm.all_gather_async(out, send, self.group), out)
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """The unit's local tensors, gathering (or finishing a started gather) if needed."""
+        if self.gathering is None and self.stale():
+            self.start_gather()
+        if self.gathering is not None:
+            work, out = self.gathering
+            work.wait()
+            self.gathering = None
+            self.full = {m.fqn: _unpad(m, out, len(self.group), self.block) for m in self.members}
+        assert self.full is not None
+        return self.full
+
+    def deposit(self, member: _Member, grad: torch.Tensor) -> None:
+        size = len(self.group)
+        if self.staging is None:
+            self.staging = torch.zeros(size * self.block, dtype=self.reduce, device=self.device)
+        target = member.grid(self.staging, size, self.block)
+        flat = grad.reshape(member.rows, member.row)
+        whole, rest = divmod(member.rows, member.chunk)
+        with torch.no_grad():
+            target[:whole].add_(flat[: whole * member.chunk].view(whole, member.chunk, -1))
+            if rest:
+                target[whole, :rest].add_(flat[whole * member.chunk :])
+        self.deposited.add(member.fqn)
+        self.pending -= 1
+
+    def start_sum(self) -> None:
+        out = torch.empty(self.block, dtype=self.reduce, device=self.device)
+        self.summing = (comm.reduce_scatter_async(out, self.staging, self.group), out)
+
+    def finish_sum(self) -> None:
+        """Wait for the reduce-scatter and add each summed shard into its ``.grad``."""
+        work, out = self.summing
+        work.wait()
+        self.summing = None
+        with torch.no_grad():
+            for m in self.members:
+                if m.fqn not in self.deposited:
+                    continue
+                n = (m.mine[1] - m.mine[0]) * m.row
+                part = out[m.offset : m.offset + n].view(m.shard.shape).to(m.shard.dtype)
+                if m.shard.grad is None:
+                    m.shard.grad = part
+                else:
+                    m.shard.grad.add_(part)
+        self.deposited = set()
+        if self.level == 1:
+            self.staging.zero_()  # stage 1 keeps its gradient buffer
+        else:
+            self.staging = None
+
+
+def _unpad(m: _Member, out: torch.Tensor, size: int, block: int) -> torch.Tensor:
+    """Member ``m``'s local tensor from a gathered buffer (its own storage, built the same way
+    every time, so autograd's notes of stage 3 find their views in a later gather)."""
+    full = torch.empty((m.rows, m.row), dtype=out.dtype, device=out.device)
+    whole, rest = divmod(m.rows, m.chunk)
+    grid = m.grid(out, size, block)
+    full[: whole * m.chunk].view(whole, m.chunk, m.row).copy_(grid[:whole])
+    if rest:
+        full[whole * m.chunk :].copy_(grid[whole, :rest])
+    return full.view(m.shape)
+
+
+class _Fetch(torch.autograd.Function):
+    """The gathered parameter in forward; in backward its gradient goes into the unit's
+    buffer (the shard gets its sum when the unit's reduce-scatter ends, not from autograd)."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, zero: Zero, unit: _Unit, m: _Member) -> Any:
+        ctx.zero, ctx.unit, ctx.member = zero, unit, m
+        full = unit.gathered()[m.fqn]
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.zero.deposit(ctx.unit, ctx.member, grad)
+        return None, None, None, None
+
+
+class Fetch(nn.Module):
+    """What the program calls where it reads a ZeRO parameter: the gathered local tensor."""
+
+    def __init__(self, zero: Zero, fqn: str) -> None:
+        super().__init__()
+        self.fqn = fqn
+        self._zero = [zero]  # not a submodule
+
+    def forward(self) -> torch.Tensor:
+        return self._zero[0].fetch(self.fqn)
+
+    def extra_repr(self) -> str:
+        zero = self._zero[0]
+        unit = zero.unit_of(self.fqn)
+        return f"{self.fqn}, ZeRO {unit.level}, unit {unit.name} over ranks {list(unit.group)}"
+
+
+class Zero:
+    """The ZeRO units of one rank: shards, gathers, gradient buffers and their sums."""
+
+    def __init__(self, rank: int, reshard_after_forward: bool = True) -> None:
+        self.rank = rank
+        self.reshard_after_forward = reshard_after_forward
+        self.syncing = True
+        self.units: list[_Unit] = []
+        self._unit_of: dict[str, tuple[_Unit, _Member]] = {}
+        self._stored: dict[int, tuple[_Unit, str, Any]] = {}  # storage -> gathered tensor
+        self._queued = False
+
+    # -- building ---------------------------------------------------------------------------------
+
+    def add_unit(
+        self,
+        name: str,
+        level: int,
+        group: Sequence[int],
+        tensors: dict[str, torch.Tensor],
+        compute: dict[str, torch.dtype],
+        reduce: torch.dtype | None,
+        used: set[str],
+    ) -> dict[str, nn.Parameter]:
+        """Shard ``tensors`` (local tensors, by name; all on ``group``) into one unit; returns
+        this rank's shard of each, the parameters the optimizer steps."""
+        group = tuple(group)
+        size, index = len(group), group.index(self.rank)
+        members, offset, shards = [], 0, {}
+        dtypes = {compute[fqn] for fqn in tensors}
+        if len(dtypes) != 1:
+            raise ZeroError(f"unit {name} mixes compute dtypes {sorted(map(str, dtypes))}")
+        for fqn, t in tensors.items():
+            rows, row = (t.shape[0], t[0].numel()) if t.dim() else (1, 1)
+            chunk = -(-rows // size)
+            start = min(rows, index * chunk)
+            stop = min(rows, start + chunk)
+            body = t.detach().reshape(rows, row)[start:stop].reshape((stop - start, *t.shape[1:]))
+            shard = nn.Parameter(body.clone(), requires_grad=t.requires_grad)
+            members.append(_Member(fqn, shard, t.shape, rows, row, chunk, offset, (start, stop)))
+            shards[fqn] = shard
+            offset += chunk * row
+        first = next(iter(tensors.values()))
+        unit = _Unit(
+            name, level, group, index, members, offset, dtypes.pop(),
+            reduce or first.dtype, first.device,
+        )  # fmt: skip
+        unit.used = sum(1 for fqn in tensors if fqn in used)
+        self.units.append(unit)
+        for m in members:
+            self._unit_of[m.fqn] = (unit, m)
+        return shards
+
+    def unit_of(self, fqn: str) -> _Unit:
+        return self._unit_of[fqn][0]
+
+    def __contains__(self, fqn: str) -> bool:
+        return fqn in self._unit_of
+
+    def group_size(self, fqn: str) -> int:
+        return len(self._unit_of[fqn][0].group) if fqn in self._unit_of else 1
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """A new forward: forget fetches whose backward never came."""
+        for unit in self.units:
+            if unit.summing is not None:
+                unit.finish_sum()
+            unit.fetched, unit.pending = set(), 0
+        self._queued = False
+
+    def fetch(self, fqn: str) -> torch.Tensor:
+        unit, m = self._unit_of[fqn]
+        full = unit.gathered()
+        position = self.units.index(unit)
+        if position + 1 < len(self.units):
+            self.units[position + 1].start_gather()  # the next unit's, while this one computes
+        for name, t in full.items():
+            self._stored[t.untyped_storage().data_ptr()] = (unit, name, weakref.ref(t))
+        if torch.is_grad_enabled() and m.shard.requires_grad:
+            value = _Fetch.apply(m.shard, self, unit, m)
+            unit.pending += 1
+        else:
+            value = full[fqn]
+        unit.fetched.add(fqn)
+        if unit.level == 3 and len(unit.fetched) >= unit.used:
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                unit.full = None  # the program's references are the last ones
+        return value
+
+    def saving(self) -> Any:
+        """Autograd's saved-tensor hooks that keep notes, not gathered parameters, for stage 3
+        (a no-op context when nothing is resharded after forward)."""
+        if not self.reshard_after_forward or all(u.level < 3 for u in self.units):
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        entry = (
+            self._stored.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        )
+        if entry is None:
+            return t
+        unit, fqn, ref = entry
+        base = ref()
+        if unit.level < 3 or base is None:
+            return t
+        if base.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            return t
+        return _Saved(unit, fqn, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        unit = saved.unit
+        full = unit.gathered()[saved.fqn]
+        position = self.units.index(unit)
+        if position > 0 and self.units[position - 1].level == 3:
+            self.units[position - 1].start_gather()  # backward's next unit
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    # -- backward ---------------------------------------------------------------------------------
+
+    def deposit(self, unit: _Unit, m: _Member, grad: torch.Tensor) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        unit.deposit(m, grad)
+        if unit.pending == 0 and self.syncing:
+            unit.start_sum()
+            if unit.level == 3:
+                unit.full = None
+
+    def _finish(self) -> None:
+        """The end of a backward: sum what is left (members that got no gradient), wait for
+        every sum and put it in the shards' ``.grad``."""
+        self._queued = False
+        for unit in self.units:
+            if unit.summing is None and unit.deposited and self.syncing:
+                unit.start_sum()
+        for unit in self.units:
+            if unit.summing is not None:
+                unit.finish_sum()
+            if unit.level == 3:
+                unit.full = None
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def unsharded(self, fqn: str) -> torch.Tensor:
+        """The local tensor of ``fqn`` in its master dtype; a collective of the unit's group."""
+        unit, m = self._unit_of[fqn]
+        size = len(unit.group)
+        send = torch.zeros(m.chunk * m.row, dtype=m.shard.dtype, device=m.shard.device)
+        send[: m.shard.numel()].copy_(m.shard.detach().reshape(-1))
+        out = comm.all_gather(send, sorted(unit.group)).reshape(-1)
+        probe = _Member(m.fqn, m.shard, m.shape, m.rows, m.row, m.chunk, 0, m.mine)
+        return _unpad(probe, out, size, m.chunk * m.row)
+
+    def rows_of(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``fqn``'s local tensor."""
+        m = self._unit_of[fqn][1]
+        body = local.reshape(m.rows, m.row)[m.mine[0] : m.mine[1]]
+        return body.reshape(m.shard.shape)
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        """What the units keep between steps besides the shards: gathered parameters
+        (stages 1 and 2) and gradient buffers (stage 1, and any stage under no_sync)."""
+        full = [t for u in self.units if u.full is not None for t in u.full.values()]
+        grads = [u.staging for u in self.units if u.staging is not None]
+        return {"parameters": full, "gradients": grads}
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        before = self.syncing
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = before
+
+
+def build_zero(
+    og: OpGraph,
+    plan: Plan,
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+    reduce: torch.dtype | None,
+    reshard_after_forward: bool,
+) -> tuple[Zero, dict[str, Fetch], dict[str, nn.Parameter]]:
+    """The ZeRO units of ``plan`` on this rank: every trainable parameter at a stage above 0
+    whose gradient sum is one all-reduce, in units by (stage, group, block of its first
+    reader), ordered by first use. Returns the units, what the program calls in place of each
+    parameter, and the shards the optimizer steps."""
+    zero = Zero(rank, reshard_after_forward)
+    order = og.first_use
+    nodes = list(og.graph.nodes)
+    dtypes = {i.fqn: i.dtype for i in og.state()}
+    units: dict[tuple, list[str]] = {}
+    for fqn, p in plan.params.items():
+        t, level = tensors.get(fqn), plan.zero_level(fqn)
+        if level == 0 or p.grad_partial is None or t is None or not t.requires_grad:
+            continue
+        group = all_reduce_group(p.grad_partial, p.layout, t.dtype, rank)
+        if group is None or t.numel() == 0:
+            continue
+        block = og[nodes[order[fqn]]].block if fqn in order else ("unused", 0)
+        units.setdefault((level, group, block), []).append(fqn)
+    first = {key: min(order.get(f, len(nodes)) for f in fqns) for key, fqns in units.items()}
+    fetchers, shards = {}, {}
+    for key in sorted(units, key=lambda k: first[k]):
+        level, group, block = key
+        name = "root" if block is None else f"{block[0]}.{block[1]}"
+        members = {fqn: tensors[fqn] for fqn in units[key]}
+        made = zero.add_unit(name, level, group, members, dtypes, reduce, set(order))
+        shards |= made
+        fetchers |= {fqn: Fetch(zero, fqn) for fqn in made}
+    return zero, fetchers, shards
+
+
+__all__ = ["Fetch", "Zero", "build_zero"]

@@ -1,0 +1,208 @@
+"""ZeRO stages 1, 2 and 3 (docs/zero.md) against one device (DESIGN.md invariant 1): float64,
+5 AdamW steps with dropout, losses at every step and every parameter at the end equal; with
+gradient accumulation under no_sync and with clipping; and what each rank holds and sends per
+step against the stage formulas."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from test_runtime import STEPS, WithUnused, batches, build, megatron, mixed
+
+from autoshard import clip_grad_norm_, comm, parallelize, shard_inputs, single_device
+from autoshard.graph.capture import capture_modes
+from autoshard.search import ZeroError, check_zero
+from autoshard.testing import run_ranks
+
+
+def _megatron_dp(name: str) -> dict[str, Any]:
+    """Megatron's tensor parallel strategies with the batch split over dp."""
+    out = {}
+    for key, (ins, outs) in megatron(name).items():
+        if len(ins) == 3:
+            ins = ("dp", *ins[1:])
+        out[key] = (ins, outs)
+    return out
+
+
+def _strategies(name: str, how: str | None) -> dict[str, Any] | None:
+    if how is None:
+        return None
+    given = _megatron_dp(name) if how == "megatron" else mixed(name, 2, 2)
+    return {f"inner.{k}": v for k, v in given.items()}
+
+
+def _zero_training(
+    name: str, mesh: Any, how: str | None, level: int, micro: int = 1, clip: float | None = None
+) -> dict[str, Any]:
+    """``name`` (with an unused parameter) at ZeRO ``level`` on ``mesh`` against one device:
+    5 AdamW steps of ``micro`` micro-batches (all but the last under no_sync), clipped to
+    ``clip`` when given."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    inner, config = build(name, 0.1)
+    model = WithUnused(inner).to(torch.float64)
+    data = batches(config, torch.float64)
+    captured = capture_modes(model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], mesh, _strategies(name, how), captured=captured, zero=level)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    norms = []
+    for step in range(STEPS):
+        for i in range(micro):
+            batch = data[(step + i) % len(data)]
+            loss_ref = ref(*batch) / micro
+            loss_ref.backward()
+            loss = pm(*shard_inputs(batch, pm)) / micro
+            torch.testing.assert_close(loss, loss_ref, msg=lambda m, s=step: f"step {s}: {m}")
+            if i < micro - 1:
+                with pm.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        if clip is not None:
+            expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            norms.append((float(clip_grad_norm_(pm, clip)), float(expected)))
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    for k in full_ref:
+        torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
+    assert torch.equal(full["unused.weight"], model.unused.weight)  # no gradient, no step
+    sharded = sum(1 for fqn in pm.local_tensors() if fqn in pm._zero)
+    return {"norms": norms, "sharded": sharded}
+
+
+def _cases(cases: list[tuple]) -> list[dict]:
+    return [_zero_training(*case) for case in cases]
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_zero_trains_as_one_device_on_2_ranks(level: int) -> None:
+    cases = [("gpt", {"dp": 2}, None, level), ("llama", {"dp": 2}, None, level, 2)]
+    for per_rank in run_ranks(_cases, 2, cases, timeout=300):
+        assert all(r["sharded"] > 0 for r in per_rank)
+
+
+def test_zero_argument_is_checked() -> None:
+    assert check_zero({"layers.*": 3}) == {"layers.*": 3}
+    with pytest.raises(ZeroError, match="zero=4: expected a ZeRO stage"):
+        check_zero(4)
+    with pytest.raises(ZeroError, match=r"zero\['x'\]=True"):
+        check_zero({"x": True})
+
+
+def test_zero_with_tensor_parallelism_accumulation_and_clipping_on_4_ranks() -> None:
+    """Every stage over dp while the weights are split over tp (MindSpore's mixed tuples and
+    Megatron's strategies), and alone over dp 4; with gradient accumulation and clipping."""
+    cases = [
+        ("gpt", {"dp": 4}, None, 3, 1, 0.05),
+        ("llama", {"dp": 4}, None, 2, 2),
+        ("gpt", {"dp": 2, "tp": 2}, "mixed", 1, 2, 0.05),
+        ("gpt", {"dp": 2, "tp": 2}, "mixed", 3, 3),
+        ("llama", {"dp": 2, "tp": 2}, "megatron", 2, 1, 0.05),
+        ("llama", {"dp": 2, "tp": 2}, "megatron", 3, 2, 0.05),
+    ]
+    for per_rank in run_ranks(_cases, 4, cases, timeout=600):
+        for case, result in zip(cases, per_rank, strict=True):
+            assert result["sharded"] > 0, case
+            for got, expected in result["norms"]:
+                assert got == pytest.approx(expected, rel=1e-9), case
+                assert expected > 0.05, case  # the clipping was active
+
+
+# -- what a rank holds and sends ---------------------------------------------------------------
+
+
+def _held_and_sent(mesh: Any, how: str | None, level: int) -> dict[str, Any]:
+    """GPT in float32 at ZeRO ``level``: the bytes a rank holds after a step (before zero_grad)
+    and sends in a step, with the sizes the formulas need."""
+    warnings.filterwarnings("ignore")
+    inner, config = build("gpt", 0.0)
+    model = WithUnused(inner)
+    data = batches(config, torch.float32)
+    pm = parallelize(model, data[0], mesh, _strategies("gpt", how), zero=level)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for step in range(2):
+        with comm.counting() as sent:
+            pm(*shard_inputs(data[step], pm)).backward()
+            opt.step()
+        held = pm.state_bytes(opt)
+        other_grads = sum(
+            t.grad.numel() for f, t in pm.local_tensors().items() if f not in pm._zero and
+            t.grad is not None
+        )  # fmt: skip
+        stepped = sum(1 for p in pm.parameters() if p.grad is not None)
+        opt.zero_grad()
+    zero = pm._zero
+    members = [m for u in zero.units for m in u.members]
+    {m.fqn for u in zero.units if u.used for m in u.members}
+    return {
+        "held": held,
+        "sent": sent,
+        "local": sum(m.rows * m.row for m in members),  # the plan's local elements
+        "padded": sum(m.chunk * m.row * len(u.group) for u in zero.units for m in u.members),
+        # what a step sends per unit: (n - 1) / n of its padded elements, in float32
+        "share": sum(
+            4 * m.chunk * m.row * (len(u.group) - 1)
+            for u in zero.units
+            if u.used
+            for m in u.members
+        ),
+        "even_shards": sum(m.rows * m.row / len(u.group) for u in zero.units for m in u.members),
+        "shards": sum(m.shard.numel() for m in members),
+        "largest_group": max((len(u.group) for u in zero.units), default=1),
+        # bytes of what ZeRO leaves alone (buffers, parameters with no gradient sum to shard)
+        "others": sum(
+            t.untyped_storage().nbytes() for f, t in pm.local_tensors().items() if f not in zero
+        ),
+        "other_grads": other_grads,
+        "count": len(list(pm.parameters())),
+        "stepped": stepped,
+    }
+
+
+def _held_cases(cases: list[tuple]) -> list[dict]:
+    return [_held_and_sent(*case) for case in cases]
+
+
+@pytest.mark.parametrize(
+    "world, mesh, how", [(2, {"dp": 2}, None), (4, {"dp": 2, "tp": 2}, "mixed")]
+)
+def test_bytes_held_and_sent_follow_the_stage_formulas(world: int, mesh: Any, how: Any) -> None:
+    cases = [(mesh, how, level) for level in (0, 1, 2, 3)]
+    results = run_ranks(_held_cases, world, cases, timeout=300)[0]
+    zero0 = results[0]
+    for level, r in enumerate(results[1:], start=1):
+        psi, padded, shards = r["local"], r["padded"], r["shards"]
+        n = r["largest_group"]
+        assert psi <= padded < psi + n * 64 * r["count"]  # padding: under a row per rank
+        assert shards == pytest.approx(r["even_shards"], abs=64 * r["count"])
+        others = r["others"]
+        params = {1: 4 * (psi + shards), 2: 4 * (psi + shards), 3: 4 * shards}[level]
+        grads = {1: 4 * (padded + shards), 2: 4 * shards, 3: 4 * shards}[level]
+        held = r["held"]
+        assert held["parameters"] - others == params, level
+        assert held["gradients"] - 4 * r["other_grads"] == grads, level
+        # two moments of each shard and other parameter that has a gradient, and AdamW's step,
+        # a float32 scalar per parameter stepped
+        moments = 2 * 4 * (shards + r["other_grads"])
+        assert held["optimizer"] == moments + 4 * r["stepped"]
+        # stage 0 holds every local parameter, its gradient and two moments
+        assert zero0["held"]["parameters"] == 4 * psi + others
+        # a step: reduce-scatter and all-gather of the padded parameters (a third pass, the
+        # backward's all-gather, at stage 3), (n - 1) / n of them each
+        # (the program's own collectives, tensor parallelism's, are stage 0's)
+        sent = {
+            k: v["bytes"] - zero0["sent"].get(k, {}).get("bytes", 0) for k, v in r["sent"].items()
+        }
+        share = r["share"]
+        assert sent["reduce_scatter"] == share
+        assert sent["all_gather"] == (2 if level == 3 else 1) * share
+        # the same bytes as stage 0's all-reduce of the same gradients, up to the padding
+        # (stage 3 adds a gather)
+        assert 0 <= share * 2 + sent.get("all_reduce", 0) < 4 * 64 * r["count"]
