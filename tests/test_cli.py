@@ -79,6 +79,7 @@ def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> No
         plan["strategies"],
         input_layouts=input_layouts(captured, plan),
     )
+    built.zero = plan["zero"]  # the stage the search chose with the strategies
     configured = [n for n in built.nodes.values() if n.configured]
     assert len(configured) >= 4 * 20
     got = estimate(built, captured, cluster_spec(plan["cluster"]))

@@ -222,14 +222,19 @@ def _searched(model: Any, data: list, mesh: Any, how: Searched, captured: dict) 
 
     import autoshard
 
-    limit = None
+    limit = zero = None
     if how.fraction is not None:
-        free = autoshard.plan(model, data[0], "dgx-h100", num_devices=mesh, captured=captured)
+        # without ZeRO, so that the memory limit is met by splitting weights
+        zero = 0
+        free = autoshard.plan(
+            model, data[0], "dgx-h100", num_devices=mesh, captured=captured, zero=zero
+        )
         limit = how.fraction * free.predicted.peak_memory
     if how.via_json:
         found = autoshard.plan(
-            model, data[0], "dgx-h100", num_devices=mesh, captured=captured, memory_limit=limit
-        )
+            model, data[0], "dgx-h100", num_devices=mesh, captured=captured, memory_limit=limit,
+            zero=zero,
+        )  # fmt: skip
         text = json.dumps(found.auto)
         pm = parallelize(model, data[0], None, plan=json.loads(text), captured=captured)
     else:
@@ -241,6 +246,7 @@ def _searched(model: Any, data: list, mesh: Any, how: Searched, captured: dict) 
             search=how.search,
             cluster="dgx-h100",
             memory_limit=limit,
+            zero=zero,
         )
     split = [
         f

@@ -191,16 +191,18 @@ def test_tight_memory_splits_the_weights() -> None:
     free_split = sum(1 for axes in _weight_splits(free).values() if axes)
     mem = free.predicted.memory
     # room for the free plan's activations and 45% of its weights, gradients and Adam state
-    limit = mem["activations"] + 0.45 * (mem["params"] + mem["grads"] + mem["optimizer"])
+    limit = mem["activations"] + 0.45 * (mem["parameters"] + mem["gradients"] + mem["optimizer"])
     tight = _plan_for("llama", memory_limit=limit, **kw)
     assert tight.predicted.peak_memory <= limit
-    assert tight.predicted.memory["params"] < 0.75 * mem["params"]
+    assert tight.predicted.memory["parameters"] < 0.75 * mem["parameters"]
     assert sum(1 for axes in _weight_splits(tight).values() if axes) >= free_split + 5
     assert tight.predicted.step_time >= free.predicted.step_time
 
 
 def test_nothing_fits_names_the_smallest_memory_and_the_remedies() -> None:
-    with pytest.raises(PlanningError, match=r"smallest peak found is .* GiB.*ZeRO.*pipeline"):
+    match = r"smallest peak found is .* MiB \(mesh .*, ZeRO 3: parameters .* activations .*\); "
+    match += r"the model state alone \(.*\) is over the limit. Needs more devices"
+    with pytest.raises(PlanningError, match=match):
         _plan_for("gpt", batch=8, hidden=256, devices=4, preset="dgx-h100", memory_limit=1e5)
 
 
@@ -208,25 +210,29 @@ def test_the_searched_plan_prices_as_the_search_said() -> None:
     """The search's objective is the cost model's estimate of the plan the planner builds, as
     a sum over ops (the bucketed gradient sums in line, without their buckets' latencies). GPT
     brings tied embeddings, a position embedding of a buffer (a reduction in backward shaped
-    like a weight's) and biases."""
+    like a weight's) and biases. At every ZeRO stage too (its units' collectives in place of
+    the buckets, without their latencies or the units' memory)."""
     cases = [
-        (name, search, batch, hidden)
+        (name, search, batch, hidden, None)
         for name in ("llama", "gpt")
         for search in ("optimal", "recursive", "propagate")
         for batch, hidden in ((8, 512), (64, 128))
         if search == "optimal" or batch == 8
     ]
-    for name, search, batch, hidden in cases:
+    cases += [(name, "optimal", 8, 512, zero) for name in ("llama", "gpt") for zero in (1, 2, 3)]
+    for name, search, batch, hidden, zero in cases:
         plan = _plan_for(
-            name, batch=batch, hidden=hidden, devices=8, preset="dgx-h100", search=search
-        )
+            name, batch=batch, hidden=hidden, devices=8, preset="dgx-h100", search=search,
+            zero=zero,
+        )  # fmt: skip
+        assert zero is None or plan.zero == plan.auto["zero"] == zero
         got = plan.predicted
         objective = plan.auto["predicted"]["search_objective_s"]
         assert got.search_step_time == pytest.approx(objective, rel=1e-6)
         assert got.step_time == pytest.approx(plan.auto["predicted"]["step_time_s"], rel=1e-9)
-        assert got.peak_memory == pytest.approx(
-            plan.auto["predicted"]["peak_memory_bytes"], rel=1e-6
-        )
+        predicted = plan.auto["predicted"]
+        assert got.search_peak_memory == pytest.approx(predicted["search_memory_bytes"], rel=1e-6)
+        assert predicted["memory_bytes"]["total"] == got.peak_memory
 
 
 def test_repeated_layers_make_one_group() -> None:
@@ -315,3 +321,36 @@ def test_propagate_keeps_configured_ops() -> None:
     )
     fc = plan.auto["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
     assert fc[2] == "tp" and fc[3] is None, fc
+
+
+def test_the_search_shards_with_zero_when_replicas_do_not_fit() -> None:
+    """Llama of 24 layers (2 captured) on 8 devices with room for its activations and a third
+    of one replica's model state: the search shards with ZeRO, and the plan fits."""
+    from autoshard.search import build_plan, run_search
+
+    _, _, og = _meta_model("llama", 64, 1024, 16)
+    spec = cluster_spec("dgx-h100", 8)
+
+    def searched(**kw):
+        result = run_search(og, 8, spec, depth={"layers": 24}, **kw)
+        return build_plan(og, result, spec)
+
+    free = searched().predicted
+    sharded = searched(zero=3)
+    limit = sharded.predicted.peak_memory * 1.001  # room for ZeRO 3's plan
+    plan = searched(memory_limit=limit)
+    assert plan.predicted.peak_memory <= limit < free.peak_memory
+    assert plan.zero >= 1 and plan.auto["zero"] == plan.zero
+    # without ZeRO the weights must be split to fit, which is slower
+    try:
+        unsharded = searched(zero=0, memory_limit=limit).predicted.step_time
+    except PlanningError:
+        unsharded = math.inf
+    assert plan.predicted.step_time < unsharded
+    memory = plan.auto["predicted"]["memory_bytes"]
+    assert set(memory) == {"parameters", "gradients", "optimizer", "activations", "total"}
+    assert memory["total"] == pytest.approx(sum(v for k, v in memory.items() if k != "total"))
+    replicated = searched(zero=0).predicted
+    assert memory["optimizer"] < replicated.memory["optimizer"] / 2  # sharded over dp
+    with pytest.raises(ValueError, match="zero= is one stage for the search"):
+        _plan_for("llama", zero={"layers.*": 3}, batch=8, hidden=128, devices=8, preset="dgx-h100")

@@ -14,6 +14,7 @@ import torch
 from test_runtime import STEPS, WithUnused, batches, build, megatron, mixed
 
 from autoshard import clip_grad_norm_, comm, parallelize, shard_inputs, single_device
+from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture_modes
 from autoshard.search import ZeroError, check_zero
 from autoshard.testing import run_ranks
@@ -140,8 +141,11 @@ def _held_and_sent(mesh: Any, how: str | None, level: int) -> dict[str, Any]:
         opt.zero_grad()
     zero = pm._zero
     members = [m for u in zero.units for m in u.members]
+    units = [4 * sum(m.rows * m.row for m in u.members) for u in zero.units if u.used]
     {m.fqn for u in zero.units if u.used for m in u.members}
     return {
+        "predicted": estimate(pm.plan, pm.plan.graph, cluster_spec("cpu")).memory,
+        "two_units": sum(sorted(units)[-2:]),
         "held": held,
         "sent": sent,
         "local": sum(m.rows * m.row for m in members),  # the plan's local elements
@@ -177,6 +181,8 @@ def test_bytes_held_and_sent_follow_the_stage_formulas(world: int, mesh: Any, ho
     cases = [(mesh, how, level) for level in (0, 1, 2, 3)]
     results = run_ranks(_held_cases, world, cases, timeout=300)[0]
     zero0 = results[0]
+    for level, r in enumerate(results):
+        _assert_predicted_memory(r, level)
     for level, r in enumerate(results[1:], start=1):
         psi, padded, shards = r["local"], r["padded"], r["shards"]
         n = r["largest_group"]
@@ -206,3 +212,48 @@ def test_bytes_held_and_sent_follow_the_stage_formulas(world: int, mesh: Any, ho
         # the same bytes as stage 0's all-reduce of the same gradients, up to the padding
         # (stage 3 adds a gather)
         assert 0 <= share * 2 + sent.get("all_reduce", 0) < 4 * 64 * r["count"]
+
+
+def _assert_predicted_memory(r: dict[str, Any], level: int) -> None:
+    """The cost model's breakdown is what the rank holds, up to the padding of the shards,
+    plus at stages 2 and 3 two units' gradient buffers and at stage 3 two units' gathered
+    parameters (what backward and forward hold at most besides the shards)."""
+    # padding, and a buffer that is a view of a larger storage
+    predicted, held, pad = r["predicted"], r["held"], 4 * (r["padded"] - r["local"]) + 256
+    window = r["two_units"]
+    params = held["parameters"] + (window if level == 3 else 0)
+    assert predicted["parameters"] == pytest.approx(params, abs=pad), level
+    grads = held["gradients"] + (window if level >= 2 else 0)
+    assert predicted["gradients"] == pytest.approx(grads, abs=pad), level
+    moments = held["optimizer"] - 4 * r["stepped"]  # AdamW's step counters are not priced
+    assert predicted["optimizer"] == pytest.approx(moments, abs=pad), level
+
+
+def _searched_plan_with_zero() -> dict[str, Any]:
+    """A plan searched at ZeRO 2, written to JSON and read back by parallelize, against one
+    device."""
+    import autoshard
+
+    warnings.filterwarnings("ignore")
+    model, config = build("gpt", 0.0)
+    model = model.to(torch.float64)
+    data = batches(config, torch.float64)
+    captured = capture_modes(model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    searched = autoshard.plan(model, data[0], "cpu", num_devices=2, zero=2, captured=captured)
+    pm = parallelize(model, data[0], 2, plan=searched.auto, captured=captured)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for batch in data:
+        ref(*batch).backward()
+        pm(*shard_inputs(batch, pm)).backward()
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    for k in full_ref:
+        torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
+    return {"zero": searched.auto["zero"], "stages": {u.level for u in pm._zero.units}}
+
+
+def test_a_searched_plan_carries_its_zero_stage() -> None:
+    for result in run_ranks(_searched_plan_with_zero, 2, timeout=300):
+        assert result == {"zero": 2, "stages": {2}}

@@ -219,6 +219,8 @@ def format_search(data: dict, result) -> str:
         f"({data['cluster']['nodes']} x {data['cluster']['devices_per_node']} devices)",
         f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
         f"peak memory {pred['peak_memory_bytes'] / gib:.2f} GiB per device",
+        f"ZeRO stage {data.get('zero', 0)}; memory per device: "
+        + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in pred.get("memory_bytes", {}).items()),
         f"search '{pred['search']}' {pred['search_s']:.2f} s "
         f"(graph of {result.graph.size[0]} decision nodes)",
     ]
@@ -227,14 +229,14 @@ def format_search(data: dict, result) -> str:
         lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
     lines.append("meshes tried:")
     for row in pred["meshes"]:
-        shape = "x".join(str(v) for v in row["mesh"].values())
+        shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
         if "step_s" in row:
             lines.append(
-                f"  {shape:>8}: {row['step_s'] * 1e3:.2f} ms, {row['memory'] / gib:.2f} GiB"
+                f"  {shape:>15}: {row['step_s'] * 1e3:.2f} ms, {row['memory'] / gib:.2f} GiB"
             )
         else:
             why = row.get("skipped", "does not fit")
-            lines.append(f"  {shape:>8}: {why} (bound {row['bound_s'] * 1e3:.2f} ms)")
+            lines.append(f"  {shape:>15}: {why} (bound {row['bound_s'] * 1e3:.2f} ms)")
     width = max((len(k) for k in data["strategies"]), default=10)
     lines.append("strategies (iteration-space layouts):")
     for key, value in data["strategies"].items():

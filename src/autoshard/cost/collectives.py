@@ -214,6 +214,15 @@ def assign_buckets(
     return out
 
 
+def reduce_group(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[int, int] | None:
+    """(ranks, ranks per node) of the all-reduce that sums ``partial`` into ``full``, when the
+    sum is one all-reduce (data-parallel replicas' gradients); else None."""
+    if transition(partial, full, cluster).kinds != ("all_reduce",):
+        return None
+    axes = tuple((st, sz) for st, sz, state in _axis_states(partial) if state == ("P",))
+    return _group(axes, cluster.devices_per_node)
+
+
 def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
     """Latency of the all-reduce over ``partial``'s partial axes."""
     axes = tuple((st, sz) for st, sz, state in _axis_states(partial) if state == ("P",))
@@ -240,5 +249,6 @@ __all__ = [
     "collective_parts",
     "collective_time",
     "grad_sync",
+    "reduce_group",
     "transition",
 ]

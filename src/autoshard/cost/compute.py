@@ -61,10 +61,11 @@ def saves_output(node: fx.Node) -> bool:
     return not rule_for(node).is_shape_op
 
 
-def optimizer_time(layout: Layout, cluster: ClusterSpec) -> float:
-    """One AdamW step on a parameter shard: about ten elementwise ops over it (torch.optim's
-    per-parameter loop), ``optimizer_passes`` times its bytes of memory traffic in all."""
-    traffic = cluster.optimizer_passes * local_bytes(layout)
+def optimizer_time(layout: Layout, cluster: ClusterSpec, share: float = 1.0) -> float:
+    """One AdamW step on a parameter shard (``share`` of it under ZeRO): about ten elementwise
+    ops over it (torch.optim's per-parameter loop), ``optimizer_passes`` times its bytes of
+    memory traffic in all."""
+    traffic = cluster.optimizer_passes * local_bytes(layout) * share
     return 10 * cluster.op_overhead + traffic / cluster.memory_bandwidth
 
 

@@ -25,11 +25,14 @@ from autoshard.cost.collectives import (
     transition,
 )
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.cost.zero import ZeroParam, gather_parts, scatter_parts, zero_param
 from autoshard.graph import OpGraph
 from autoshard.ops import tensor_inputs
 
 #: optimizer state values per parameter element (Adam's two moments)
 ADAM_STATES = 2
+#: the predicted memory breakdown per device, in bytes (``Estimate.memory``)
+MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,10 @@ class Estimate:
     shared_saving: float = 0.0
     optimizer: float = 0.0
     overlapped: list[Overlapped] = field(default_factory=list)
-    memory: dict[str, float] = field(
-        default_factory=lambda: {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
-    )
+    memory: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0.0))
+    #: memory ZeRO's units hold at most beside the shards (two units' gathered parameters and
+    #: gradient buffers): part of ``memory``, not of the searches' sum over ops
+    zero_window: float = 0.0
     model_flops: float = 0.0
     num_devices: int = 1
     peak_flops: float = 1.0
@@ -116,6 +120,11 @@ class Estimate:
         return sum(self.memory.values())
 
     @property
+    def search_peak_memory(self) -> float:
+        """The peak memory as the searches price it, a sum over ops (without ZeRO's units)."""
+        return self.peak_memory - self.zero_window
+
+    @property
     def mfu(self) -> float:
         return self.model_flops / (self.step_time * self.num_devices * self.peak_flops)
 
@@ -129,7 +138,7 @@ class Estimate:
             "optimizer_s": self.optimizer,
             "mfu": self.mfu,
             "peak_memory_bytes": self.peak_memory,
-            "memory_bytes": dict(self.memory),
+            "memory_bytes": {**self.memory, "total": self.peak_memory},
         }
 
 
@@ -150,6 +159,7 @@ def estimate(
     sequence, copies = _as_run(og, depth)
     terms: dict[fx.Node, Estimate] = {}
     backward_at: list[float] = []  # in-line backward seconds of each node run, in order
+    forward_at: list[float] = []  # in-line forward seconds before each node run
     for node, _ in sequence:
         if node not in terms:
             terms[node] = _node_terms(plan, og, node, cluster)
@@ -157,6 +167,7 @@ def estimate(
             strategy = node_plan.strategy if node_plan is not None else None
             if strategy and strategy.outs and strategy.outs[0] is not None and og[node].flops:
                 dtypes.append(strategy.outs[0].dtype)
+        forward_at.append(est.compute_forward + est.comm_forward)
         _add(est, terms[node])
         backward_at.append(terms[node].compute_backward + terms[node].comm_backward)
     for src, dst in plan.outputs:
@@ -164,10 +175,13 @@ def estimate(
     reduce_dtype = _reduce_dtype(plan, og)
     nodes = list(og.graph.nodes)
     owners = {fqn: copies.get(nodes[i], 1) for fqn, i in og.first_use.items()}
-    bucketed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
+    bucketed, zeroed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
     for layout in plan.inputs.values():
         est.memory["activations"] += local_bytes(layout)
     position = {item: k for k, item in enumerate(sequence)}
+    if zeroed:
+        run = _Run(position, forward_at, backward_at, est.grad_sync)
+        _overlap_zero(est, og, zeroed, run, plan.zero_level, cluster)
     ready = {  # each copy of a bucketed parameter: where it is first read in the run
         f"{fqn}#{c}": position[(nodes[og.first_use[fqn]], c)] if fqn in og.first_use else 0
         for fqn in bucketed
@@ -276,18 +290,35 @@ def _price_params(
     optimizer_states: int,
     reduce_dtype: torch.dtype | None,
     copies: Mapping[str, int],
-) -> dict[str, tuple[float, tuple, float, float]]:
+) -> tuple[dict[str, tuple[float, tuple, float, float]], dict[str, ZeroParam]]:
     """Memory and optimizer time of the parameters and buffers (``copies`` of a block's); the
-    gradient sums the hooks run in line; and the bucketed ones: (bandwidth seconds, bucket
-    key, bytes, the bucket's latency) by name, for each copy."""
+    gradient sums the hooks run in line; the bucketed ones: (bandwidth seconds, bucket key,
+    bytes, the bucket's latency) by name, for each copy; and the parameters under ZeRO."""
     kinds = {i.fqn: i.kind if i.node.users else "unused" for i in og if i.node.op == "placeholder"}
+    compute = {i.fqn: i.dtype for i in og.state()}
     bucketed: dict[str, tuple[float, tuple, float, float]] = {}
+    zeroed: dict[str, ZeroParam] = {}
+    level = getattr(plan, "zero_level", lambda fqn: 0)
     for fqn, param in plan.params.items():
         size, count = local_bytes(param.layout), copies.get(fqn, 1)
-        est.memory["params"] += count * size
         if kinds.get(fqn) != "param":
+            est.memory["parameters"] += count * size
             continue
-        est.memory["grads"] += count * size
+        zp = None
+        if param.grad_partial is not None and level(fqn):
+            zp = zero_param(
+                level(fqn), param.layout, param.grad_partial, cluster, optimizer_states,
+                compute.get(fqn), reduce_dtype,
+            )  # fmt: skip
+        if zp is not None:  # ZeRO: its own collectives, no bucket
+            for kind, nbytes in zp.memory.items():
+                est.memory[kind] += count * nbytes
+            est.optimizer += count * optimizer_time(param.layout, cluster, zp.share)
+            est.grad_sync += count * zp.copy
+            zeroed[fqn] = zp
+            continue
+        est.memory["parameters"] += count * size
+        est.memory["gradients"] += count * size
         est.memory["optimizer"] += count * optimizer_states * size
         est.optimizer += count * optimizer_time(param.layout, cluster)
         if param.grad_partial is not None:
@@ -299,7 +330,7 @@ def _price_params(
             if key is not None:  # a bucket holds it in the dtype it is summed in
                 latency = bucket_latency(param.grad_partial, cluster)
                 bucketed[fqn] = (seconds, key, local_bytes(partial), latency)
-    return bucketed
+    return bucketed, zeroed
 
 
 def _overlap_buckets(
@@ -330,4 +361,102 @@ def _overlap_buckets(
         est.overlapped.append(Overlapped(seconds + latency, forward + done * (1 + share), due))
 
 
-__all__ = ["ADAM_STATES", "Estimate", "Overlapped", "estimate", "exposed"]
+@dataclass(frozen=True)
+class _Run:
+    """Where the run is: each (node, copy)'s position, the in-line forward seconds before each
+    position and the in-line backward seconds of each."""
+
+    position: dict[tuple[fx.Node, int], int]
+    forward_at: list[float]
+    backward_at: list[float]
+    hooks: float  # in-line seconds of gradient hooks, spread over backward
+
+    def forward(self, k: int) -> float:
+        return self.forward_at[k] if k < len(self.forward_at) else self.forward_at[-1]
+
+    def backward(self, k: int) -> float:
+        """When backward has gone back through position ``k`` (from the step's start)."""
+        tail = sum(self.backward_at[k:])
+        total = sum(self.backward_at)
+        end = self.forward_at[-1] if self.forward_at else 0.0
+        return end + tail * (1 + self.hooks / max(total, 1e-30))
+
+
+def _overlap_zero(
+    est: Estimate,
+    og: OpGraph,
+    zeroed: dict[str, ZeroParam],
+    run: _Run,
+    level: Any,
+    cluster: ClusterSpec,
+) -> None:
+    """ZeRO's units (``runtime.zero``) as overlapped transfers: one per block copy and stage,
+    in the order of first use. Each unit's all-gather is started when the unit before it is
+    first read and due at its own first read; its reduce-scatter starts when backward has
+    passed its first read and is due when backward ends; at stage 3 backward gathers it again,
+    started when backward reaches the next unit's last read, due at its own last read. Memory:
+    at stage 3 two units' gathered parameters (one in use, the next one coming), at stages 2
+    and 3 two units' gradient buffers (one filling, one being summed)."""
+    units = _zero_units(og, zeroed, run, level)
+    due = run.backward(0)
+    previous = 0.0
+    for _, members in units:
+        zp = [zeroed[f] for f, _, _ in members]
+        g, per_node = zp[0].group, zp[0].per_node
+        first = min(k for _, k, _ in members)
+        gather = gather_parts(sum(z.gathered for z in zp), g, per_node, cluster)
+        scatter = scatter_parts(sum(z.summed for z in zp), g, per_node, cluster)
+        est.overlapped.append(Overlapped(sum(gather), previous, run.forward(first)))
+        previous = run.forward(first)
+        est.overlapped.append(Overlapped(sum(scatter), run.backward(first), due))
+        est.bucket_latency += gather[1] + scatter[1]
+    # stage 3: backward gathers each unit again, started when backward needs the unit before
+    # it in backward's order (the first when forward ends), due when backward needs it
+    ends = sorted(
+        ((max(e for _, _, e in members), members) for stage, members in units if stage == 3),
+        key=lambda item: -item[0],
+    )
+    previous_end = len(run.backward_at) - 1
+    for end, members in ends:
+        zp = [zeroed[f] for f, _, _ in members]
+        gather = gather_parts(sum(z.gathered for z in zp), zp[0].group, zp[0].per_node, cluster)
+        start, needed = run.backward(previous_end + 1), run.backward(end + 1)
+        previous_end = end
+        est.overlapped.append(Overlapped(sum(gather), start, needed))
+        est.bucket_latency += gather[1]
+    window = {"parameters": [0.0], "gradients": [0.0]}
+    for stage, members in units:
+        if stage == 3:
+            window["parameters"].append(sum(zeroed[f].gathered for f, _, _ in members))
+        if stage >= 2:
+            window["gradients"].append(sum(zeroed[f].summed for f, _, _ in members))
+    for kind, sizes in window.items():
+        est.memory[kind] += sum(sorted(sizes)[-2:])
+        est.zero_window += sum(sorted(sizes)[-2:])
+
+
+def _zero_units(
+    og: OpGraph, zeroed: dict[str, ZeroParam], run: _Run, level: Any
+) -> list[tuple[int, list[tuple[str, int, int]]]]:
+    """The runtime's ZeRO units in the run: (stage, members), each member (name, run position
+    of its first read, of its last read), in the order of first use."""
+    nodes = list(og.graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    last: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            if og[arg].kind == "param":
+                last[og[arg].fqn] = i
+    units: dict[tuple, list[tuple[str, int, int]]] = {}
+    for (node, copy), k in run.position.items():
+        for arg in node.all_input_nodes:
+            fqn = og[arg].fqn if og[arg].kind == "param" else None
+            if fqn in zeroed and og.first_use.get(fqn) == index[node]:
+                end = run.position.get((nodes[last[fqn]], copy), k)
+                key = (level(fqn), og[node].block, copy)
+                units.setdefault(key, []).append((fqn, k, end))
+    ordered = sorted(units.items(), key=lambda item: min(k for _, k, _ in item[1]))
+    return [(key[0], members) for key, members in ordered]
+
+
+__all__ = ["ADAM_STATES", "MEMORY_KINDS", "Estimate", "Overlapped", "estimate", "exposed"]

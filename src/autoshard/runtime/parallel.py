@@ -329,7 +329,8 @@ def parallelize(
         if plan is not None:
             raise ValueError("parallelize: give search= or plan=, not both")
         given = strategies if search == "propagate" else None
-        plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit, given)
+        plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit,
+                       given, zero if isinstance(zero, int) else None)  # fmt: skip
     ready, mesh, strategies, input_layouts, source = _given_plan(
         plan, captured[True], mesh, strategies, input_layouts
     )
@@ -352,13 +353,15 @@ def _search(
     cluster: Any,
     memory_limit: float | None,
     strategies: Any,
+    zero: int | None,
 ) -> Plan:
-    """The searched plan: an int ``mesh`` is a device count whose mesh shape is searched too."""
+    """The searched plan: an int ``mesh`` is a device count whose mesh shape is searched too;
+    the ZeRO stage is searched too unless ``zero`` is given."""
     fixed = None if isinstance(mesh, int) else mesh
     num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
     return search_plan(
         model, example_inputs, cluster, search=search, num_devices=num, mesh=fixed,
-        memory_limit=memory_limit, strategies=strategies, captured=captured,
+        memory_limit=memory_limit, strategies=strategies, captured=captured, zero=zero,
     )  # fmt: skip
 
 

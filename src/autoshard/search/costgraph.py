@@ -110,6 +110,8 @@ class CostGraph:
     build_seconds: float = 0.0
     #: block list prefix -> its real number of blocks, when fewer were captured
     depth: Mapping[str, int] | None = None
+    #: the ZeRO stage its parameters are priced at
+    zero: int = 0
     #: per node and option: the bucketed gradient sums among ``unary`` (they run beside
     #: backward) and the backward compute they can hide behind (docs/search.md)
     overlap: list[np.ndarray] = field(default_factory=list)
@@ -168,9 +170,10 @@ class _Builder:
         depth: Mapping[str, int] | None,
         group_layers: bool,
         optimizer_states: int,
+        zero: int = 0,
     ) -> None:
         self.og, self.mesh, self.cluster = og, mesh, cluster
-        self.depth, self.optimizer_states = depth, optimizer_states
+        self.depth, self.optimizer_states, self.zero = depth, optimizer_states, zero
         graph = og.graph
         self.weight, self.decision = _classify(graph)
         self.source = _sources(graph, self.weight, self.decision)
@@ -199,7 +202,7 @@ class _Builder:
         out_node = next(n for n in graph.nodes if n.op == "output")
         self.outputs = set(tensor_inputs(out_node))
         self.region = pricing.Region(
-            self.followers, self.const_layout, self.owner, mesh, cluster, self.outputs
+            self.followers, self.const_layout, self.owner, mesh, cluster, self.outputs, zero
         )
 
     def _representatives(self) -> None:
@@ -277,15 +280,19 @@ class _Builder:
         bucketed = 0.0
         for i, arg in enumerate(tensor_inputs(node)):
             want, grad = strategy.ins[i], strategy.grads[i]
+            zp = None
             if arg in self.weight and self.owner.get(arg) is node and arg.op == "placeholder":
                 whole = want.without_partial()
-                mem += pricing.param_bytes(arg, whole, self.optimizer_states)
-                seconds += pricing.param_time(arg, whole, self.cluster)
+                zp = pricing.zero_terms(
+                    arg, whole, grad, self.zero, self.optimizer_states, self.cluster
+                )
+                mem += pricing.param_bytes(arg, whole, self.optimizer_states, zp)
+                seconds += pricing.param_time(arg, whole, self.cluster, zp)
             elif arg in self.weight and arg in self.const_layout:
                 seconds += pricing.move(arg, self.const_layout[arg], want, self.cluster)
             elif arg in self.weight:
                 continue  # a parameter owned by another decision node
-            in_line, in_bucket = pricing.grad_reduce_parts(arg, grad, want, self.cluster)
+            in_line, in_bucket = pricing.grad_reduce_parts(arg, grad, want, self.cluster, zp)
             seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
         return seconds, mem, bucketed
 
@@ -357,11 +364,13 @@ def build_cost_graph(
     depth: Mapping[str, int] | None = None,
     group_layers: bool = True,
     optimizer_states: int = ADAM_STATES,
+    zero: int = 0,
 ) -> CostGraph:
     """The cost graph of ``og`` on ``mesh``. ``depth`` prices a repeated block list as if it
-    held more blocks than were captured (``{"layers": 80}`` with two blocks captured)."""
+    held more blocks than were captured (``{"layers": 80}`` with two blocks captured);
+    ``zero`` prices the parameters at that ZeRO stage (docs/zero.md)."""
     start = time.perf_counter()
-    b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states)
+    b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states, zero)
     const_time, const_memory, const_window = b.constants()
     total_flops = sum(b.decision_node(node) for node in b.order)
     b.tied_parameters()
@@ -382,6 +391,7 @@ def build_cost_graph(
         const_window=const_window,
         build_seconds=time.perf_counter() - start,
         depth=dict(depth) if depth else None,
+        zero=zero,
     )
 
 

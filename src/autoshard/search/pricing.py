@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.cost.zero import ZeroParam, zero_param
 from autoshard.graph import node_info
 from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
@@ -49,13 +50,43 @@ def _wants(user: fx.Node, i: int, mesh: MeshInfo) -> tuple[list[Layout], np.ndar
     return found
 
 
-def param_bytes(p: fx.Node, layout: Layout, optimizer_states: int) -> float:
+_ZERO: dict[tuple, ZeroParam | None] = {}
+
+
+def zero_terms(
+    p: fx.Node,
+    layout: Layout,
+    grad: Layout,
+    zero: int,
+    optimizer_states: int,
+    cluster: ClusterSpec,
+) -> ZeroParam | None:
+    """What parameter ``p`` stored as ``layout`` costs under ZeRO stage ``zero`` (None: ZeRO
+    leaves it alone, as the runtime does)."""
+    info = node_info(p)
+    if zero == 0 or info.kind != "param" or not info.requires_grad:
+        return None
+    key = (layout, grad, zero, optimizer_states, id(cluster))
+    if key not in _ZERO:
+        _ZERO[key] = zero_param(zero, layout, grad, cluster, optimizer_states, None, None)
+    return _ZERO[key]
+
+
+def param_bytes(
+    p: fx.Node, layout: Layout, optimizer_states: int, zp: ZeroParam | None = None
+) -> float:
     size = local_bytes(layout)
-    return size * (2 + optimizer_states) if node_info(p).kind == "param" else size
+    if node_info(p).kind != "param":
+        return size
+    return sum(zp.memory.values()) if zp is not None else size * (2 + optimizer_states)
 
 
-def param_time(p: fx.Node, layout: Layout, cluster: ClusterSpec) -> float:
-    return optimizer_time(layout, cluster) if node_info(p).kind == "param" else 0.0
+def param_time(
+    p: fx.Node, layout: Layout, cluster: ClusterSpec, zp: ZeroParam | None = None
+) -> float:
+    if node_info(p).kind != "param":
+        return 0.0
+    return optimizer_time(layout, cluster, zp.share if zp is not None else 1.0)
 
 
 _MOVES: dict[tuple, float] = {}
@@ -90,14 +121,17 @@ _PARTS: dict[tuple, tuple[float, float]] = {}
 
 
 def grad_reduce_parts(
-    arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec
+    arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec, zp: ZeroParam | None = None
 ) -> tuple[float, float]:
     """(in line, bucketed) seconds of ``arg``'s gradient sum: a parameter's all-reduce joins
     a bucket that runs beside backward (its bandwidth term; the hook's copy is in line, the
-    bucket's latency left out), anything else runs in line."""
+    bucket's latency left out), anything else runs in line. Under ZeRO (``zp``) the unit's
+    collectives take the bucket's place."""
     info = node_info(arg)
     if not info.requires_grad:
         return 0.0, 0.0
+    if zp is not None:
+        return zp.copy, zp.bandwidth(cluster)
     param = info.kind == "param"
     key = (grad, want, "param grad" if param else "grad", id(cluster))
     parts = _PARTS.get(key)
@@ -163,9 +197,11 @@ class Region:
         mesh: MeshInfo,
         cluster: ClusterSpec,
         outputs: set[fx.Node],
+        zero: int = 0,
     ) -> None:
         self.followers, self.const_layout, self.owner = followers, const_layout, owner
         self.mesh, self.cluster, self.outputs = mesh, cluster, outputs
+        self.zero = zero  # the ZeRO stage the parameters are priced at
 
     def price(
         self, node: fx.Node, strategy: Strategy, optimizer_states: int
@@ -219,9 +255,10 @@ class Region:
                 if a.op == "placeholder":
                     whole = want.without_partial()
                     values[a] = whole
-                    memory += param_bytes(a, whole, optimizer_states)
-                    seconds += param_time(a, whole, self.cluster)
-                    in_line, in_bucket = grad_reduce_parts(a, grad, want, self.cluster)
+                    zp = zero_terms(a, whole, grad, self.zero, optimizer_states, self.cluster)
+                    memory += param_bytes(a, whole, optimizer_states, zp)
+                    seconds += param_time(a, whole, self.cluster, zp)
+                    in_line, in_bucket = grad_reduce_parts(a, grad, want, self.cluster, zp)
                     seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
                 continue
             seconds += move(a, have, want, self.cluster)
@@ -290,13 +327,14 @@ def tied_grads(
 
 def clear_caches() -> None:
     """Forget what was cached per graph node (the caches keyed by op signature stay)."""
-    for cache in (_ROWS, _WANTS, _MOVES, _PARTS):
+    for cache in (_ROWS, _WANTS, _MOVES, _PARTS, _ZERO):
         cache.clear()
 
 
 __all__ = [
     "Region",
     "clear_caches",
+    "zero_terms",
     "edge_row",
     "follow",
     "grad_reduce",
