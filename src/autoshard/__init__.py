@@ -16,12 +16,16 @@ from autoshard.redistribution import (
     shard_tensor,
 )
 from autoshard.runtime import (
+    CheckpointError,
     GradScaler,
     NonFiniteGradientError,
     ParallelModule,
     PlanMismatchError,
     clip_grad_norm_,
+    latest,
+    load,
     parallelize,
+    save,
     shard_inputs,
     single_device,
 )
@@ -30,6 +34,7 @@ from autoshard.search import Plan, PlanningError, plan
 __all__ = [
     "PRESETS",
     "CaptureError",
+    "CheckpointError",
     "ClusterSpec",
     "Factored",
     "GradScaler",
@@ -50,10 +55,13 @@ __all__ = [
     "data",
     "gather_tensor",
     "init_mesh",
+    "latest",
+    "load",
     "parallelize",
     "plan",
     "redistribute",
     "redistribution_plan",
+    "save",
     "shard_inputs",
     "shard_tensor",
     "single_device",

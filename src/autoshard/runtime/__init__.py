@@ -1,6 +1,8 @@
 """The runtime: the parallel module each rank trains (``parallel``), its gradient buckets
-(``grad_sync``), clipping (``clip``), loss scaling (``scaler``) and replicas (``replicas``)."""
+(``grad_sync``), ZeRO (``zero``), checkpoints (``checkpoint``), clipping (``clip``), loss scaling
+(``scaler``) and replicas (``replicas``)."""
 
+from autoshard.runtime.checkpoint import CheckpointError, latest, load, save
 from autoshard.runtime.clip import NonFiniteGradientError, clip_grad_norm_
 from autoshard.runtime.grad_sync import GradSync
 from autoshard.runtime.parallel import (
@@ -13,6 +15,10 @@ from autoshard.runtime.parallel import (
 from autoshard.runtime.scaler import GradScaler
 
 __all__ = [
+    "CheckpointError",
+    "latest",
+    "load",
+    "save",
     "GradScaler",
     "GradSync",
     "NonFiniteGradientError",

@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -26,15 +24,17 @@ from autoshard.mesh import MeshInfo, check_world, mesh_info
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
+from autoshard.runtime.planned import (
+    PlanMismatchError,
+    _compare_plans,
+    _given_plan,
+    _plan_modes,
+    _search,
+    _zero_of,
+)
 from autoshard.runtime.replicas import replica_group, sync_replicas
 from autoshard.runtime.zero import build_zero
-from autoshard.search import Plan, check_zero, load_plan, plan_graph
-from autoshard.search import input_layouts as plan_input_layouts
-from autoshard.search import plan as search_plan
-
-
-class PlanMismatchError(ValueError):
-    """Ranks planned differently (different strategies, model or inputs on some rank)."""
+from autoshard.search import Plan, plan_graph
 
 
 class ParallelModule(nn.Module):
@@ -210,6 +210,29 @@ class ParallelModule(nn.Module):
             ),  # fmt: skip
         }
 
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    def run_state(self) -> RunState:
+        """The step counter the dropout masks are keyed by (checkpoints save it)."""
+        return self._state
+
+    def checkpoint_parts(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[int, ...], Any]]:
+        """Each saved tensor by name: (this rank's tensor, its global indices per dim, the
+        global shape, its rows of dim 0 under ZeRO or None); ``autoshard.save`` writes them."""
+        out = {}
+        for fqn, t in self.local_tensors().items():
+            if not any(n in self._full_keys for n in self._aliases.get(fqn, [fqn])):
+                continue  # a non-persistent buffer
+            layout = self._layouts[fqn]
+            rows = self._zero.rows(fqn) if fqn in self._zero else None
+            out[fqn] = (t, layout.local_index(self._rank), tuple(layout.shape), rows)
+        return out
+
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Each tied name of a parameter -> the name checkpoints save it under."""
+        return {k: self._canonical(k) for k in self._full_keys if self._canonical(k) != k}
+
     def _whole_local(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         """The plan's local tensor of ``fqn`` (gathered from ZeRO's rows; a collective)."""
         return self._zero.unsharded(fqn) if fqn in self._zero else t.detach()
@@ -229,7 +252,14 @@ class ParallelModule(nn.Module):
         for fqn, t in self.local_tensors().items():
             t = self._whole_local(fqn, t)
             layout = self._layouts[fqn]
-            full[fqn] = t.clone() if layout.num_devices == 1 else gather_tensor(t, layout)
+            whole = t if layout.num_devices == 1 else gather_tensor(t, layout)
+            # a copy: a replicated layout's gather is the local tensor itself
+            full[fqn] = (
+                whole.clone()
+                if whole.untyped_storage() is t.untyped_storage()
+                or (whole.data_ptr() == t.data_ptr())
+                else whole
+            )
         return {key: full[self._canonical(key)] for key in self._full_keys}
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -257,6 +287,8 @@ class ParallelModule(nn.Module):
         for fqn, t in self.local_tensors().items():
             layout = self._layouts[fqn]
             t = self._whole_local(fqn, t)
+            if layout.partial and all(layout.mesh[a] == 1 for a in layout.partial):
+                layout = layout.without_partial()  # a sum over one rank is the value
             try:
                 placements = layout.to_placements(device_mesh)
                 value = DTensor.from_local(t, device_mesh, placements, run_check=False)
@@ -344,83 +376,6 @@ def parallelize(
     )
 
 
-def _search(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    captured: dict[bool, OpGraph],
-    mesh: Any,
-    search: str,
-    cluster: Any,
-    memory_limit: float | None,
-    strategies: Any,
-    zero: int | None,
-) -> Plan:
-    """The searched plan: an int ``mesh`` is a device count whose mesh shape is searched too;
-    the ZeRO stage is searched too unless ``zero`` is given."""
-    fixed = None if isinstance(mesh, int) else mesh
-    num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
-    return search_plan(
-        model, example_inputs, cluster, search=search, num_devices=num, mesh=fixed,
-        memory_limit=memory_limit, strategies=strategies, captured=captured, zero=zero,
-    )  # fmt: skip
-
-
-def _zero_of(zero: Any, given: Any, planned: Plan) -> int | dict[str, int]:
-    """The ZeRO stages to run: ``zero`` when given, else the given plan's, else the plan's."""
-    if zero is not None:
-        return check_zero(zero)
-    if isinstance(given, Plan):
-        return given.zero
-    if given is not None:
-        return check_zero(load_plan(given).get("zero", 0))
-    return planned.zero
-
-
-def _plan_modes(
-    captured: dict[bool, OpGraph],
-    info: MeshInfo,
-    ready: Plan | None,
-    strategies: Any,
-    input_layouts: Any,
-) -> dict[bool, Plan]:
-    """The train graph's plan (``ready`` when given) and the eval graph's, which keeps the
-    train graph's parameter layouts."""
-    train = ready or plan_graph(captured[True], info, strategies, input_layouts=input_layouts)
-    param_layouts = {fqn: p.layout for fqn, p in train.params.items()}
-    evaluate = plan_graph(
-        captured[False],
-        info,
-        strategies,
-        input_layouts=input_layouts,
-        param_layouts=param_layouts,
-        strict=False,  # dropout nodes exist in the train graph only
-    )
-    return {True: train, False: evaluate}
-
-
-def _given_plan(
-    plan: Any,
-    og: OpGraph,
-    mesh: Any,
-    strategies: Mapping[str, Any] | None,
-    input_layouts: Mapping[str, Layout] | None,
-) -> tuple[Plan | None, Any, Any, Any, str]:
-    """What a ``plan=`` argument sets: the train graph's Plan when it was made for ``og``
-    itself (no need to plan it again), the mesh, the strategies and input layouts that plan
-    the eval graph (and the train graph of another capture), and where the mesh came from."""
-    if plan is None:
-        return None, mesh, strategies, input_layouts, ""
-    if isinstance(plan, Plan):
-        ready = plan if plan.graph is og and not input_layouts else None
-        if plan.auto is not None:
-            input_layouts = {**plan_input_layouts(og, plan.auto), **(input_layouts or {})}
-        return ready, plan.mesh, plan.strategies, input_layouts, "the plan given"
-    source = f"plan {plan}" if isinstance(plan, str | Path) else "the plan given"
-    data = load_plan(plan)
-    input_layouts = {**plan_input_layouts(og, data), **(input_layouts or {})}
-    return None, data["mesh"], data["strategies"], input_layouts, source
-
-
 def single_device(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -442,26 +397,6 @@ def single_device(
         )
     plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
     return ParallelModule(model, captured, plans, 0, seed, precision=policy)
-
-
-def _compare_plans(plan: Plan, rank: int) -> None:
-    """Every rank must hold the same plan before the first collective of training."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    mine = plan.digests()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for other_rank, other in enumerate(everyone):
-        if other == mine:
-            continue
-        for i in range(max(len(mine), len(other))):
-            a = mine[i] if i < len(mine) else "(nothing)"
-            b = other[i] if i < len(other) else "(nothing)"
-            if a != b:
-                raise PlanMismatchError(
-                    f"rank {rank} and rank {other_rank} planned differently: rank {rank} has "
-                    f"'{a[:300]}' where rank {other_rank} has '{b[:300]}'"
-                )
 
 
 def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:

@@ -366,6 +366,10 @@ class Zero:
         probe = _Member(m.fqn, m.shard, m.shape, m.rows, m.row, m.chunk, 0, m.mine)
         return _unpad(probe, out, size, m.chunk * m.row)
 
+    def rows(self, fqn: str) -> tuple[int, int]:
+        """This rank's rows of dim 0 of ``fqn``'s local tensor."""
+        return self._unit_of[fqn][1].mine
+
     def rows_of(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``fqn``'s local tensor."""
         m = self._unit_of[fqn][1]

@@ -1,0 +1,422 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP), written by every rank as its own
+shards and loaded under any plan, mesh, ZeRO stage or world size (docs/checkpoints.md).
+
+    autoshard.save("ckpt/step_100", pm, opt, step=100, loader=loader, extra={...})
+    info = autoshard.load(autoshard.latest("ckpt"), pm, opt, loader=loader)
+
+Every tensor is saved as the chunks of its global tensor this rank holds: each is a box of
+global offsets and sizes (a layout's local part is one box, or several for a factored dim such
+as fused QKV split by heads; a ZeRO shard is a block of rows of it), so nothing is gathered
+onto one rank and DCP reads back, for each box a loading rank needs, the overlapping parts of
+the saved ones. Replicas write once (DCP keeps one writer per box).
+
+A save writes into ``<path>.incomplete`` and, once every rank is done and the manifest
+(``autoshard.json``) is written, renames it to ``<path>``: a save that is interrupted never
+becomes a checkpoint, and :func:`latest` takes only directories with a manifest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    TensorProperties,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+MANIFEST = "autoshard.json"
+FORMAT = "autoshard-checkpoint/1"
+INCOMPLETE = ".incomplete"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded as asked (names the path and the cause)."""
+
+
+@dataclass
+class Chunks:
+    """The boxes of a global tensor of ``shape`` this rank holds: (global offsets, sizes, the
+    local tensor's view of that box)."""
+
+    shape: tuple[int, ...]
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]
+
+    def find(self, offsets: Any) -> torch.Tensor:
+        key = tuple(offsets)
+        for start, _, view in self.boxes:
+            if start == key:
+                return view
+        raise KeyError(f"no chunk at {key}")
+
+
+def _runs(index: slice | torch.Tensor, rows: tuple[int, int] | None) -> list[tuple[int, int, int]]:
+    """(global start, local start, length) of the contiguous runs of one dim's global indices,
+    the local positions cut to ``rows`` when given (a ZeRO shard's rows of dim 0, which become
+    local positions from 0)."""
+    if isinstance(index, slice):
+        runs = [(index.start, 0, index.stop - index.start)]
+    else:
+        values = index.tolist()
+        runs, k = [], 0
+        while k < len(values):
+            j = k
+            while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+                j += 1
+            runs.append((values[k], k, j - k + 1))
+            k = j + 1
+    if rows is None:
+        return [r for r in runs if r[2] > 0]
+    lo, hi = rows
+    cut = []
+    for g, loc, n in runs:
+        a, b = max(loc, lo), min(loc + n, hi)
+        if a < b:
+            cut.append((g + a - loc, a - lo, b - a))
+    return cut
+
+
+def chunks_of(
+    tensor: torch.Tensor, index: tuple[Any, ...], shape: tuple[int, ...], rows: Any = None
+) -> Chunks:
+    """The boxes of ``tensor``, which holds the elements ``index`` (per dim a slice or global
+    indices, as ``Layout.local_index`` gives) of a global tensor of ``shape``; ``rows``: only
+    those local rows of dim 0 (a ZeRO shard, ``tensor`` being the rows themselves)."""
+    if not shape:
+        return Chunks((), [((), (), tensor.reshape(()))] if tensor.numel() else [])
+    per_dim = [_runs(ix, rows if d == 0 else None) for d, ix in enumerate(index)]
+    boxes = []
+    for combo in itertools.product(*per_dim):
+        box = tensor
+        for d, (_, loc, n) in enumerate(combo):
+            box = box.narrow(d, loc, n)
+        boxes.append((tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo), box))
+    return Chunks(tuple(shape), boxes)
+
+
+class _SavePlanner(dcp.DefaultSavePlanner):
+    """DCP's planner with :class:`Chunks` values written as their boxes."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict, *args: Any, **kwargs: Any) -> None:
+        self.chunked = {k: v for k, v in state_dict.items() if isinstance(v, Chunks)}
+        rest = {k: v for k, v in state_dict.items() if not isinstance(v, Chunks)}
+        super().set_up_planner(rest, *args, **kwargs)
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        for fqn, chunks in self.chunked.items():
+            for start, sizes, view in chunks.boxes:
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(start)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(torch.Size(start), torch.Size(sizes)),
+                            properties=TensorProperties.create_from_tensor(view),
+                            size=torch.Size(chunks.shape),
+                        ),
+                    )
+                )
+        self.plan = type(plan)(items, planner_data=plan.planner_data, usable=plan.usable)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        chunks = self.chunked.get(write_item.index.fqn)
+        if chunks is None:
+            return super().resolve_data(write_item)
+        return chunks.find(write_item.index.offset).contiguous()
+
+
+class _LoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner with :class:`Chunks` values read into their boxes."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, *args: Any, **kw: Any):
+        self.chunked = {k: v for k, v in state_dict.items() if isinstance(v, Chunks)}
+        rest = {k: v for k, v in state_dict.items() if not isinstance(v, Chunks)}
+        missing = [k for k in self.chunked if k not in metadata.state_dict_metadata]
+        if missing:
+            raise CheckpointError(f"the checkpoint has no {missing[0]!r}")
+        super().set_up_planner(rest, metadata, *args, **kw)
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        for fqn, chunks in self.chunked.items():
+            saved = self.metadata.state_dict_metadata[fqn]
+            if tuple(saved.size) != chunks.shape:
+                raise CheckpointError(
+                    f"{fqn} is {tuple(saved.size)} in the checkpoint, {chunks.shape} here"
+                )
+            local = [ChunkStorageMetadata(torch.Size(s), torch.Size(n)) for s, n, _ in chunks.boxes]
+            items += create_read_items_for_chunk_list(fqn, saved, local)
+        return type(plan)(items, planner_data=plan.planner_data)
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        chunks = self.chunked.get(read_item.dest_index.fqn)
+        if chunks is None:
+            return super().resolve_tensor(read_item)
+        box = chunks.find(read_item.dest_index.offset)
+        for d, (start, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            box = box.narrow(d, start, n)
+        return box
+
+
+# -- what is saved ---------------------------------------------------------------------------------
+
+
+def _parts(module: nn.Module) -> dict[str, tuple[torch.Tensor, tuple, tuple[int, ...], Any]]:
+    """Each tensor of the model's state by name: (this rank's tensor, its global indices per
+    dim, the global shape, its rows of dim 0 under ZeRO or None)."""
+    if hasattr(module, "checkpoint_parts"):
+        return module.checkpoint_parts()
+    state = module.state_dict(keep_vars=True)
+    return {
+        name: (t, tuple(slice(0, n) for n in t.shape), tuple(t.shape), None)
+        for name, t in state.items()
+    }
+
+
+def _aliases(module: nn.Module) -> dict[str, str]:
+    """Every state dict name that is another's tied name -> the name saved."""
+    if hasattr(module, "checkpoint_aliases"):
+        return module.checkpoint_aliases()
+    seen: dict[int, str] = {}
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        key = id(t)
+        if key in seen:
+            out[name] = seen[key]
+        else:
+            seen[key] = name
+    return out
+
+
+def _model_state(module: nn.Module, saved: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The model's tensors as chunks, by ``model.<name>``; ``saved``: a checkpoint's tied
+    names (name -> the name it was saved under), for a module that names them otherwise."""
+    aliases = _aliases(module)
+    return {
+        f"model.{(saved or {}).get(name, name)}": chunks_of(t.detach(), index, shape, rows)
+        for name, (t, index, shape, rows) in _parts(module).items()
+        if name not in aliases
+    }
+
+
+def _optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The optimizer's state by ``optim.<name>.<key>`` (tensors shaped like their parameter
+    as its chunks) and its parameter groups' settings."""
+    parts = _parts(module)
+    saved = saved or {}
+    names = {id(t): name for name, (t, _, _, _) in parts.items()}
+    out: dict[str, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        settings["params"] = [
+            saved.get(names.get(id(p)), names.get(id(p))) for p in group["params"]
+        ]
+        if None in settings["params"]:
+            raise CheckpointError("the optimizer steps a tensor that is not the model's")
+        groups.append(settings)
+        for p in group["params"]:
+            name = names[id(p)]
+            _, index, shape, rows = parts[name]
+            for key, value in optimizer.state.get(p, {}).items():
+                where = f"optim.{saved.get(name, name)}.{key}"
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim():
+                    out[where] = chunks_of(value, index, shape, rows)
+                else:
+                    out[where] = value
+    out["optim.param_groups"] = groups
+    return out
+
+
+def _ready_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer's state exist, so loading has tensors to read into: one step with
+    zero gradients and a learning rate of 0 (parameters unchanged), as torch's
+    distributed state-dict helpers do."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    grads = [p.grad for p in params]
+    rates = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+    optimizer.step()
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+    for g, lr in zip(optimizer.param_groups, rates, strict=True):
+        g["lr"] = lr
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def save(
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    loader: Any = None,
+    extra: Any = None,
+) -> Path:
+    """Save the model's state (each rank its shards), the optimizer's, ``loader``'s position,
+    every rank's RNG state and ``extra`` (any picklable object) as the checkpoint ``path``; a
+    collective of every rank. Returns the path."""
+    path = Path(path)
+    if path.exists() and not (path / MANIFEST).exists():
+        raise CheckpointError(f"{path} exists and is not an autoshard checkpoint")
+    staging = path.with_name(path.name + INCOMPLETE)
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+    _barrier()
+    state = _model_state(module)
+    if optimizer is not None:
+        state |= _optimizer_state(module, optimizer)
+    run = getattr(module, "run_state", None)
+    state["autoshard.run"] = {"step": step, "model_step": run.step if run else None}
+    state[f"autoshard.rng.{_rank()}"] = torch.get_rng_state()
+    if loader is not None:
+        state["autoshard.loader"] = loader.state_dict()
+    state["autoshard.extra"] = extra
+    dcp.save(state, checkpoint_id=staging, planner=_SavePlanner(), no_dist=not _distributed())
+    _barrier()
+    if _rank() == 0:
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": dist.get_world_size() if _distributed() else 1,
+            "aliases": _aliases(module),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _commit(staging, path)
+    _barrier()
+    return path
+
+
+def _commit(staging: Path, path: Path) -> None:
+    """Make ``staging`` the checkpoint ``path`` (a rename; an older one at ``path`` goes)."""
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, path)
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (by its step, then its time), or None."""
+    found = []
+    for entry in Path(directory).iterdir() if Path(directory).is_dir() else []:
+        manifest = entry / MANIFEST
+        if entry.name.endswith(INCOMPLETE) or not manifest.is_file():
+            continue
+        try:
+            step = json.loads(manifest.read_text()).get("step")
+        except (OSError, ValueError):
+            continue
+        found.append((step if isinstance(step, int) else -1, manifest.stat().st_mtime, entry))
+    return max(found)[2] if found else None
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def load(
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    loader: Any = None,
+) -> dict[str, Any]:
+    """Load the checkpoint ``path`` into ``module`` (a ParallelModule under any plan, mesh,
+    ZeRO stage or world size, or a plain ``nn.Module``), ``optimizer`` and ``loader``; a
+    collective of every rank. Returns ``{"step": ..., "extra": ...}`` as saved."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{path} is not a complete autoshard checkpoint (no {MANIFEST})")
+    saved = json.loads(manifest.read_text())
+    if saved.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {saved.get('format')!r}, expected {FORMAT!r}")
+    state = _model_state(module, saved.get("aliases"))
+    if optimizer is not None:
+        _ready_optimizer(optimizer)
+        state |= _optimizer_state(module, optimizer, saved.get("aliases"))
+    objects = ["autoshard.run", "autoshard.extra"] + (["autoshard.loader"] if loader else [])
+    for key in objects:
+        state[key] = None
+    rng = f"autoshard.rng.{_rank()}"
+    reader = dcp.FileSystemReader(path)
+    if rng in reader.read_metadata().state_dict_metadata:
+        state[rng] = torch.get_rng_state()
+    planner = _LoadPlanner()
+    with torch.no_grad():
+        dcp.load(state, checkpoint_id=path, planner=planner, no_dist=not _distributed())
+    state |= planner.state_dict  # the objects read
+    if optimizer is not None:
+        _restore_groups(optimizer, state["optim.param_groups"])
+    if rng in state:
+        torch.set_rng_state(state[rng])
+    if loader is not None:
+        loader.load_state_dict(state["autoshard.loader"])
+    run = getattr(module, "run_state", None)
+    if run is not None and state["autoshard.run"]["model_step"] is not None:
+        run.step = state["autoshard.run"]["model_step"]
+    return {"step": state["autoshard.run"]["step"], "extra": state["autoshard.extra"]}
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, groups: Any) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(groups)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in saved.items():
+            if key != "params":
+                group[key] = value
+
+
+__all__ = ["CheckpointError", "Chunks", "chunks_of", "latest", "load", "save"]

@@ -1,0 +1,192 @@
+"""Checkpoints (docs/checkpoints.md): saved by every rank as its shards through DCP, loaded
+under another plan, mesh, ZeRO stage and world size, into a plain module too; a resumed run
+equals an uninterrupted one bit for bit; an interrupted save never loads as complete."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_runtime import batches, build, mixed
+
+import autoshard
+from autoshard import parallelize, shard_inputs
+from autoshard.graph.capture import capture_modes
+from autoshard.runtime import checkpoint
+from autoshard.testing import run_ranks
+
+
+def _model() -> tuple[torch.nn.Module, list, dict]:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model, config = build("gpt", 0.1)
+    model = model.to(torch.float64)
+    data = batches(config, torch.float64)
+    return model, data, capture_modes(model, data[0])
+
+
+def _train(pm: Any, opt: Any, data: list, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        batch = data[step % len(data)]
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _save_then_load_elsewhere(directory: str, phase: str) -> dict[str, Any]:
+    """``save``: 4 ranks, dp 2 x tp 2 (mixed strategies) at ZeRO 2: 3 steps, a checkpoint, 2
+    more steps. ``tp2`` (2 ranks, tp 2 at ZeRO 3) and ``one`` (1 rank) load it and take the
+    same 2 steps. Returns the full state at the checkpoint and after, and the 2 losses."""
+    model, data, captured = _model()
+    if phase == "save":
+        mesh, strategies, zero = {"dp": 2, "tp": 2}, mixed("gpt", 2, 2), 2
+    elif phase == "tp2":
+        mesh, strategies, zero = {"dp": 1, "tp": 2}, mixed("gpt", 1, 2), 3
+    else:
+        mesh, strategies, zero = {"dp": 1}, None, 0
+    pm = parallelize(model, data[0], mesh, strategies, captured=captured, zero=zero)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    path = Path(directory) / "step_3"
+    if phase == "save":
+        _train(pm, opt, data, range(3))
+        autoshard.save(path, pm, opt, step=3, extra={"note": "three steps"})
+    else:
+        info = autoshard.load(path, pm, opt)
+        assert info == {"step": 3, "extra": {"note": "three steps"}}
+    at = pm.full_state_dict()
+    losses = _train(pm, opt, data, range(3, 5))
+    return {"at": at, "after": pm.full_state_dict(), "losses": losses}
+
+
+def test_a_checkpoint_loads_under_another_plan_mesh_zero_stage_and_world(tmp_path) -> None:
+    """Bitwise equal parameters where loaded; the optimizer's state (moments, step counts,
+    settings) and the dropout step are loaded too, so the next steps equal the saving run's
+    (float64; the sums run in another order on another split)."""
+    saved = run_ranks(_save_then_load_elsewhere, 4, str(tmp_path), "save", timeout=300)[0]
+    for world, phase in ((2, "tp2"), (1, "one")):
+        loaded = run_ranks(_save_then_load_elsewhere, world, str(tmp_path), phase, timeout=300)[0]
+        for k, v in saved["at"].items():
+            assert torch.equal(loaded["at"][k], v), (phase, k, loaded["at"][k][0, :3], v[0, :3])
+            torch.testing.assert_close(loaded["after"][k], saved["after"][k])
+        assert loaded["losses"] == pytest.approx(saved["losses"], rel=1e-9)
+    # into the single-device model, on one process
+    model, _, _ = _model()
+    autoshard.load(tmp_path / "step_3", model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved["at"][k]), k
+
+
+def _resumed(directory: str, interrupt: bool) -> list[float]:
+    """GPT on dp 2 at ZeRO 1 with a shuffling loader: 10 steps, a checkpoint, 10 more, or
+    (``interrupt``) 10 steps, a checkpoint, a new model, optimizer and loader from the
+    checkpoint, 10 more. Returns the 20 losses and the final parameters."""
+    model, data, captured = _model()
+    samples = [tuple(t[i] for t in batch) for batch in data for i in range(len(batch[0]))]
+    samples = samples[:18]  # 4 global batches of 4 an epoch, so step 10 is mid-epoch
+
+    def fresh() -> tuple[Any, Any, Any]:
+        pm = parallelize(copy.deepcopy(model), data[0], {"dp": 2}, captured=captured, zero=1)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        return pm, opt, autoshard.data.loader(samples, pm, batch_size=4, seed=7)
+
+    pm, opt, loader = fresh()
+    losses: list[float] = []
+    batches_seen = iter(())
+
+    def steps(n: int) -> None:
+        nonlocal batches_seen
+        for _ in range(n):
+            batch = next(batches_seen, None)
+            if batch is None:
+                loader.set_epoch(loader.sampler.epoch + 1)
+                batches_seen = iter(loader)
+                batch = next(batches_seen)
+            loss = pm(*batch)
+            loss.backward()
+            opt.step(), opt.zero_grad()
+            losses.append(float(loss))
+
+    steps(10)
+    path = Path(directory) / ("b" if interrupt else "a")
+    autoshard.save(path, pm, opt, step=10, loader=loader)
+    if interrupt:
+        pm, opt, loader = fresh()
+        autoshard.load(path, pm, opt, loader=loader)
+        batches_seen = iter(loader)
+    steps(10)
+    return losses + [pm.full_state_dict()]
+
+
+def test_ten_steps_save_load_ten_more_equals_twenty_steps_bitwise(tmp_path) -> None:
+    straight = run_ranks(_resumed, 2, str(tmp_path), False, timeout=300)[0]
+    resumed = run_ranks(_resumed, 2, str(tmp_path), True, timeout=300)[0]
+    assert resumed[:20] == straight[:20]
+    for k, v in straight[20].items():
+        assert torch.equal(resumed[20][k], v), k
+
+
+class _Killed(BaseException):
+    """A writer stopped dead (not an Exception: nothing may catch it and go on)."""
+
+
+def test_an_interrupted_save_never_loads_as_complete(tmp_path, monkeypatch) -> None:
+    """A save stopped at each of its steps in turn (every chunk resolved, every file written,
+    the manifest, the renames): ``latest`` still finds the previous checkpoint, which loads."""
+    import os
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    model, data, captured = _model()
+    pm = parallelize(model, data[0], {"dp": 1}, captured=captured, zero=0)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    _train(pm, opt, data, range(1))
+    autoshard.save(tmp_path / "step_1", pm, opt, step=1)
+    first = pm.full_state_dict()
+    _train(pm, opt, data, range(1, 2))
+    calls = {"n": 0, "stop": 0}
+    targets = [
+        (checkpoint._SavePlanner, "resolve_data"),
+        (dcp.FileSystemWriter, "write_data"),
+        (dcp.FileSystemWriter, "finish"),
+        (Path, "write_text"),
+        (os, "replace"),
+        (shutil, "rmtree"),
+    ]
+    for owner, name in targets:
+        original = getattr(owner, name)
+
+        def wrapped(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == calls["stop"]:
+                raise _Killed
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapped)
+    fresh = parallelize(_model()[0], data[0], {"dp": 1}, captured=captured)
+    points = 0
+    while True:
+        calls["n"], calls["stop"] = 0, points + 1
+        try:
+            autoshard.save(tmp_path / "step_2", pm, opt, step=2)
+        except (_Killed, dcp.api.CheckpointException):  # DCP reports what stopped a rank
+            assert calls["n"] >= calls["stop"]  # stopped by us, nothing else
+            points += 1
+            calls["stop"] = 0  # the checks run uninterrupted
+            found = autoshard.latest(tmp_path)
+            assert found == tmp_path / "step_1", points
+            autoshard.load(found, fresh)
+            got = fresh.full_state_dict()
+            assert all(torch.equal(got[k], v) for k, v in first.items()), points
+            continue
+        break
+    assert points >= 20, points
+    print(f"stopped at {points} points")
+    assert autoshard.latest(tmp_path) == tmp_path / "step_2"
