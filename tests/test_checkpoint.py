@@ -190,3 +190,21 @@ def test_an_interrupted_save_never_loads_as_complete(tmp_path, monkeypatch) -> N
     assert points >= 20, points
     print(f"stopped at {points} points")
     assert autoshard.latest(tmp_path) == tmp_path / "step_2"
+
+
+def test_a_checkpoint_of_another_model_or_an_incomplete_one_is_a_clear_error(tmp_path) -> None:
+    model, data, captured = _model()
+    autoshard.save(tmp_path / "small", model)
+    wider = torch.nn.Linear(4, 3)
+    with pytest.raises(
+        autoshard.CheckpointError, match="small: the checkpoint has no 'model.(weight|bias)'"
+    ):
+        autoshard.load(tmp_path / "small", wider)
+    other = copy.deepcopy(model)
+    other.wpe = torch.nn.Embedding(other.wpe.num_embeddings * 2, other.wpe.embedding_dim)
+    with pytest.raises(autoshard.CheckpointError, match=r"wpe.weight is \(\d+, \d+\) in the "):
+        autoshard.load(tmp_path / "small", other)
+    (tmp_path / "half.incomplete").mkdir()
+    with pytest.raises(autoshard.CheckpointError, match="not a complete autoshard checkpoint"):
+        autoshard.load(tmp_path / "half.incomplete", model)
+    assert autoshard.latest(tmp_path) == tmp_path / "small"

@@ -392,8 +392,14 @@ def load(
     if rng in reader.read_metadata().state_dict_metadata:
         state[rng] = torch.get_rng_state()
     planner = _LoadPlanner()
-    with torch.no_grad():
-        dcp.load(state, checkpoint_id=path, planner=planner, no_dist=not _distributed())
+    try:
+        with torch.no_grad():
+            dcp.load(state, checkpoint_id=path, planner=planner, no_dist=not _distributed())
+    except dcp.api.CheckpointException as err:  # DCP wraps what each rank raised
+        for failure, _ in err.failures.values():
+            if isinstance(failure, CheckpointError):
+                raise CheckpointError(f"{path}: {failure}") from None
+        raise
     state |= planner.state_dict  # the objects read
     if optimizer is not None:
         _restore_groups(optimizer, state["optim.param_groups"])
