@@ -254,12 +254,7 @@ class ParallelModule(nn.Module):
             layout = self._layouts[fqn]
             whole = t if layout.num_devices == 1 else gather_tensor(t, layout)
             # a copy: a replicated layout's gather is the local tensor itself
-            full[fqn] = (
-                whole.clone()
-                if whole.untyped_storage() is t.untyped_storage()
-                or (whole.data_ptr() == t.data_ptr())
-                else whole
-            )
+            full[fqn] = whole.clone() if whole.data_ptr() == t.data_ptr() else whole
         return {key: full[self._canonical(key)] for key in self._full_keys}
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
