@@ -63,6 +63,8 @@ PUBLIC = {
     "init_mesh",
     "latest",
     "load",
+    "materialize",
+    "meta_init",
     "parallelize",
     "plan",
     "redistribute",

@@ -72,9 +72,11 @@ def capture(
     was_training = model.training
     model.train(train)
     args, kwargs = _unaliased(tuple(args), kwargs or {})
+    # A model built on the meta device is captured there, inputs included.
+    meta = dtype is not None or any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     try:
-        with _state_in(model, dtype):
-            if dtype is not None:
+        with _state_in(model, dtype, meta):
+            if meta:
                 args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
             program = torch.export.export(root, args, kwargs, strict=False)
             program = program.run_decompositions({})
@@ -85,18 +87,19 @@ def capture(
     return _from_program(program, model, prefix, train)
 
 
-def _on_meta(x: Any, dtype: torch.dtype) -> Any:
-    """``x`` as a meta tensor, of ``dtype`` if floating."""
+def _on_meta(x: Any, dtype: torch.dtype | None) -> Any:
+    """``x`` as a meta tensor, of ``dtype`` if floating and given."""
     if not isinstance(x, torch.Tensor):
         return x
-    return torch.empty(x.shape, dtype=dtype if x.is_floating_point() else x.dtype, device="meta")
+    cast = dtype is not None and x.is_floating_point()
+    return torch.empty(x.shape, dtype=dtype if cast else x.dtype, device="meta")
 
 
 @contextmanager
-def _state_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+def _state_in(model: nn.Module, dtype: torch.dtype | None, meta: bool = True) -> Iterator[None]:
     """The model's parameters and buffers swapped, for the block, for meta tensors (floating
-    ones of ``dtype``), tied ones still tied; the originals are back afterwards."""
-    if dtype is None:
+    ones of ``dtype`` if given), tied ones still tied; the originals are back afterwards."""
+    if not meta:
         yield
         return
     swapped: list[tuple[dict, str, Any]] = []

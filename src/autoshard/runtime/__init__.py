@@ -1,10 +1,11 @@
 """The runtime: the parallel module each rank trains (``parallel``), its gradient buckets
 (``grad_sync``), ZeRO (``zero``), checkpoints (``checkpoint``), clipping (``clip``), loss scaling
-(``scaler``) and replicas (``replicas``)."""
+(``scaler``), replicas (``replicas``) and models built on the meta device (``materialize``)."""
 
 from autoshard.runtime.checkpoint import CheckpointError, latest, load, save
 from autoshard.runtime.clip import NonFiniteGradientError, clip_grad_norm_
 from autoshard.runtime.grad_sync import GradSync
+from autoshard.runtime.materialize import materialize, meta_init
 from autoshard.runtime.parallel import (
     ParallelModule,
     PlanMismatchError,
@@ -18,6 +19,8 @@ __all__ = [
     "CheckpointError",
     "latest",
     "load",
+    "materialize",
+    "meta_init",
     "save",
     "GradScaler",
     "GradSync",

@@ -374,12 +374,7 @@ def load(
     ZeRO stage or world size, or a plain ``nn.Module``), ``optimizer`` and ``loader``; a
     collective of every rank. Returns ``{"step": ..., "extra": ...}`` as saved."""
     path = Path(path)
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{path} is not a complete autoshard checkpoint (no {MANIFEST})")
-    saved = json.loads(manifest.read_text())
-    if saved.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {saved.get('format')!r}, expected {FORMAT!r}")
+    saved = _manifest(path)
     state = _model_state(module, saved.get("aliases"))
     if optimizer is not None:
         _ready_optimizer(optimizer)
@@ -391,16 +386,7 @@ def load(
     reader = dcp.FileSystemReader(path)
     if rng in reader.read_metadata().state_dict_metadata:
         state[rng] = torch.get_rng_state()
-    planner = _LoadPlanner()
-    try:
-        with torch.no_grad():
-            dcp.load(state, checkpoint_id=path, planner=planner, no_dist=not _distributed())
-    except dcp.api.CheckpointException as err:  # DCP wraps what each rank raised
-        for failure, _ in err.failures.values():
-            if isinstance(failure, CheckpointError):
-                raise CheckpointError(f"{path}: {failure}") from None
-        raise
-    state |= planner.state_dict  # the objects read
+    state |= _read(path, state)  # the objects read
     if optimizer is not None:
         _restore_groups(optimizer, state["optim.param_groups"])
     if rng in state:
@@ -411,6 +397,38 @@ def load(
     if run is not None and state["autoshard.run"]["model_step"] is not None:
         run.step = state["autoshard.run"]["model_step"]
     return {"step": state["autoshard.run"]["step"], "extra": state["autoshard.extra"]}
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{path} is not a complete autoshard checkpoint (no {MANIFEST})")
+    saved = json.loads(manifest.read_text())
+    if saved.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {saved.get('format')!r}, expected {FORMAT!r}")
+    return saved
+
+
+def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Read ``state``'s tensors in place; returns the objects read."""
+    planner = _LoadPlanner()
+    try:
+        with torch.no_grad():
+            dcp.load(state, checkpoint_id=path, planner=planner, no_dist=not _distributed())
+    except dcp.api.CheckpointException as err:  # DCP wraps what each rank raised
+        for failure, _ in err.failures.values():
+            if isinstance(failure, CheckpointError):
+                raise CheckpointError(f"{path}: {failure}") from None
+        raise
+    return planner.state_dict
+
+
+def load_weights(path: str | os.PathLike, module: nn.Module) -> None:
+    """Load only the model's tensors of the checkpoint ``path`` into ``module`` (no optimizer,
+    step, RNG or loader); a collective of every rank."""
+    path = Path(path)
+    saved = _manifest(path)
+    _read(path, _model_state(module, saved.get("aliases")))
 
 
 def _restore_groups(optimizer: torch.optim.Optimizer, groups: Any) -> None:
@@ -425,4 +443,4 @@ def _restore_groups(optimizer: torch.optim.Optimizer, groups: Any) -> None:
                 group[key] = value
 
 
-__all__ = ["CheckpointError", "Chunks", "chunks_of", "latest", "load", "save"]
+__all__ = ["CheckpointError", "Chunks", "chunks_of", "latest", "load", "load_weights", "save"]

@@ -24,6 +24,7 @@ from autoshard.mesh import MeshInfo, check_world, mesh_info
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
+from autoshard.runtime.materialize import check_init, fill
 from autoshard.runtime.planned import (
     PlanMismatchError,
     _compare_plans,
@@ -51,6 +52,7 @@ class ParallelModule(nn.Module):
         bucket_cap_mb: float = BUCKET_CAP_MB,
         precision: Precision | None = None,
         reshard_after_forward: bool = True,
+        init: Any = None,
     ) -> None:
         super().__init__()
         self.precision = precision or Precision()
@@ -65,12 +67,16 @@ class ParallelModule(nn.Module):
         self._full_keys = list(model.state_dict().keys())
         self._aliases = captured[True].aliases
         tensors, device = self._local_state(model, captured)
-        sync_replicas({fqn: tensors[fqn] for fqn in self._layouts}, self._layouts, rank, replicas)
+        real = {fqn: t for fqn, t in tensors.items() if not t.is_meta}
+        layouts = {fqn: self._layouts[fqn] for fqn in real if fqn in self._layouts}
+        sync_replicas(real, layouts, rank, replicas)
         self._zero, fetchers, shards = build_zero(
-            captured[True], self.plan, tensors, rank, self.precision.reduce, reshard_after_forward
-        )
+            captured[True], self.plan, tensors, rank, self.precision.reduce, reshard_after_forward,
+            device,
+        )  # fmt: skip
         for fqn, shard in shards.items():  # the optimizer steps the shards
             self.register_parameter(attr_name(fqn), shard)
+        self._make_real(tensors, set(shards), device)
         for fqn, p in self.plan.params.items():
             if p.grad_partial is not None and tensors[fqn].requires_grad and fqn not in shards:
                 self._grad_sync.watch(tensors[fqn], p.grad_partial, p.layout)
@@ -81,6 +87,8 @@ class ParallelModule(nn.Module):
             mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
             for mode in captured
         }
+        if init is not None:
+            fill(self, model, init, seed)
 
     def _local_state(
         self, model: nn.Module, captured: dict[bool, OpGraph]
@@ -100,10 +108,10 @@ class ParallelModule(nn.Module):
             if fqn not in constants:
                 self._layouts[fqn] = p.layout
             full = values[fqn].detach()
-            local = (
+            local = (  # a meta tensor gets its memory once ZeRO has cut it (_make_real)
                 shard_tensor(full, p.layout, self._rank).to(device)
-                if full.device.type != "meta"
-                else torch.empty(p.layout.local_shape(), dtype=full.dtype, device=device)
+                if not full.is_meta
+                else torch.empty(p.layout.local_shape(), dtype=full.dtype, device="meta")
             )
             if isinstance(values[fqn], nn.Parameter):
                 tensors[fqn] = nn.Parameter(local, requires_grad=values[fqn].requires_grad)
@@ -112,6 +120,22 @@ class ParallelModule(nn.Module):
                 tensors[fqn] = local
                 self.register_buffer(attr_name(fqn), local, persistent=fqn not in constants)
         return tensors, device
+
+    def _make_real(
+        self, tensors: dict[str, torch.Tensor], sharded: set[str], device: torch.device
+    ) -> None:
+        """Memory for the local tensors still on the meta device (a model built there), left
+        unset: ``init`` fills them."""
+        for fqn, t in tensors.items():
+            if not t.is_meta or fqn in sharded:
+                continue
+            empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, nn.Parameter):
+                tensors[fqn] = nn.Parameter(empty, requires_grad=t.requires_grad)
+                self.register_parameter(attr_name(fqn), tensors[fqn])
+            else:
+                tensors[fqn] = empty
+                self.register_buffer(attr_name(fqn), empty)
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -330,6 +354,7 @@ def parallelize(
     precision: str | Precision | None = None,
     zero: int | Mapping[str, int] | None = None,
     reshard_after_forward: bool = True,
+    init: Any = None,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -346,12 +371,13 @@ def parallelize(
     given with it must have been captured in its compute dtype. ``zero`` (0, 1, 2, 3, or
     ``{fqn pattern: stage}``; default the plan's, else 0): ZeRO over each parameter's
     data-parallel replicas (docs/zero.md); ``reshard_after_forward`` (stage 3): drop gathered
-    parameters after forward and gather them again in backward."""
+    parameters after forward and gather them again in backward. ``init`` (a model built on
+    meta): a checkpoint, ``"reset"`` or a function of a module (docs/meta.md)."""
+    check_init(model, init)
     policy = precision_policy(precision)
     if captured is None:
-        captured = capture_modes(
-            model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=policy.compute
-        )
+        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
+                                 dtype=policy.compute)  # fmt: skip
     if search is not None:
         if plan is not None:
             raise ValueError("parallelize: give search= or plan=, not both")
@@ -366,9 +392,8 @@ def parallelize(
     plans = _plan_modes(captured, info, ready, strategies, input_layouts)
     plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
     _compare_plans(plans[True], rank)
-    return ParallelModule(
-        model, captured, plans, rank, seed, replicas, bucket_cap_mb, policy, reshard_after_forward
-    )
+    options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init)
+    return ParallelModule(model, captured, plans, rank, seed, *options)
 
 
 def single_device(
@@ -380,10 +405,12 @@ def single_device(
     seed: int = 0,
     captured: dict[bool, OpGraph] | None = None,
     precision: str | Precision | None = None,
+    init: Any = None,
 ) -> ParallelModule:
     """The model as one device runs it under autoshard (the same dropout masks as any split,
-    the same ``precision`` policy): the reference every parallel run must equal. Runs without
-    collectives, on any rank."""
+    the same ``precision`` policy, the same ``init`` of a meta model): the reference every
+    parallel run must equal. Runs without collectives, on any rank."""
+    check_init(model, init)
     info = MeshInfo(("dp",), (1,), ("dp",))
     policy = precision_policy(precision)
     if captured is None:
@@ -391,7 +418,7 @@ def single_device(
             model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=policy.compute
         )
     plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
-    return ParallelModule(model, captured, plans, 0, seed, precision=policy)
+    return ParallelModule(model, captured, plans, 0, seed, precision=policy, init=init)
 
 
 def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:

@@ -210,8 +210,11 @@ class Fetch(nn.Module):
 class Zero:
     """The ZeRO units of one rank: shards, gathers, gradient buffers and their sums."""
 
-    def __init__(self, rank: int, reshard_after_forward: bool = True) -> None:
+    def __init__(
+        self, rank: int, reshard_after_forward: bool = True, device: torch.device | None = None
+    ) -> None:
         self.rank = rank
+        self.device = device
         self.reshard_after_forward = reshard_after_forward
         self.syncing = True
         self.units: list[_Unit] = []
@@ -245,14 +248,15 @@ class Zero:
             start = min(rows, index * chunk)
             stop = min(rows, start + chunk)
             body = t.detach().reshape(rows, row)[start:stop].reshape((stop - start, *t.shape[1:]))
-            shard = nn.Parameter(body.clone(), requires_grad=t.requires_grad)
+            body = torch.empty_like(body, device=self.device) if body.is_meta else body.clone()
+            shard = nn.Parameter(body, requires_grad=t.requires_grad)
             members.append(_Member(fqn, shard, t.shape, rows, row, chunk, offset, (start, stop)))
             shards[fqn] = shard
             offset += chunk * row
         first = next(iter(tensors.values()))
         unit = _Unit(
             name, level, group, index, members, offset, dtypes.pop(),
-            reduce or first.dtype, first.device,
+            reduce or first.dtype, self.device if first.is_meta else first.device,
         )  # fmt: skip
         unit.used = sum(1 for fqn in tensors if fqn in used)
         self.units.append(unit)
@@ -278,6 +282,7 @@ class Zero:
                 unit.finish_sum()
             unit.fetched, unit.pending = set(), 0
         self._queued = False
+        self._stored = {k: v for k, v in self._stored.items() if v[2]() is not None}
 
     def fetch(self, fqn: str) -> torch.Tensor:
         unit, m = self._unit_of[fqn]
@@ -286,7 +291,9 @@ class Zero:
         if position + 1 < len(self.units):
             self.units[position + 1].start_gather()  # the next unit's, while this one computes
         for name, t in full.items():
-            self._stored[t.untyped_storage().data_ptr()] = (unit, name, weakref.ref(t))
+            # a weak reference to the root of the views: a view's object may die before them
+            root = t._base if t._base is not None else t
+            self._stored[t.untyped_storage().data_ptr()] = (unit, name, weakref.ref(root))
         if torch.is_grad_enabled() and m.shard.requires_grad:
             value = _Fetch.apply(m.shard, self, unit, m)
             unit.pending += 1
@@ -337,6 +344,9 @@ class Zero:
             self._queued = True
         unit.deposit(m, grad)
         if unit.pending == 0 and self.syncing:
+            for other in self.units:  # at most one sum in flight besides this one's
+                if other.summing is not None:
+                    other.finish_sum()
             unit.start_sum()
             if unit.level == 3:
                 unit.full = None
@@ -400,12 +410,14 @@ def build_zero(
     rank: int,
     reduce: torch.dtype | None,
     reshard_after_forward: bool,
+    device: torch.device | None = None,
 ) -> tuple[Zero, dict[str, Fetch], dict[str, nn.Parameter]]:
     """The ZeRO units of ``plan`` on this rank: every trainable parameter at a stage above 0
     whose gradient sum is one all-reduce, in units by (stage, group, block of its first
     reader), ordered by first use. Returns the units, what the program calls in place of each
-    parameter, and the shards the optimizer steps."""
-    zero = Zero(rank, reshard_after_forward)
+    parameter, and the shards the optimizer steps. A tensor on the meta device (a model built
+    there) gets an unset shard on ``device``."""
+    zero = Zero(rank, reshard_after_forward, device)
     order = og.first_use
     nodes = list(og.graph.nodes)
     dtypes = {i.fqn: i.dtype for i in og.state()}
