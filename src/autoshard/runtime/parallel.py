@@ -373,14 +373,14 @@ def parallelize(
     data-parallel replicas (docs/zero.md); ``reshard_after_forward`` (stage 3): drop gathered
     parameters after forward and gather them again in backward. ``init`` (a model built on
     meta): a checkpoint, ``"reset"`` or a function of a module (docs/meta.md)."""
+    if search is not None and plan is not None:
+        raise ValueError("parallelize: give search= or plan=, not both")
     check_init(model, init)
     policy = precision_policy(precision)
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
                                  dtype=policy.compute)  # fmt: skip
     if search is not None:
-        if plan is not None:
-            raise ValueError("parallelize: give search= or plan=, not both")
         given = strategies if search == "propagate" else None
         plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit,
                        given, zero if isinstance(zero, int) else None)  # fmt: skip
