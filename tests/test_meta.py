@@ -95,6 +95,17 @@ def test_meta_model_errors_name_the_cause(tmp_path: Path) -> None:
     save_file({"wte.weight": torch.zeros(3, 3)}, tmp_path / "model.safetensors")
     with pytest.raises(autoshard.CheckpointError, match=r"wte.weight is \(3, 3\)"):
         single_device(_gpt(True), x, init=str(tmp_path))
+    partial = {
+        k: v
+        for k, v in _gpt(False).state_dict().items()
+        if k not in ("wpe.weight", "lm_head.weight")
+    }
+    save_file({k: v.contiguous() for k, v in partial.items()}, tmp_path / "model.safetensors")
+    with pytest.raises(autoshard.CheckpointError, match=r"no tensor 'wpe.weight'"):
+        single_device(_gpt(True), x, init=str(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(autoshard.CheckpointError, match="neither an autoshard checkpoint"):
+        single_device(_gpt(True), x, init=str(tmp_path / "empty"))
 
 
 # -- a model whose training state does not fit a rank -------------------------------------------
