@@ -130,7 +130,11 @@ def _held_and_sent(mesh: Any, how: str | None, level: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     for step in range(2):
         with comm.counting() as sent:
-            pm(*shard_inputs(data[step], pm)).backward()
+            loss = pm(*shard_inputs(data[step], pm))
+            # stage 3 holds nothing gathered between forward and backward, and starts no
+            # gather forward will not use
+            gathering = [u.name for u in pm._zero.units if u.gathering is not None]
+            loss.backward()
             opt.step()
         held = pm.state_bytes(opt)
         other_grads = sum(
@@ -167,6 +171,8 @@ def _held_and_sent(mesh: Any, how: str | None, level: int) -> dict[str, Any]:
         "other_grads": other_grads,
         "count": len(list(pm.parameters())),
         "stepped": stepped,
+        "gathering": gathering,
+        "gathered": [u.name for u in zero.units if u.level == 3 and u.full is not None],
     }
 
 
@@ -192,6 +198,8 @@ def test_bytes_held_and_sent_follow_the_stage_formulas(world: int, mesh: Any, ho
         params = {1: 4 * (psi + shards), 2: 4 * (psi + shards), 3: 4 * shards}[level]
         grads = {1: 4 * (padded + shards), 2: 4 * shards, 3: 4 * shards}[level]
         held = r["held"]
+        if level == 3:
+            assert r["gathering"] == [] and r["gathered"] == []
         assert held["parameters"] - others == params, level
         assert held["gradients"] - 4 * r["other_grads"] == grads, level
         # two moments of each shard and other parameter that has a gradient, and AdamW's step,

@@ -288,8 +288,11 @@ class Zero:
         unit, m = self._unit_of[fqn]
         full = unit.gathered()
         position = self.units.index(unit)
-        if position + 1 < len(self.units):
-            self.units[position + 1].start_gather()  # the next unit's, while this one computes
+        ahead = self.units[position + 1] if position + 1 < len(self.units) else None
+        if ahead is not None and not ahead.fetched:
+            # the next unit's, while this one computes; not one this forward has used already
+            # (the root's last reader would gather the first block again for nothing)
+            ahead.start_gather()
         for name, t in full.items():
             # a weak reference to the root of the views: a view's object may die before them
             root = t._base if t._base is not None else t
