@@ -1,14 +1,14 @@
 """autoshard's ZeRO against FSDP2 and DDP, in the same run.
 
-Each rank trains the GPT and Llama reference models (hidden 256, 4 layers, 8 heads, seq 64,
+Each rank trains the GPT and Llama reference models (hidden 256, 2, 4 and 8 layers, 8 heads, seq 64,
 global batch 8, AdamW, float32) five ways, alternating one step of each: ``parallelize(model,
 batch, {"dp": N}, zero=k)`` for k = 1, 2, 3; FSDP2 as its docs set it up (``fully_shard`` on
 every block, then on the model, over the same ranks, ``reshard_after_forward`` left at its
 default); ``DistributedDataParallel(model)`` with torch's defaults. Each rank gets its slice of
 the batch. A step is forward, backward and the optimizer step; its time is the slowest rank's
-after a barrier. Peak memory per rank: the most tensor storage alive during one step after two
-warm-up steps (:class:`bench.memory.LiveBytes`, the same count for every library), the state
-held between steps included. Bytes sent per rank: autoshard's counting layer.
+after a barrier. Peak memory per rank: the most tensor storage alive during a step after two
+warm-up steps (the most of three; :class:`bench.memory.LiveBytes`, the same count for every
+library), the state held between steps included. Bytes sent per rank: autoshard's counting layer.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def _step(m: torch.nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> floa
 
 
 def _peak(build: Callable[[], tuple], outside: list[torch.Tensor]) -> int:
-    """The most storage alive in one step after two warm-up ones, on this rank."""
+    """The most storage alive in three steps after two warm-up ones, on this rank (several, as
+    when asynchronous collectives end moves the moment of the peak a little)."""
     gc.collect()
     with LiveBytes() as count:
         count.ignore(*outside)
@@ -98,7 +99,8 @@ def _peak(build: Callable[[], tuple], outside: list[torch.Tensor]) -> int:
         for _ in range(2):
             _step(*state)
         count.reset_peak()
-        _step(*state)
+        for _ in range(3):
+            _step(*state)
     return count.peak
 
 
@@ -110,7 +112,7 @@ def _max_over_ranks(n: int) -> int:
     return int(t)
 
 
-def _rank(steps: int, layers: int) -> list[dict]:
+def _rank(steps: int, depths: tuple[int, ...]) -> list[dict]:
     import torch.distributed as dist
 
     from autoshard import comm
@@ -118,7 +120,7 @@ def _rank(steps: int, layers: int) -> list[dict]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     rows = []
-    for name in ("gpt", "llama"):
+    for name, layers in ((name, n) for n in depths for name in ("gpt", "llama")):
         model, batch = _model(name, layers)
         builders = _builders(model, batch)
         outside = [*model.parameters(), *model.buffers(), *batch]
@@ -141,17 +143,40 @@ def _rank(steps: int, layers: int) -> list[dict]:
                 _step(*states[way])
             sent[way] = sum(c["bytes"] for c in counted.values())
         _check_losses(name, losses)
+        collectives = _collectives(sum(p.numel() for p in model.parameters()))
         rows.append(
             {
                 "model": name,
+                "layers": layers,
                 "ranks": dist.get_world_size(),
                 "params": sum(p.numel() for p in model.parameters()),
                 "ms": {way: statistics.median(times[way]) * 1e3 for way in WAYS},
                 "peak": peaks,
                 "sent": sent,
+                "collectives_ms": collectives,
             }
         )
     return rows
+
+
+def _collectives(numel: int) -> dict[str, float]:
+    """Milliseconds of one all-reduce, reduce-scatter and all-gather of ``numel`` float32 over
+    every rank (the gradient sum of DDP, and the two halves ZeRO splits it into)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    numel -= numel % world
+    full, part = torch.ones(numel), torch.empty(numel // world)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for rep in range(12):
+        for k, call in calls.items():
+            timed(call, times[k], rep >= 2)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _check_losses(name: str, losses: dict[str, list[float]]) -> None:
@@ -175,8 +200,8 @@ def _check_losses(name: str, losses: dict[str, list[float]]) -> None:
 def run(quick: bool) -> dict:
     from autoshard.testing import run_ranks
 
-    steps, layers = (3, 2) if quick else (STEPS, 4)
-    rows = run_ranks(_rank, 4, steps, layers, timeout=1800)[0]
+    steps, depths = (3, (2,)) if quick else (STEPS, (2, 4, 8))
+    rows = run_ranks(_rank, 4, steps, depths, timeout=3000)[0]
     for r in rows:
         r["time_ratio"] = {
             "zero3/fsdp2": r["ms"]["zero3"] / r["ms"]["fsdp2"],
@@ -184,45 +209,64 @@ def run(quick: bool) -> dict:
             "zero2/ddp": r["ms"]["zero2"] / r["ms"]["ddp"],
         }
         r["peak_ratio"] = r["peak"]["zero3"] / r["peak"]["fsdp2"]
-    return {"steps": steps, "layers": layers, "rows": rows}
+    return {"steps": steps, "rows": rows}
 
 
 def summary(result: dict[str, Any]) -> str:
     mib = 2**20
     lines = [
-        f"GPT and Llama reference models (hidden 256, {result['layers']} layers, 8 heads, seq 64, "
+        "GPT and Llama reference models (hidden 256, 8 heads, seq 64, "
         "global batch 8, float32, AdamW) on 4 CPU ranks of 1 thread (gloo), one data-parallel "
         "mesh dim: autoshard `parallelize(model, batch, {'dp': 4}, zero=k)` against FSDP2 "
         "(`fully_shard` per block, then the model) and `DistributedDataParallel(model)`, "
         "alternating one step of each way; median of "
         f"{result['steps']} steps of the slowest rank. Peak: the most tensor storage alive on "
-        "a rank during a step (the state held between steps included; the largest over ranks), "
+        "a rank during a step, the most of three (the state held between steps included; the "
+        "largest over ranks), "
         "counted the same way for every library (`bench/memory.py`). Losses of all five ways "
         "agree step by step.",
         "",
-        "| model | ZeRO 1 ms | ZeRO 2 ms | ZeRO 3 ms | FSDP2 ms | DDP ms | ZeRO 3 / FSDP2 | "
-        "ZeRO 1 / DDP | ZeRO 2 / DDP |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | layers | ZeRO 1 ms | ZeRO 2 ms | ZeRO 3 ms | FSDP2 ms | DDP ms | "
+        "ZeRO 3 / FSDP2 | ZeRO 1 / DDP | ZeRO 2 / DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         ms, q = r["ms"], r["time_ratio"]
         lines.append(
-            f"| {r['model']} | {ms['zero1']:.1f} | {ms['zero2']:.1f} | {ms['zero3']:.1f} | "
-            f"{ms['fsdp2']:.1f} | {ms['ddp']:.1f} | {q['zero3/fsdp2']:.2f} | "
+            f"| {r['model']} | {r['layers']} | {ms['zero1']:.1f} | {ms['zero2']:.1f} | "
+            f"{ms['zero3']:.1f} | {ms['fsdp2']:.1f} | {ms['ddp']:.1f} | {q['zero3/fsdp2']:.2f} | "
             f"{q['zero1/ddp']:.2f} | {q['zero2/ddp']:.2f} |"
         )
     lines += [
         "",
-        "| model | parameters | ZeRO 1 peak | ZeRO 2 peak | ZeRO 3 peak | FSDP2 peak | DDP peak | "
-        "ZeRO 3 / FSDP2 | ZeRO 1/2/3 MiB sent |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model | layers | parameters | ZeRO 1 peak | ZeRO 2 peak | ZeRO 3 peak | FSDP2 peak | "
+        "DDP peak | ZeRO 3 / FSDP2 | ZeRO 1/2/3 MiB sent |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         p, s = r["peak"], r["sent"]
         sent = " / ".join(f"{s[w] / mib:.2f}" for w in ("zero1", "zero2", "zero3"))
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.2f} M | "
+            f"| {r['model']} | {r['layers']} | {r['params'] / 1e6:.2f} M | "
             + " | ".join(f"{p[w] / mib:.1f} MiB" for w in WAYS)
             + f" | {r['peak_ratio']:.2f} | {sent} |"
         )
+    lines += [
+        "",
+        "Why ZeRO 1 and 2 trail DDP here: they replace DDP's all-reduce by a reduce-scatter and "
+        "an all-gather, which move the same bytes as the all-reduce together (the MiB sent "
+        "above), but gloo's reduce-scatter takes as long as a whole all-reduce, so on CPU the "
+        "pair costs nearly twice DDP's one call. One call over all 4 ranks, of the model's "
+        "parameters in float32, slowest rank's median:",
+        "",
+        "| model | layers | all-reduce ms | reduce-scatter ms | all-gather ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        c = r.get("collectives_ms")
+        if c:
+            lines.append(
+                f"| {r['model']} | {r['layers']} | {c['all_reduce']:.1f} | "
+                f"{c['reduce_scatter']:.1f} | {c['all_gather']:.1f} |"
+            )
     return "\n".join(lines)

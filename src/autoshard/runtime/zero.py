@@ -89,7 +89,9 @@ class _Unit:
     fetched: set[str] = field(default_factory=set)
     staging: torch.Tensor | None = None
     pending: int = 0  # fetches whose gradient has not come yet
+    notes: int = 0  # stage 3's notes autograd has not unpacked yet
     deposited: set[str] = field(default_factory=set)
+    grads: dict[str, tuple[_Member, torch.Tensor]] = field(default_factory=dict)  # not in staging
     summing: tuple[Any, torch.Tensor] | None = None
 
     def versions(self) -> int:
@@ -102,11 +104,11 @@ class _Unit:
         if self.gathering is not None or not self.stale():
             return
         size = len(self.group)
-        send = torch.empty(self.block, dtype=self.compute, device=self.device)
+        out = torch.empty(size * self.block, dtype=self.compute, device=self.device)
+        send = out.narrow(0, self.index * self.block, self.block)  # in place: no second buffer
         for m in self.members:
             n = (m.mine[1] - m.mine[0]) * m.row
             send[m.offset : m.offset + n].copy_(m.shard.detach().reshape(-1))
-        out = torch.empty(size * self.block, dtype=self.compute, device=self.device)
         self.version = self.versions()
         self.gathering = (comm.all_gather_async(out, send, self.group), out)
 
@@ -123,18 +125,30 @@ class _Unit:
         return self.full
 
     def deposit(self, member: _Member, grad: torch.Tensor) -> None:
+        if member.fqn in self.grads:  # a parameter read twice: summed in the reduce dtype
+            grad = self.grads[member.fqn][1].to(self.reduce) + grad
+        self.grads[member.fqn] = (member, grad)
+        self.deposited.add(member.fqn)
+        self.pending -= 1
+
+    def flush(self) -> None:
+        """Add the gradients received into the buffer the reduce-scatter reads. The buffer is
+        made now, when the unit's gradients are all in, not at the first: by then backward has
+        freed the unit's gathered parameters and activations."""
+        if not self.grads:
+            return
         size = len(self.group)
         if self.staging is None:
             self.staging = torch.zeros(size * self.block, dtype=self.reduce, device=self.device)
-        target = member.grid(self.staging, size, self.block)
-        flat = grad.reshape(member.rows, member.row)
-        whole, rest = divmod(member.rows, member.chunk)
         with torch.no_grad():
-            target[:whole].add_(flat[: whole * member.chunk].view(whole, member.chunk, -1))
-            if rest:
-                target[whole, :rest].add_(flat[whole * member.chunk :])
-        self.deposited.add(member.fqn)
-        self.pending -= 1
+            for member, grad in self.grads.values():
+                target = member.grid(self.staging, size, self.block)
+                flat = grad.reshape(member.rows, member.row)
+                whole, rest = divmod(member.rows, member.chunk)
+                target[:whole].add_(flat[: whole * member.chunk].view(whole, member.chunk, -1))
+                if rest:
+                    target[whole, :rest].add_(flat[whole * member.chunk :])
+        self.grads = {}
 
     def start_sum(self) -> None:
         out = torch.empty(self.block, dtype=self.reduce, device=self.device)
@@ -280,7 +294,7 @@ class Zero:
         for unit in self.units:
             if unit.summing is not None:
                 unit.finish_sum()
-            unit.fetched, unit.pending = set(), 0
+            unit.fetched, unit.pending, unit.notes = set(), 0, 0
         self._queued = False
         self._stored = {k: v for k, v in self._stored.items() if v[2]() is not None}
 
@@ -327,6 +341,7 @@ class Zero:
             return t
         if base.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
             return t
+        unit.notes += 1
         return _Saved(unit, fqn, t.size(), t.stride(), t.storage_offset())
 
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -335,8 +350,14 @@ class Zero:
         unit = saved.unit
         full = unit.gathered()[saved.fqn]
         position = self.units.index(unit)
-        if position > 0 and self.units[position - 1].level == 3:
-            self.units[position - 1].start_gather()  # backward's next unit
+        behind = self.units[position - 1] if position > 0 else None
+        if behind is not None and behind.level == 3 and behind.notes > 0:
+            behind.start_gather()  # backward's next unit, if backward still reads it
+        unit.notes -= 1
+        if unit.notes == 0:
+            # the last note: the view below is the last use (a root's parameters, read by the
+            # output layer and then not by the embedding's backward, need not wait for it)
+            unit.full = None
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
     # -- backward ---------------------------------------------------------------------------------
@@ -346,19 +367,22 @@ class Zero:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
         unit.deposit(m, grad)
+        if unit.pending == 0 and unit.level == 3:
+            unit.full = None  # before the sum's buffers
+        if unit.pending == 0:
+            unit.flush()
         if unit.pending == 0 and self.syncing:
             for other in self.units:  # at most one sum in flight besides this one's
                 if other.summing is not None:
                     other.finish_sum()
             unit.start_sum()
-            if unit.level == 3:
-                unit.full = None
 
     def _finish(self) -> None:
         """The end of a backward: sum what is left (members that got no gradient), wait for
         every sum and put it in the shards' ``.grad``."""
         self._queued = False
         for unit in self.units:
+            unit.flush()
             if unit.summing is None and unit.deposited and self.syncing:
                 unit.start_sum()
         for unit in self.units:
