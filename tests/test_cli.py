@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -104,15 +105,88 @@ def test_redistribute_command_prints_the_least_bytes_plan(capsys) -> None:
     assert code == 0 and "1024 B/rank" in capsys.readouterr().out
 
 
-def test_redistribute_command_names_a_bad_mesh() -> None:
+def test_redistribute_command_names_a_bad_mesh(capsys) -> None:
     """A mesh size that is not a number stops the command with a message naming --mesh."""
     from autoshard.cli.main import main
 
     argv = ["redistribute", "--mesh", "dp=2,tp=x", "--shape", "16,32"]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--src", "dp,_", "--dst", "_,tp"])
-    assert str(exit_info.value.code).startswith("--mesh:"), exit_info.value.code
-    assert "dp=2,tp=x" in str(exit_info.value.code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoshard: error: --mesh:") and "dp=2,tp=x" in err, err
+
+
+def _every_option(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for inner, path in _every_option(sub):
+                    yield inner, f"{name} {path}"
+        else:
+            yield action, "/".join(action.option_strings) or action.dest
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default(capsys) -> None:
+    from autoshard.cli.args import build_parser
+    from autoshard.cost.cluster import PRESETS
+
+    parser = build_parser(dict.fromkeys(("demo", "redistribute", "plan", "calibrate"), print))
+    options = list(_every_option(parser))
+    assert len(options) > 25
+    missing = [path for action, path in options if not action.help]
+    assert not missing, f"options without help: {missing}"
+    for command in ("plan", "calibrate", "redistribute"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        if command == "plan":
+            assert "(default: 32000)" in text and all(name in text for name in PRESETS)
+            assert "--tp-across-nodes" in text and "--kv-heads" in text
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("autoshard ")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--cluster", "nosuch"], "cluster 'nosuch': not a preset (dgx-a100"),
+        (["plan", "--cluster", "cpu", "--devices", "3"], "3 devices is not a whole number"),
+        (["plan", "--heads", "3"], "num_heads(3)"),
+        (["plan", "--model-fn", "nosuchmodule:make"], "no module 'nosuchmodule' (looked in"),
+        (["plan", "--model-fn", "justamodule"], "expected module:function"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(argv, message, capsys) -> None:
+    from autoshard.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoshard: error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    with pytest.raises(Exception, match=re.escape(message)):
+        main(["--debug", *argv])  # the whole error, traceback and all
+
+
+def test_model_fn_finds_a_module_of_the_current_directory(tmp_path, monkeypatch, capsys) -> None:
+    from autoshard.cli.main import main
+
+    (tmp_path / "mymodels_cli.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
+        "    return model, (torch.randn(4, 8),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["plan", "--model-fn", "mymodels_cli:make", "--cluster", "cpu"]) == 0
+    assert "predicted step" in capsys.readouterr().out
 
 
 def test_plan_command_for_the_mlp_on_one_node(tmp_path, capsys) -> None:

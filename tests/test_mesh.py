@@ -67,7 +67,12 @@ def test_init_mesh_without_a_launcher_is_a_clear_error(monkeypatch):
         init_mesh({"dp": 2})
 
 
-def test_mesh_that_does_not_match_the_world_names_every_factor() -> None:
+def test_mesh_that_does_not_match_the_world_names_every_factor(monkeypatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
     model = MLP(MLPConfig())
-    with pytest.raises(MeshError, match=r"dp\(2\) \* tp\(2\) = 4 != world size 1"):
+    with pytest.raises(MeshError, match=r"dp\(2\) \* tp\(2\) = 4 != world size 1") as err:
         parallelize(model, MLPConfig().example_batch(4), {"dp": 2, "tp": 2})
+    # where the world size came from, and what to do
+    assert "no process group is initialised" in str(err.value)
+    assert "torchrun --nproc-per-node 4" in str(err.value)

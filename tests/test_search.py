@@ -277,13 +277,20 @@ def test_bad_search_name_is_an_error() -> None:
 
 def test_bad_plans_and_arguments_are_clear_errors(tmp_path) -> None:
     from autoshard.search import load_plan
+    from autoshard.search.plans import FORMAT
     from autoshard.search.semi import plan_graph
 
-    with pytest.raises(ValueError, match="plan format None"):
+    with pytest.raises(ValueError, match="field 'format' is None"):
         load_plan({"mesh": {"dp": 2}})
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"format": "autoshard-plan/0"}))
-    with pytest.raises(ValueError, match="autoshard-plan/0"):
+    with pytest.raises(ValueError, match=r"plan file '.*p\.json': field 'format' .*plan/0"):
+        load_plan(path)
+    path.write_text('{"format": "autoshard-plan/1", "mesh"')  # cut off mid-write
+    with pytest.raises(ValueError, match=r"plan file '.*p\.json' is not JSON \(line 1"):
+        load_plan(path)
+    path.write_text(json.dumps({"format": FORMAT, "mesh": {"dp": 2}}))
+    with pytest.raises(ValueError, match=r"p\.json': no field 'strategies'"):
         load_plan(path)
     model, example, captured = _meta_model("gpt", 4, 64, 16)
     mesh = MeshInfo(("dp",), (2,), ("dp",))

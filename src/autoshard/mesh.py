@@ -118,13 +118,34 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+_LAUNCHER = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launched() -> bool:
+    """Whether a launcher (torchrun, or anything setting its variables) started several ranks."""
+    return all(v in os.environ for v in _LAUNCHER) and int(os.environ["WORLD_SIZE"]) > 1
+
+
 def check_world(mesh: MeshInfo, source: str = "") -> int:
-    """This rank, after checking that ``mesh`` covers the world exactly; the error names every
-    factor and, with ``source``, where the mesh came from."""
+    """This rank, after checking that ``mesh`` covers the world exactly. Under torchrun with no
+    process group yet, joins the one it describes first. The error names every factor, where
+    the world size came from and, with ``source``, where the mesh came from."""
+    if not (dist.is_available() and dist.is_initialized()) and _launched():
+        ensure_process_group()
     world = world_size()
     if mesh.num_devices != world:
         where = f" (the mesh of {source})" if source else ""
-        raise MeshError(f"{mesh.describe()} = {mesh.num_devices} != world size {world}{where}")
+        if dist.is_available() and dist.is_initialized():
+            origin = "the process group's"
+        else:
+            origin = (
+                "no process group is initialised and no launcher set WORLD_SIZE: start the script "
+                f"with torchrun --nproc-per-node {mesh.num_devices}, or call "
+                "torch.distributed.init_process_group first"
+            )
+        raise MeshError(
+            f"{mesh.describe()} = {mesh.num_devices} != world size {world} ({origin}){where}"
+        )
     return dist.get_rank() if world > 1 else 0
 
 

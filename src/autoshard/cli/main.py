@@ -1,11 +1,4 @@
-"""The ``autoshard`` command line.
-
-autoshard demo                      # the seeds' Z = (X*W)*V layouts moved on 4 CPU ranks
-autoshard redistribute --mesh dp=2,tp=2 --shape 16,32 --src dp,_ --dst _,tp
-autoshard plan --model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
-    --seq 2048 --batch 64 --cluster dgx-h100 --nodes 8 [--json plan.json]
-autoshard calibrate --out cpu.json  # measure this machine into a cluster spec
-"""
+"""The ``autoshard`` command line: what each command does (the options are in ``args``)."""
 
 from __future__ import annotations
 
@@ -15,12 +8,12 @@ import warnings
 
 import torch
 
+from autoshard.cli.args import DTYPES as _DTYPES
+from autoshard.cli.args import build_parser
 from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshError, mesh_info
 from autoshard.redistribution import redistribution_plan
-
-_DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
 def _parse_spec(text: str) -> tuple:
@@ -43,7 +36,7 @@ def _redistribute_command(args: argparse.Namespace) -> int:
     try:
         mesh = mesh_info(args.mesh).as_dict()
     except MeshError as err:
-        raise SystemExit(f"--mesh: {err}") from None
+        raise MeshError(f"--mesh: {err}") from None
     shape = tuple(int(s) for s in args.shape.split(","))
     dtype = _DTYPES[args.dtype]
     layouts = []
@@ -128,11 +121,28 @@ def _reference_model(args: argparse.Namespace):
 
 def _user_model(target: str):
     import importlib
+    import os
 
     module_name, _, func = target.partition(":")
-    if not func:
-        raise SystemExit(f"--model-fn {target!r}: expected module:function")
-    made = getattr(importlib.import_module(module_name), func)()
+    if not module_name or not func:
+        raise ValueError(f"--model-fn {target!r}: expected module:function, e.g. mymodels:make")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise ValueError(
+            f"--model-fn {target!r}: no module {err.name!r} (looked in {os.getcwd()} and "
+            "the installed packages)"
+        ) from err
+    if not callable(getattr(module, func, None)):
+        raise ValueError(f"--model-fn {target!r}: {module_name} has no function {func!r}")
+    made = getattr(module, func)()
+    if not isinstance(made, tuple | list) or len(made) not in (2, 3):
+        raise ValueError(
+            f"--model-fn {target!r}: expected (model, example_inputs[, loss_fn]), got "
+            f"{type(made).__name__}"
+        )
     if len(made) == 2:
         return made[0], tuple(made[1]), None, None
     return made[0], tuple(made[1]), None, made[2]
@@ -174,7 +184,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             tp_across_nodes=args.tp_across_nodes,
         )
     except PlanningError as err:
-        print(f"autoshard: {err}", file=sys.stderr)
+        print(f"autoshard: error: {err}", file=sys.stderr)
         return 3
     data = plan_json(captured, result, spec)
     data["predicted"]["capture_s"] = captured_s
@@ -267,62 +277,45 @@ def _calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the input's, told in one line (``--debug`` shows the traceback)."""
+    from autoshard.graph.capture import CaptureError
+    from autoshard.search import PlanningError
 
-    try:
-        return f"autoshard {version('autoshard')} (torch {torch.__version__})"
-    except PackageNotFoundError:
-        return f"autoshard (not installed; torch {torch.__version__})"
+    return (MeshError, LayoutError, PlanningError, CaptureError, ValueError, OSError, ImportError)
 
 
 def main(argv: list[str] | None = None) -> int:
     # torch's own deprecation notices (pytree's LeafSpec, from torch.export) are not the user's
     # to act on; they would open every command's output.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|copyreg)(\.|$)")
-    parser = argparse.ArgumentParser(
-        prog="autoshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = build_parser(
+        {
+            "demo": _demo_command,
+            "redistribute": _redistribute_command,
+            "plan": _plan_command,
+            "calibrate": _calibrate_command,
+        }
     )
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="move tensors between layouts on 4 local CPU ranks")
-    demo.set_defaults(run=_demo_command)
-    plan = sub.add_parser("redistribute", help="print the least-bytes redistribution plan")
-    plan.add_argument("--mesh", required=True, help="axis sizes, major first: dp=2,tp=2")
-    plan.add_argument("--shape", required=True, help="global tensor shape: 16,32")
-    plan.add_argument(
-        "--src", required=True, help="axes per dim, _ for none: dp,_ ; dp+tp,_ ; _,_,P:tp"
-    )
-    plan.add_argument("--dst", required=True, help="same form as --src")
-    plan.add_argument("--dtype", default="f32", choices=sorted(_DTYPES))
-    plan.set_defaults(run=_redistribute_command)
-    auto = sub.add_parser("plan", help="search the fastest plan of a model on a cluster")
-    auto.add_argument("--model", default="llama", choices=["llama", "gpt", "mlp"])
-    auto.add_argument("--model-fn", help="module:function returning (model, example_inputs)")
-    auto.add_argument("--layers", type=int, default=2)
-    auto.add_argument("--hidden", type=int, default=256)
-    auto.add_argument("--heads", type=int, default=8)
-    auto.add_argument("--kv-heads", type=int, default=None)
-    auto.add_argument("--ffn", type=int, default=None)
-    auto.add_argument("--vocab", type=int, default=32000)
-    auto.add_argument("--seq", type=int, default=128)
-    auto.add_argument("--batch", type=int, default=8)
-    auto.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
-    auto.add_argument("--cluster", default="dgx-h100", help="preset name or JSON spec")
-    auto.add_argument("--nodes", type=int, default=None)
-    auto.add_argument("--devices", type=int, default=None)
-    auto.add_argument("--memory-gib", type=float, default=None, help="override device memory")
-    auto.add_argument("--search", default="optimal", choices=["optimal", "recursive", "propagate"])
-    auto.add_argument("--tp-across-nodes", action="store_true")
-    auto.add_argument("--json", help="write the plan JSON here ('-' for stdout only)")
-    auto.set_defaults(run=_plan_command)
-    cal = sub.add_parser("calibrate", help="measure this machine into a cluster spec JSON")
-    cal.add_argument("--out", default="cluster.json")
-    cal.add_argument("--ranks", type=int, default=2)
-    cal.add_argument("--threads", type=int, default=1, help="threads per rank")
-    cal.set_defaults(run=_calibrate_command)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except _user_errors() as err:
+        if args.debug:
+            raise
+        parser.exit(2, f"autoshard: error: {_one_line(err)}\n")
+    except Exception as err:
+        if args.debug:
+            raise
+        parser.exit(
+            1,
+            f"autoshard: internal error: {type(err).__name__}: {_one_line(err)} "
+            "(--debug shows where)\n",
+        )
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

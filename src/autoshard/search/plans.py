@@ -187,10 +187,26 @@ def format_plan(plan: Plan) -> str:
 
 def load_plan(plan: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """A plan dict from a dict or a JSON file, checked for its format."""
+    where = "plan"
     if not isinstance(plan, Mapping):
-        plan = json.loads(Path(plan).read_text())
+        where = f"plan file {str(plan)!r}"
+        try:
+            plan = json.loads(Path(plan).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{where} is not JSON (line {err.lineno}, column {err.colno}: {err.msg}); write "
+                "one with `autoshard plan --json FILE` or plan.save(FILE)"
+            ) from None
+        if not isinstance(plan, Mapping):
+            raise ValueError(f"{where}: expected a JSON object, got {type(plan).__name__}")
     if plan.get("format") != FORMAT:
-        raise ValueError(f"plan format {plan.get('format')!r}: expected {FORMAT!r}")
+        raise ValueError(
+            f"{where}: field 'format' is {plan.get('format')!r}, expected {FORMAT!r} (not a plan "
+            "autoshard wrote, or from another version)"
+        )
+    missing = [k for k in ("mesh", "strategies") if k not in plan]
+    if missing:
+        raise ValueError(f"{where}: no field {', '.join(map(repr, missing))}")
     return dict(plan)
 
 

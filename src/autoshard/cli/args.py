@@ -1,0 +1,131 @@
+"""The ``autoshard`` command line's options: every one with its help line and default shown."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+
+import torch
+
+from autoshard.cost.cluster import PRESETS
+
+DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
+
+_USAGE = """\
+autoshard demo                      # the seeds' Z = (X*W)*V layouts moved on 4 CPU ranks
+autoshard redistribute --mesh dp=2,tp=2 --shape 16,32 --src dp,_ --dst _,tp
+autoshard plan --model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
+    --seq 2048 --batch 64 --cluster dgx-h100 --nodes 8 [--json plan.json]
+autoshard calibrate --out cpu.json  # measure this machine into a cluster spec
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and every option's default after its help."""
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return f"autoshard {installed('autoshard')} (torch {torch.__version__})"
+    except PackageNotFoundError:
+        return f"autoshard (not installed; torch {torch.__version__})"
+
+
+def build_parser(
+    runs: Mapping[str, Callable[[argparse.Namespace], int]],
+) -> argparse.ArgumentParser:
+    """The parser; ``runs`` maps each command to what runs it (``args.run``)."""
+    parser = argparse.ArgumentParser(
+        prog="autoshard", description=_USAGE, formatter_class=_Formatter
+    )
+    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text, description=text, formatter_class=_Formatter)
+        p.set_defaults(run=runs[name])
+        return p
+
+    command("demo", "move tensors between layouts on 4 local CPU ranks")
+    red = command("redistribute", "print the least-bytes redistribution plan of a tensor")
+    red.add_argument("--mesh", required=True, help="axis sizes, major first: dp=2,tp=2")
+    red.add_argument("--shape", required=True, help="global tensor shape: 16,32")
+    red.add_argument(
+        "--src", required=True, help="axes per dim, _ for none: dp,_ ; dp+tp,_ ; _,_,P:tp"
+    )
+    red.add_argument("--dst", required=True, help="the layout to move to, in the form of --src")
+    red.add_argument("--dtype", default="f32", choices=sorted(DTYPES), help="element type")
+    _plan_options(command("plan", "search the fastest plan of a model on a cluster"))
+    cal = command("calibrate", "measure this machine into a cluster spec JSON")
+    cal.add_argument("--out", default="cluster.json", help="where to write the cluster spec")
+    cal.add_argument("--ranks", type=int, default=2, help="local CPU ranks to time collectives on")
+    cal.add_argument("--threads", type=int, default=1, help="threads per rank")
+    return parser
+
+
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="llama",
+        choices=["llama", "gpt", "mlp"],
+        help="reference model to plan (not with --model-fn)",
+    )
+    p.add_argument(
+        "--model-fn",
+        help="module:function returning (model, example_inputs[, "
+        "loss_fn]); modules of the current directory are found",
+    )
+    p.add_argument("--layers", type=int, default=2, help="blocks (two are planned, all priced)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (they divide --hidden)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="key/value heads of grouped-query attention (llama; None: --heads)",
+    )
+    p.add_argument(
+        "--ffn",
+        type=int,
+        default=None,
+        help="feed-forward width (None: the model's rule from --hidden)",
+    )
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    p.add_argument("--seq", type=int, default=128, help="sequence length")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="precision planned in")
+    p.add_argument(
+        "--cluster",
+        default="dgx-h100",
+        help=f"a preset ({', '.join(PRESETS)}) or a cluster spec JSON file (autoshard calibrate)",
+    )
+    p.add_argument("--nodes", type=int, default=None, help="nodes (None: the preset's)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="devices in all, instead of --nodes (fewer than a node, or whole nodes)",
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="memory per device in GiB (None: the cluster's)",
+    )
+    p.add_argument(
+        "--search",
+        default="optimal",
+        choices=["optimal", "recursive", "propagate"],
+        help="search algorithm (docs/search.md)",
+    )
+    p.add_argument(
+        "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
+    )
+    p.add_argument("--json", help="write the plan JSON here ('-': to stdout, no table)")
+
+
+__all__ = ["DTYPES", "build_parser", "version"]
