@@ -188,14 +188,16 @@ def all_gather_async(out: torch.Tensor, x: torch.Tensor, ranks: Sequence[int]) -
     """Start gathering every member's contiguous ``x`` into ``out`` (the group size times its
     elements, members in ascending rank order); both belong to the collective until ``wait()``."""
     _count("all_gather", len(ranks), x)
-    return dist.all_gather_into_tensor(out, x, group=_group(ranks), async_op=True)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, x, group=_group(ranks), async_op=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
     """Start summing the contiguous ``x`` (the group size times ``out``'s elements) over the
     group, leaving chunk ``i`` on the ``i``-th member in ascending rank order in ``out``."""
     _count("reduce_scatter", len(ranks), x)
-    return dist.reduce_scatter_tensor(out, x, group=_group(ranks), async_op=True)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, x, group=_group(ranks), async_op=True)
 
 
 def all_to_all(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from autoshard.cost.cluster import PRESETS
 DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
 
 _USAGE = """\
-autoshard demo                      # the seeds' Z = (X*W)*V layouts moved on 4 CPU ranks
+autoshard demo                      # plan and train a small GPT on 4 CPU ranks, check it
 autoshard redistribute --mesh dp=2,tp=2 --shape 16,32 --src dp,_ --dst _,tp
 autoshard plan --model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
     --seq 2048 --batch 64 --cluster dgx-h100 --nodes 8 [--json plan.json]
@@ -50,7 +50,11 @@ def build_parser(
         p.set_defaults(run=runs[name])
         return p
 
-    command("demo", "move tensors between layouts on 4 local CPU ranks")
+    _demo_options(
+        command(
+            "demo", "plan and train a small GPT on local CPU ranks, checked against one process"
+        )
+    )
     red = command("redistribute", "print the least-bytes redistribution plan of a tensor")
     red.add_argument("--mesh", required=True, help="axis sizes, major first: dp=2,tp=2")
     red.add_argument("--shape", required=True, help="global tensor shape: 16,32")
@@ -65,6 +69,32 @@ def build_parser(
     cal.add_argument("--ranks", type=int, default=2, help="local CPU ranks to time collectives on")
     cal.add_argument("--threads", type=int, default=1, help="threads per rank")
     return parser
+
+
+def _demo_options(p: argparse.ArgumentParser) -> None:
+    from autoshard.cli.demo import DemoConfig
+
+    d = DemoConfig()
+    p.add_argument("--ranks", type=int, default=d.ranks, help="local CPU ranks (processes)")
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps")
+    p.add_argument("--layers", type=int, default=d.layers, help="GPT blocks")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size")
+    p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
+    p.add_argument("--seq", type=int, default=d.seq, help="sequence length (bytes)")
+    p.add_argument("--batch", type=int, default=d.batch, help="global batch (sequences)")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument(
+        "--search",
+        default=d.search,
+        choices=["optimal", "recursive"],
+        help="plan search over the ranks' meshes",
+    )
+    p.add_argument("--every", type=int, default=d.every, help="steps between metrics lines")
+    p.add_argument(
+        "--layouts",
+        action="store_true",
+        help="instead: move a tensor between the layouts of Z = (X*W)*V on 4 ranks",
+    )
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:

@@ -90,6 +90,12 @@ def _demo_rank(verbose: bool) -> list[str]:
 
 
 def _demo_command(args: argparse.Namespace) -> int:
+    if not args.layouts:
+        from autoshard.cli.demo import DemoConfig, run_demo
+
+        names = ("ranks", "steps", "layers", "hidden", "heads", "seq", "batch", "lr", "search")
+        run_demo(DemoConfig(**{n: getattr(args, n) for n in names}, every=args.every))
+        return 0
     from autoshard.testing import run_ranks
 
     results = run_ranks(_demo_rank, 4, False, timeout=120)

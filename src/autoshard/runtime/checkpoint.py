@@ -114,10 +114,12 @@ class _SavePlanner(dcp.DefaultSavePlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-    def set_up_planner(self, state_dict: dict, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(
+        self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
         self.chunked = {k: v for k, v in state_dict.items() if isinstance(v, Chunks)}
         rest = {k: v for k, v in state_dict.items() if not isinstance(v, Chunks)}
-        super().set_up_planner(rest, *args, **kwargs)
+        super().set_up_planner(rest, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> Any:
         plan = super().create_local_plan()
