@@ -133,12 +133,13 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(capsys) ->
     from autoshard.cli.args import build_parser
     from autoshard.cost.cluster import PRESETS
 
-    parser = build_parser(dict.fromkeys(("demo", "redistribute", "plan", "calibrate"), print))
+    commands = ("demo", "redistribute", "plan", "calibrate", "train")
+    parser = build_parser(dict.fromkeys(commands, print))
     options = list(_every_option(parser))
     assert len(options) > 25
     missing = [path for action, path in options if not action.help]
     assert not missing, f"options without help: {missing}"
-    for command in ("plan", "calibrate", "redistribute"):
+    for command in ("plan", "calibrate", "redistribute", "train", "demo"):
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
@@ -241,3 +242,34 @@ def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
     assert planned.returncode == 0, planned.stderr
     assert "FutureWarning" not in planned.stderr + planned.stdout
     assert planned.stdout.startswith("mesh ")
+
+
+def test_train_reads_a_toml_config_and_names_what_is_wrong_in_it(tmp_path) -> None:
+    from autoshard.cli.train import TrainConfig
+
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\ntarget = "train_fn:make"\nsteps = 7\nzero = 2\nclip = 1.0\n')
+    cfg = TrainConfig.from_toml(str(path))
+    assert (cfg.target, cfg.steps, cfg.zero, cfg.clip, cfg.lr) == ("train_fn:make", 7, 2, 1.0, 1e-3)
+    path.write_text('[train]\ntarget = "m:f"\nstep = 7\n')
+    with pytest.raises(ValueError, match=r"run.toml: \[train\] has unknown keys \['step'\]"):
+        TrainConfig.from_toml(str(path))
+    path.write_text("[train]\nsteps = 7\n")
+    with pytest.raises(ValueError, match=r"needs target = 'module:function'"):
+        TrainConfig.from_toml(str(path))
+    path.write_text("[train\n")
+    with pytest.raises(ValueError, match="run.toml: not TOML"):
+        TrainConfig.from_toml(str(path))
+
+
+def test_train_names_a_target_that_gives_no_model(tmp_path, monkeypatch) -> None:
+    from autoshard.cli.train import _parts, user_function
+
+    (tmp_path / "broken_fn.py").write_text("def make():\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="broken_fn:make: return \\(model, data"):
+        _parts(user_function("broken_fn:make"), "broken_fn:make")
+    with pytest.raises(ValueError, match="no nn.Module under 'model'"):
+        _parts({"model": 3, "batch": ()}, "x:y")
+    with pytest.raises(ValueError, match="has no function 'nothing'"):
+        user_function("broken_fn:nothing")

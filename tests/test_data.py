@@ -109,3 +109,23 @@ def test_bad_loader_arguments_are_clear_errors() -> None:
         layout = Layout.replicated((4, 16), 1)
         loader = ShardLoader(_dataset(), 4, [layout, Layout.replicated((4,), 1)], 0, seed=0)
         loader.load_state_dict({"epoch": 0, "position": 1, "seed": 1})
+
+
+def test_inputs_split_differently_read_whole_batches_and_cut_each_by_its_layout() -> None:
+    """A plan may split the ids by the batch and the targets by the sequence: each rank reads
+    the whole global batch and keeps its part of each input."""
+    from autoshard.data import ShardLoader
+    from autoshard.layout import Layout
+
+    mesh = {"dp": 2}
+    data = TensorDataset(torch.arange(64).reshape(16, 4), 100 + torch.arange(64).reshape(16, 4))
+    rows = Layout.from_named((8, 4), ("dp", None), mesh, dtype=torch.int64)
+    cols = Layout.from_named((8, 4), (None, "dp"), mesh, dtype=torch.int64)
+    whole = Layout.from_named((8, 4), (None, None), mesh, dtype=torch.int64)
+    for rank in range(2):
+        mine = ShardLoader(data, 8, [rows, cols], rank, seed=3)
+        full = ShardLoader(data, 8, [whole, whole], rank, seed=3)
+        assert mine.whole and len(mine) == len(full) == 2
+        for (x, y), (fx, fy) in zip(mine, full, strict=True):
+            assert torch.equal(x, fx[4 * rank : 4 * rank + 4])
+            assert torch.equal(y, fy[:, 2 * rank : 2 * rank + 2])

@@ -116,13 +116,11 @@ class ShardLoader:
         **loader_kwargs: Any,
     ) -> None:
         self.layouts, self.rank = list(layouts), rank
-        num_shards, shard_id = batch_shard(self.layouts[0], rank)
-        for layout in self.layouts[1:]:
-            if batch_shard(layout, rank) != (num_shards, shard_id):
-                raise ValueError(
-                    f"inputs split their batch dim differently ({self.layouts[0]} and {layout}); "
-                    f"every input of a batch must be split the same way"
-                )
+        shards = {batch_shard(layout, rank) for layout in self.layouts}
+        # Inputs that split their batch dim differently (a plan may cut the targets by the
+        # sequence): every rank reads whole global batches and cuts each input by its layout.
+        self.whole = len(shards) > 1
+        num_shards, shard_id = (1, 0) if self.whole else shards.pop()
         for layout in self.layouts:
             if layout.shape[0] != batch_size:
                 raise ValueError(
@@ -161,8 +159,9 @@ class ShardLoader:
             if isinstance(x, torch.Tensor):
                 layout = next(tensors, None)
                 if layout is not None:
-                    index = layout.local_index(self.rank)[1:]
-                    for dim, part in enumerate(index, start=1):
+                    first = 0 if self.whole else 1  # else the sampler picked dim 0's block
+                    index = layout.local_index(self.rank)[first:]
+                    for dim, part in enumerate(index, start=first):
                         x = x[(slice(None),) * dim + (part,)]
             out.append(x)
         return pytree.tree_unflatten(out, spec)

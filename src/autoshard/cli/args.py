@@ -64,6 +64,7 @@ def build_parser(
     red.add_argument("--dst", required=True, help="the layout to move to, in the form of --src")
     red.add_argument("--dtype", default="f32", choices=sorted(DTYPES), help="element type")
     _plan_options(command("plan", "search the fastest plan of a model on a cluster"))
+    _train_options(command("train", "plan and train your own model under torchrun"))
     cal = command("calibrate", "measure this machine into a cluster spec JSON")
     cal.add_argument("--out", default="cluster.json", help="where to write the cluster spec")
     cal.add_argument("--ranks", type=int, default=2, help="local CPU ranks to time collectives on")
@@ -95,6 +96,55 @@ def _demo_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: move a tensor between the layouts of Z = (X*W)*V on 4 ranks",
     )
+
+
+def _train_options(p: argparse.ArgumentParser) -> None:
+    from autoshard.cli.train import TrainConfig
+
+    d = TrainConfig(target="")
+    p.add_argument(
+        "target",
+        help="module:function returning (model, dataset or batch[, "
+        "loss_fn]) or a dict; or a TOML file with a [train] table of these options",
+    )
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this node")
+    p.add_argument("--nnodes", default=None, help="nodes, passed to torchrun")
+    p.add_argument("--node-rank", default=None, help="this node's rank, passed to torchrun")
+    p.add_argument("--master-addr", default=None, help="rank 0's host, passed to torchrun")
+    p.add_argument("--master-port", default=None, help="rank 0's port, passed to torchrun")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in all")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (samples)")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument(
+        "--search",
+        default=d.search,
+        choices=["optimal", "recursive", "propagate"],
+        help="plan search (not with --plan)",
+    )
+    p.add_argument("--plan", default=d.plan, help="a plan JSON file (autoshard plan --json)")
+    p.add_argument("--zero", type=int, default=d.zero, choices=[0, 1, 2, 3], help="ZeRO stage")
+    p.add_argument(
+        "--precision",
+        default=d.precision,
+        choices=["fp32", "bf16", "fp16"],
+        help="compute precision (float32 master weights)",
+    )
+    p.add_argument("--clip", type=float, default=d.clip, help="clip the gradient norm to this")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=d.checkpoint_dir,
+        help="checkpoints go here; a run resumes from the latest one in it",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        help="steps between checkpoints (0: none)",
+    )
+    p.add_argument("--log", default=d.log, help="metrics of every step, one JSON per line")
+    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between printed lines")
+    p.add_argument("--seed", type=int, default=d.seed, help="data order and dropout seed")
+    p.add_argument("--cluster", default=d.cluster, help="cluster preset or spec the search prices")
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:

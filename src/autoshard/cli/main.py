@@ -126,24 +126,12 @@ def _reference_model(args: argparse.Namespace):
 
 
 def _user_model(target: str):
-    import importlib
-    import os
+    from autoshard.cli.train import user_function
 
-    module_name, _, func = target.partition(":")
-    if not module_name or not func:
-        raise ValueError(f"--model-fn {target!r}: expected module:function, e.g. mymodels:make")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise ValueError(
-            f"--model-fn {target!r}: no module {err.name!r} (looked in {os.getcwd()} and "
-            "the installed packages)"
-        ) from err
-    if not callable(getattr(module, func, None)):
-        raise ValueError(f"--model-fn {target!r}: {module_name} has no function {func!r}")
-    made = getattr(module, func)()
+        made = user_function(target)
+    except ValueError as err:
+        raise ValueError(f"--model-fn {err}") from err
     if not isinstance(made, tuple | list) or len(made) not in (2, 3):
         raise ValueError(
             f"--model-fn {target!r}: expected (model, example_inputs[, loss_fn]), got "
@@ -268,6 +256,28 @@ def format_search(data: dict, result) -> str:
     return "\n".join(lines)
 
 
+def _train_command(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from autoshard.cli.train import TrainConfig, launch, worker
+
+    if args.target.endswith(".toml"):
+        cfg = TrainConfig.from_toml(args.target)
+    else:
+        names = [f.name for f in dataclasses.fields(TrainConfig)]
+        cfg = TrainConfig(**{n: getattr(args, n) for n in names})
+    if "LOCAL_RANK" in os.environ:  # already a rank torchrun started (the user's torchrun)
+        worker(cfg)
+        return 0
+    passed = [
+        f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+        for flag in ("nnodes", "node_rank", "master_addr", "master_port")
+        if getattr(args, flag) is not None
+    ]
+    return launch(cfg, args.nproc_per_node, passed)
+
+
 def _calibrate_command(args: argparse.Namespace) -> int:
     from autoshard.cost.calibrate import calibrate
 
@@ -301,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             "redistribute": _redistribute_command,
             "plan": _plan_command,
             "calibrate": _calibrate_command,
+            "train": _train_command,
         }
     )
     args = parser.parse_args(argv)
