@@ -16,6 +16,7 @@ def test_demo_trains_resumes_from_its_checkpoint_and_matches_one_process(capfd) 
     assert main(argv) == 0
     out = capfd.readouterr().out
     assert "plan for 2 ranks, searched (optimal)" in out
+    assert "(* chosen by the search)" in out and "configured by the user" not in out
     assert re.search(r"saved \S+step4 and resumed a new model from it at step 4", out)
     lines = re.findall(r"step +(\d+)/8 +loss (\S+) +(\S+) tokens/s .* MFU (\S+)%", out)
     assert [int(s) for s, *_ in lines] == [4, 8]

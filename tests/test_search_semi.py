@@ -58,6 +58,7 @@ def test_plan_table_shows_strategies_communication_and_bytes(mlp_graph) -> None:
     text = str(plan)
     assert "linear*" in text and "layers.0.fc1" in text
     assert "all_reduce" in text
+    assert text.endswith("(* configured by the user)")  # a searched plan says "by the search"
     # The row-split fc2 output is a partial sum that the residual add resolves (forward bytes of
     # an all-reduce of the [8, 16] float32 activation on 2 ranks: its size).
     add = plan.nodes["add"]

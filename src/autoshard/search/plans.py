@@ -178,7 +178,8 @@ def format_plan(plan: Plan) -> str:
         sent = redistribution_plan(grad, whole).bytes
         lines.append(f"gradient of {value}: summed once for all its readers, {sent} bytes/rank")
     lines += [f"warning: {w}" for w in plan.warnings]
-    lines.append("(* configured by the user)")
+    searched = plan.auto is not None  # every op's strategy comes from the search's plan
+    lines.append("(* chosen by the search)" if searched else "(* configured by the user)")
     return "\n".join(lines)
 
 
