@@ -361,3 +361,20 @@ def test_the_search_shards_with_zero_when_replicas_do_not_fit() -> None:
     assert memory["optimizer"] < replicated.memory["optimizer"] / 2  # sharded over dp
     with pytest.raises(ValueError, match="zero= is one stage for the search"):
         _plan_for("llama", zero={"layers.*": 3}, batch=8, hidden=128, devices=8, preset="dgx-h100")
+
+
+def test_a_plan_file_for_another_model_says_so(tmp_path) -> None:
+    from autoshard.layout import LayoutError
+    from autoshard.models import MLP, MLPConfig, build, reference_config
+
+    config = reference_config("gpt", vocab=64, seq=8, layers=1, heads=2, hidden=16)
+    gpt = build(config)
+    plan = autoshard.plan(gpt, config.example_batch(4), "cpu", num_devices=1)
+    path = tmp_path / "gpt.json"
+    plan.save(path)
+    match = r"plan .*gpt\.json does not fit this model \(made for another\?\): "
+    with pytest.raises(LayoutError, match=match + "spec"):  # its inputs do not fit
+        autoshard.parallelize(MLP(MLPConfig()), MLPConfig().example_batch(4), None, plan=path)
+    llama = reference_config("llama", vocab=64, seq=8, layers=1, heads=2, kv_heads=2, hidden=16)
+    with pytest.raises(autoshard.StrategyError, match=match + ".*matches no op"):  # its ops
+        autoshard.parallelize(build(llama), llama.example_batch(4), None, plan=path)

@@ -389,7 +389,7 @@ def parallelize(
     )
     info = mesh_info(mesh)
     rank = check_world(info, source)
-    plans = _plan_modes(captured, info, ready, strategies, input_layouts)
+    plans = _plan_modes(captured, info, ready, strategies, input_layouts, source)
     plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
     _compare_plans(plans[True], rank)
     options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init)

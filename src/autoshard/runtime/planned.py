@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard.graph import OpGraph
-from autoshard.layout import Layout
+from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshInfo, mesh_info
+from autoshard.ops import StrategyError
 from autoshard.search import Plan, check_zero, load_plan, plan_graph
 from autoshard.search import input_layouts as plan_input_layouts
 from autoshard.search import plan as search_plan
@@ -61,10 +62,17 @@ def _plan_modes(
     ready: Plan | None,
     strategies: Any,
     input_layouts: Any,
+    source: str = "",
 ) -> dict[bool, Plan]:
     """The train graph's plan (``ready`` when given) and the eval graph's, which keeps the
-    train graph's parameter layouts."""
-    train = ready or plan_graph(captured[True], info, strategies, input_layouts=input_layouts)
+    train graph's parameter layouts. ``source``: the plan the strategies came from, named in
+    an error when they do not fit the model."""
+    try:
+        train = ready or plan_graph(captured[True], info, strategies, input_layouts=input_layouts)
+    except StrategyError as err:
+        if not source:
+            raise
+        raise StrategyError(f"{source} does not fit this model (made for another?): {err}") from err
     param_layouts = {fqn: p.layout for fqn, p in train.params.items()}
     evaluate = plan_graph(
         captured[False],
@@ -92,12 +100,20 @@ def _given_plan(
     if isinstance(plan, Plan):
         ready = plan if plan.graph is og and not input_layouts else None
         if plan.auto is not None:
-            input_layouts = {**plan_input_layouts(og, plan.auto), **(input_layouts or {})}
+            input_layouts = _inputs_of(og, plan.auto, input_layouts, "the plan given")
         return ready, plan.mesh, plan.strategies, input_layouts, "the plan given"
     source = f"plan {plan}" if isinstance(plan, str | Path) else "the plan given"
     data = load_plan(plan)
-    input_layouts = {**plan_input_layouts(og, data), **(input_layouts or {})}
+    input_layouts = _inputs_of(og, data, input_layouts, source)
     return None, data["mesh"], data["strategies"], input_layouts, source
+
+
+def _inputs_of(og: OpGraph, data: Any, given: Any, source: str) -> dict[str, Layout]:
+    """The plan's input layouts for ``og``'s inputs, ``given`` ones first."""
+    try:
+        return {**plan_input_layouts(og, data), **(given or {})}
+    except LayoutError as err:
+        raise LayoutError(f"{source} does not fit this model (made for another?): {err}") from err
 
 
 def _compare_plans(plan: Plan, rank: int) -> None:
