@@ -6,9 +6,11 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,28 +79,135 @@ def test_the_transformers_example_under_torchrun_matches_one_device():
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
-def _train(argv: list[str], tmp_path: Path) -> tuple[str, list[float]]:
-    log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}.jsonl"
+def _train_command(argv: list[str], log: Path) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-m", "autoshard.cli", "train", "train_fn:make", "--batch-size", "8"]
     command += ["--nproc-per-node", "2"]
     command += ["--master-port", str(_free_port()), "--log", str(log), "--log-every", "1", *argv]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    return command, env
+
+
+def _losses(log: Path) -> list[float]:
+    """The losses of a JSONL metrics file (a run killed while writing leaves half a line)."""
+    lines = log.read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if line.endswith("}")]
+
+
+def _train(argv: list[str], tmp_path: Path) -> tuple[str, list[float]]:
+    log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}.jsonl"
+    command, env = _train_command(argv, log)
     out = subprocess.run(
         command, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout, [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    return out.stdout, _losses(log)
 
 
-def test_autoshard_train_resumes_from_the_latest_checkpoint_as_if_never_stopped(tmp_path):
-    first, second = tmp_path / "stopped", tmp_path / "straight"
-    out, early = _train(
-        ["--steps", "4", "--checkpoint-dir", str(first), "--checkpoint-every", "2"], tmp_path
+def _kill_at_a_checkpoint(argv: list[str], directory: Path, log: Path) -> int:
+    """Start ``autoshard train``, kill it (torchrun and its ranks, SIGKILL) once a complete
+    checkpoint of step 4 or later is in ``directory``; the step of the latest one."""
+    from autoshard import latest
+
+    command, env = _train_command(argv, log)
+    errors = log.with_suffix(".stderr")
+    with errors.open("w") as stderr:
+        proc = subprocess.Popen(
+            command, cwd=EXAMPLES, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    deadline = time.monotonic() + 240
+    try:
+        while (found := latest(directory)) is None or int(found.name.removeprefix("step")) < 4:
+            assert proc.poll() is None, errors.read_text()
+            assert time.monotonic() < deadline, "no checkpoint of step 4 in 240 s"
+            time.sleep(0.05)
+    finally:
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun's ranks have own sessions
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed, not finished
+    step = int(latest(directory).name.removeprefix("step"))
+    time.sleep(1.0)
+    assert latest(directory).name == f"step{step}"  # nothing of the run goes on
+    return step
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children before their children."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(0), [])
+        found += children
+        todo += children
+    return found
+
+
+def test_autoshard_train_killed_resumes_from_the_latest_checkpoint_as_if_never_stopped(tmp_path):
+    """Killed mid-run (every process, no chance to clean up), ``autoshard train`` run again
+    resumes from the newest complete checkpoint and trains on as the run never stopped."""
+    killed = tmp_path / "killed"
+    step = _kill_at_a_checkpoint(
+        ["--steps", "100000", "--checkpoint-dir", str(killed), "--checkpoint-every", "2"],
+        killed,
+        tmp_path / "killed.jsonl",
     )
-    assert "plan over 2 rank(s)" in out and len(early) == 4
-    out, late = _train(["--steps", "6", "--checkpoint-dir", str(first)], tmp_path)
-    assert f"resumed from {first / 'step4'} at step 4" in out
+    early = _losses(tmp_path / "killed.jsonl")
+    out, late = _train(["--steps", str(step + 2), "--checkpoint-dir", str(killed)], tmp_path)
+    assert f"resumed from {killed / f'step{step}'} at step {step}" in out
     assert len(late) == 2
-    _, straight = _train(["--steps", "6", "--checkpoint-dir", str(second)], tmp_path)
-    assert early + late == straight  # bitwise: parameters, optimizer state and data order
+    straight_dir = tmp_path / "straight"
+    out, straight = _train(
+        ["--steps", str(step + 2), "--checkpoint-dir", str(straight_dir)], tmp_path
+    )
+    assert "plan over 2 rank(s)" in out
+    assert early[:step] == straight[:step]  # the killed run trained as the straight one
+    assert late == straight[step:]  # bitwise: parameters, optimizer state and data order
+
+
+BRANCHY = """
+import torch
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.proj(x)
+        if h.sum() > 0:  # decided by the data: no graph captures it
+            h = h * 2
+        return ((h - y) ** 2).mean()
+
+
+def make():
+    return Branchy(), (torch.randn(4, 8), torch.randn(4, 8))
+"""
+
+
+def test_a_capture_failure_under_autoshard_train_is_one_line_from_rank_zero(tmp_path):
+    """Two ranks fail to capture a data-dependent `if`: the whole output is one line naming
+    the user's source line and the op; the tracebacks and torch's log are in files."""
+    (tmp_path / "branchy.py").write_text(BRANCHY)
+    command, env = _train_command(["--steps", "2"], tmp_path / "log.jsonl")
+    command[command.index("train_fn:make")] = "branchy:make"
+    out = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("autoshard: error: cannot capture module 'Branchy' at ")
+    assert "branchy.py:12 in forward: `if h.sum() > 0:" in lines[0]
+    assert "(op aten.item)" in lines[0] and "full log: " in lines[0]
+    assert (tmp_path / "autoshard-torchrun.log").read_text().strip()

@@ -350,9 +350,26 @@ class _Outer(nn.Module):
         return self.block(self.proj(x))
 
 
-def test_capture_error_names_the_module() -> None:
-    with pytest.raises(CaptureError, match="module 'block'"):
+def test_capture_error_is_one_line_with_the_users_source_line_and_the_op(capfd) -> None:
+    """The module, this file's line with the `if`, the op export stopped at and the remedy in
+    one line; torch's own log of the export is filed with the traceback, not printed."""
+    import inspect
+
+    from autoshard.graph.failure import log_path
+
+    with pytest.raises(CaptureError) as info:
         capture(_Outer(), (torch.randn(2, 4),))
+    message = str(info.value)
+    line = inspect.getsourcelines(_Branchy.forward)[1] + 1
+    assert "\n" not in message
+    assert "module 'block'" in message
+    assert f"{__file__}:{line} in forward: `if x.sum() > 0:" in message
+    assert "(op aten.item)" in message and "torch.where" in message
+    assert message.endswith(f"full log: {log_path()}")
+    log = log_path().read_text()
+    assert "GuardOnDataDependentSymNode" in log and "torch's log during the capture" in log
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert capfd.readouterr().err == ""
 
 
 def test_loss_fn_is_captured_with_a_model_returning_logits() -> None:

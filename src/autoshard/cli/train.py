@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import tomllib
@@ -220,18 +221,52 @@ def worker(cfg: TrainConfig) -> None:
     log.close()
 
 
+#: torchrun's own log lines (its banner, its notes on the ranks it watches)
+_TORCHRUN_LOG = re.compile(r"^[DIWE]\d{4} [\d:.]+ +\d+ .*torch/distributed/(run|elastic)/")
+#: the line after which torchrun only tells how the ranks failed (its traceback, its summary)
+_TORCHRUN_FAILED = re.compile(r"torch/distributed/elastic/.*failed \(exitcode")
+
+
 def launch(cfg: TrainConfig, nproc: int, torchrun_args: list[str]) -> int:
     """Run :func:`worker` on ``nproc`` ranks of this node under torchrun. The settings travel
     in the environment as JSON: torchrun would read the options of ours that look like its
-    own (``--log``) as its own."""
+    own (``--log``) as its own. The ranks' output comes through as it is, torchrun's own
+    log is left out; when a rank fails, what torchrun reports goes to a file named in one
+    line (unless a rank has already said what went wrong in one)."""
     import subprocess
 
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         *torchrun_args, "-m", "autoshard.cli.train",
     ]  # fmt: skip
-    env = {**os.environ, WORKER: json.dumps(dataclasses.asdict(cfg))}
-    return subprocess.call(command, env=env)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, WORKER: json.dumps(dataclasses.asdict(cfg))}
+    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        report, told = _relay(proc.stderr)
+    if proc.returncode and report:
+        path = Path(cfg.log).parent / "autoshard-torchrun.log"  # beside the metrics
+        path.write_text("".join(report))
+        if not told:
+            print(
+                f"autoshard: error: training stopped, a rank exited with code "
+                f"{proc.returncode} (its output is above; torchrun's report: {path})",
+                file=sys.stderr,
+            )
+    return proc.returncode
+
+
+def _relay(stream: Any) -> tuple[list[str], bool]:
+    """Copy the ranks' lines of torchrun's stderr to ours; return torchrun's failure report
+    and whether a rank printed an ``autoshard: error:`` line."""
+    report: list[str] = []
+    told = False
+    for line in stream:
+        if report or _TORCHRUN_FAILED.search(line):
+            report.append(line)
+        elif not _TORCHRUN_LOG.match(line):
+            told = told or line.startswith("autoshard: error:")
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    return report, told
 
 
 __all__ = ["TrainConfig", "launch", "worker"]

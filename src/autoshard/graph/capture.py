@@ -7,7 +7,6 @@ once per mode.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +18,13 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autoshard.graph.failure import (
+    Held,
+    describe_failure,
+    one_line_on_rank_zero,
+    replay,
+    torch_logs_held,
+)
 from autoshard.graph.opgraph import OpGraph, annotate, module_path
 
 _DROPPED = {
@@ -74,16 +80,19 @@ def capture(
     args, kwargs = _unaliased(tuple(args), kwargs or {})
     # A model built on the meta device is captured there, inputs included.
     meta = dtype is not None or any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    held = Held()  # torch's log of the export: printed if it succeeds, filed if not
     try:
-        with _state_in(model, dtype, meta):
+        with _state_in(model, dtype, meta), torch_logs_held(held):
             if meta:
                 args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
             program = torch.export.export(root, args, kwargs, strict=False)
             program = program.run_decompositions({})
-    except Exception as err:  # reported with the module that failed
-        raise CaptureError(_describe_failure(model, err)) from err
+    except Exception as err:  # one line: the user's source line and the op; the rest filed
+        one_line_on_rank_zero()
+        raise CaptureError(describe_failure(model, err, held)) from None
     finally:
         model.train(was_training)
+    replay(held)
     return _from_program(program, model, prefix, train)
 
 
@@ -233,21 +242,6 @@ def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
                 k: (path.removeprefix(prefix.rstrip(".")).removeprefix("."), cls)
                 for k, (path, cls) in stack.items()
             }
-
-
-def _describe_failure(model: nn.Module, err: Exception) -> str:
-    """The innermost module of ``model`` whose forward was running when export failed."""
-    names = {id(m): name for name, m in model.named_modules()}
-    where = None
-    tb = err.__traceback__ or sys.exc_info()[2]
-    while tb is not None:
-        module = tb.tb_frame.f_locals.get("self")
-        if isinstance(module, nn.Module) and id(module) in names:
-            where = names[id(module)] or type(model).__name__
-        tb = tb.tb_next
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    module = f"module '{where}'" if where is not None else f"model {type(model).__name__}"
-    return f"cannot capture {module}: {type(err).__name__}: {first_line}"
 
 
 __all__ = ["CaptureError", "capture", "capture_modes", "tied_names"]
