@@ -273,3 +273,23 @@ def test_train_names_a_target_that_gives_no_model(tmp_path, monkeypatch) -> None
         _parts({"model": 3, "batch": ()}, "x:y")
     with pytest.raises(ValueError, match="has no function 'nothing'"):
         user_function("broken_fn:nothing")
+
+
+def test_plan_table_names_dims_and_its_layers_add_up_to_the_headline(capsys) -> None:
+    """The table's per-layer rows (the block list once, with its count) add up to the
+    headline's step time and peak memory, the chosen mesh's row shows the same time, and
+    every op's layouts name their dims."""
+    from autoshard.cli.main import main
+
+    argv = ["plan", "--model", "gpt", "--layers", "6", "--hidden", "512", "--heads", "8"]
+    assert main([*argv, "--seq", "256", "--batch", "32", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    headline = re.search(r"predicted step ([\d.]+) ms, .* peak memory ([\d.]+ \w+) per", out)
+    step, peak = headline.groups()
+    assert re.search(rf"^\* +\S+ ZeRO \d: {step} ms,", out, re.M)  # the chosen mesh's row
+    total = re.search(r"^  total .* = step ([\d.]+) ms, peak ([\d.]+ \w+)$", out, re.M)
+    assert total.groups() == (step, peak)
+    block = re.search(r"^  layers\.\* +(\d+) ", out, re.M)
+    assert block and block.group(1) == "6"  # two blocks captured, six priced, one row
+    assert re.search(r"c_attn/linear\.0 +x\[b\S*, s, in\] weight\[out\S*, in\]", out)
+    assert re.search(r"^  input idx: \[b\S*, s\S*\]$", out, re.M)

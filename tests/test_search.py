@@ -233,6 +233,12 @@ def test_the_searched_plan_prices_as_the_search_said() -> None:
         predicted = plan.auto["predicted"]
         assert got.search_peak_memory == pytest.approx(predicted["search_memory_bytes"], rel=1e-6)
         assert predicted["memory_bytes"]["total"] == got.peak_memory
+        rows = predicted["layers"]  # layer by layer, adding up to the whole
+        time = sum(r["blocks"] * (r["compute_s"] + r["comm_s"]) for r in rows)
+        assert time == pytest.approx(got.step_time, rel=1e-9)
+        memory = sum(r["blocks"] * r["memory_bytes"] for r in rows)
+        assert memory == pytest.approx(got.peak_memory, rel=1e-9)
+        assert {"layers.*", "optimizer step"} <= {r["layer"] for r in rows}
 
 
 def test_repeated_layers_make_one_group() -> None:

@@ -59,6 +59,11 @@ def test_plan_table_shows_strategies_communication_and_bytes(mlp_graph) -> None:
     assert "linear*" in text and "layers.0.fc1" in text
     assert "all_reduce" in text
     assert text.endswith("(* configured by the user)")  # a searched plan says "by the search"
+    # Megatron's pair with named dims: fc1 splits its output features (column), fc2 its input
+    # features (row) and gives a pending sum (a tuple strategy's mesh axis is a0)
+    assert "x[b, in] weight[out@a0, in] bias[out@a0] -> [b, out@a0]" in text
+    assert "x[b, in@a0] weight[out, in@a0] bias[out] -> [b, out]{sum:a0}" in text
+    assert "x[b, h] y[b, h] -> [b, h]" in text  # the residual add, named from the input
     # The row-split fc2 output is a partial sum that the residual add resolves (forward bytes of
     # an all-reduce of the [8, 16] float32 activation on 2 ranks: its size).
     add = plan.nodes["add"]

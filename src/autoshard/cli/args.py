@@ -177,6 +177,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    _plan_cluster_options(p)
+
+
+def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="precision planned in")
     p.add_argument(
         "--cluster",
@@ -206,6 +210,11 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
     )
     p.add_argument("--json", help="write the plan JSON here ('-': to stdout, no table)")
+    p.add_argument(
+        "--picture",
+        metavar="FILE.png",
+        help="draw the plan's per-layer time, communication and memory here (matplotlib)",
+    )
 
 
 __all__ = ["DTYPES", "build_parser", "version"]

@@ -149,7 +149,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     from autoshard.cost import cluster_spec
     from autoshard.graph import capture
     from autoshard.search import PlanningError, run_search
-    from autoshard.search.driver import plan_json
+    from autoshard.search.driver import build_plan
 
     start = time.perf_counter()
     spec = cluster_spec(args.cluster)
@@ -180,7 +180,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     except PlanningError as err:
         print(f"autoshard: error: {err}", file=sys.stderr)
         return 3
-    data = plan_json(captured, result, spec)
+    built = build_plan(captured, result, spec)
+    data = built.auto
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - start
     if args.json:
@@ -191,7 +192,11 @@ def _plan_command(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     if args.json != "-":
-        print(format_search(data, result))
+        print(format_search(data, result, built))
+    if args.picture:
+        from autoshard.pictures import plan_picture
+
+        print(f"picture: {plan_picture(data, args.picture)}")
     return 0
 
 
@@ -213,47 +218,101 @@ def _assumptions(data: dict) -> list[str]:
     ]
 
 
-def format_search(data: dict, result) -> str:
-    """The searched plan as a table: mesh, strategy per op, predicted time, MFU, memory."""
+def format_search(data: dict, result, built=None) -> str:
+    """The searched plan: mesh, predicted time, MFU and memory, the meshes tried, the time,
+    communication and memory layer by layer, and every op's layouts with named dims."""
     pred = data["predicted"]
-    gib = 2**30
     mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
     lines = [
         f"mesh {mesh} on {data['cluster']['name']} "
         f"({data['cluster']['nodes']} x {data['cluster']['devices_per_node']} devices)",
         f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
-        f"peak memory {pred['peak_memory_bytes'] / gib:.2f} GiB per device",
+        f"peak memory {_size(pred['peak_memory_bytes'])} per device",
         f"ZeRO stage {data.get('zero', 0)}; memory per device: "
-        + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in pred.get("memory_bytes", {}).items()),
+        + ", ".join(f"{k} {_size(v)}" for k, v in pred.get("memory_bytes", {}).items()),
         f"search '{pred['search']}' {pred['search_s']:.2f} s "
         f"(graph of {result.graph.size[0]} decision nodes)",
     ]
     lines += _assumptions(data)
     if "end_to_end_s" in pred:
         lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
-    lines.append("meshes tried:")
+    lines += _meshes(data)
+    lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
+    if built is not None:
+        lines += _named_strategies(data, built)
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that shows them: GiB, MiB or KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale or unit == "MiB" and nbytes >= 2**17:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _meshes(data: dict) -> list[str]:
+    """The meshes tried: the estimate's step time where it priced them (the chosen one is
+    the headline's), else the search's objective."""
+    pred = data["predicted"]
+    lines = ["meshes tried (predicted step; ~ the search's objective where not predicted):"]
+    chosen = (data["mesh"], data.get("zero", 0))
     for row in pred["meshes"]:
         shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
-        if "step_s" in row:
-            lines.append(
-                f"  {shape:>15}: {row['step_s'] * 1e3:.2f} ms, {row['memory'] / gib:.2f} GiB"
-            )
-        else:
+        if "step_s" not in row:
             why = row.get("skipped", "does not fit")
             lines.append(f"  {shape:>15}: {why} (bound {row['bound_s'] * 1e3:.2f} ms)")
+            continue
+        mark = "*" if (row["mesh"], row.get("zero", 0)) == chosen else " "
+        seconds = pred["step_time_s"] if mark == "*" else row.get("predicted_s")
+        step = f"{seconds * 1e3:.2f} ms" if seconds else f"~{row['step_s'] * 1e3:.2f} ms"
+        lines.append(f"{mark} {shape:>15}: {step}, {_size(row['memory'])}")
+    lines.append("  (* chosen)")
+    return lines
+
+
+def format_layers(rows: list[dict], step_s: float, peak_bytes: float) -> list[str]:
+    """The step layer by layer (a repeated block list once, per block, with its count); the
+    total counts every block and equals the headline."""
+    if not rows:
+        return []
+    width = max(len(r["layer"]) for r in rows)
+    head = f"  {'layer'.ljust(width)}  blocks  compute ms  comm ms  memory"
+    lines = ["per layer (a repeated block's values are one block's):", head]
+    for r in rows:
+        lines.append(
+            f"  {r['layer'].ljust(width)}  {r['blocks']:>6}  {r['compute_s'] * 1e3:>10.3f}  "
+            f"{r['comm_s'] * 1e3:>7.3f}  {_size(r['memory_bytes'])}"
+        )
+    compute = sum(r["blocks"] * r["compute_s"] for r in rows)
+    comm = sum(r["blocks"] * r["comm_s"] for r in rows)
+    memory = sum(r["blocks"] * r["memory_bytes"] for r in rows)
+    lines.append(
+        f"  {'total'.ljust(width)}  {'':>6}  {compute * 1e3:>10.3f}  {comm * 1e3:>7.3f}  "
+        f"{_size(memory)}  = step {(compute + comm) * 1e3:.2f} ms, peak {_size(peak_bytes)}"
+    )
+    return lines
+
+
+def _named_strategies(data: dict, built) -> list[str]:
+    """Each decision op's layouts with named dims (``x[b@dp, s, in] -> [b@dp, s, out]``)."""
+    from autoshard.search.describe import describe_input, describe_op, dim_names
+
+    og = built.graph
+    names = dim_names(og)
+    first = {}
+    for info in og.ops():
+        first.setdefault(og.key_pattern(info), info.node)
     width = max((len(k) for k in data["strategies"]), default=10)
-    lines.append("strategies (iteration-space layouts):")
-    for key, value in data["strategies"].items():
-        spec = ",".join(
-            "_" if e is None else e if isinstance(e, str) else "+".join(e) for e in value["space"]
-        )
-        lines.append(f"  {key.ljust(width)}  [{spec}]")
-    for name, spec in data["inputs"].items():
-        text = ",".join(
-            "_" if e is None else e if isinstance(e, str) else "+".join(e) for e in spec
-        )
-        lines.append(f"  input {name}: [{text}]")
-    return "\n".join(lines)
+    lines = ["layouts (dim@axis: split over that mesh axis; {sum:axis}: partial sums):"]
+    for key in data["strategies"]:
+        node = first.get(key)
+        if node is not None and node.name in built.nodes:
+            text = describe_op(og, node, built.nodes[node.name].strategy, names)
+            lines.append(f"  {key.ljust(width)}  {text}")
+    for name, layout in built.inputs.items():
+        lines.append(f"  input {name}: {describe_input(layout, og.by_name[name], names)}")
+    return lines
 
 
 def _train_command(args: argparse.Namespace) -> int:

@@ -81,6 +81,10 @@ class Estimate:
     model_flops: float = 0.0
     num_devices: int = 1
     peak_flops: float = 1.0
+    #: where the sums come from (``cost.breakdown``): each node's terms of one run and its
+    #: number of runs; each parameter's or buffer's memory and in-line seconds, all copies
+    by_node: dict[str, tuple[Estimate, int]] = field(default_factory=dict, repr=False)
+    by_param: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     @property
     def compute(self) -> float:
@@ -169,6 +173,7 @@ def estimate(
                 dtypes.append(strategy.outs[0].dtype)
         forward_at.append(est.compute_forward + est.comm_forward)
         _add(est, terms[node])
+        est.by_node[node.name] = (terms[node], copies.get(node, 1))
         backward_at.append(terms[node].compute_backward + terms[node].comm_backward)
     for src, dst in plan.outputs:
         est.comm_forward += transition(src, dst, cluster).seconds
@@ -300,37 +305,53 @@ def _price_params(
     zeroed: dict[str, ZeroParam] = {}
     level = getattr(plan, "zero_level", lambda fqn: 0)
     for fqn, param in plan.params.items():
-        size, count = local_bytes(param.layout), copies.get(fqn, 1)
+        memory, in_line = sum(est.memory.values()), est.grad_sync
+        count = copies.get(fqn, 1)
         if kinds.get(fqn) != "param":
-            est.memory["parameters"] += count * size
-            continue
-        zp = None
-        if param.grad_partial is not None and level(fqn):
-            zp = zero_param(
+            est.memory["parameters"] += count * local_bytes(param.layout)
+        elif param.grad_partial is not None and level(fqn):  # ZeRO: its own collectives
+            zeroed[fqn] = zero_param(
                 level(fqn), param.layout, param.grad_partial, cluster, optimizer_states,
                 compute.get(fqn), reduce_dtype,
             )  # fmt: skip
-        if zp is not None:  # ZeRO: its own collectives, no bucket
-            for kind, nbytes in zp.memory.items():
+            for kind, nbytes in zeroed[fqn].memory.items():
                 est.memory[kind] += count * nbytes
-            est.optimizer += count * optimizer_time(param.layout, cluster, zp.share)
-            est.grad_sync += count * zp.copy
-            zeroed[fqn] = zp
-            continue
-        est.memory["parameters"] += count * size
-        est.memory["gradients"] += count * size
-        est.memory["optimizer"] += count * optimizer_states * size
-        est.optimizer += count * optimizer_time(param.layout, cluster)
-        if param.grad_partial is not None:
-            partial, full = param.grad_partial, param.layout
-            if reduce_dtype is not None:  # mixed precision: summed in its reduce dtype
-                partial, full = partial.with_dtype(reduce_dtype), full.with_dtype(reduce_dtype)
-            seconds, in_line, key = grad_sync(partial, full, cluster)
-            est.grad_sync += count * in_line
-            if key is not None:  # a bucket holds it in the dtype it is summed in
-                latency = bucket_latency(param.grad_partial, cluster)
-                bucketed[fqn] = (seconds, key, local_bytes(partial), latency)
+            est.optimizer += count * optimizer_time(param.layout, cluster, zeroed[fqn].share)
+            est.grad_sync += count * zeroed[fqn].copy
+        else:
+            bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count)
+            if bucket is not None:
+                bucketed[fqn] = bucket
+        est.by_param[fqn] = (sum(est.memory.values()) - memory, est.grad_sync - in_line)
     return bucketed, zeroed
+
+
+def _price_param(
+    est: Estimate,
+    param: Any,
+    cluster: ClusterSpec,
+    optimizer_states: int,
+    reduce_dtype: torch.dtype | None,
+    count: int,
+) -> tuple[float, tuple, float, float] | None:
+    """A parameter without ZeRO: its memory and optimizer time, its gradient sum in line, or
+    as a bucket member (returned: bandwidth seconds, bucket key, bytes, bucket latency)."""
+    size = local_bytes(param.layout)
+    est.memory["parameters"] += count * size
+    est.memory["gradients"] += count * size
+    est.memory["optimizer"] += count * optimizer_states * size
+    est.optimizer += count * optimizer_time(param.layout, cluster)
+    if param.grad_partial is None:
+        return None
+    partial, full = param.grad_partial, param.layout
+    if reduce_dtype is not None:  # mixed precision: summed in its reduce dtype
+        partial, full = partial.with_dtype(reduce_dtype), full.with_dtype(reduce_dtype)
+    seconds, in_line, key = grad_sync(partial, full, cluster)
+    est.grad_sync += count * in_line
+    if key is None:
+        return None
+    # a bucket holds it in the dtype it is summed in
+    return seconds, key, local_bytes(partial), bucket_latency(param.grad_partial, cluster)
 
 
 def _overlap_buckets(

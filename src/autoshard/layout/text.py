@@ -56,4 +56,26 @@ def layout_str(layout: Any) -> str:
     return text
 
 
-__all__ = ["DTYPE_NAMES", "layout_str"]
+def named_str(layout: Any, names: Any) -> str:
+    """The layout with a name per dim instead of its size, ``[b@dp, s, out@tp]{sum:tp}``: a
+    dim split over axes is ``name@axis`` (``name@(dp,tp)`` over several), a factored dim
+    ``name(3,16@tp)``, pending sums after the dims."""
+    dims = []
+    for name, size, factors in zip(names, layout.shape, layout.factors, strict=True):
+        axes = [layout.axis_names[a] for _, a in factors if a != NOT_SPLIT]
+        if not is_block_split(factors):
+            blocks = [
+                f"{f}@{layout.axis_names[a]}" if a != NOT_SPLIT else str(f) for f, a in factors
+            ]
+            dims.append(f"{name}({','.join(blocks)})")
+        elif axes:
+            dims.append(f"{name}@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})"))
+        else:
+            dims.append(str(name) if size != 1 else "1")
+    text = f"[{', '.join(dims)}]"
+    if layout.partial:
+        text += "{sum:" + ",".join(layout.axis_names[a] for a in layout.partial) + "}"
+    return text
+
+
+__all__ = ["DTYPE_NAMES", "layout_str", "named_str"]

@@ -45,6 +45,12 @@ class Space:
         return self.names[d] if self.names else f"d{d}"
 
 
+def batch_names(n: int, second: str = "s") -> tuple[str, ...]:
+    """Names of ``n`` leading batch dims: ``b``, then ``second`` (the sequence of a token
+    batch, the heads of attention), numbered when there are more."""
+    return ("b", second)[:n] if n <= 2 else tuple(f"b{i}" for i in range(n))
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A node's chosen split: the layouts it wants for its tensor inputs, gives its outputs, and
@@ -458,6 +464,7 @@ __all__ = [
     "SpaceRule",
     "Strategy",
     "StrategyError",
+    "batch_names",
     "dtype_of",
     "node_title",
     "node_vals",

@@ -23,6 +23,7 @@ from autoshard.ops.base import (
     SpaceRule,
     Strategy,
     StrategyError,
+    batch_names,
     right_aligned,
 )
 from autoshard.ops.nodes import node_arg, node_title, node_vals, shape_of, tensor_inputs
@@ -47,7 +48,7 @@ class Linear(SpaceRule):
         ins = [tuple(range(nb)) + (i,), (o, i)]
         if len(tensor_inputs(node)) == 3:
             ins.append((o,))
-        names = tuple(f"b{k}" for k in range(nb)) + ("out", "in")
+        names = batch_names(nb) + ("out", "in")
         kinds = (FREE,) * (nb + 1) + (SUM,)
         return Space(sizes, kinds, tuple(ins), (tuple(range(nb)) + (o,),), names)
 
@@ -81,7 +82,7 @@ class Matmul(SpaceRule):
         if bias is not None:
             bias_dims = (m, n)[2 - len(shape_of(bias)) :]
             ins.insert(0, bias_dims)
-        names = tuple(f"b{i}" for i in range(nb)) + ("m", "n", "k")
+        names = batch_names(nb, "heads") + ("m", "n", "k")
         kinds = (FREE,) * (nb + 2) + (SUM,)
         return Space(sizes, kinds, tuple(ins), (tuple(range(nb)) + (m, n),), names)
 
@@ -131,7 +132,7 @@ class Attention(SpaceRule):
         mask = node_arg(node, 3, "attn_mask", None)
         if isinstance(mask, fx.Node):
             ins.append(right_aligned(shape_of(mask), nb + 2)[:-2] + (sq, sk))
-        names = tuple(f"b{i}" for i in range(nb)) + ("q_len", "k_len", "head", "v_head")
+        names = batch_names(nb, "heads") + ("q_len", "k_len", "head", "v_head")
         return Space(sizes, kinds, tuple(ins), (batch + (sq, dv),), names)
 
 
@@ -177,7 +178,7 @@ class Embedding(SpaceRule):
         sizes = ids + (h, v)
         kinds = (FREE,) * (n + 1) + (SUM,)
         ins = ((n + 1, n), tuple(range(n)))
-        names = tuple(f"b{i}" for i in range(n)) + ("hidden", "vocab")
+        names = batch_names(n) + ("hidden", "vocab")
         return Space(sizes, kinds, ins, (tuple(range(n + 1)),), names)
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from autoshard.cost import ClusterSpec, cluster_spec, estimate
+from autoshard.cost.breakdown import breakdown_rows
 from autoshard.graph import OpGraph, capture_modes
 from autoshard.mesh import MeshInfo, mesh_info
 from autoshard.ops import Strategy
@@ -274,11 +275,12 @@ def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
     built.predicted = estimate(built, og, cluster, depth=result.graph.depth)
     pred = data["predicted"]
     pred["search_objective_s"] = pred["step_time_s"]
-    pred["step_time_s"] += built.predicted.step_time - built.predicted.search_step_time
+    pred["step_time_s"] = built.predicted.step_time
     pred["mfu"] *= pred["search_objective_s"] / pred["step_time_s"]
     pred["search_memory_bytes"] = pred["peak_memory_bytes"]
     pred["peak_memory_bytes"] = built.predicted.peak_memory
     pred["memory_bytes"] = built.predicted.as_dict()["memory_bytes"]
+    pred["layers"] = breakdown_rows(built.predicted, og)
     return built
 
 

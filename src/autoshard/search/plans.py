@@ -144,6 +144,12 @@ class Plan:
 
 
 def format_plan(plan: Plan) -> str:
+    """One row per op a strategy was given for, or that moves data: its layouts with named
+    dims (``x[b@dp, s, in] weight[out@tp, in] -> [b@dp, s, out@tp]``) and communication."""
+    from autoshard.search.describe import describe_op, dim_names
+
+    og = plan.graph
+    names = dim_names(og) if og is not None else {}
     rows = [("op", "module", "strategy", "in -> out", "communication", "bytes/rank fwd+bwd")]
     for n in plan.nodes.values():
         if not (n.configured or n.moves or n.grad_reduce or n.strategy.replicated_fallback):
@@ -153,15 +159,18 @@ def format_plan(plan: Plan) -> str:
             for i, (a, b) in n.moves.items()
         ]
         comm += [f"in{i} grad: all_reduce" for i in n.grad_reduce]
-        ins = ",".join(str(x) for x in n.strategy.ins)
-        outs = ",".join(str(x) for x in n.strategy.outs if x is not None)
+        if og is not None and n.node in og.by_name:
+            layouts = describe_op(og, og.by_name[n.node], n.strategy, names)
+        else:
+            ins = ",".join(str(x) for x in n.strategy.ins)
+            layouts = f"{ins} -> " + ",".join(str(x) for x in n.strategy.outs if x is not None)
         mark = "*" if n.configured else ""
         rows.append(
             (
                 f"{n.node}{mark}",
                 n.module,
                 n.strategy.describe(),
-                f"{ins} -> {outs}",
+                layouts,
                 "; ".join(comm) or "-",
                 f"{n.forward_bytes()}+{n.backward_bytes()}",
             )
