@@ -27,6 +27,7 @@ LAYERS = [
     ("lower",),
     ("runtime",),
     ("models",),
+    ("pictures",),
     ("cli",),
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}

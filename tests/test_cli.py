@@ -275,15 +275,18 @@ def test_train_names_a_target_that_gives_no_model(tmp_path, monkeypatch) -> None
         user_function("broken_fn:nothing")
 
 
-def test_plan_table_names_dims_and_its_layers_add_up_to_the_headline(capsys) -> None:
+def test_plan_table_names_dims_and_its_layers_add_up_to_the_headline(tmp_path, capsys) -> None:
     """The table's per-layer rows (the block list once, with its count) add up to the
     headline's step time and peak memory, the chosen mesh's row shows the same time, and
     every op's layouts name their dims."""
     from autoshard.cli.main import main
 
     argv = ["plan", "--model", "gpt", "--layers", "6", "--hidden", "512", "--heads", "8"]
-    assert main([*argv, "--seq", "256", "--batch", "32", "--devices", "8"]) == 0
+    picture = tmp_path / "plan.png"
+    argv += ["--seq", "256", "--batch", "32", "--devices", "8", "--picture", str(picture)]
+    assert main(argv) == 0
     out = capsys.readouterr().out
+    assert picture.read_bytes().startswith(b"\x89PNG")  # the same rows, drawn
     headline = re.search(r"predicted step ([\d.]+) ms, .* peak memory ([\d.]+ \w+) per", out)
     step, peak = headline.groups()
     assert re.search(rf"^\* +\S+ ZeRO \d: {step} ms,", out, re.M)  # the chosen mesh's row

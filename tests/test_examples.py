@@ -162,8 +162,13 @@ def test_autoshard_train_killed_resumes_from_the_latest_checkpoint_as_if_never_s
         tmp_path / "killed.jsonl",
     )
     early = _losses(tmp_path / "killed.jsonl")
-    out, late = _train(["--steps", str(step + 2), "--checkpoint-dir", str(killed)], tmp_path)
+    picture = tmp_path / "metrics.png"
+    out, late = _train(
+        ["--steps", str(step + 2), "--checkpoint-dir", str(killed), "--picture", str(picture)],
+        tmp_path,
+    )
     assert f"resumed from {killed / f'step{step}'} at step {step}" in out
+    assert picture.read_bytes().startswith(b"\x89PNG") and f"metrics: {picture}" in out
     assert len(late) == 2
     straight_dir = tmp_path / "straight"
     out, straight = _train(

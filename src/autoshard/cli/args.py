@@ -145,6 +145,12 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between printed lines")
     p.add_argument("--seed", type=int, default=d.seed, help="data order and dropout seed")
     p.add_argument("--cluster", default=d.cluster, help="cluster preset or spec the search prices")
+    p.add_argument(
+        "--picture",
+        metavar="FILE.png",
+        default=d.picture,
+        help="draw the loss and throughput of the metrics log here at the end (matplotlib)",
+    )
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:

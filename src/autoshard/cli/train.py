@@ -46,6 +46,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     cluster: str = "cpu"
+    picture: str | None = None
 
     @classmethod
     def from_toml(cls, path: str) -> TrainConfig:
@@ -219,6 +220,10 @@ def worker(cfg: TrainConfig) -> None:
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save(Path(cfg.checkpoint_dir) / f"step{step + 1}", pm, opt, step=step + 1, loader=feed)
     log.close()
+    if cfg.picture and pm.rank == 0:
+        from autoshard.pictures import metrics_picture
+
+        log.say(f"picture of the metrics: {metrics_picture(cfg.log, cfg.picture)}")
 
 
 #: torchrun's own log lines (its banner, its notes on the ranks it watches)

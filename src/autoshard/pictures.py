@@ -1,0 +1,276 @@
+"""Pictures of a layout, a plan and a training run, written as PNG files.
+
+matplotlib is imported only when a picture is drawn (``pip install 'autoshard[plot]'``), and each
+figure is a bare ``matplotlib.figure.Figure`` on an Agg canvas: it never enters pyplot's list of
+open figures and never switches the backend of a notebook that calls these functions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoshard.layout import Layout
+
+DPI = 120
+#: the throughput field a metrics record carries, first found wins, with its axis label
+#: (``autoshard train`` writes ``samples_per_s``)
+THROUGHPUT_FIELDS = (("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"))
+
+Tile = tuple[slice, slice, tuple[int, ...]]
+
+
+def _figure(**kwargs: Any) -> Any:
+    """A figure on its own Agg canvas, outside pyplot."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError("pictures need matplotlib: pip install 'autoshard[plot]'") from None
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+# -- layouts --------------------------------------------------------------------------------
+
+
+def _runs(index: slice | torch.Tensor) -> list[tuple[int, int]]:
+    """The contiguous runs ``(start, stop)`` of one dim's part of ``Layout.local_index``: one for
+    a slice, one per block of a factored dim's index list."""
+    if isinstance(index, slice):
+        return [(index.start, index.stop)]
+    values = index.tolist()
+    runs = []
+    for value in values:
+        if runs and runs[-1][1] == value:
+            runs[-1][1] = value + 1
+        else:
+            runs.append([value, value + 1])
+    return [(start, stop) for start, stop in runs]
+
+
+def _holds_first(index: slice | torch.Tensor) -> bool:
+    if isinstance(index, slice):
+        return index.start == 0 and index.stop > 0
+    return bool((index == 0).any())
+
+
+def layout_tiles(layout: Layout) -> list[Tile]:
+    """The tiles of ``layout``'s global tensor as ``(rows, cols, ranks)``, ordered by row then
+    column: what :func:`layout_picture` draws.
+
+    The tiles cover the last two dims (a 1-D tensor is one row, ``rows`` then ``slice(0, 1)``);
+    with more dims, the slice at index 0 of every leading dim, so only ranks holding that slice
+    appear. A replicated tile lists every rank holding it; a factored dim gives a rank one tile
+    per contiguous block it holds. Read off ``Layout.local_index``, as ``shard_tensor`` does.
+    """
+    held: dict[tuple[tuple[int, int], tuple[int, int]], list[int]] = {}
+    for rank in layout.ranks:
+        index = layout.local_index(rank)
+        if not all(_holds_first(i) for i in index[:-2]):
+            continue
+        rows = _runs(index[-2]) if len(index) > 1 else [(0, 1)]
+        cols = _runs(index[-1]) if index else [(0, 1)]
+        for row in rows:
+            for col in cols:
+                held.setdefault((row, col), []).append(rank)
+    return [
+        (slice(*row), slice(*col), tuple(sorted(ranks)))
+        for (row, col), ranks in sorted(held.items())
+    ]
+
+
+def _ranks_label(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 4 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"r{ranks[0]}-r{ranks[-1]}"
+    if len(ranks) > 6:
+        return ",".join(f"r{r}" for r in ranks[:3]) + f",… ({len(ranks)} ranks)"
+    return ",".join(f"r{r}" for r in ranks)
+
+
+def _layout_notes(layout: Layout) -> str:
+    """The subtitle: the mesh, the slice shown of a tensor with leading dims, pending sums."""
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(layout.axis_names, layout.mesh, strict=True))
+    notes = [f"mesh {mesh} over {len(layout.ranks)} ranks" if mesh else "on one rank"]
+    if len(layout.shape) > 2:
+        lead = len(layout.shape) - 2
+        notes.append(f"showing [{'0, ' * lead}:, :] of shape {list(layout.shape)}")
+    if layout.partial:
+        notes.append("pending sum over " + ",".join(layout.axis_names[a] for a in layout.partial))
+    return "; ".join(notes)
+
+
+def layout_picture(layout: Layout, path: str | Path, *, title: str | None = None) -> Path:
+    """Draw ``layout``'s global tensor as a grid of tiles, each coloured and labelled by the
+    rank(s) holding it (:func:`layout_tiles`); the title defaults to the layout's ``str``."""
+    tiles = layout_tiles(layout)
+    num_rows = layout.shape[-2] if len(layout.shape) > 1 else 1
+    num_cols = layout.shape[-1] if layout.shape else 1
+    ratio = min(max(num_rows / max(num_cols, 1), 0.15 if len(layout.shape) < 2 else 0.35), 1.2)
+    fig = _figure(figsize=(7.0, 1.8 + 5.0 * ratio))
+    from matplotlib import colormaps
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import MaxNLocator
+
+    groups = list(dict.fromkeys(ranks for _, _, ranks in tiles))
+    colours = colormaps["tab10" if len(groups) <= 10 else "tab20"]
+    ax = fig.add_subplot()
+    size = max(6.0, 12.0 - 0.1 * len(tiles))
+    for rows, cols, ranks in tiles:
+        colour = colours(groups.index(ranks) % colours.N)
+        ax.add_patch(
+            Rectangle(
+                (cols.start, rows.start), cols.stop - cols.start, rows.stop - rows.start,
+                facecolor=colour, edgecolor="black", linewidth=1.0,
+            )
+        )  # fmt: skip
+        middle = ((cols.start + cols.stop) / 2, (rows.start + rows.stop) / 2)
+        ax.text(*middle, _ranks_label(ranks), ha="center", va="center", fontsize=size)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(0, num_cols)
+    ax.set_ylim(num_rows, 0)  # row 0 on top, as a matrix is printed
+    ax.set_xlabel(f"dim {len(layout.shape) - 1} (size {num_cols})")
+    if len(layout.shape) > 1:
+        ax.set_ylabel(f"dim {len(layout.shape) - 2} (size {num_rows})")
+    else:
+        ax.set_yticks([])
+    ax.set_title(_layout_notes(layout), fontsize=9)
+    fig.suptitle(str(layout) if title is None else title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# -- plans ----------------------------------------------------------------------------------
+
+
+def plan_layers(plan: Mapping[str, Any] | Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A plan's JSON dict and its per-layer rows (``plan["predicted"]["layers"]``); ``plan`` is
+    that dict or an :class:`autoshard.Plan` whose ``.auto`` holds it. A ValueError names the
+    missing field."""
+    data = plan if isinstance(plan, Mapping) else getattr(plan, "auto", None)
+    if data is None:
+        raise ValueError(
+            "plan has no searched JSON (its .auto is None): draw a plan from autoshard.plan(...) "
+            "or the dict `autoshard plan --json` writes"
+        )
+    if "predicted" not in data:
+        raise ValueError("plan has no 'predicted' field: it was not priced by the search")
+    if "layers" not in data["predicted"]:
+        raise ValueError(
+            "plan['predicted'] has no 'layers' field (the per-layer breakdown): replan with an "
+            "autoshard that writes it"
+        )
+    rows = list(data["predicted"]["layers"])
+    if not rows:
+        raise ValueError("plan['predicted']['layers'] is empty: no layer to draw")
+    return data, rows
+
+
+def _bytes_unit(nbytes: float) -> tuple[str, float]:
+    return ("GiB", 2.0**30) if nbytes >= 2**30 else ("MiB", 2.0**20)
+
+
+def plan_picture(plan: Mapping[str, Any] | Any, path: str | Path) -> Path:
+    """Draw a searched plan layer by layer: compute and exposed communication time per row
+    (stacked bars, ms) beside its memory. A repeated block's row (``layers.* ×12``) counts all
+    its blocks, so the bars add up to the predicted step and memory."""
+    data, rows = plan_layers(plan)
+    labels = [r["layer"] + (f" ×{r['blocks']}" if r["blocks"] != 1 else "") for r in rows]
+    compute = [r["blocks"] * r["compute_s"] * 1e3 for r in rows]
+    comm = [r["blocks"] * r["comm_s"] * 1e3 for r in rows]
+    memory = [r["blocks"] * r["memory_bytes"] for r in rows]
+    unit, scale = _bytes_unit(max(memory))
+    fig = _figure(figsize=(11.0, 1.6 + 0.38 * len(rows)))
+    time_ax, memory_ax = fig.subplots(1, 2, sharey=True, width_ratios=(3, 2))
+    where = range(len(rows))
+    time_ax.barh(where, compute, color="C0", label="compute")
+    time_ax.barh(where, comm, left=compute, color="C1", label="communication (exposed)")
+    time_ax.set_yticks(where, labels)
+    time_ax.invert_yaxis()  # the first row on top, as the plan lists them
+    time_ax.set_xlabel("time (ms)")
+    time_ax.legend(loc="lower right", fontsize=8)
+    memory_ax.barh(where, [m / scale for m in memory], color="C2")
+    memory_ax.set_xlabel(f"memory per rank ({unit})")
+    for ax in (time_ax, memory_ax):
+        ax.grid(axis="x", alpha=0.3)
+    pred = data["predicted"]
+    mesh = " x ".join(f"{axis}={size}" for axis, size in data["mesh"].items())
+    peak_unit, peak_scale = _bytes_unit(pred["peak_memory_bytes"])
+    fig.suptitle(
+        f"mesh {mesh}: predicted step {pred['step_time_s'] * 1e3:.2f} ms, "
+        f"peak memory {pred['peak_memory_bytes'] / peak_scale:.2f} {peak_unit} per rank"
+    )
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# -- training runs --------------------------------------------------------------------------
+
+
+def metrics_records(metrics: str | Path | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records with a loss, from a JSONL file (what ``autoshard train --log`` writes) or a
+    list of dicts; a ValueError names the file when none has a loss."""
+    if isinstance(metrics, str | Path):
+        lines = Path(metrics).read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        where = str(metrics)
+    else:
+        records, where = list(metrics), "the metrics list"
+    records = [r for r in records if r.get("loss") is not None]
+    if not records:
+        raise ValueError(f"{where}: no metrics records with a loss")
+    return records
+
+
+def metrics_picture(metrics: str | Path | Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Draw a training run's loss and throughput over its steps, two panels sharing the step
+    axis. Throughput is the records' ``tokens_per_s``, else ``samples_per_s`` (what
+    ``autoshard train`` writes)."""
+    records = metrics_records(metrics)
+    field, label = next(
+        ((f, name) for f, name in THROUGHPUT_FIELDS if any(f in r for r in records)),
+        THROUGHPUT_FIELDS[-1],
+    )
+    marker = "o" if len(records) <= 50 else None
+    fig = _figure(figsize=(8.0, 6.0))
+    loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
+    loss_ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=marker)
+    loss_ax.set_ylabel("loss")
+    fast = [r for r in records if r.get(field) is not None]
+    speed_ax.plot([r["step"] for r in fast], [r[field] for r in fast], color="C1", marker=marker)
+    if not fast:
+        speed_ax.text(0.5, 0.5, "no throughput in the records", ha="center", va="center",
+                      transform=speed_ax.transAxes)  # fmt: skip
+    speed_ax.set_ylabel(label)
+    speed_ax.set_xlabel("step")
+    for ax in (loss_ax, speed_ax):
+        ax.grid(alpha=0.3)
+    steps = f"steps {records[0]['step']}-{records[-1]['step']}"
+    fig.suptitle(f"training run, {steps}: last loss {records[-1]['loss']:.4f}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+__all__ = [
+    "DPI",
+    "THROUGHPUT_FIELDS",
+    "layout_picture",
+    "layout_tiles",
+    "metrics_picture",
+    "metrics_records",
+    "plan_layers",
+    "plan_picture",
+]
