@@ -117,6 +117,21 @@ def megatron(name: str, tp: str = "tp") -> dict[str, Any]:
     }
 
 
+def sequence_parallel(tp: str = "tp") -> dict[str, Any]:
+    """GPT under Megatron with its residual stream, norms and embedding sum split by sequence
+    over ``tp`` (Megatron's sequence parallelism: all-gather before the column-split linears,
+    reduce-scatter of the row-split outputs into the residual adds)."""
+    seq = (None, tp, None)
+    return megatron("gpt", tp) | {
+        "/add.0": (seq, (tp, None)),  # token + position embeddings
+        "layers.*/add.0": (seq, seq),
+        "layers.*/add.1": (seq, seq),
+        "layers.*.ln_[12]": (seq, (None,), (None,)),
+        "layers.*.attn.resid_dropout/native_dropout.0": (seq,),  # the row-split sums land split: reduce-scatter
+        "layers.*.mlp.dropout/native_dropout.0": (seq,),
+    }
+
+
 def mixed(name: str, dp: int, tp: int) -> dict[str, Any]:
     """MindSpore's tuple form: batch split dp ways and the weight's output dim tp ways."""
     if name == "mlp":
@@ -280,6 +295,7 @@ def cases_world2() -> list[tuple]:
         out.append((name, {"tp": 2}, megatron(name), torch.float64, None))
         out.append((name, (2,), RandomStrategies(7), torch.float64, None))
     out.append(("gpt", {"tp": 2}, megatron("gpt"), torch.float32, F32_TOL))
+    out.append(("gpt", {"tp": 2}, sequence_parallel(), torch.float64, None))
     conv_out = {"conv1": ((1, 1, 1, 1), (2, 1, 1, 1))}  # output channels (bn follows them)
     conv_in = {"conv2": ((1, 2, 1, 1), (1, 2, 1, 1))}  # input channels: a partial sum
     out.append(("cnn", {"dp": 2}, None, torch.float64, None))  # bn gathers the batch
