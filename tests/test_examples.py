@@ -216,3 +216,24 @@ def test_a_capture_failure_under_autoshard_train_is_one_line_from_rank_zero(tmp_
     assert "branchy.py:12 in forward: `if h.sum() > 0:" in lines[0]
     assert "(op aten.item)" in lines[0] and "full log: " in lines[0]
     assert (tmp_path / "autoshard-torchrun.log").read_text().strip()
+
+
+def test_a_plan_for_another_model_under_autoshard_train_is_one_line_from_rank_zero(tmp_path):
+    """A plan file whose strategies do not fit the model stops both ranks with one line."""
+    plan = {
+        "format": "autoshard-plan/1",
+        "mesh": {"dp": 2},
+        "strategies": {"proj/linear.0": {"space": ["dp", "zz", None]}},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "branchy.py").write_text(BRANCHY.replace("if h.sum() > 0:", "if True:"))
+    command, env = _train_command(["--steps", "2", "--plan", "plan.json"], tmp_path / "l.jsonl")
+    command[command.index("train_fn:make")] = "branchy:make"
+    out = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "autoshard: error: plan plan.json does not fit this model" in lines[0]
+    assert "axis names ['zz'] are not in mesh axes" in lines[0]

@@ -64,10 +64,29 @@ class CNNConfig:
         )
 
 
+class Regressor(nn.Module):
+    """An MLP returning ``F.mse_loss`` (torch.export keeps its ``broadcast_tensors``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(x))), target)
+
+
+class RegressorConfig:
+    def example_batch(self, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randn(batch, 16, generator=gen), torch.randn(batch, 8, generator=gen)
+
+
 def build(name: str, dropout: float) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     if name == "cnn":
         return SmallCNN(), CNNConfig()
+    if name == "regression":
+        return Regressor(), RegressorConfig()
     sizes = {"heads": 8, "kv_heads": 4} if name == "llama" else {}
     config = reference_config(name, dropout=dropout, **sizes)
     return build_model(config), config
@@ -127,7 +146,9 @@ def sequence_parallel(tp: str = "tp") -> dict[str, Any]:
         "layers.*/add.0": (seq, seq),
         "layers.*/add.1": (seq, seq),
         "layers.*.ln_[12]": (seq, (None,), (None,)),
-        "layers.*.attn.resid_dropout/native_dropout.0": (seq,),  # the row-split sums land split: reduce-scatter
+        "layers.*.attn.resid_dropout/native_dropout.0": (
+            seq,
+        ),  # the row-split sums land split: reduce-scatter
         "layers.*.mlp.dropout/native_dropout.0": (seq,),
     }
 
@@ -299,6 +320,9 @@ def cases_world2() -> list[tuple]:
     conv_out = {"conv1": ((1, 1, 1, 1), (2, 1, 1, 1))}  # output channels (bn follows them)
     conv_in = {"conv2": ((1, 2, 1, 1), (1, 2, 1, 1))}  # input channels: a partial sum
     out.append(("cnn", {"dp": 2}, None, torch.float64, None))  # bn gathers the batch
+    # mean squared error over a split batch, and over the splits random strategies draw
+    out.append(("regression", {"dp": 2}, None, torch.float64, None))
+    out.append(("regression", (2,), RandomStrategies(3), torch.float64, None))
     out.append(("cnn", {"tp": 2}, conv_out | conv_in, torch.float64, None))
     return out
 

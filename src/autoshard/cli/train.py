@@ -268,7 +268,7 @@ def _relay(stream: Any) -> tuple[list[str], bool]:
         if report or _TORCHRUN_FAILED.search(line):
             report.append(line)
         elif not _TORCHRUN_LOG.match(line):
-            told = told or line.startswith("autoshard: error:")
+            told = told or "autoshard: error:" in line
             sys.stderr.write(line)
             sys.stderr.flush()
     return report, told

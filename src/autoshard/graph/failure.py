@@ -51,6 +51,10 @@ _DATA_DEPENDENT = (
 )
 
 
+#: the errors every rank raises alike: capturing and planning are the same on every rank
+ONE_LINE_ERRORS = frozenset({"CaptureError", "PlanningError", "StrategyError"})
+
+
 def log_path() -> Path:
     """Where this rank writes a failed capture's full report."""
     rank = os.environ.get("RANK", "0")
@@ -149,9 +153,10 @@ def describe_failure(
 
 
 def one_line_on_rank_zero() -> None:
-    """Under a launcher of several ranks (``WORLD_SIZE`` > 1), a capture error that reaches
-    the top prints one line on rank 0 and nothing on the others (every rank captures the
-    same model, and each files its full log); ``AUTOSHARD_DEBUG=1`` keeps Python's
+    """Under a launcher of several ranks (``WORLD_SIZE`` > 1), an error of the model or the
+    plan that reaches the top (:data:`ONE_LINE_ERRORS`: every rank captures and plans the
+    same, so every rank has the same one) prints one line on rank 0 and nothing on the
+    others; a capture's full log is in its file. ``AUTOSHARD_DEBUG=1`` keeps Python's
     tracebacks. Other exceptions go to the hook that was there before."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("AUTOSHARD_DEBUG"):
         return
@@ -160,7 +165,8 @@ def one_line_on_rank_zero() -> None:
         return
 
     def hook(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
-        if kind.__name__ != "CaptureError" or not kind.__module__.startswith("autoshard."):
+        ours = kind.__module__.startswith("autoshard.") and kind.__name__ in ONE_LINE_ERRORS
+        if not ours:
             previous(kind, err, tb)
         elif os.environ.get("RANK", "0") == "0":
             print(f"autoshard: error: {err}", file=sys.stderr)
@@ -182,6 +188,7 @@ def _write_log(err: BaseException, held: Held) -> Path | None:
 
 
 __all__ = [
+    "ONE_LINE_ERRORS",
     "Held",
     "describe_failure",
     "failed_op",

@@ -50,6 +50,12 @@ def bias_elsewhere(bias: torch.Tensor) -> torch.Tensor:
     return _BiasElsewhere.apply(bias)
 
 
+def squared_error_sum(x: torch.Tensor, target: torch.Tensor, count: int) -> torch.Tensor:
+    """This part's share of a mean (``count``: the global element count) or sum (1) of
+    squared errors: its part of the whole's partial sum."""
+    return (x - target).square().sum() / count
+
+
 def mean_of_part(x: torch.Tensor, dims: list[int], keepdim: bool, count: int) -> torch.Tensor:
     """This rank's part of a mean over split dims: its partial sum over the global count."""
     return x.sum(dims, keepdim=keepdim) / count

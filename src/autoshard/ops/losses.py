@@ -52,4 +52,26 @@ class CrossEntropy(SpaceRule):
         )
 
 
-__all__ = ["CrossEntropy"]
+class MseLoss(SpaceRule):
+    """mse_loss(input, target) over any split: each rank sums its squared errors (divided by
+    the global count for the mean), a partial sum over the split dims; ``reduction="none"``
+    is elementwise."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        shape = shape_of(node.args[0])
+        if shape_of(node.args[1]) != shape:
+            raise StrategyError(f"{node_title(node)}: input and target shapes differ")
+        reduced = node_arg(node, 2, "reduction", 1) != 0
+        dims = tuple(range(len(shape)))
+        kinds = (SUM if reduced else FREE,) * len(shape)
+        return Space(shape, kinds, (dims, dims), (() if reduced else dims,))
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        reduction = node_arg(node, 2, "reduction", 1)
+        if reduction == 0:
+            return low.call(node.target, args, kwargs)
+        count = strategy.space.global_numel if reduction == 1 else 1
+        return low.call(local.squared_error_sum, (args[0], args[1], count), {})
+
+
+__all__ = ["CrossEntropy", "MseLoss"]

@@ -12,7 +12,7 @@ import torch.fx as fx
 from autoshard.ops.base import OpRule
 from autoshard.ops.contraction import Attention, Conv2d, Embedding, Linear, Matmul
 from autoshard.ops.fallback import Replicated
-from autoshard.ops.losses import CrossEntropy
+from autoshard.ops.losses import CrossEntropy, MseLoss
 from autoshard.ops.nodes import node_vals
 from autoshard.ops.pointwise import Dropout, Pointwise
 from autoshard.ops.reduction import BatchNorm, LayerNorm, Reduction, Softmax
@@ -44,7 +44,13 @@ RULES: dict[Any, OpRule] = {
     aten.cumsum.default: Softmax(),  # the scanned dim whole, like the softmax dim
     # Pointwise, but without torch's pointwise tag (transformers' attention masks use them).
     **dict.fromkeys(
-        [aten.__and__.Tensor, aten.__or__.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf],
+        [
+            aten.__and__.Tensor,
+            aten.__or__.Tensor,
+            aten.where.ScalarOther,
+            aten.where.ScalarSelf,
+            aten.broadcast_tensors.default,  # one output per input, all of the broadcast shape
+        ],
         _POINTWISE,
     ),
     aten.layer_norm.default: LayerNorm(),
@@ -57,6 +63,7 @@ RULES: dict[Any, OpRule] = {
     ),
     aten.embedding.default: Embedding(),
     aten.cross_entropy_loss.default: CrossEntropy(),
+    aten.mse_loss.default: MseLoss(),
     aten.scaled_dot_product_attention.default: Attention(),
     aten.conv2d.default: Conv2d(),
     aten.native_dropout.default: Dropout(),

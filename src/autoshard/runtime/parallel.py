@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.graph import OpGraph, capture_modes
+from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, lower
 from autoshard.mesh import MeshInfo, check_world, mesh_info
@@ -358,7 +359,6 @@ def parallelize(
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
-
     ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
     (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
     from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
@@ -375,6 +375,7 @@ def parallelize(
     meta): a checkpoint, ``"reset"`` or a function of a module (docs/meta.md)."""
     if search is not None and plan is not None:
         raise ValueError("parallelize: give search= or plan=, not both")
+    one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, init)
     policy = precision_policy(precision)
     if captured is None:
