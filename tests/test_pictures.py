@@ -112,6 +112,14 @@ def test_metrics_picture(tmp_path):
     ]
     log.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"note": "resumed"}\n\n')
     assert [r["step"] for r in metrics_records(log)] == [1, 2, 3, 4, 5]
+    # a run killed at step 5 (its last line cut), resumed from step 3's checkpoint: steps 4
+    # and 5 are the resumed run's
+    resumed = [{"step": s, "loss": 0.5, "samples_per_s": 90.0} for s in (4, 5, 6)]
+    with log.open("a") as f:
+        f.write('{"step": 6, "lo\n' + "\n".join(json.dumps(r) for r in resumed) + "\n")
+    got = metrics_records(log)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in got[3:]] == [0.5, 0.5, 0.5] and got[2]["loss"] == 5.0 / 3
     assert is_png(metrics_picture(log, tmp_path / "from_file.png"))
     tokens = [{"step": s, "loss": 1.0, "tokens_per_s": 1e4} for s in range(3)]
     assert is_png(metrics_picture(tokens, tmp_path / "from_list.png"))

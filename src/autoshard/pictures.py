@@ -222,17 +222,20 @@ def plan_picture(plan: Mapping[str, Any] | Any, path: str | Path) -> Path:
 
 def metrics_records(metrics: str | Path | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The records with a loss, from a JSONL file (what ``autoshard train --log`` writes) or a
-    list of dicts; a ValueError names the file when none has a loss."""
+    list of dicts, one per step in step order: the log is appended to, so a step logged again
+    (a run resumed from a checkpoint before it, or run afresh) keeps its latest record, and a
+    line cut short by a killed run is left out. A ValueError names the file when none has a
+    loss."""
     if isinstance(metrics, str | Path):
         lines = Path(metrics).read_text().splitlines()
-        records = [json.loads(line) for line in lines if line.strip()]
+        records = [json.loads(line) for line in lines if line.strip().endswith("}")]
         where = str(metrics)
     else:
         records, where = list(metrics), "the metrics list"
-    records = [r for r in records if r.get("loss") is not None]
-    if not records:
+    latest = {r.get("step", k): r for k, r in enumerate(records) if r.get("loss") is not None}
+    if not latest:
         raise ValueError(f"{where}: no metrics records with a loss")
-    return records
+    return [latest[step] for step in sorted(latest)]
 
 
 def metrics_picture(metrics: str | Path | Sequence[Mapping[str, Any]], path: str | Path) -> Path:

@@ -260,13 +260,17 @@ def _meshes(data: dict) -> list[str]:
     for row in pred["meshes"]:
         shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
         if "step_s" not in row:
-            why = row.get("skipped", "does not fit")
-            lines.append(f"  {shape:>15}: {why} (bound {row['bound_s'] * 1e3:.2f} ms)")
+            bound = f"{row['bound_s'] * 1e3:.2f} ms"
+            why = "not searched: its lower bound" if row.get("skipped") else "does not fit, bound"
+            lines.append(f"  {shape:>15}: {why} {bound}")
             continue
         mark = "*" if (row["mesh"], row.get("zero", 0)) == chosen else " "
-        seconds = pred["step_time_s"] if mark == "*" else row.get("predicted_s")
+        seconds, memory = row.get("predicted_s"), row.get("predicted_memory")
+        if mark == "*":
+            seconds, memory = pred["step_time_s"], pred["peak_memory_bytes"]
         step = f"{seconds * 1e3:.2f} ms" if seconds else f"~{row['step_s'] * 1e3:.2f} ms"
-        lines.append(f"{mark} {shape:>15}: {step}, {_size(row['memory'])}")
+        size = _size(memory) if memory else "~" + _size(row["memory"])
+        lines.append(f"{mark} {shape:>15}: {step}, {size}")
     lines.append("  (* chosen)")
     return lines
 

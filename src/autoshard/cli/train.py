@@ -191,6 +191,7 @@ def worker(cfg: TrainConfig) -> None:
     from autoshard.runtime import clip_grad_norm_, latest, load, save
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.manual_seed(cfg.seed)  # the same model on every rank, and from run to run
     parts = _parts(user_function(cfg.target), cfg.target)
     pm = _parallel(parts, cfg)
     opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, **parts.get("optimizer", {}))

@@ -150,6 +150,7 @@ def _final(
     for k, sol, row in finalists:
         built = build_plan(og, SearchResult(meshes[k], graphs[k], sol, [], 0.0), cluster)
         row["predicted_s"] = built.predicted.step_time
+        row["predicted_memory"] = built.predicted.peak_memory
         if row["predicted_s"] < fastest * (1 - 1e-9):
             chosen, fastest = (k, sol), row["predicted_s"]
     return chosen
