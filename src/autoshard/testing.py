@@ -9,6 +9,7 @@ gives every test fail-fast behaviour and a report of what each rank actually did
 from __future__ import annotations
 
 import datetime
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -102,6 +103,9 @@ def _rank_main(
         # Leave without tearing the process group down: gloo's teardown races with peers that
         # already left (a transport thread calls std::terminate, the rank dies by SIGABRT after
         # its result was sent). The outcome is delivered; nothing else needs this process.
+        # multiprocessing's own finalizers still run: they unlink the semaphores this process
+        # made (tqdm's lock, taken by torch.fx), which the parent's tracker would report.
+        multiprocessing.util._run_finalizers()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
