@@ -48,6 +48,30 @@ def test_transition_prices_collectives_on_their_links() -> None:
     assert transition(inside, rows, cluster).kinds == ("reduce_scatter",)
 
 
+def test_a_backends_slower_collectives_are_priced_by_their_measured_factor() -> None:
+    """gloo's reduce-scatter takes about 2.4 times the ring model's time: a spec carrying that
+    factor prices ZeRO's reduce-scatter, and every reduce-scatter, at that factor; all-reduce
+    keeps the fitted model."""
+    from dataclasses import replace
+
+    from autoshard.cost.calibrate import KIND_SIZES, kind_factors
+    from autoshard.cost.collectives import collective_parts
+
+    base = cluster_spec("cpu", 2)
+    slow = replace(base, collective_factors={"reduce_scatter": 2.4})
+    for kind, factor in (("reduce_scatter", 2.4), ("all_gather", 1.0), ("all_reduce", 1.0)):
+        bandwidth, latency = collective_parts(kind, 1 << 20, 2, 2, base)
+        got = collective_parts(kind, 1 << 20, 2, 2, slow)
+        assert got[0] == pytest.approx(bandwidth * factor)
+        assert got[1] == pytest.approx(latency * (factor if kind != "all_reduce" else 1.0))
+    # the calibration's factor is measured over modelled time at each size, the median kept
+    lat, bw = base.intra_latency, base.intra_bandwidth
+    model = [(1 / 2) * n / bw + lat for n in KIND_SIZES]
+    times = {"reduce_scatter": [2.0 * model[0], 3.0 * model[1], 2.5 * model[2]]}
+    assert kind_factors(times, 2, lat, bw) == {"reduce_scatter": pytest.approx(2.5)}
+    assert ClusterSpec.from_json(slow.to_json()).collective_factors == {"reduce_scatter": 2.4}
+
+
 def test_cluster_spec_round_trips_and_rejects_unknown_fields(tmp_path) -> None:
     path = tmp_path / "c.json"
     PRESETS["dgx-a100"].save(path)
@@ -264,3 +288,21 @@ def test_zero_model_states_reproduce_the_zero_papers_figure_1() -> None:
     assert [round(t, 2) for t in totals] == [120.0, 31.41, 16.64, 1.88]
     stage2 = model_states(7.5e9, 64, 2)
     assert stage2 == {"parameters": 15e9, "gradients": 15e9 / 64, "optimizer": 90e9 / 64}
+
+
+def _kinds_on_ranks(_: object) -> dict:
+    from autoshard.cost.calibrate import _measure_kinds
+
+    return _measure_kinds(1)
+
+
+def test_calibration_times_every_other_collective_kind() -> None:
+    """On 2 gloo ranks: a positive time per kind and size, larger messages slower."""
+    from autoshard.cost.calibrate import KIND_SIZES, OTHER_KINDS
+    from autoshard.testing import run_ranks
+
+    times = run_ranks(_kinds_on_ranks, 2, None, timeout=300)[0]
+    assert set(times) == set(OTHER_KINDS)
+    for kind, seconds in times.items():
+        assert len(seconds) == len(KIND_SIZES) and min(seconds) > 0, kind
+        assert seconds[-1] > seconds[0], kind  # 4 MiB takes longer than 64 KiB

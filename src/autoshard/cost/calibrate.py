@@ -165,6 +165,67 @@ def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[int
     return out
 
 
+#: collectives whose speed is measured against the link model fitted on all-reduce
+OTHER_KINDS = ("reduce_scatter", "all_gather", "all_to_all")
+#: the sizes (bytes per rank: reduce-scatter's and all-to-all's input, all-gather's output)
+KIND_SIZES = (64 << 10, 1 << 20, 4 << 20)
+
+
+def _kind_call(kind: str, nbytes: int, world: int) -> Callable[[], object]:
+    """One call of collective ``kind`` over every rank, on ``nbytes`` per rank."""
+    import torch.distributed as dist
+
+    whole, part = torch.ones(nbytes // 4), torch.empty(nbytes // 4 // world)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, whole)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(whole, part)
+    out = torch.empty_like(whole)
+    return lambda: dist.all_to_all_single(out, whole)
+
+
+def _measure_kinds(threads: int) -> dict[str, list[float]]:
+    """Per-call seconds of each of :data:`OTHER_KINDS` at :data:`KIND_SIZES` over every rank,
+    issued between slices of compute as the all-reduce samples are."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    a, calls, reps = torch.randn(256, 256), 8, 5
+    world = dist.get_world_size()
+
+    def burst(call: Callable[[], object] | None) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            a @ a
+            a @ a
+            if call is not None:
+                call()
+        return time.perf_counter() - start
+
+    base = statistics.median(burst(None) for _ in range(reps))
+    out: dict[str, list[float]] = {}
+    for kind in OTHER_KINDS:
+        out[kind] = []
+        for nbytes in KIND_SIZES:
+            call = _kind_call(kind, nbytes, world)
+            burst(call)  # warm-up
+            total = statistics.median(burst(call) for _ in range(reps))
+            out[kind].append(max(total - base, 1e-7) / calls)
+    return out
+
+
+def kind_factors(times: dict[str, list[float]], world: int, latency: float, bandwidth: float):
+    """Each kind's measured time over the link model's (median over sizes), given the fitted
+    all-reduce latency and bandwidth."""
+    factors = {}
+    for kind, seconds in times.items():
+        share = (world - 1) / world
+        model = [share * n / bandwidth + (world - 1) * latency for n in KIND_SIZES]
+        factors[kind] = statistics.median(t / m for t, m in zip(seconds, model, strict=True))
+    return factors
+
+
 def fit_all_reduce(samples: Sequence[tuple[int, int, float]]) -> dict[str, float]:
     """Latency and bandwidth whose all-reduce formula ``2 ceil(log2 g) latency + 2 (g - 1) / g
     bytes / bandwidth`` fits the ``(group size, bytes, seconds)`` samples best in relative error
@@ -223,6 +284,7 @@ def _measure_rank(threads: int) -> dict[str, float]:
     dist.barrier()
     out: dict[str, Any] = dict(measure_compute(threads))
     out["comm"] = _measure_comm(threads)
+    out["kinds"] = _measure_kinds(threads) if dist.get_world_size() > 1 else {}
     out["sync_wait"] = _measure_sync_wait(threads) if dist.get_world_size() > 1 else 0.0
     return out
 
@@ -232,9 +294,9 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
     from autoshard.testing import run_ranks
 
     per_rank = run_ranks(_measure_rank, ranks, threads, timeout=600)
-    comm = per_rank[0].pop("comm")
+    comm, kinds = per_rank[0].pop("comm"), per_rank[0].pop("kinds")
     for r in per_rank[1:]:
-        r.pop("comm")
+        r.pop("comm"), r.pop("kinds")
     curves = [r.pop("matmul_efficiency") for r in per_rank]
     attention = [r.pop("attention_efficiency") for r in per_rank]
     m = {key: statistics.median(r[key] for r in per_rank) for key in per_rank[0]}
@@ -269,6 +331,7 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         op_overhead=m["op_overhead"],
         optimizer_passes=m["optimizer_passes"],
         sync_wait=m["sync_wait"],
+        collective_factors=kind_factors(kinds, ranks, m["latency"], m["bandwidth"]),
         matmul_efficiency=curve,
         attention_efficiency=shares,
         extra={
@@ -279,4 +342,11 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
     )
 
 
-__all__ = ["calibrate", "fit_all_reduce", "measure_attention", "measure_compute", "measure_matmul"]
+__all__ = [
+    "calibrate",
+    "fit_all_reduce",
+    "kind_factors",
+    "measure_attention",
+    "measure_compute",
+    "measure_matmul",
+]

@@ -34,8 +34,10 @@ class ClusterSpec:
     bytes/s of a streaming kernel; ``op_overhead``: seconds each kernel (or CPU op) costs beyond
     its work; ``sync_wait``: the share of its compute a rank of a parallel job waits for the
     slowest rank at the collectives that synchronize them (stragglers; a shared host's
-    scheduler). Links: bytes/s of bus bandwidth per device (the inter-node one is a device's
-    share of its node's network) and seconds of latency per step of a collective.
+    scheduler); ``collective_factors``: a collective kind's measured time over the link
+    model's (calibrated; 1 when absent). Links: bytes/s of bus bandwidth per device (the
+    inter-node one is a device's share of its node's network) and seconds of latency per step
+    of a collective.
     ``optimizer_passes``: bytes of memory traffic of one AdamW step per parameter byte (torch's
     default per-tensor and foreach AdamW make about 20 passes; a fused kernel about 7)."""
 
@@ -55,6 +57,10 @@ class ClusterSpec:
     attention_efficiency: list[float] = field(default_factory=lambda: [1.0, 1.0])
     #: the share of its compute a rank waits at synchronizing collectives for the slowest rank
     sync_wait: float = 0.0
+    #: measured time of a collective kind over what the link model prices it at (1 when
+    #: absent: NCCL's reduce-scatter and all-gather run at the model's ring speed; gloo's do
+    #: not, and ``autoshard calibrate`` measures by how much)
+    collective_factors: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -64,12 +64,13 @@ def _flat(kind: str, nbytes: float, g: int, crosses: bool, cluster: ClusterSpec)
     pays a tree's latency (NCCL's tree and NVLS algorithms for latency-bound sizes), the
     others a ring's: one step per peer."""
     bw, alpha = cluster.link(crosses)
+    factor = cluster.collective_factors.get(kind, 1.0)  # a backend slower than the model
     if kind == "all_reduce":
-        return 2 * (g - 1) / g * nbytes / bw, 2 * math.ceil(math.log2(g)) * alpha
+        return 2 * (g - 1) / g * nbytes / bw * factor, 2 * math.ceil(math.log2(g)) * alpha
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (g - 1) / g * nbytes / bw, (g - 1) * alpha
+        return (g - 1) / g * nbytes / bw * factor, (g - 1) * alpha * factor
     if kind == "send_recv":
-        return nbytes / bw, alpha
+        return nbytes / bw * factor, alpha
     raise ValueError(f"unknown collective {kind!r}")
 
 
