@@ -210,6 +210,11 @@ def test_overlapped_communication_is_exposed_only_where_compute_waits() -> None:
     assert est.exposed_comm == pytest.approx(1.0)
     assert est.step_time == pytest.approx(3.0 + 1.0 + 0.5)
     assert est.comm == pytest.approx(1.5)
+    # a backend that overlaps half: half of what the timeline hides is still waited for
+    assert exposed(two, 0.5) == pytest.approx(1.0 + 0.5 * (4.0 - 1.0))
+    assert exposed([Overlapped(1.0, ready=0.0, due=5.0)], 0.0) == pytest.approx(1.0)
+    est.overlap_efficiency = 0.0
+    assert est.exposed_comm == pytest.approx(1.5)
 
 
 def test_calibration_measures_the_matmul_curve_and_attention_shares() -> None:

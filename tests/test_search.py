@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.cost import cluster_spec
+from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture
 from autoshard.mesh import MeshInfo
 from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
@@ -384,3 +384,25 @@ def test_a_plan_file_for_another_model_says_so(tmp_path) -> None:
     llama = reference_config("llama", vocab=64, seq=8, layers=1, heads=2, kv_heads=2, hidden=16)
     with pytest.raises(autoshard.StrategyError, match=match + ".*matches no op"):  # its ops
         autoshard.parallelize(build(llama), llama.example_batch(4), None, plan=path)
+
+
+def test_a_backend_that_overlaps_partly_prices_the_same_in_the_search_and_the_estimate() -> None:
+    """On CPU ranks a gradient bucket's sum takes the cores backward runs on: only part of the
+    timeline's overlap happens (``overlap_efficiency``), and gloo's reduce-scatter is slower
+    than the ring model (``collective_factors``). The search's objective prices both as the
+    estimate of the plan it builds does, at every ZeRO stage."""
+    from dataclasses import replace
+
+    from autoshard.cost import PRESETS
+
+    base = PRESETS["dgx-h100"]
+    partly = replace(base, overlap_efficiency=0.3, collective_factors={"reduce_scatter": 2.0})
+    for zero in (0, 2):
+        plan = _plan_for("gpt", batch=8, hidden=512, devices=8, preset=partly, zero=zero)
+        got = plan.predicted
+        objective = plan.auto["predicted"]["search_objective_s"]
+        assert got.search_step_time == pytest.approx(objective, rel=1e-6)
+        assert got.overlap_efficiency == 0.3
+        # the same plan on a backend that overlaps fully: its buckets hide more
+        whole, partial = estimate(plan, plan.graph, base), estimate(plan, plan.graph, partly)
+        assert whole.overlapped and partial.step_time > whole.step_time

@@ -93,7 +93,7 @@ def _rest(est: Estimate, rows: object) -> list[LayerCost]:
     layers = list(rows)  # type: ignore[call-overload]
     time = sum(r.blocks * r.time_s for r in layers)
     memory = sum(r.blocks * r.memory_bytes for r in layers)
-    waited = exposed(est.overlapped)
+    waited = exposed(est.overlapped, est.overlap_efficiency)
     out = [
         LayerCost("optimizer step", compute_s=est.optimizer),
         LayerCost("overlapped communication, exposed", comm_s=waited),

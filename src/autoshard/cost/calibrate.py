@@ -215,6 +215,37 @@ def _measure_kinds(threads: int) -> dict[str, list[float]]:
     return out
 
 
+def _measure_overlap(threads: int, nbytes: int = 4 << 20) -> float:
+    """The share of the shorter of a compute burst and an all-reduce that running them at once
+    hides, ``(compute + comm - both) / min(compute, comm)``, the burst sized to take about
+    as long as the all-reduce (backward beside a bucket's sum)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    a, flat, reps = torch.randn(256, 256), torch.ones(nbytes // 4), 7
+
+    def run(products: int, comm: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        work = dist.all_reduce(flat, async_op=True) if comm else None
+        for _ in range(products):
+            a @ a
+        if work is not None:
+            work.wait()
+        return time.perf_counter() - start
+
+    def share() -> float:
+        comm = statistics.median(run(0, True) for _ in range(reps))
+        one = statistics.median(run(8, False) for _ in range(reps)) / 8
+        products = max(1, round(comm / one))
+        compute = statistics.median(run(products, False) for _ in range(reps))
+        both = statistics.median(run(products, True) for _ in range(reps))
+        return min(1.0, max(0.0, (compute + comm - both) / min(compute, comm)))
+
+    run(1, True)  # warm-up
+    return statistics.median(share() for _ in range(3))
+
+
 def kind_factors(times: dict[str, list[float]], world: int, latency: float, bandwidth: float):
     """Each kind's measured time over the link model's (median over sizes), given the fitted
     all-reduce latency and bandwidth."""
@@ -285,6 +316,7 @@ def _measure_rank(threads: int) -> dict[str, float]:
     out: dict[str, Any] = dict(measure_compute(threads))
     out["comm"] = _measure_comm(threads)
     out["kinds"] = _measure_kinds(threads) if dist.get_world_size() > 1 else {}
+    out["overlap_efficiency"] = _measure_overlap(threads) if dist.get_world_size() > 1 else 1.0
     out["sync_wait"] = _measure_sync_wait(threads) if dist.get_world_size() > 1 else 0.0
     return out
 
@@ -332,6 +364,7 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         optimizer_passes=m["optimizer_passes"],
         sync_wait=m["sync_wait"],
         collective_factors=kind_factors(kinds, ranks, m["latency"], m["bandwidth"]),
+        overlap_efficiency=m["overlap_efficiency"],
         matmul_efficiency=curve,
         attention_efficiency=shares,
         extra={

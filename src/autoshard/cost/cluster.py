@@ -61,6 +61,10 @@ class ClusterSpec:
     #: absent: NCCL's reduce-scatter and all-gather run at the model's ring speed; gloo's do
     #: not, and ``autoshard calibrate`` measures by how much)
     collective_factors: dict[str, float] = field(default_factory=dict)
+    #: the share of the overlap a timeline of separate compute and communication streams
+    #: promises that really happens (1: GPUs, whose transfers run on their own engines; on
+    #: CPU ranks the transfers take the cores the compute needs, and calibrate measures it)
+    overlap_efficiency: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

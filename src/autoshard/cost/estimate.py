@@ -46,16 +46,19 @@ class Overlapped:
     due: float
 
 
-def exposed(overlapped: list[Overlapped]) -> float:
+def exposed(overlapped: list[Overlapped], efficiency: float = 1.0) -> float:
     """Seconds the in-line work waits for overlapped communication: one communication stream
     runs the transfers in the order they become ready; the in-line work stalls when it reaches
-    a transfer's due point before the transfer ends, which delays everything after it."""
+    a transfer's due point before the transfer ends, which delays everything after it. Of what
+    that timeline hides, only the ``efficiency`` share is really hidden (``ClusterSpec.
+    overlap_efficiency``: below 1 where transfers take the cores the compute runs on)."""
     delay = stream = 0.0
     for item in sorted(overlapped, key=lambda o: o.ready):
         start = max(stream, item.ready + delay)
         stream = start + item.seconds
         delay = max(delay, stream - item.due)
-    return delay
+    hidden = sum(o.seconds for o in overlapped) - delay
+    return delay + (1.0 - efficiency) * hidden
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Estimate:
     model_flops: float = 0.0
     num_devices: int = 1
     peak_flops: float = 1.0
+    #: the share of the timeline's overlap that really happens (``ClusterSpec``)
+    overlap_efficiency: float = 1.0
     #: where the sums come from (``cost.breakdown``): each node's terms of one run and its
     #: number of runs; each parameter's or buffer's memory and in-line seconds, all copies
     by_node: dict[str, tuple[Estimate, int]] = field(default_factory=dict, repr=False)
@@ -103,7 +108,7 @@ class Estimate:
     def exposed_comm(self) -> float:
         """The communication the step waits for."""
         inline = self.comm_forward + self.comm_backward + self.grad_sync
-        return inline + exposed(self.overlapped)
+        return inline + exposed(self.overlapped, self.overlap_efficiency)
 
     @property
     def step_time(self) -> float:
@@ -116,7 +121,7 @@ class Estimate:
         buckets' latencies, exposed only as far as they outlast the backward compute."""
         inline = self.comm_forward + self.comm_backward + self.grad_sync + self.shared_saving
         bucketed = self.overlapped_comm - self.bucket_latency
-        exposed = bucketed - min(bucketed, self.compute_backward)
+        exposed = bucketed - self.overlap_efficiency * min(bucketed, self.compute_backward)
         return self.compute + inline + exposed + self.optimizer
 
     @property
@@ -158,7 +163,7 @@ def estimate(
     buckets of ``bucket_cap_mb`` overlap what is left of backward once they are full. ``depth``
     (block list prefix -> its real number of blocks) prices a model captured with fewer blocks
     as the real one: each captured block stands for its share of the real ones."""
-    est = Estimate(num_devices=plan.mesh.num_devices)
+    est = Estimate(num_devices=plan.mesh.num_devices, overlap_efficiency=cluster.overlap_efficiency)
     dtypes = []
     sequence, copies = _as_run(og, depth)
     terms: dict[fx.Node, Estimate] = {}

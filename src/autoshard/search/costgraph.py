@@ -374,6 +374,10 @@ def build_cost_graph(
     const_time, const_memory, const_window = b.constants()
     total_flops = sum(b.decision_node(node) for node in b.order)
     b.tied_parameters()
+    # hidden = e * min(bucketed, backward) = min(e * bucketed, e * backward): the efficiency
+    # scales both sides (docs/search.md)
+    e = cluster.overlap_efficiency
+    overlap, window = [e * o for o in b.overlap], [e * w for w in b.window]
     return CostGraph(
         mesh=mesh,
         names=[n.name for n in b.reps],
@@ -386,9 +390,9 @@ def build_cost_graph(
         const_time=const_time,
         const_memory=const_memory,
         model_flops=total_flops,
-        overlap=b.overlap,
-        window=b.window,
-        const_window=const_window,
+        overlap=overlap,
+        window=window,
+        const_window=e * const_window,
         build_seconds=time.perf_counter() - start,
         depth=dict(depth) if depth else None,
         zero=zero,
