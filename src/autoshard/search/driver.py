@@ -258,12 +258,6 @@ def _jsonable(spec: Sequence[Any]) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
-def plan_json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
-    """The searched plan as JSON: mesh, one space strategy per decision op (repeated layers
-    written once as ``<list>.*``), input layouts, and the cost model's prediction."""
-    return build_plan(og, result, cluster).auto
-
-
 def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
     """The Plan of ``og`` a search result gives, with its JSON (``plan.auto``) and prediction.
     The search's objective is a sum over ops: it prices the bucketed gradient sums in line
@@ -394,6 +388,5 @@ __all__ = [
     "build_plan",
     "mesh_shapes",
     "plan",
-    "plan_json",
     "run_search",
 ]
