@@ -214,9 +214,11 @@ def test_meta_llama_too_big_for_a_rank_trains_under_zero3_on_4_ranks(
         assert r["losses"] == pytest.approx(expected, rel=1e-9)
         assert r["predicted"] < limit, (r["predicted"], limit)
         assert r["tensor_peak"] <= r["predicted"], (r["tensor_peak"], r["predicted"])
-        # The resident size is a coarse measure: 213 MiB alone, up to 246 MiB inside the
-        # whole suite, against 229 MiB predicted.
-        assert r["peak"] <= 1.15 * r["predicted"], (r["peak"], r["predicted"])
+        # The resident size is a coarse measure (the allocator's slack and gloo's buffers come
+        # and go): 0.87-0.89 of the prediction alone, up to 1.23 once inside the whole suite;
+        # the exact tensor peak above is the check of what the runtime holds. Gathering the
+        # whole model would be 3x the prediction.
+        assert r["peak"] <= 1.3 * r["predicted"], (r["peak"], r["predicted"])
         print(
             f"tensor peak {r['tensor_peak'] / 2**20:.1f} MiB, resident peak "
             f"{r['peak'] / 2**20:.1f} MiB (besides {r['overhead'] / 2**20:.1f} MiB not "
