@@ -86,6 +86,11 @@ class Estimate:
     peak_flops: float = 1.0
     #: the share of the timeline's overlap that really happens (``ClusterSpec``)
     overlap_efficiency: float = 1.0
+    #: sums of activation gradients the plan moved to their parameters' buckets
+    #: (``Plan.summed_at_params``), as the searches price them: the activation's sum in line
+    #: less the parameter's hook copy, and the parameter's bucketed seconds
+    moved_in_line: float = 0.0
+    moved_bucketed: float = 0.0
     #: where the sums come from (``cost.breakdown``): each node's terms of one run and its
     #: number of runs; each parameter's or buffer's memory and in-line seconds, all copies
     by_node: dict[str, tuple[Estimate, int]] = field(default_factory=dict, repr=False)
@@ -120,7 +125,8 @@ class Estimate:
         gradient summed once per reader, and the bucketed gradient sums, without their
         buckets' latencies, exposed only as far as they outlast the backward compute."""
         inline = self.comm_forward + self.comm_backward + self.grad_sync + self.shared_saving
-        bucketed = self.overlapped_comm - self.bucket_latency
+        inline += self.moved_in_line
+        bucketed = self.overlapped_comm - self.bucket_latency - self.moved_bucketed
         exposed = bucketed - self.overlap_efficiency * min(bucketed, self.compute_backward)
         return self.compute + inline + exposed + self.optimizer
 
@@ -188,6 +194,9 @@ def estimate(
     bucketed, zeroed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
     for layout in plan.inputs.values():
         est.memory["activations"] += local_bytes(layout)
+    for value, (grad, whole, _) in getattr(plan, "summed_at_params", {}).items():
+        node = og.by_name[value]
+        est.moved_in_line += copies.get(node, 1) * transition(grad, whole, cluster).seconds
     position = {item: k for k, item in enumerate(sequence)}
     if zeroed:
         run = _Run(position, forward_at, backward_at, est.grad_sync)
@@ -314,7 +323,7 @@ def _price_params(
         count = copies.get(fqn, 1)
         if kinds.get(fqn) != "param":
             est.memory["parameters"] += count * local_bytes(param.layout)
-        elif param.grad_partial is not None and level(fqn):  # ZeRO: its own collectives
+        elif param.grad_partial is not None and level(fqn) and not param.from_value:  # ZeRO
             zeroed[fqn] = zero_param(
                 level(fqn), param.layout, param.grad_partial, cluster, optimizer_states,
                 compute.get(fqn), reduce_dtype,
@@ -327,6 +336,9 @@ def _price_params(
             bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count)
             if bucket is not None:
                 bucketed[fqn] = bucket
+            if param.from_value:  # the searches priced the activation's sum instead
+                est.moved_in_line -= est.grad_sync - in_line
+                est.moved_bucketed += count * bucket[0] if bucket is not None else 0.0
         est.by_param[fqn] = (sum(est.memory.values()) - memory, est.grad_sync - in_line)
     return bucketed, zeroed
 

@@ -451,7 +451,7 @@ def build_zero(
     units: dict[tuple, list[str]] = {}
     for fqn, p in plan.params.items():
         t, level = tensors.get(fqn), plan.zero_level(fqn)
-        if level == 0 or p.grad_partial is None or t is None or not t.requires_grad:
+        if level == 0 or p.grad_partial is None or p.from_value or t is None or not t.requires_grad:
             continue
         group = all_reduce_group(p.grad_partial, p.layout, t.dtype, rank)
         if group is None or t.numel() == 0:

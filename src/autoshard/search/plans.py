@@ -78,6 +78,9 @@ class ParamPlan:
     fqn: str
     layout: Layout
     grad_partial: Layout | None = None  # deferred reduction: gradient layout before the sum
+    #: the sum of an activation's gradient moved here (``Plan.summed_at_params``): summed in a
+    #: bucket, never under ZeRO (the searches price the parameter as they found it)
+    from_value: bool = False
 
 
 @dataclass
@@ -95,6 +98,11 @@ class Plan:
     #: (partial, whole), summed once after autograd adds the parts (Megatron's one ``f`` for
     #: the input of column-split q, k and v) instead of once per reader
     shared_reduce: dict[str, tuple[Layout, Layout]] = field(default_factory=dict)
+    #: activations whose gradient sum moved to the one parameter they are looked up from,
+    #: by value name: (the reader's partial gradient, its sum, the parameter's name); the
+    #: parameter's gradient is summed in a bucket beside backward instead (a position
+    #: embedding added to a batch-split stream)
+    summed_at_params: dict[str, tuple[Layout, Layout, str]] = field(default_factory=dict)
     #: the mixed precision policy it runs under (None: the captured dtypes throughout)
     precision: Precision | None = field(default=None, compare=False)
     #: ZeRO (docs/zero.md): one stage for every parameter, or {fqn pattern: stage}

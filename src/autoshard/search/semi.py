@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autoshard.graph import OpGraph
@@ -124,6 +125,7 @@ class _Walk:
         self.nodes: dict[str, NodePlan] = {}
         self.inputs: dict[str, Layout] = {}
         self.deferred: dict[fx.Node, list[tuple[NodePlan, int, Layout]]] = {}
+        self.at_params: dict[str, tuple[Layout, Layout, str]] = {}
         self.warnings: list[str] = []
 
     def placeholder(self, node: fx.Node, input_layouts: Mapping, param_layouts: Mapping) -> None:
@@ -167,8 +169,38 @@ class _Walk:
             return
         if info.kind == "param" and i not in plan.moves:
             self.deferred.setdefault(arg, []).append((plan, i, grad))
-        else:
+        elif i in plan.moves or not self._sum_at_param(arg, grad, want):
             plan.grad_reduce[i] = (grad, want.without_partial())
+
+    def _sum_at_param(self, value: fx.Node, grad: Layout, want: Layout) -> bool:
+        """Move the sum of ``value``'s partial gradient to its parameter when ``value`` is a
+        lookup of one parameter (an embedding of ids that need no gradient) read once: the
+        lookup's backward is linear, so the parameter's gradient is then partial over the same
+        axes and is summed in a bucket beside backward, not in line."""
+        producer = self.nodes.get(value.name)
+        if producer is None or value.target is not torch.ops.aten.embedding.default:
+            return False
+        weight, ids = tensor_inputs(value)[:2]
+        uses = sum(1 for u in value.users for a in tensor_inputs(u) if a is value)
+        stored = producer.strategy.ins[0].without_partial()
+        if (
+            uses != 1
+            or len(weight.users) != 1  # the parameter's one reader (not a tied weight)
+            or self.og[weight].kind != "param"
+            or self.og[ids].requires_grad
+            or 0 in producer.moves
+            or producer.strategy.grads[0] != stored
+            or grad.mesh != stored.mesh  # partial axes are positions in the same mesh
+            or grad.ranks != stored.ranks
+        ):
+            return False
+        partial = Layout.from_factors(
+            stored.shape, stored.mesh, stored.factors, grad.partial, stored.ranks, stored.dtype,
+            stored.axis_names,
+        )  # fmt: skip
+        self.deferred.setdefault(weight, []).append((producer, 0, partial))
+        self.at_params[value.name] = (grad, want.without_partial(), self.og[weight].fqn)
+        return True
 
     def params(self) -> dict[str, ParamPlan]:
         """Each parameter's stored layout and, when every use needs the same sum of a gradient
@@ -186,6 +218,7 @@ class _Walk:
             grads = {g for _, _, g in uses}
             uses_all = sum(1 for u in node.users for a in tensor_inputs(u) if a is node)
             plan = ParamPlan(info.fqn, self.stored[node])
+            plan.from_value = any(f == info.fqn for _, _, f in self.at_params.values())
             if len(grads) == 1 and len(uses) == uses_all:
                 plan.grad_partial = grads.pop()
             else:
@@ -260,7 +293,10 @@ def plan_graph(
     outputs = walk.outputs(out_node)
     shared = walk.share_reductions()
     nodes, inputs = walk.nodes, walk.inputs
-    return Plan(mesh, nodes, params, inputs, outputs, walk.warnings, shared_reduce=shared, graph=og)
+    return Plan(
+        mesh, nodes, params, inputs, outputs, walk.warnings, shared_reduce=shared, graph=og,
+        summed_at_params=walk.at_params,
+    )  # fmt: skip
 
 
 __all__ = ["match_strategies", "plan_graph"]
