@@ -847,3 +847,31 @@ def _gradients_of_some_parameters() -> None:
 
 def test_gradients_of_some_parameters_through_buckets() -> None:
     run_ranks(_gradients_of_some_parameters, 2, timeout=120)
+
+
+def _bucket_buffers_across_steps() -> dict:
+    """Three dp steps of the MLP: the bucket's buffer again once its gradients are dropped; a
+    gradient the caller still holds is never written by a later backward."""
+    torch.set_num_threads(1)
+    model, config = build("mlp", 0.0)
+    data = batches(config, torch.float64)
+    pm = parallelize(model.double(), data[0], {"dp": 2})
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    first = next(pm.parameters())
+    ptrs, kept = [], None
+    for step, batch in enumerate(data[:4]):
+        pm(*shard_inputs(batch, pm)).backward()
+        ptrs.append(first.grad.data_ptr())
+        if step == 2:
+            kept, value = first.grad, first.grad.clone()  # held across the next backward
+        opt.step()
+        opt.zero_grad()
+    return {"ptrs": ptrs, "kept_unchanged": bool(torch.equal(kept, value))}
+
+
+def test_a_bucket_keeps_its_buffer_unless_a_gradient_is_still_held() -> None:
+    for outcome in run_ranks(_bucket_buffers_across_steps, 2, timeout=120):
+        ptrs = outcome["ptrs"]
+        assert ptrs[0] == ptrs[1] == ptrs[2], ptrs  # dropped by zero_grad: the same buffer
+        assert ptrs[3] != ptrs[2], ptrs  # step 2's gradient still held: a new buffer
+        assert outcome["kept_unchanged"]

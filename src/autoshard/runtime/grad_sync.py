@@ -17,7 +17,8 @@ from autoshard.redistribution import execute, redistribution_plan
 @dataclass(eq=False)
 class _Bucket:
     """Parameters whose sums are one all-reduce over ``group``, at fixed offsets of a flat
-    buffer made anew for each backward."""
+    buffer: the last backward's again when nothing holds it any more (the gradients it handed
+    out were dropped), else a new one."""
 
     group: tuple[int, ...]
     params: list[torch.Tensor]
@@ -29,6 +30,17 @@ class _Bucket:
     flat: torch.Tensor | None = None
     ready: list[tuple[torch.Tensor, str, torch.Tensor, bool]] = field(default_factory=list)
     work: Any = None
+    #: the last backward's buffer, kept for the next one
+    spare: torch.Tensor | None = None
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        """This backward's flat buffer: the spare when only the bucket holds it (a fresh
+        buffer's pages would be faulted in again at every step), else a new one."""
+        spare, self.spare = self.spare, None
+        # the use count of an unshared buffer: the tensor itself and this check's storage
+        if spare is not None and torch._C._storage_Use_Count(spare.untyped_storage()._cdata) <= 2:
+            return spare
+        return torch.empty(self.numel, dtype=self.dtype, device=device)
 
 
 class GradSync:
@@ -145,7 +157,7 @@ class GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
         if bucket.flat is None:
-            bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=param.device)
+            bucket.flat = bucket.buffer(param.device)
         start = bucket.offsets[index]
         slot = bucket.flat[start : start + param.numel()].view_as(param)
         # autograd gets the slot unless it is of another dtype (a reduce dtype)
@@ -180,7 +192,7 @@ class GradSync:
             with torch.no_grad():
                 for param, how, part, slot_handed in bucket.ready:
                     self._place(bucket, param, how, part, slot_handed)
-            bucket.flat, bucket.ready, bucket.work = None, [], None
+            bucket.spare, bucket.flat, bucket.ready, bucket.work = bucket.flat, None, [], None
         self._accumulated = set()
 
     def _place(
