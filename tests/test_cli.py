@@ -105,6 +105,18 @@ def test_redistribute_command_prints_the_least_bytes_plan(capsys) -> None:
     assert code == 0 and "1024 B/rank" in capsys.readouterr().out
 
 
+def test_redistribute_command_draws_both_layouts(tmp_path, capsys) -> None:
+    from autoshard.cli.main import main
+
+    stem = tmp_path / "move"
+    argv = ["redistribute", "--mesh", "dp=2,tp=2", "--shape", "16,32", "--src", "dp,_"]
+    assert main([*argv, "--dst", "_,tp", "--picture", str(stem)]) == 0
+    out = capsys.readouterr().out
+    for end in ("src", "dst"):
+        path = tmp_path / f"move-{end}.png"
+        assert f"picture: {path}" in out and path.read_bytes().startswith(b"\x89PNG")
+
+
 def test_redistribute_command_names_a_bad_mesh(capsys) -> None:
     """A mesh size that is not a number stops the command with a message naming --mesh."""
     from autoshard.cli.main import main

@@ -63,6 +63,11 @@ def build_parser(
     )
     red.add_argument("--dst", required=True, help="the layout to move to, in the form of --src")
     red.add_argument("--dtype", default="f32", choices=sorted(DTYPES), help="element type")
+    red.add_argument(
+        "--picture",
+        metavar="STEM",
+        help="draw both layouts' tiles by rank: STEM-src.png and STEM-dst.png (matplotlib)",
+    )
     _plan_options(command("plan", "search the fastest plan of a model on a cluster"))
     _train_options(command("train", "plan and train your own model under torchrun"))
     cal = command("calibrate", "measure this machine into a cluster spec JSON")

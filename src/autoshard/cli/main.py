@@ -48,6 +48,11 @@ def _redistribute_command(args: argparse.Namespace) -> int:
             print(f"autoshard: {err}", file=sys.stderr)
             return 2
     print(redistribution_plan(*layouts))
+    if args.picture:
+        from autoshard.pictures import layout_picture
+
+        for end, layout in zip(("src", "dst"), layouts, strict=True):
+            print(f"picture: {layout_picture(layout, f'{args.picture}-{end}.png')}")
     return 0
 
 
