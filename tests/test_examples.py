@@ -200,11 +200,10 @@ def make():
 """
 
 
-def test_a_capture_failure_under_autoshard_train_is_one_line_from_rank_zero(tmp_path):
-    """Two ranks fail to capture a data-dependent `if`: the whole output is one line naming
-    the user's source line and the op; the tracebacks and torch's log are in files."""
-    (tmp_path / "branchy.py").write_text(BRANCHY)
-    command, env = _train_command(["--steps", "2"], tmp_path / "log.jsonl")
+def _failing_train(tmp_path: Path, model_source: str, argv: list[str]) -> str:
+    """``autoshard train branchy:make`` on 2 ranks that must fail: its one line of stderr."""
+    (tmp_path / "branchy.py").write_text(model_source)
+    command, env = _train_command(["--steps", "2", *argv], tmp_path / "log.jsonl")
     command[command.index("train_fn:make")] = "branchy:make"
     out = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
@@ -212,9 +211,16 @@ def test_a_capture_failure_under_autoshard_train_is_one_line_from_rank_zero(tmp_
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("autoshard: error: cannot capture module 'Branchy' at ")
-    assert "branchy.py:12 in forward: `if h.sum() > 0:" in lines[0]
-    assert "(op aten.item)" in lines[0] and "full log: " in lines[0]
+    return lines[0]
+
+
+def test_a_capture_failure_under_autoshard_train_is_one_line_from_rank_zero(tmp_path):
+    """Two ranks fail to capture a data-dependent `if`: the whole output is one line naming
+    the user's source line and the op; the tracebacks and torch's log are in files."""
+    line = _failing_train(tmp_path, BRANCHY, [])
+    assert line.startswith("autoshard: error: cannot capture module 'Branchy' at ")
+    assert "branchy.py:12 in forward: `if h.sum() > 0:" in line
+    assert "(op aten.item)" in line and "full log: " in line
     assert (tmp_path / "autoshard-torchrun.log").read_text().strip()
 
 
@@ -226,14 +232,7 @@ def test_a_plan_for_another_model_under_autoshard_train_is_one_line_from_rank_ze
         "strategies": {"proj/linear.0": {"space": ["dp", "zz", None]}},
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    (tmp_path / "branchy.py").write_text(BRANCHY.replace("if h.sum() > 0:", "if True:"))
-    command, env = _train_command(["--steps", "2", "--plan", "plan.json"], tmp_path / "l.jsonl")
-    command[command.index("train_fn:make")] = "branchy:make"
-    out = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode != 0
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1, out.stderr
-    assert "autoshard: error: plan plan.json does not fit this model" in lines[0]
-    assert "axis names ['zz'] are not in mesh axes" in lines[0]
+    fits = BRANCHY.replace("if h.sum() > 0:", "if True:")
+    line = _failing_train(tmp_path, fits, ["--plan", "plan.json"])
+    assert "autoshard: error: plan plan.json does not fit this model" in line
+    assert "axis names ['zz'] are not in mesh axes" in line

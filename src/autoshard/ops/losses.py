@@ -58,9 +58,7 @@ class MseLoss(SpaceRule):
     is elementwise."""
 
     def make_space(self, node: fx.Node) -> Space:
-        shape = shape_of(node.args[0])
-        if shape_of(node.args[1]) != shape:
-            raise StrategyError(f"{node_title(node)}: input and target shapes differ")
+        shape = shape_of(node.args[0])  # the target's too: F.mse_loss broadcasts them first
         reduced = node_arg(node, 2, "reduction", 1) != 0
         dims = tuple(range(len(shape)))
         kinds = (SUM if reduced else FREE,) * len(shape)
