@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard import comm
+from autoshard.ops.pending import PendingCount, global_mean
 
 _M32 = 0xFFFFFFFF
 
@@ -77,16 +78,18 @@ def cross_entropy(
     class_start: int,
     batch_ranks: list[int],
     class_ranks: list[int],
+    count: PendingCount | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of logits split by rows and/or classes, never gathering the logits: the
     max, the sum of exponentials and the target logit are reduced over the class group, the
-    loss over the batch group."""
+    loss over the batch group (``count``: the global count of targets, started early; the
+    mean's value is then waited on only when read)."""
     valid = target != ignore_index
     if len(class_ranks) == 1:  # whole rows: torch's own kernel
         if reduction == 0:
             return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none")
         loss_sum = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
-        return _batch_mean(loss_sum, valid, reduction, batch_ranks)
+        return _batch_mean(loss_sum, valid, reduction, batch_ranks, count)
     num_local = logits.shape[1]
     top = logits.detach().amax(dim=1)
     if len(class_ranks) > 1:
@@ -100,13 +103,19 @@ def cross_entropy(
     loss = (sum_exp.log() - picked) * valid
     if reduction == 0:
         return loss
-    return _batch_mean(loss.sum(), valid, reduction, batch_ranks)
+    return _batch_mean(loss.sum(), valid, reduction, batch_ranks, count)
 
 
 def _batch_mean(
-    loss_sum: torch.Tensor, valid: torch.Tensor, reduction: int, batch_ranks: list[int]
+    loss_sum: torch.Tensor,
+    valid: torch.Tensor,
+    reduction: int,
+    batch_ranks: list[int],
+    count: PendingCount | None,
 ) -> torch.Tensor:
     """The sum (reduction 2) or the mean over the valid targets (1) of every rank's rows."""
+    if reduction == 1 and count is not None:
+        return global_mean(loss_sum, count, batch_ranks)
     if reduction == 2:
         return sum_over(loss_sum, batch_ranks)
     # the count travels with the sum: one collective for both, in at least float32 (bfloat16

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autoshard.layout import Layout
-from autoshard.ops import local
+from autoshard.ops import local, pending
 from autoshard.ops.base import FREE, SUM, Space, SpaceRule, Strategy, StrategyError
 from autoshard.ops.nodes import node_arg, node_title, shape_of
 
@@ -37,19 +38,46 @@ class CrossEntropy(SpaceRule):
         cols = logits.local_index(low.rank)[1]
         if not isinstance(cols, slice):
             raise StrategyError(f"{node_title(node)}: the class split must be contiguous")
+        reduction = node_arg(node, 3, "reduction", 1)
+        ignore_index = node_arg(node, 4, "ignore_index", -100)
+        batch = low.group(space, [0])
+        kwargs = {}
+        if reduction == 1 and len(batch) > 1:
+            kwargs["count"] = _start_count_early(low, args[1], ignore_index, batch)
         return low.call(
             local.cross_entropy,
-            (
-                args[0],
-                args[1],
-                node_arg(node, 3, "reduction", 1),
-                node_arg(node, 4, "ignore_index", -100),
-                cols.start,
-                low.group(space, [0]),
-                low.group(space, [1]),
-            ),
-            {},
+            (args[0], args[1], reduction, ignore_index, cols.start, batch, low.group(space, [1])),
+            kwargs,
         )
+
+
+# ops whose output holds exactly their input's elements (the target's count is the same)
+_SAME_ELEMENTS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.flatten.using_ints,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.contiguous.default,
+    torch.ops.aten.alias.default,
+}
+
+
+def _start_count_early(low: Any, target: fx.Node, ignore_index: int, ranks: list[int]) -> fx.Node:
+    """A node counting the targets over the batch group, placed where the targets' elements
+    are first known (the targets' input, before its reshapes): the count travels while the
+    forward computes, and the loss's backward, which needs it, does not wait."""
+    while (
+        target.op == "call_function"
+        and target.target in _SAME_ELEMENTS
+        and isinstance(target.args[0], fx.Node)
+    ):
+        target = target.args[0]
+    after = target
+    if target.op == "placeholder":  # after every input: the program's inputs stay first
+        after = [n for n in low.graph.nodes if n.op == "placeholder"][-1]
+    with low.graph.inserting_after(after):
+        return low.call(pending.start_count, (target, ignore_index, ranks), {})
 
 
 class MseLoss(SpaceRule):

@@ -1,0 +1,92 @@
+"""The global mean loss of a data-parallel plan: its value equals one device's, and the forward
+waits for no collective (the targets' count travels from the start of the forward, the loss's
+sum is waited for only when its value is read)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+from autoshard import parallelize, shard_inputs
+from autoshard.models import build, reference_config
+from autoshard.ops.pending import PendingLoss
+from autoshard.testing import run_ranks
+
+
+def _waits_of_a_step() -> dict:
+    import torch.distributed as dist
+
+    from autoshard import comm
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = reference_config("gpt", vocab=64, seq=8, layers=1, heads=2, hidden=16)
+    model = build(config).double()
+    reference = copy.deepcopy(model)
+    batch = config.example_batch(4, torch.Generator().manual_seed(1))
+    batch[1][0, :5] = -100  # the first rank's rows: the ranks' counts of targets differ
+    pm = parallelize(model, batch, {"dp": 2})
+    local = shard_inputs(batch, pm)
+
+    log: list[str] = []
+    start, blocking = comm.all_reduce_async_, dist.all_reduce
+
+    class Work:
+        def __init__(self, work: object, name: str) -> None:
+            self.work, self.name = work, name
+
+        def wait(self) -> None:
+            log.append(f"wait {self.name}")
+            self.work.wait()
+
+    def started(x: torch.Tensor, ranks: list[int]) -> Work:
+        name = "count" if x.dtype == torch.int64 else f"sum of {x.numel()}"
+        log.append(f"start {name}")
+        return Work(start(x, ranks), name)
+
+    def waited(*args, **kwargs):  # a collective waited for where it is called
+        if not kwargs.get("async_op"):
+            log.append("blocking all_reduce")
+        return blocking(*args, **kwargs)
+
+    comm.all_reduce_async_, dist.all_reduce = started, waited
+    try:
+        loss = pm(*local)
+        after_forward = list(log)
+        loss.backward()
+        after_backward = list(log)
+        value = loss.item()
+        after_read = list(log)
+        # arithmetic on the loss reads it; autograd.grad's first gradient does not
+        again = pm(*local)
+        grads = torch.autograd.grad(again * 2, [next(pm.parameters())])
+    finally:
+        comm.all_reduce_async_, dist.all_reduce = start, blocking
+    expected = reference(*batch)
+    expected.backward()
+    return {
+        "pending": isinstance(loss, PendingLoss),
+        "after_forward": after_forward,
+        "after_backward": after_backward,
+        "after_read": after_read,
+        "value": (value, expected.item()),
+        "grad_finite": bool(torch.isfinite(grads[0]).all()),
+    }
+
+
+def test_the_forward_waits_for_no_collective_and_the_loss_is_one_devices() -> None:
+    for out in run_ranks(_waits_of_a_step, 2, timeout=120):
+        assert out["pending"]
+        # the forward starts the count and the sum, and waits for neither
+        assert out["after_forward"] == ["start count", "start sum of 1"], out
+        # backward needs the count only; the gradient buckets follow
+        backward = out["after_backward"][2:]
+        assert backward[0] == "wait count" and "wait sum of 1" not in backward, out
+        # reading the value waits for its sum, once
+        assert out["after_read"][len(out["after_backward"]) :] == ["wait sum of 1"], out
+        got, want = out["value"]
+        assert abs(got - want) <= 1e-12 * abs(want), out["value"]
+        assert out["grad_finite"]
