@@ -13,7 +13,7 @@ import torch
 
 NAME = "predict"
 
-STEPS, WARMUP = 12, 3
+STEPS, WARMUP = 20, 3
 
 
 def _megatron(name: str) -> dict:
@@ -70,18 +70,13 @@ PLANS = [
 ]
 
 
-def _rank(spec_json: dict) -> list[dict]:
-    import torch.distributed as dist
-
+def _build(spec_json: dict) -> list:
+    """Every plan of PLANS on this rank: (model name, title, module, optimizer, inputs,
+    captured)."""
     from autoshard import parallelize, shard_inputs
-    from autoshard.cost import estimate
-    from autoshard.cost.cluster import ClusterSpec
     from autoshard.graph.capture import capture_modes
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    spec = ClusterSpec.from_json(spec_json)
-    rows = []
+    built = []
     for name, title, mesh, how in PLANS:
         model, batch = _model(name)
         captured = capture_modes(model, batch)
@@ -94,39 +89,61 @@ def _rank(spec_json: dict) -> list[dict]:
             strategies = _megatron(name) if how == "megatron" else None
             pm = parallelize(model, batch, mesh, strategies, captured=captured)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-        local = shard_inputs(batch, pm)
-        times, phases = [], []
-        for step in range(WARMUP + STEPS):
-            dist.barrier()
-            start = time.perf_counter()
-            loss = pm(*local)
-            forward = time.perf_counter()
-            loss.backward()
-            backward = time.perf_counter()
-            opt.step()
-            opt.zero_grad()
-            end = time.perf_counter()
-            elapsed = torch.tensor(
-                [end - start, forward - start, backward - forward, end - backward],
-                dtype=torch.float64,
-            )
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        built.append((name, title, pm, opt, shard_inputs(batch, pm), captured))
+    return built
+
+
+def _step(pm, opt, local) -> list[float]:
+    """One timed step after a barrier: the slowest rank's total, forward, backward and
+    optimizer seconds."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    loss = pm(*local)
+    forward = time.perf_counter()
+    loss.backward()
+    backward = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    end = time.perf_counter()
+    elapsed = torch.tensor(
+        [end - start, forward - start, backward - forward, end - backward], dtype=torch.float64
+    )
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return [float(e) for e in elapsed]
+
+
+def _rank(spec_json: dict, steps: int) -> list[dict]:
+    from autoshard.cost import estimate
+    from autoshard.cost.cluster import ClusterSpec
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    spec = ClusterSpec.from_json(spec_json)
+    built = _build(spec_json)
+    # the plans take turns, one step each: a slower stretch of this shared machine falls on
+    # all of them alike instead of on whichever plan it was timing
+    timings: list[list[list[float]]] = [[] for _ in built]
+    for step in range(WARMUP + steps):
+        for i, (_, _, pm, opt, local, _) in enumerate(built):
+            elapsed = _step(pm, opt, local)
             if step >= WARMUP:
-                times.append(float(elapsed[0]))
-                phases.append([float(e) for e in elapsed[1:]])
+                timings[i].append(elapsed)
+    rows = []
+    for (name, title, pm, _, _, captured), times in zip(built, timings, strict=True):
         predicted = estimate(pm.plan, captured[True], spec)
         mesh_desc = " x ".join(
             f"{k}{v}" for k, v in zip(pm.plan.mesh.names, pm.plan.mesh.sizes, strict=True)
         )
+        medians = [statistics.median(t) * 1e3 for t in zip(*times, strict=True)]
         rows.append(
             {
                 "model": name,
                 "plan": title,
                 "mesh": mesh_desc,
-                "measured_ms": statistics.median(times) * 1e3,
-                "measured_phases_ms": [
-                    statistics.median(p) * 1e3 for p in zip(*phases, strict=True)
-                ],
+                "measured_ms": medians[0],
+                "measured_phases_ms": medians[1:],
                 "predicted_phases_ms": [
                     (predicted.compute_forward + predicted.comm_forward) * 1e3,
                     (
@@ -155,10 +172,11 @@ def run(quick: bool) -> dict:
     from autoshard.testing import run_ranks
 
     spec = calibrate(ranks=2, threads=1)
-    rows = run_ranks(_rank, 2, spec.to_json(), timeout=900)[0]
+    steps = 5 if quick else STEPS
+    rows = run_ranks(_rank, 2, spec.to_json(), steps, timeout=900)[0]
     for r in rows:
         r["error"] = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
-    result = {"spec": spec.to_json(), "rows": rows}
+    result = {"spec": spec.to_json(), "rows": rows, "steps": steps}
     # the previous run, kept beside this one: the goal holds over two runs
     stored = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
     if stored.exists():
@@ -180,8 +198,8 @@ def summary(result: dict) -> str:
         f"f32, memory {spec['memory_bandwidth'] / 1e9:.1f} GB/s, op overhead "
         f"{spec['op_overhead'] * 1e6:.1f} us, gloo {spec['intra_bandwidth'] / 1e9:.2f} GB/s, "
         f"{spec['intra_latency'] * 1e6:.0f} us latency. 2 ranks of 1 thread, float32; median of "
-        f"{STEPS} steps (after {WARMUP}) of the slowest rank; a step is forward, backward and "
-        "AdamW.",
+        f"{result.get('steps', STEPS)} steps (after {WARMUP}) of the slowest rank, the plans "
+        "taking turns one step each; a step is forward, backward and AdamW.",
         "",
         "| model | plan | mesh | measured ms | predicted ms | error | forward | backward | "
         "optimizer |",
