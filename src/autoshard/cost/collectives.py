@@ -24,14 +24,18 @@ def _boundaries(layout: Layout) -> list[int]:
 
 
 def _axis_states(layout: Layout) -> list[tuple[int, int, object]]:
-    """(stride, size, state) per mesh axis: state is ("P",), ("S", dim) or ("R",)."""
+    """(stride, size, state) per mesh axis: state is ("P",), ("S", dim, outer, inner) or
+    ("R",), where ``outer`` and ``inner`` are the sizes of the dim's factors before and after
+    the axis's own: the same axis splitting the same dim elsewhere (a sequence split seen
+    through a flattening reshape) gives each rank other elements, a move that costs."""
     state: dict[int, object] = {a: ("R",) for a in range(len(layout.mesh))}
     for a in layout.partial:
         state[a] = ("P",)
     for d, factors in enumerate(layout.factors):
-        for _, a in factors:
+        sizes = [size for size, _ in factors]
+        for k, (_, a) in enumerate(factors):
             if a != NOT_SPLIT:
-                state[a] = ("S", d)
+                state[a] = ("S", d, math.prod(sizes[:k]), math.prod(sizes[k + 1 :]))
     out, stride = [], 1
     for a in reversed(range(len(layout.mesh))):
         out.append((stride, layout.mesh[a], state[a]))
