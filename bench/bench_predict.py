@@ -13,7 +13,7 @@ import torch
 
 NAME = "predict"
 
-STEPS, WARMUP = 20, 3
+STEPS, WARMUP, BLOCK = 18, 1, 3
 
 
 def _megatron(name: str) -> dict:
@@ -122,14 +122,20 @@ def _rank(spec_json: dict, steps: int) -> list[dict]:
     torch.set_num_threads(1)
     spec = ClusterSpec.from_json(spec_json)
     built = _build(spec_json)
-    # the plans take turns, one step each: a slower stretch of this shared machine falls on
-    # all of them alike instead of on whichever plan it was timing
+    # the plans take turns: a slower stretch of this shared machine falls on all of them alike
+    # instead of on whichever plan it was timing. A turn is one step not kept (it brings the
+    # plan's model back into the caches, which the plan before evicted) and BLOCK kept; each
+    # round starts one plan later.
     timings: list[list[list[float]]] = [[] for _ in built]
-    for step in range(WARMUP + steps):
-        for i, (_, _, pm, opt, local, _) in enumerate(built):
-            elapsed = _step(pm, opt, local)
-            if step >= WARMUP:
-                timings[i].append(elapsed)
+    rounds = WARMUP + -(-steps // BLOCK)
+    for r in range(rounds):
+        for turn in range(len(built)):
+            i = (r + turn) % len(built)
+            _, _, pm, opt, local, _ = built[i]
+            for k in range(1 + BLOCK):
+                elapsed = _step(pm, opt, local)
+                if r >= WARMUP and k > 0 and len(timings[i]) < steps:
+                    timings[i].append(elapsed)
     rows = []
     for (name, title, pm, _, _, captured), times in zip(built, timings, strict=True):
         predicted = estimate(pm.plan, captured[True], spec)
@@ -198,8 +204,9 @@ def summary(result: dict) -> str:
         f"f32, memory {spec['memory_bandwidth'] / 1e9:.1f} GB/s, op overhead "
         f"{spec['op_overhead'] * 1e6:.1f} us, gloo {spec['intra_bandwidth'] / 1e9:.2f} GB/s, "
         f"{spec['intra_latency'] * 1e6:.0f} us latency. 2 ranks of 1 thread, float32; median of "
-        f"{result.get('steps', STEPS)} steps (after {WARMUP}) of the slowest rank, the plans "
-        "taking turns one step each; a step is forward, backward and AdamW.",
+        f"{result.get('steps', STEPS)} steps of the slowest rank; the plans take turns of "
+        f"{BLOCK} steps after one not kept (a warm-up round first); a step is forward, backward "
+        "and AdamW.",
         "",
         "| model | plan | mesh | measured ms | predicted ms | error | forward | backward | "
         "optimizer |",
