@@ -25,6 +25,7 @@ from autoshard.cost.collectives import (
     transition,
 )
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.cost.timeline import Overlapped, exposed
 from autoshard.cost.zero import ZeroParam, gather_parts, scatter_parts, zero_param
 from autoshard.graph import OpGraph
 from autoshard.ops import tensor_inputs
@@ -33,32 +34,6 @@ from autoshard.ops import tensor_inputs
 ADAM_STATES = 2
 #: the predicted memory breakdown per device, in bytes (``Estimate.memory``)
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
-
-
-@dataclass(frozen=True)
-class Overlapped:
-    """Communication the runtime runs beside compute: ``seconds`` on the communication stream,
-    started once ``ready`` seconds of the step's in-line work have run (a bucket's last
-    gradient is made), and waited for at ``due`` (the optimizer reads the gradients)."""
-
-    seconds: float
-    ready: float
-    due: float
-
-
-def exposed(overlapped: list[Overlapped], efficiency: float = 1.0) -> float:
-    """Seconds the in-line work waits for overlapped communication: one communication stream
-    runs the transfers in the order they become ready; the in-line work stalls when it reaches
-    a transfer's due point before the transfer ends, which delays everything after it. Of what
-    that timeline hides, only the ``efficiency`` share is really hidden (``ClusterSpec.
-    overlap_efficiency``: below 1 where transfers take the cores the compute runs on)."""
-    delay = stream = 0.0
-    for item in sorted(overlapped, key=lambda o: o.ready):
-        start = max(stream, item.ready + delay)
-        stream = start + item.seconds
-        delay = max(delay, stream - item.due)
-    hidden = sum(o.seconds for o in overlapped) - delay
-    return delay + (1.0 - efficiency) * hidden
 
 
 @dataclass
@@ -91,6 +66,8 @@ class Estimate:
     #: less the parameter's hook copy, and the parameter's bucketed seconds
     moved_in_line: float = 0.0
     moved_bucketed: float = 0.0
+    #: the bucketed sums of ``OpGraph.leading``'s parameters: the searches price them in line
+    leading_bucketed: float = 0.0
     #: where the sums come from (``cost.breakdown``): each node's terms of one run and its
     #: number of runs; each parameter's or buffer's memory and in-line seconds, all copies
     by_node: dict[str, tuple[Estimate, int]] = field(default_factory=dict, repr=False)
@@ -123,10 +100,12 @@ class Estimate:
     def search_step_time(self) -> float:
         """The step time as the searches price it, a sum over ops (docs/search.md): a value's
         gradient summed once per reader, and the bucketed gradient sums, without their
-        buckets' latencies, exposed only as far as they outlast the backward compute."""
+        buckets' latencies, exposed only as far as they outlast the backward compute (the
+        leading parameters', ready last, wholly)."""
         inline = self.comm_forward + self.comm_backward + self.grad_sync + self.shared_saving
-        inline += self.moved_in_line
+        inline += self.moved_in_line + self.leading_bucketed
         bucketed = self.overlapped_comm - self.bucket_latency - self.moved_bucketed
+        bucketed -= self.leading_bucketed
         exposed = bucketed - self.overlap_efficiency * min(bucketed, self.compute_backward)
         return self.compute + inline + exposed + self.optimizer
 
@@ -332,6 +311,7 @@ def _price_params(
                 est.memory[kind] += count * nbytes
             est.optimizer += count * optimizer_time(param.layout, cluster, zeroed[fqn].share)
             est.grad_sync += count * zeroed[fqn].copy
+            est.leading_bucketed += count * zeroed[fqn].bandwidth(cluster) * (fqn in og.leading)
         else:
             bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count)
             if bucket is not None:
@@ -339,6 +319,8 @@ def _price_params(
             if param.from_value:  # the searches priced the activation's sum instead
                 est.moved_in_line -= est.grad_sync - in_line
                 est.moved_bucketed += count * bucket[0] if bucket is not None else 0.0
+            elif bucket is not None and fqn in og.leading:
+                est.leading_bucketed += count * bucket[0]
         est.by_param[fqn] = (sum(est.memory.values()) - memory, est.grad_sync - in_line)
     return bucketed, zeroed
 

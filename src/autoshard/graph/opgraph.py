@@ -201,6 +201,17 @@ class OpGraph:
         runtime's buckets and the cost model's overlap both follow it."""
         return sorted(self.first_use, key=lambda fqn: -self.first_use[fqn])
 
+    @cached_property
+    def leading(self) -> frozenset[str]:
+        """Trainable parameters first read before the first block of a repeated block list
+        (the embeddings): backward completes their gradients last, so their sums have no
+        backward left to run beside. Empty when no block list repeats."""
+        nodes = list(self.graph.nodes)
+        start = next((i for i, n in enumerate(nodes) if self.is_repeated(self[n])), None)
+        if start is None:
+            return frozenset()
+        return frozenset(fqn for fqn, i in self.first_use.items() if i < start)
+
     def is_repeated(self, info: NodeInfo) -> bool:
         """Whether the node sits in a block list whose blocks are all the same ops."""
         return info.block is not None and info.block[0] in self.repeated

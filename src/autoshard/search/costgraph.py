@@ -138,7 +138,7 @@ class CostGraph:
 
     def hidden(self, choice: Sequence[int]) -> float:
         """Seconds of bucketed gradient sums the backward compute hides: all of them, up to
-        the backward's length."""
+        the backward's length (the leading parameters' sums, ready last, are in line)."""
         if not self.overlap:
             return 0.0
         bucketed = sum(o[c] for o, c in zip(self.overlap, choice, strict=True))
@@ -204,6 +204,9 @@ class _Builder:
         self.region = pricing.Region(
             self.followers, self.const_layout, self.owner, mesh, cluster, self.outputs, zero
         )
+        self.region.leading = {
+            n for n in graph.nodes if n.op == "placeholder" and og[n].fqn in og.leading
+        }
 
     def _representatives(self) -> None:
         """Block i's k-th decision node stands for block first's k-th."""
@@ -292,7 +295,9 @@ class _Builder:
                 seconds += pricing.move(arg, self.const_layout[arg], want, self.cluster)
             elif arg in self.weight:
                 continue  # a parameter owned by another decision node
-            in_line, in_bucket = pricing.grad_reduce_parts(arg, grad, want, self.cluster, zp)
+            in_line, in_bucket = pricing.grad_reduce_parts(
+                arg, grad, want, self.cluster, zp, arg in self.region.leading
+            )
             seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
         return seconds, mem, bucketed
 

@@ -121,12 +121,25 @@ _PARTS: dict[tuple, tuple[float, float]] = {}
 
 
 def grad_reduce_parts(
-    arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec, zp: ZeroParam | None = None
+    arg: fx.Node,
+    grad: Layout,
+    want: Layout,
+    cluster: ClusterSpec,
+    zp: ZeroParam | None = None,
+    leading: bool = False,
 ) -> tuple[float, float]:
     """(in line, bucketed) seconds of ``arg``'s gradient sum: a parameter's all-reduce joins
     a bucket that runs beside backward (its bandwidth term; the hook's copy is in line, the
     bucket's latency left out), anything else runs in line. Under ZeRO (``zp``) the unit's
-    collectives take the bucket's place."""
+    collectives take the bucket's place. A ``leading`` parameter's (``OpGraph.leading``) is
+    ready when backward ends: all of it counts as in line."""
+    in_line, bucketed = _grad_reduce_parts(arg, grad, want, cluster, zp)
+    return (in_line + bucketed, 0.0) if leading else (in_line, bucketed)
+
+
+def _grad_reduce_parts(
+    arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec, zp: ZeroParam | None
+) -> tuple[float, float]:
     info = node_info(arg)
     if not info.requires_grad:
         return 0.0, 0.0
@@ -200,6 +213,7 @@ class Region:
         zero: int = 0,
     ) -> None:
         self.followers, self.const_layout, self.owner = followers, const_layout, owner
+        self.leading: set[fx.Node] = set()  # OpGraph.leading's placeholders
         self.mesh, self.cluster, self.outputs = mesh, cluster, outputs
         self.zero = zero  # the ZeRO stage the parameters are priced at
 
@@ -258,11 +272,15 @@ class Region:
                     zp = zero_terms(a, whole, grad, self.zero, optimizer_states, self.cluster)
                     memory += param_bytes(a, whole, optimizer_states, zp)
                     seconds += param_time(a, whole, self.cluster, zp)
-                    in_line, in_bucket = grad_reduce_parts(a, grad, want, self.cluster, zp)
+                    in_line, in_bucket = grad_reduce_parts(
+                        a, grad, want, self.cluster, zp, a in self.leading
+                    )
                     seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
                 continue
             seconds += move(a, have, want, self.cluster)
-            in_line, in_bucket = grad_reduce_parts(a, grad, want, self.cluster)
+            in_line, in_bucket = grad_reduce_parts(
+                a, grad, want, self.cluster, leading=a in self.leading
+            )
             seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
         if saves_output(f):
             memory += sum(local_bytes(o) for o in strategy.outs)

@@ -29,6 +29,11 @@ class Solution:
     solve_seconds: float = 0.0
 
 
+#: the objective's unit, microseconds: its coefficients stay near 1, and HiGHS's tolerances
+#: (1e-6 absolute gap, 1e-7 feasibility) stay below the nanoseconds plans can differ by
+_SCALE = 1e6
+
+
 class _Program:
     """The integer program of a cost graph: binaries per (node, option), then continuous edge
     variables tied to both ends (their rows and columns sum to the end's binaries), and the
@@ -53,14 +58,14 @@ class _Program:
         self.hi: list[float] = []
 
     def objective(self, graph: CostGraph) -> np.ndarray:
-        scale = 1e3  # milliseconds keep the objective's coefficients near 1
+        scale = _SCALE
         c = np.zeros(self.num_vars)
         for i, u in enumerate(graph.unary):
             hidden = graph.overlap[i] if graph.overlap else 0.0
             c[self.offsets[i] : self.offsets[i] + len(u)] = (u - hidden) * scale
         for key, m in graph.edges.items():
             c[self.edge_offsets[key] : self.edge_offsets[key] + m.size] = m.ravel() * scale
-        c[self.exposed] = scale
+        c[self.exposed] = 1.0  # already in the scaled unit (``exposure``)
         return c
 
     def row(self, cols: list[int], vals: list[float], lo: float, hi: float) -> None:
@@ -70,6 +75,19 @@ class _Program:
         self.vals.extend(vals)
         self.lo.append(lo)
         self.hi.append(hi)
+
+    def exposure(self, graph: CostGraph) -> None:
+        """The exposed sums (in the objective's unit: rows in seconds would sit below the
+        solver's feasibility tolerance) are at least the bucketed sums less the backward, and
+        at least 0 (their bound)."""
+        nodes = range(len(graph.overlap))
+        cols = [self.exposed] + [
+            self.offsets[i] + s for i in nodes for s in range(len(graph.overlap[i]))
+        ]
+        vals = [1.0]
+        for o, w in zip(graph.overlap, graph.window, strict=True):
+            vals.extend(((w - o) * _SCALE).tolist())
+        self.row(cols, vals, -graph.const_window * _SCALE, np.inf)
 
     def constraints(self, graph: CostGraph, memory_limit: float) -> None:
         for i, opts in enumerate(graph.options):  # one option per node
@@ -81,14 +99,8 @@ class _Program:
                 for s, group in enumerate(groups):
                     cols = [*group.tolist(), self.offsets[node] + s]
                     self.row(cols, [1.0] * len(group) + [-1.0], 0.0, 0.0)
-        if graph.overlap:  # exposed >= bucketed - window (and >= 0, its bound)
-            cols = [self.exposed] + [
-                self.offsets[i] + s for i, o in enumerate(graph.overlap) for s in range(len(o))
-            ]
-            vals = [1.0]
-            for o, w in zip(graph.overlap, graph.window, strict=True):
-                vals.extend((w - o).tolist())
-            self.row(cols, vals, -graph.const_window, np.inf)
+        if graph.overlap:
+            self.exposure(graph)
         if math.isfinite(memory_limit):
             mem_scale = max(1.0, max((float(m.max()) for m in graph.memory), default=1.0))
             cols = [self.offsets[i] + s for i, m in enumerate(graph.memory) for s in range(len(m))]
