@@ -48,6 +48,20 @@ def test_transition_prices_collectives_on_their_links() -> None:
     assert transition(inside, rows, cluster).kinds == ("reduce_scatter",)
 
 
+def test_a_split_of_the_same_dim_elsewhere_is_a_move() -> None:
+    """Targets split by sequence and flattened, ``[b, s@dp]`` as ``[b*s]``, hold other elements
+    on each rank than ``[b*s@dp]``: an all-to-all, not free (the search once chose it so);
+    flattened from a batch split, they are the same."""
+    cluster = cluster_spec("cpu", 2)
+    by_seq = Layout.from_named((8, 64), (None, "dp"), {"dp": 2}, dtype=torch.int64).view((512,))
+    by_row = Layout.from_named((512,), ("dp",), {"dp": 2}, dtype=torch.int64)
+    by_batch = Layout.from_named((8, 64), ("dp", None), {"dp": 2}, dtype=torch.int64)
+    moved = transition(by_seq, by_row, cluster)
+    assert moved.kinds == ("all_to_all",) and moved.seconds > 0
+    assert transition(by_row, by_seq, cluster).kinds == ("all_to_all",)
+    assert transition(by_batch.view((512,)), by_row, cluster).seconds == 0.0
+
+
 def test_a_backends_slower_collectives_are_priced_by_their_measured_factor() -> None:
     """gloo's reduce-scatter takes about 2.4 times the ring model's time: a spec carrying that
     factor prices ZeRO's reduce-scatter, and every reduce-scatter, at that factor; all-reduce

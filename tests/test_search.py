@@ -406,3 +406,19 @@ def test_a_backend_that_overlaps_partly_prices_the_same_in_the_search_and_the_es
         # the same plan on a backend that overlaps fully: its buckets hide more
         whole, partial = estimate(plan, plan.graph, base), estimate(plan, plan.graph, partly)
         assert whole.overlapped and partial.step_time > whole.step_time
+
+
+def test_the_embeddings_gradient_sums_are_priced_in_line() -> None:
+    """Backward completes the gradients of parameters read before the first repeated block
+    last (the embeddings, GPT's tied one too): their sums have no backward left to run beside,
+    so the cost graph prices them in line, never as hidden, while a block's sums overlap."""
+    expected = {"llama": {"tok_embeddings.weight"}, "gpt": {"lm_head.weight", "wpe.weight"}}
+    for name, leading in expected.items():
+        captured = _meta_model(name, 8, 256, 64)[2]
+        assert captured.leading == leading
+        graph = build_cost_graph(
+            captured, MeshInfo(("dp",), (8,), ("dp",)), cluster_spec("dgx-h100", 8)
+        )
+        overlaps = dict(zip(graph.names, graph.overlap, strict=True))
+        assert not overlaps["embedding"].any()
+        assert overlaps["linear"].any()  # the first block's first linear: beside backward
