@@ -90,3 +90,37 @@ def test_the_forward_waits_for_no_collective_and_the_loss_is_one_devices() -> No
         got, want = out["value"]
         assert abs(got - want) <= 1e-12 * abs(want), out["value"]
         assert out["grad_finite"]
+
+
+def _losses_read_later() -> tuple[list[float], list[float]]:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = reference_config("gpt", vocab=64, seq=8, layers=1, heads=2, hidden=16)
+    model = build(config).double()
+    reference = copy.deepcopy(model)
+    batch = config.example_batch(4, torch.Generator().manual_seed(1))
+    pm = parallelize(model, batch, {"dp": 2})
+    local = shard_inputs(batch, pm)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    kept, expected = [], []
+    for _ in range(4):
+        loss = pm(*local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        kept.append(loss)  # read only after later steps have started and waited newer sums
+        ref_loss = reference(*batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        expected.append(ref_loss.item())
+    return [loss.item() for loss in kept], expected
+
+
+def test_losses_kept_and_read_after_later_steps_are_one_devices() -> None:
+    for got, expected in run_ranks(_losses_read_later, 2, timeout=120):
+        assert len(got) == 4
+        for g, e in zip(got, expected, strict=True):
+            assert abs(g - e) <= 1e-12 * abs(e), (got, expected)
