@@ -5,6 +5,7 @@ measured step (forward, backward, AdamW step)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -162,6 +163,12 @@ def _rank(spec_json: dict, steps: int) -> list[dict]:
                     predicted.optimizer * 1e3,
                 ],  # fmt: skip
                 "predicted_ms": predicted.step_time * 1e3,
+                # what a searched plan splits (its parameters' layouts when not replicated)
+                "split_params": {
+                    fqn: str(p.layout)
+                    for fqn, p in pm.plan.params.items()
+                    if p.layout.local_numel != math.prod(p.layout.shape)
+                },
                 "compute_ms": predicted.compute * 1e3,
                 "comm_ms": predicted.comm * 1e3,
                 "optimizer_ms": predicted.optimizer * 1e3,
@@ -228,6 +235,10 @@ def summary(result: dict) -> str:
         "Phases: measured / predicted ms (forward with its communication; backward with its "
         "communication and the gradient buckets' exposed part; the optimizer step)."
     )
+    for r in rows:
+        if r["plan"].startswith("searched") and r.get("split_params"):
+            splits = ", ".join(f"`{k}` {v}" for k, v in r["split_params"].items())
+            lines += ["", f"{r['model']} {r['plan']} splits {splits}; the rest is replicated."]
     lines.append("")
     lines.append(
         f"Median absolute error {statistics.median(errors) * 100:.0f}% over {len(rows)} plans "

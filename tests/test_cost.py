@@ -128,6 +128,25 @@ def test_calibration_fit_recovers_latency_and_bandwidth() -> None:
     assert fit["bandwidth"] > 0
 
 
+def test_calibration_times_the_conditions_it_compares_in_turns() -> None:
+    """A collective's time is the difference of two timings (compute with and without it): they
+    are taken in turns, round by round, so a slower stretch of the host falls on both, and
+    each keeps its own median."""
+    from autoshard.cost.calibrate import _in_turns
+
+    calls: list[str] = []
+    alone = iter([3.0, 1.0, 2.0, 9.0, 2.0])
+    synced = iter([5.0, 4.0, 6.0, 4.0, 30.0])
+
+    def run(name: str, times) -> float:
+        calls.append(name)
+        return next(times)
+
+    medians = _in_turns([lambda: run("alone", alone), lambda: run("synced", synced)], rounds=5)
+    assert calls == ["alone", "synced"] * 5
+    assert medians == [2.0, 5.0]
+
+
 def test_estimate_of_data_parallel_mlp_counts_replicated_state_and_model_flops() -> None:
     """Data parallel on 2 devices: every device holds all parameters and their gradients,
     Adam's two moments are twice that, and model FLOPs are the sum over the graph's ops."""

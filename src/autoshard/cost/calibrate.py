@@ -25,14 +25,36 @@ from autoshard.cost.cluster import ClusterSpec
 
 
 def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """The median seconds of ``reps`` calls of ``fn``. In a job of several ranks they start
+    together, so each rank is measured beside neighbours that run the same thing (as in
+    training), not beside whatever measurement another rank has reached."""
+    import torch.distributed as dist
+
     for _ in range(warmup):
         fn()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+#: rounds of each communication measurement; the conditions it compares take turns in each
+ROUNDS = 11
+
+
+def _in_turns(runs: Sequence[Callable[[], float]], rounds: int = ROUNDS) -> list[float]:
+    """The median seconds of each of ``runs`` (each returns its own), run in turns for
+    ``rounds`` rounds: a slower stretch of a shared host falls on every condition alike
+    instead of on whichever was being measured, so their differences keep their sign."""
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for run, kept in zip(runs, samples, strict=True):
+            kept.append(run())
+    return [statistics.median(kept) for kept in samples]
 
 
 #: cube-root sizes of the matrix products the efficiency curve is measured at
@@ -118,8 +140,12 @@ def measure_compute(threads: int = 1) -> dict[str, Any]:
     return out
 
 
+#: 256-cube products between two timed collectives: a layer's compute (a few ms on a CPU
+#: rank), as a collective in line follows one. A rank's wait for a collective depends on the
+#: time since its last one (its peers, their threads and the host's scheduler have gone idle).
+GAP_PRODUCTS = 8
 #: all-reduce message sizes (bytes) the latency and bandwidth are fitted to
-COMM_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+COMM_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
 def _group_sizes(world: int) -> list[int]:
@@ -137,7 +163,7 @@ def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[int
     torch.set_num_threads(threads)
     rank = dist.get_rank()
     a = torch.randn(256, 256)
-    calls, reps = 8, 5
+    calls = 8
     out: dict[int, list[float]] = {}
     for g in _group_sizes(dist.get_world_size()):
         group = dist.new_group(list(range(g)))
@@ -147,18 +173,17 @@ def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[int
                 dist.barrier(group=group)
                 start = time.perf_counter()
                 for t in tensors:
-                    a @ a
-                    a @ a
+                    for _ in range(GAP_PRODUCTS):
+                        a @ a
                     if t is not None:
                         dist.all_reduce(t, group=group)
                 return time.perf_counter() - start
 
-            base = statistics.median(burst([None] * calls) for _ in range(reps))
             times = []
             for nbytes in sizes:
                 tensors = [torch.ones(nbytes // 4) for _ in range(calls)]
                 burst(tensors)  # warm-up
-                total = statistics.median(burst(tensors) for _ in range(reps))
+                base, total = _in_turns([lambda: burst([None] * calls), lambda t=tensors: burst(t)])
                 times.append(max(total - base, 1e-7) / calls)
             out[g] = times
         dist.barrier()
@@ -190,27 +215,26 @@ def _measure_kinds(threads: int) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    a, calls, reps = torch.randn(256, 256), 8, 5
+    a, calls = torch.randn(256, 256), 8
     world = dist.get_world_size()
 
     def burst(call: Callable[[], object] | None) -> float:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(calls):
-            a @ a
-            a @ a
+            for _ in range(GAP_PRODUCTS):
+                a @ a
             if call is not None:
                 call()
         return time.perf_counter() - start
 
-    base = statistics.median(burst(None) for _ in range(reps))
     out: dict[str, list[float]] = {}
     for kind in OTHER_KINDS:
         out[kind] = []
         for nbytes in KIND_SIZES:
             call = _kind_call(kind, nbytes, world)
             burst(call)  # warm-up
-            total = statistics.median(burst(call) for _ in range(reps))
+            base, total = _in_turns([lambda: burst(None), lambda call=call: burst(call)])
             out[kind].append(max(total - base, 1e-7) / calls)
     return out
 
@@ -222,7 +246,7 @@ def _measure_overlap(threads: int, nbytes: int = 4 << 20) -> float:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    a, flat, reps = torch.randn(256, 256), torch.ones(nbytes // 4), 7
+    a, flat = torch.randn(256, 256), torch.ones(nbytes // 4)
 
     def run(products: int, comm: bool) -> float:
         dist.barrier()
@@ -234,16 +258,13 @@ def _measure_overlap(threads: int, nbytes: int = 4 << 20) -> float:
             work.wait()
         return time.perf_counter() - start
 
-    def share() -> float:
-        comm = statistics.median(run(0, True) for _ in range(reps))
-        one = statistics.median(run(8, False) for _ in range(reps)) / 8
-        products = max(1, round(comm / one))
-        compute = statistics.median(run(products, False) for _ in range(reps))
-        both = statistics.median(run(products, True) for _ in range(reps))
-        return min(1.0, max(0.0, (compute + comm - both) / min(compute, comm)))
-
     run(1, True)  # warm-up
-    return statistics.median(share() for _ in range(3))
+    comm, eight = _in_turns([lambda: run(0, True), lambda: run(8, False)], rounds=5)
+    products = max(1, round(8 * comm / eight))
+    comm, compute, both = _in_turns(
+        [lambda: run(0, True), lambda: run(products, False), lambda: run(products, True)]
+    )
+    return min(1.0, max(0.0, (compute + comm - both) / min(compute, comm)))
 
 
 def kind_factors(times: dict[str, list[float]], world: int, latency: float, bandwidth: float):
@@ -300,8 +321,9 @@ def _measure_sync_wait(threads: int) -> float:
         return time.perf_counter() - start
 
     def extra(products: int) -> tuple[float, float]:
-        synced = statistics.median(segment(products, True) for _ in range(5))
-        alone = statistics.median(segment(products, False) for _ in range(5))
+        synced, alone = _in_turns(
+            [lambda: segment(products, True), lambda: segment(products, False)]
+        )
         return max(synced - alone, 0.0), alone
 
     short_wait, short = extra(2)
