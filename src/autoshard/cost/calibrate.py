@@ -5,10 +5,11 @@ device is measured as it runs in training: beside its neighbours. Measured: matr
 at sizes 16 to 512 (the best is the peak, the others its efficiency curve), the share of it
 attention reaches forward and backward, memory bandwidth (a copy larger than the caches), the
 per-op overhead (a small op through autograd), the memory passes of one AdamW step, and
-all-reduce time at several message sizes, each all-reduce issued between slices of compute as a
-backward issues them. Latency and bandwidth
-are the least-squares fit of the cost model's own all-reduce formula to those times. Medians of
-repeated timings, then the median over ranks.
+all-reduce time at several message sizes, each all-reduce issued after a slice of compute as a
+step issues them (docs/cost.md, "How calibrate measures on a shared host"). Latency and
+bandwidth are the least-squares fit of the cost model's own all-reduce formula to those times.
+Medians of repeated timings, the conditions compared taken in turns, then the median over
+ranks.
 """
 
 from __future__ import annotations
@@ -140,10 +141,11 @@ def measure_compute(threads: int = 1) -> dict[str, Any]:
     return out
 
 
-#: 256-cube products between two timed collectives: a layer's compute (a few ms on a CPU
-#: rank), as a collective in line follows one. A rank's wait for a collective depends on the
-#: time since its last one (its peers, their threads and the host's scheduler have gone idle).
-GAP_PRODUCTS = 8
+#: 256-cube products between two timed collectives (about 10 ms on a CPU rank): a
+#: collective follows a layer's or a backward's compute. A rank's wait for a collective grows
+#: with the time since its last one (its peers, their threads and the host's vCPUs have gone
+#: idle, and the ranks have drifted apart), so bursts of back-to-back calls price it low.
+GAP_PRODUCTS = 32
 #: all-reduce message sizes (bytes) the latency and bandwidth are fitted to
 COMM_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -163,7 +165,7 @@ def _measure_comm(threads: int, sizes: tuple[int, ...] = COMM_SIZES) -> dict[int
     torch.set_num_threads(threads)
     rank = dist.get_rank()
     a = torch.randn(256, 256)
-    calls = 8
+    calls = 4
     out: dict[int, list[float]] = {}
     for g in _group_sizes(dist.get_world_size()):
         group = dist.new_group(list(range(g)))
@@ -215,7 +217,7 @@ def _measure_kinds(threads: int) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    a, calls = torch.randn(256, 256), 8
+    a, calls = torch.randn(256, 256), 4
     world = dist.get_world_size()
 
     def burst(call: Callable[[], object] | None) -> float:
@@ -262,7 +264,8 @@ def _measure_overlap(threads: int, nbytes: int = 4 << 20) -> float:
     comm, eight = _in_turns([lambda: run(0, True), lambda: run(8, False)], rounds=5)
     products = max(1, round(8 * comm / eight))
     comm, compute, both = _in_turns(
-        [lambda: run(0, True), lambda: run(products, False), lambda: run(products, True)]
+        [lambda: run(0, True), lambda: run(products, False), lambda: run(products, True)],
+        rounds=2 * ROUNDS,  # a share of a difference: the noisiest number calibrate keeps
     )
     return min(1.0, max(0.0, (compute + comm - both) / min(compute, comm)))
 
@@ -322,7 +325,8 @@ def _measure_sync_wait(threads: int) -> float:
 
     def extra(products: int) -> tuple[float, float]:
         synced, alone = _in_turns(
-            [lambda: segment(products, True), lambda: segment(products, False)]
+            [lambda: segment(products, True), lambda: segment(products, False)],
+            rounds=2 * ROUNDS,
         )
         return max(synced - alone, 0.0), alone
 
