@@ -163,6 +163,7 @@ def _rank(spec_json: dict, steps: int) -> list[dict]:
                     predicted.optimizer * 1e3,
                 ],  # fmt: skip
                 "predicted_ms": predicted.step_time * 1e3,
+                "zero": pm.plan.zero,
                 # what a searched plan splits (its parameters' layouts when not replicated)
                 "split_params": {
                     fqn: str(p.layout)
@@ -236,9 +237,12 @@ def summary(result: dict) -> str:
         "communication and the gradient buckets' exposed part; the optimizer step)."
     )
     for r in rows:
-        if r["plan"].startswith("searched") and r.get("split_params"):
-            splits = ", ".join(f"`{k}` {v}" for k, v in r["split_params"].items())
-            lines += ["", f"{r['model']} {r['plan']} splits {splits}; the rest is replicated."]
+        if not r["plan"].startswith("searched"):
+            continue
+        splits = ", ".join(f"`{k}` {v}" for k, v in r.get("split_params", {}).items())
+        what = f"splits {splits}" if splits else "splits no parameter"
+        zero = f", ZeRO {r['zero']}" if "zero" in r else ""  # recorded since 2026-11-24
+        lines += ["", f"{r['model']} {r['plan']}: {what}{zero}."]
     lines.append("")
     lines.append(
         f"Median absolute error {statistics.median(errors) * 100:.0f}% over {len(rows)} plans "
