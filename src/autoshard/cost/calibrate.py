@@ -243,36 +243,31 @@ def _measure_kinds(threads: int) -> dict[str, list[float]]:
 
 def _measure_overlap(threads: int, nbytes: int = 4 << 20) -> float:
     """The share of the shorter of a compute burst and an all-reduce that running them at once
-    hides: ``(sequential - both) / min(comm, compute)``, where ``sequential`` is the all-reduce
-    waited for and then the burst, ``both`` the all-reduce started and the burst run beside
-    it, ``comm`` the sequential time over the burst alone. The burst is sized to take about as
-    long as the all-reduce (backward beside a bucket's sum), and each is timed after a slice
-    of compute, as a step issues its sums (:data:`GAP_PRODUCTS`)."""
+    hides, ``(compute + comm - both) / min(compute, comm)``, the burst sized to take about
+    as long as the all-reduce (backward beside a bucket's sum)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     a, flat = torch.randn(256, 256), torch.ones(nbytes // 4)
 
-    def run(products: int, comm: str) -> float:
+    def run(products: int, comm: bool) -> float:
         dist.barrier()
-        for _ in range(GAP_PRODUCTS):
-            a @ a
         start = time.perf_counter()
-        work = dist.all_reduce(flat, async_op=comm == "beside") if comm else None
+        work = dist.all_reduce(flat, async_op=True) if comm else None
         for _ in range(products):
             a @ a
-        if comm == "beside":
+        if work is not None:
             work.wait()
         return time.perf_counter() - start
 
-    run(1, "beside")  # warm-up
-    comm, eight = _in_turns([lambda: run(0, "first"), lambda: run(8, "")], rounds=5)
+    run(1, True)  # warm-up
+    comm, eight = _in_turns([lambda: run(0, True), lambda: run(8, False)], rounds=5)
     products = max(1, round(8 * comm / eight))
-    conditions = [lambda how=how: run(products, how) for how in ("", "first", "beside")]
-    # a share of a difference: the noisiest number calibrate keeps
-    alone, sequential, both = _in_turns(conditions, rounds=2 * ROUNDS)
-    comm = max(sequential - alone, 1e-9)
-    return min(1.0, max(0.0, (sequential - both) / min(comm, alone)))
+    comm, compute, both = _in_turns(
+        [lambda: run(0, True), lambda: run(products, False), lambda: run(products, True)],
+        rounds=2 * ROUNDS,  # a share of a difference: the noisiest number calibrate keeps
+    )
+    return min(1.0, max(0.0, (compute + comm - both) / min(compute, comm)))
 
 
 def kind_factors(times: dict[str, list[float]], world: int, latency: float, bandwidth: float):
