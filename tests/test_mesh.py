@@ -76,3 +76,42 @@ def test_mesh_that_does_not_match_the_world_names_every_factor(monkeypatch) -> N
     # where the world size came from, and what to do
     assert "no process group is initialised" in str(err.value)
     assert "torchrun --nproc-per-node 4" in str(err.value)
+
+
+_LEAVES = """
+import atexit
+import torch
+import torch.distributed as dist
+import autoshard
+from autoshard import comm
+
+def check():  # registered before autoshard joins, so it runs after autoshard leaves
+    print(f"left initialized={dist.is_initialized()} in_flight={len(comm.in_flight)} "
+          f"sum={x.item()}", flush=True)
+
+atexit.register(check)
+autoshard.init_mesh({"dp": 2})  # joins torchrun's job
+x = torch.full((1,), float(dist.get_rank() + 1))
+comm.in_flight.append(comm.all_reduce_async_(x, [0, 1]))  # a loss sum no one reads
+"""
+
+
+def test_a_process_group_autoshard_joined_is_left_at_exit_after_its_sums(tmp_path):
+    """Under torchrun with no process group of the user's, autoshard joins the job; when the
+    script ends it waits the sums still in flight and tears the group down while the
+    interpreter is whole (left to its finalization, gloo's threads could abort a run that had
+    finished: SIGABRT after the last step, the launcher reporting a failure)."""
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(port), str(script),
+    ]  # fmt: skip
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("left initialized=False in_flight=0 sum=3.0") == 2, out.stdout

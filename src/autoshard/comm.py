@@ -30,6 +30,8 @@ __all__ = [
     "collective_bytes",
     "counters",
     "counting",
+    "in_flight",
+    "leave",
     "process_group",
     "reduce_scatter",
     "reduce_scatter_async",
@@ -42,6 +44,9 @@ __all__ = [
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 _groups: dict[tuple[int, ...], object] = {}
+#: collectives started and not yet waited by what started them (the sum of a loss whose value
+#: no one read); :func:`leave` waits them before the process group goes
+in_flight: list[dist.Work] = []
 _calls: Counter[str] = Counter()
 _bytes: Counter[str] = Counter()
 _events: list[list] = []  # the open recordings, innermost last
@@ -113,6 +118,18 @@ def _group(ranks: Sequence[int]) -> object:
     if key not in _groups:
         _groups[key] = dist.new_group(list(key), use_local_synchronization=True)
     return _groups[key]
+
+
+def leave() -> None:
+    """Wait what is :data:`in_flight`, then tear down the process group and every group made
+    from it, while the interpreter is whole: left to its finalization, gloo's threads can abort
+    a process whose run finished (SIGABRT after the last step)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    while in_flight:
+        in_flight.pop(0).wait()
+    _groups.clear()
+    dist.destroy_process_group()
 
 
 def process_group(ranks: Sequence[int]) -> object:

@@ -11,6 +11,7 @@ what DTensor and the rest of torch.distributed take at the boundary.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from autoshard import comm
 
 __all__ = [
     "MeshError",
@@ -150,7 +153,8 @@ def check_world(mesh: MeshInfo, source: str = "") -> int:
 
 
 def ensure_process_group(timeout_s: float = 600.0) -> None:
-    """Join the job torchrun (or any launcher setting RANK/WORLD_SIZE) describes."""
+    """Join the job torchrun (or any launcher setting RANK/WORLD_SIZE) describes, and leave it
+    when the script exits (``comm.leave``)."""
     if dist.is_initialized():
         return
     missing = [
@@ -165,6 +169,8 @@ def ensure_process_group(timeout_s: float = 600.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    # autoshard joined it, so autoshard leaves it when the script ends
+    atexit.register(comm.leave)
 
 
 def init_mesh(axes: Mapping[str, int] | Any, *, timeout_s: float = 600.0) -> DeviceMesh:

@@ -21,10 +21,10 @@ from autoshard import comm
 
 aten = torch.ops.aten
 
-# Works not yet waited. A count (the first of a forward) waits the ones before it: the last
-# step's, long finished (the gradient sums issued after them are waited), so none outlives the
-# step after its own.
-_in_flight: list[Any] = []
+# Works not yet waited: ``comm.in_flight``. A count (the first of a forward) waits the ones
+# before it: the last step's, long finished (the gradient sums issued after them are waited),
+# so none outlives the step after its own; the last step's are waited when the script ends.
+_in_flight = comm.in_flight
 
 
 def _start(x: torch.Tensor, ranks: Sequence[int], first: bool) -> Callable[[], torch.Tensor]:
