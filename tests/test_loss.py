@@ -15,11 +15,9 @@ from autoshard.ops.pending import PendingLoss
 from autoshard.testing import run_ranks
 
 
-def _waits_of_a_step() -> dict:
-    import torch.distributed as dist
-
-    from autoshard import comm
-
+def _data_parallel_gpt(ignored: int):
+    """A float64 GPT on 2 data-parallel ranks, its single-device copy and the global batch,
+    whose first row has its first ``ignored`` targets set to the ignore index."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -27,9 +25,18 @@ def _waits_of_a_step() -> dict:
     model = build(config).double()
     reference = copy.deepcopy(model)
     batch = config.example_batch(4, torch.Generator().manual_seed(1))
-    batch[1][0, :5] = -100  # the first rank's rows: the ranks' counts of targets differ
+    batch[1][0, :ignored] = -100
     pm = parallelize(model, batch, {"dp": 2})
-    local = shard_inputs(batch, pm)
+    return pm, shard_inputs(batch, pm), reference, batch
+
+
+def _waits_of_a_step() -> dict:
+    import torch.distributed as dist
+
+    from autoshard import comm
+
+    # some of the first rank's targets ignored: the ranks' counts of targets differ
+    pm, local, reference, batch = _data_parallel_gpt(ignored=5)
 
     log: list[str] = []
     start, blocking = comm.all_reduce_async_, dist.all_reduce
@@ -93,15 +100,7 @@ def test_the_forward_waits_for_no_collective_and_the_loss_is_one_devices() -> No
 
 
 def _losses_read_later() -> tuple[list[float], list[float]]:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = reference_config("gpt", vocab=64, seq=8, layers=1, heads=2, hidden=16)
-    model = build(config).double()
-    reference = copy.deepcopy(model)
-    batch = config.example_batch(4, torch.Generator().manual_seed(1))
-    pm = parallelize(model, batch, {"dp": 2})
-    local = shard_inputs(batch, pm)
+    pm, local, reference, batch = _data_parallel_gpt(ignored=0)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     kept, expected = [], []

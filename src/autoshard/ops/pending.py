@@ -21,26 +21,25 @@ from autoshard import comm
 
 aten = torch.ops.aten
 
-# Works not yet waited: ``comm.in_flight``. A count (the first of a forward) waits the ones
-# before it: the last step's, long finished (the gradient sums issued after them are waited),
-# so none outlives the step after its own; the last step's are waited when the script ends.
-_in_flight = comm.in_flight
-
 
 def _start(x: torch.Tensor, ranks: Sequence[int], first: bool) -> Callable[[], torch.Tensor]:
-    """Start the in-place sum of ``x`` over the group; returns what waits for it (once)."""
-    while first and _in_flight:
-        _in_flight.pop(0).wait()
+    """Start the in-place sum of ``x`` over the group; returns what waits for it (once). The
+    work stays in ``comm.in_flight`` until waited. A count (the first of a forward) waits the
+    ones before it: the last step's, long finished (the gradient sums issued after them are
+    waited), so none outlives the step after its own; the last step's are waited when the
+    script ends (``comm.leave``)."""
+    while first and comm.in_flight:
+        comm.in_flight.pop(0).wait()
     work = comm.all_reduce_async_(x, ranks)
-    _in_flight.append(work)
+    comm.in_flight.append(work)
     done = False
 
     def wait() -> torch.Tensor:
         nonlocal done
         if not done:
             work.wait()
-            if work in _in_flight:
-                _in_flight.remove(work)
+            if work in comm.in_flight:
+                comm.in_flight.remove(work)
             done = True
         return x
 
