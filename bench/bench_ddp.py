@@ -1,10 +1,11 @@
 """autoshard data parallel against torch's DistributedDataParallel, in the same run.
 
 Each rank trains the GPT and Llama reference models (hidden 256, 2 layers, 8 heads, seq 64,
-global batch 8, AdamW, float32) both ways, alternating one step of each: ``parallelize(model,
-batch, {"dp": N})`` and ``DDP(model)`` as torch's docs set it up (default 25 MiB buckets, one
+global batch 8, AdamW, float32) both ways, one step of each a round, the order turning around
+every round (``bench.timing.in_turns``): ``parallelize(model, batch, {"dp": N})`` and ``DDP(model)`` as torch's docs set it up (default 25 MiB buckets, one
 process per rank, each rank its slice of the batch, the loss averaged over it). A step is
-forward, backward and the optimizer step; its time is the slowest rank's after a barrier.
+forward, backward and the optimizer step; its time is the slowest rank's after a barrier. The
+ratio is the median over rounds of the two steps' ratio in each round, with a bootstrap interval.
 Bytes are sent per rank by the ring formulas (``comm.collective_bytes``): counted by
 autoshard's counting layer, computed for DDP from its gradient bytes (one all-reduce of all).
 """
@@ -16,11 +17,11 @@ import warnings
 
 import torch
 
-from bench.timing import timed
+from bench.timing import in_turns, paired_ratio
 
 NAME = "ddp"
 
-STEPS, WARMUP = 20, 3
+STEPS, WARMUP = 60, 3
 BATCH = 8
 
 
@@ -33,6 +34,12 @@ def _model(name: str):
     torch.manual_seed(0)
     config = reference_config(name, **sizes)
     return build(config), config.example_batch(BATCH, torch.Generator().manual_seed(1))
+
+
+def _spread(times: list[float]) -> list[float]:
+    """The 10th and 90th percentiles of ``times``, in ms."""
+    deciles = statistics.quantiles(times, n=10)
+    return [deciles[0] * 1e3, deciles[-1] * 1e3]
 
 
 def _rank(steps: int) -> list[dict]:
@@ -66,10 +73,7 @@ def _rank(steps: int) -> list[dict]:
             opt_ddp.step()
             opt_ddp.zero_grad()
 
-        times: dict[str, list[float]] = {"autoshard": [], "ddp": []}
-        for step in range(WARMUP + steps):
-            timed(ours, times["autoshard"], step >= WARMUP)
-            timed(theirs, times["ddp"], step >= WARMUP)
+        times = in_turns({"autoshard": ours, "ddp": theirs}, steps, WARMUP)
         with comm.counting() as counted:
             ours()
         grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
@@ -79,6 +83,9 @@ def _rank(steps: int) -> list[dict]:
                 "ranks": world,
                 "autoshard_ms": statistics.median(times["autoshard"]) * 1e3,
                 "ddp_ms": statistics.median(times["ddp"]) * 1e3,
+                "autoshard_spread_ms": _spread(times["autoshard"]),
+                "ddp_spread_ms": _spread(times["ddp"]),
+                "paired": paired_ratio(times["autoshard"], times["ddp"]),
                 "autoshard_bytes": sum(c["bytes"] for c in counted.values()),
                 "autoshard_calls": sum(c["calls"] for c in counted.values()),
                 "ddp_bytes": comm.collective_bytes("all_reduce", world, grad_bytes),
@@ -95,7 +102,7 @@ def run(quick: bool) -> dict:
     for world in (2, 4):
         rows += run_ranks(_rank, world, steps, timeout=900)[0]
     for r in rows:
-        r["ratio"] = r["autoshard_ms"] / r["ddp_ms"]
+        r["ratio"] = r["paired"]["median"]
     return {"steps": steps, "rows": rows}
 
 
@@ -104,17 +111,25 @@ def summary(result: dict) -> str:
         "GPT and Llama reference models (hidden 256, 2 layers, 8 heads, seq 64, global batch 8, "
         "float32, AdamW) on CPU ranks of 1 thread (gloo): autoshard's data parallel "
         "(`parallelize(model, batch, {'dp': N})`, 25 MiB buckets overlapping backward) against "
-        "`DistributedDataParallel(model)` with torch's defaults, alternating one step of each; "
-        f"median of {result['steps']} steps of the slowest rank. Ratio: autoshard / DDP, below 1 "
-        "autoshard is faster.",
+        "`DistributedDataParallel(model)` with torch's defaults, one step of each a round, the "
+        f"order turning around every round; {result['steps']} rounds, times of the slowest "
+        "rank. Ratio: the median over rounds of autoshard's step / DDP's step of the same round, "
+        "with its 95% interval (bootstrap over rounds); below 1 autoshard is faster. "
+        "p10-p90: the spread of each way's steps.",
         "",
-        "| model | ranks | autoshard ms | DDP ms | ratio | autoshard B/rank | DDP B/rank |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | ranks | autoshard ms (p10-p90) | DDP ms (p10-p90) | ratio | 95% interval | "
+        "autoshard B/rank | DDP B/rank |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        if "paired" not in r:  # a result stored before the rounds were paired
+            r = r | {"paired": {"median": r["ratio"], "low": float("nan"), "high": float("nan")}}
+            r |= {"autoshard_spread_ms": [float("nan")] * 2, "ddp_spread_ms": [float("nan")] * 2}
+        a, d, p = r["autoshard_spread_ms"], r["ddp_spread_ms"], r["paired"]
         lines.append(
-            f"| {r['model']} | {r['ranks']} | {r['autoshard_ms']:.1f} | {r['ddp_ms']:.1f} | "
-            f"{r['ratio']:.2f} | {r['autoshard_bytes'] / 2**20:.2f} MiB | "
+            f"| {r['model']} | {r['ranks']} | {r['autoshard_ms']:.1f} ({a[0]:.0f}-{a[1]:.0f}) | "
+            f"{r['ddp_ms']:.1f} ({d[0]:.0f}-{d[1]:.0f}) | {p['median']:.3f} | "
+            f"{p['low']:.3f}-{p['high']:.3f} | {r['autoshard_bytes'] / 2**20:.2f} MiB | "
             f"{r['ddp_bytes'] / 2**20:.2f} MiB |"
         )
     return "\n".join(lines)
