@@ -5,9 +5,11 @@ AdamW, float32) on a ``{"tp": N}`` mesh, its layers split the same way both ways
 and w3 by columns, wo and w2 by rows (attention head-split), embedding, norms and output
 replicated. autoshard: ``parallelize(model, batch, {"tp": N}, strategies)``. DTensor:
 ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` as torch's tensor-parallel
-tutorial sets them, the attention told its local head counts. One step of each, alternating;
-medians of the slowest rank. Bytes sent per rank by the ring formulas: autoshard's counting
-layer, and the same formulas over the functional collectives DTensor issues. Memory per rank:
+tutorial sets them, the attention told its local head counts. One step of each a round, the
+order turning around every round (``bench.timing.in_turns``); the ratio is the median over
+rounds of the two steps' ratio, times of the slowest rank. Bytes sent per rank by the ring
+formulas: autoshard's counting layer, and the same formulas over the functional collectives
+DTensor issues. Memory per rank:
 parameters, gradients and the distinct storages autograd saves for backward.
 """
 
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.timing import timed
+from bench.timing import in_turns, paired_ratio
 
 NAME = "tp"
 
@@ -150,10 +152,7 @@ def _rank(steps: int) -> dict:
         opt_theirs.step()
         opt_theirs.zero_grad()
 
-    times: dict[str, list[float]] = {"autoshard": [], "dtensor": []}
-    for step in range(WARMUP + steps):
-        timed(ours, times["autoshard"], step >= WARMUP)
-        timed(dtensor, times["dtensor"], step >= WARMUP)
+    times = in_turns({"autoshard": ours, "dtensor": dtensor}, steps, WARMUP)
     with comm.counting() as counted:
         ours_fb()
     counter = _FunctionalBytes(tp)
@@ -165,6 +164,7 @@ def _rank(steps: int) -> dict:
         "ranks": tp,
         "autoshard_ms": statistics.median(times["autoshard"]) * 1e3,
         "dtensor_ms": statistics.median(times["dtensor"]) * 1e3,
+        "paired": paired_ratio(times["autoshard"], times["dtensor"]),
         "autoshard_bytes": sum(c["bytes"] for c in counted.values()),
         "autoshard_calls": sum(c["calls"] for c in counted.values()),
         "dtensor_bytes": counter.bytes,
@@ -181,7 +181,7 @@ def run(quick: bool) -> dict:
     steps = 5 if quick else STEPS
     rows = [run_ranks(_rank, tp, steps, timeout=900)[0] for tp in (2, 4)]
     for r in rows:
-        r["ratio"] = r["autoshard_ms"] / r["dtensor_ms"]
+        r["ratio"] = r["paired"]["median"]
     return {"steps": steps, "rows": rows}
 
 
@@ -191,18 +191,23 @@ def summary(result: dict) -> str:
         "batch 8, float32, AdamW) on CPU ranks of 1 thread (gloo), layers split Megatron's way "
         "both ways: autoshard `parallelize(model, batch, {'tp': N}, strategies)` against "
         "DTensor `parallelize_module` with `ColwiseParallel` (q, k, v, w1, w3) and "
-        "`RowwiseParallel` (wo, w2); alternating, median of "
-        f"{result['steps']} steps of the slowest rank. Ratio: autoshard / DTensor. Held: "
+        "`RowwiseParallel` (wo, w2); one step of each a round, the order turning around every "
+        f"round, {result['steps']} rounds, times of the slowest rank. Ratio: the median over "
+        "rounds of autoshard's step / DTensor's step of the same round, with its 95% interval "
+        "(bootstrap over rounds). Held: "
         "parameters, gradients and the storages saved for backward, per rank.",
         "",
-        "| ranks | autoshard ms | DTensor ms | ratio | autoshard B/rank (calls) | "
-        "DTensor B/rank (calls) | autoshard held | DTensor held | loss difference |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | autoshard ms | DTensor ms | ratio | 95% interval | autoshard B/rank (calls) "
+        "| DTensor B/rank (calls) | autoshard held | DTensor held | loss difference |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        low, high = (r["paired"]["low"], r["paired"]["high"]) if "paired" in r else ("-", "-")
+        interval = f"{low:.2f}-{high:.2f}" if "paired" in r else "-"
         lines.append(
             f"| {r['ranks']} | {r['autoshard_ms']:.1f} | {r['dtensor_ms']:.1f} | "
-            f"{r['ratio']:.2f} | {r['autoshard_bytes'] / 2**20:.2f} MiB ({r['autoshard_calls']}) "
+            f"{r['ratio']:.2f} | {interval} | "
+            f"{r['autoshard_bytes'] / 2**20:.2f} MiB ({r['autoshard_calls']}) "
             f"| {r['dtensor_bytes'] / 2**20:.2f} MiB ({r['dtensor_calls']}) | "
             f"{r['autoshard_held'] / 2**20:.1f} MiB | {r['dtensor_held'] / 2**20:.1f} MiB | "
             f"{r['loss_difference']:.1e} |"
