@@ -4,9 +4,9 @@ Each rank trains the GPT and Llama reference models (hidden 256, 2 layers, 8 hea
 global batch 8, AdamW, float32) both ways, one step of each a round, the order turning around
 every round (``bench.timing.in_turns``): ``parallelize(model, batch, {"dp": N})`` and
 ``DDP(model)`` as torch's docs set it up (default 25 MiB buckets, one process per rank, each
-rank its slice of the batch, the loss averaged over it). A step is
-forward, backward and the optimizer step; its time is the slowest rank's after a barrier. The
-ratio is the median over rounds of the two steps' ratio in each round, with a bootstrap interval.
+rank its slice of the batch, the loss averaged over it). A step is forward, backward and the
+optimizer step; its time is the slowest rank's after a barrier. The ratio is the median over
+rounds of the two steps' ratio in each round, with a bootstrap interval.
 Bytes are sent per rank by the ring formulas (``comm.collective_bytes``): counted by
 autoshard's counting layer, computed for DDP from its gradient bytes (one all-reduce of all).
 """
