@@ -123,9 +123,6 @@ def summary(result: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        if "paired" not in r:  # a result stored before the rounds were paired
-            r = r | {"paired": {"median": r["ratio"], "low": float("nan"), "high": float("nan")}}
-            r |= {"autoshard_spread_ms": [float("nan")] * 2, "ddp_spread_ms": [float("nan")] * 2}
         a, d, p = r["autoshard_spread_ms"], r["ddp_spread_ms"], r["paired"]
         lines.append(
             f"| {r['model']} | {r['ranks']} | {r['autoshard_ms']:.1f} ({a[0]:.0f}-{a[1]:.0f}) | "

@@ -202,8 +202,7 @@ def summary(result: dict) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        low, high = (r["paired"]["low"], r["paired"]["high"]) if "paired" in r else ("-", "-")
-        interval = f"{low:.2f}-{high:.2f}" if "paired" in r else "-"
+        interval = f"{r['paired']['low']:.2f}-{r['paired']['high']:.2f}"
         lines.append(
             f"| {r['ranks']} | {r['autoshard_ms']:.1f} | {r['dtensor_ms']:.1f} | "
             f"{r['ratio']:.2f} | {interval} | "
