@@ -187,3 +187,12 @@ def test_dtensor_placements_round_trip():
     )
     with pytest.raises(LayoutError, match="cannot express"):
         Layout.from_named((8, 16), (("tp", "dp"), None), {"dp": 2, "tp": 2}).to_placements(mesh)
+
+    class SizeOneMesh(FakeMesh):
+        mesh = torch.arange(2).reshape(2, 1)
+
+    # a size-1 mesh dim holds the whole value: Replicate, never Partial (DCP refuses partials)
+    one = SizeOneMesh()
+    assert Layout.replicated((8, 16), 2).to_placements(one) == (Replicate(), Replicate())
+    summed = Layout.from_named((8, 16), ("dp", None), {"dp": 2, "tp": 1}, partial=("tp",))
+    assert summed.to_placements(one) == (Shard(0), Replicate())

@@ -27,7 +27,8 @@ def grid_placements(layout: Any, sizes: Sequence[int]) -> list[Any] | None:
         lo = math.prod(sizes[mesh_dim + 1 :])
         axes = [j for j, s in enumerate(starts) if lo <= s < lo * size]
         dims = {d for a in axes for d, row in enumerate(state.assign) if a in row}
-        if all(a in state.partial for a in axes):
+        # a mesh dim of size 1 covers no grid axis: it holds the whole value, never a sum
+        if axes and all(a in state.partial for a in axes):
             placements.append(Partial())
         elif len(dims) == 1 and all(any(a in r for r in state.assign) for a in axes):
             placements.append(Shard(dims.pop()))
