@@ -16,6 +16,7 @@ SRC = Path(autoshard.__file__).resolve().parent
 
 # Bottom first: a module may import its own package and the packages listed before it.
 LAYERS = [
+    ("watch",),
     ("comm", "mesh", "precision", "testing"),
     ("layout",),
     ("redistribution",),
@@ -41,6 +42,7 @@ LONG_REASON = "# Whole:"
 PUBLIC = {
     "PRESETS",
     "CaptureError",
+    "CheckpointDamaged",
     "CheckpointError",
     "ClusterSpec",
     "Factored",

@@ -157,5 +157,5 @@ def test_recordings_nest_and_each_sees_its_own_block() -> None:
     with comm.recording() as outer:
         with comm.recording() as inner:
             pass  # closed while both are empty, so equal: the outer one must stay open
-        comm._count("all_reduce", 2, torch.zeros(4))
+        comm._count("all_reduce", (0, 1), torch.zeros(4))
     assert inner == [] and outer == [("all_reduce", 2, 16)]

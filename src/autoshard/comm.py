@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from autoshard import watch
+
 __all__ = [
     "all_gather",
     "all_gather_async",
@@ -26,6 +28,8 @@ __all__ = [
     "all_reduce_",
     "all_reduce_async_",
     "all_to_all",
+    "all_gather_object",
+    "barrier",
     "broadcast_",
     "collective_bytes",
     "counters",
@@ -103,12 +107,16 @@ def recording() -> Iterator[list]:
         del _events[next(i for i, e in enumerate(_events) if e is events)]
 
 
-def _count(kind: str, group_size: int, tensor: torch.Tensor) -> None:
+def _count(kind: str, ranks: Sequence[int], tensor: torch.Tensor) -> tuple:
+    """Count the bytes of a collective this rank issues on ``ranks``; returns what the
+    watchdog knows it by (:func:`watch.waiting` bounds the wait for it)."""
+    group_size = len(ranks)
     sent = collective_bytes(kind, group_size, tensor.numel() * tensor.element_size())
     _calls[kind] += 1
     _bytes[kind] += sent
     for events in _events:
         events.append((kind, group_size, sent))
+    return watch.issued(kind, ranks)
 
 
 def _group(ranks: Sequence[int]) -> object:
@@ -116,7 +124,8 @@ def _group(ranks: Sequence[int]) -> object:
     if key == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
     if key not in _groups:
-        _groups[key] = dist.new_group(list(key), use_local_synchronization=True)
+        with watch.waiting(watch.issued("new_group", key)):  # its members meet in the store
+            _groups[key] = dist.new_group(list(key), use_local_synchronization=True)
     return _groups[key]
 
 
@@ -126,6 +135,7 @@ def leave() -> None:
     a process whose run finished (SIGABRT after the last step)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    watch.stop()
     while in_flight:
         in_flight.pop(0).wait()
     _groups.clear()
@@ -154,48 +164,58 @@ def _from_sorted(ranks: Sequence[int]) -> list[int] | None:
 
 def all_reduce(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Sum of ``x`` over the group, on every member (a new tensor)."""
-    _count("all_reduce", len(ranks), x)
+    what = _count("all_reduce", ranks, x)
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_group(ranks))
+    group = _group(ranks)
+    with watch.waiting(what):
+        dist.all_reduce(out, group=group)
     return out
 
 
 def all_reduce_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Sum of the contiguous ``x`` over the group, in place."""
-    _count("all_reduce", len(ranks), x)
-    dist.all_reduce(x, group=_group(ranks))
+    what = _count("all_reduce", ranks, x)
+    group = _group(ranks)
+    with watch.waiting(what):
+        dist.all_reduce(x, group=group)
     return x
 
 
 def all_reduce_async_(x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
     """Start the sum of the contiguous ``x`` over the group, in place; ``x`` belongs to the
     collective until the returned work's ``wait()``."""
-    _count("all_reduce", len(ranks), x)
-    return dist.all_reduce(x, group=_group(ranks), async_op=True)
+    what = _count("all_reduce", ranks, x)
+    return watch.Watched(dist.all_reduce(x, group=_group(ranks), async_op=True), what)
 
 
 def broadcast_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """``ranks[0]``'s contiguous ``x`` on every member of the group, in place."""
-    _count("broadcast", len(ranks), x)
-    dist.broadcast(x, src=ranks[0], group=_group(ranks))
+    what = _count("broadcast", ranks, x)
+    group = _group(ranks)
+    with watch.waiting(what):
+        dist.broadcast(x, src=ranks[0], group=group)
     return x
 
 
 def all_reduce_max(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Elementwise max of ``x`` over the group, on every member (a new tensor)."""
-    _count("all_reduce", len(ranks), x)
+    what = _count("all_reduce", ranks, x)
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_group(ranks))
+    group = _group(ranks)
+    with watch.waiting(what):
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
 
 def all_gather(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Every member's ``x`` stacked along a new leading dim, in the order of ``ranks``."""
-    _count("all_gather", len(ranks), x)
+    what = _count("all_gather", ranks, x)
     flat = x.contiguous().reshape(-1)
     out = torch.empty(len(ranks) * flat.numel(), dtype=x.dtype, device=x.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, flat, group=_group(ranks))
+    group = _group(ranks)
+    with watch.waiting(what):
+        gather(out, flat, group=group)
     out = out.reshape(len(ranks), *x.shape)
     order = _from_sorted(ranks)
     return out if order is None else out[order]
@@ -204,26 +224,28 @@ def all_gather(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
 def all_gather_async(out: torch.Tensor, x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
     """Start gathering every member's contiguous ``x`` into ``out`` (the group size times its
     elements, members in ascending rank order); both belong to the collective until ``wait()``."""
-    _count("all_gather", len(ranks), x)
+    what = _count("all_gather", ranks, x)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, x, group=_group(ranks), async_op=True)
+    return watch.Watched(gather(out, x, group=_group(ranks), async_op=True), what)
 
 
 def reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
     """Start summing the contiguous ``x`` (the group size times ``out``'s elements) over the
     group, leaving chunk ``i`` on the ``i``-th member in ascending rank order in ``out``."""
-    _count("reduce_scatter", len(ranks), x)
+    what = _count("reduce_scatter", ranks, x)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(out, x, group=_group(ranks), async_op=True)
+    return watch.Watched(scatter(out, x, group=_group(ranks), async_op=True), what)
 
 
 def all_to_all(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """``x[i]`` goes to ``ranks[i]``; the result's ``[j]`` came from ``ranks[j]``."""
-    _count("all_to_all", len(ranks), x)
+    what = _count("all_to_all", ranks, x)
     order = _to_sorted(ranks)
     x = (x if order is None else x[order]).contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=_group(ranks))
+    group = _group(ranks)
+    with watch.waiting(what):
+        dist.all_to_all_single(out, x, group=group)
     back = _from_sorted(ranks)
     return out if back is None else out[back]
 
@@ -231,12 +253,14 @@ def all_to_all(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Sum over the group of ``x[i]``, left on ``ranks[i]``; ``x`` has a leading dim of the
     group size."""
-    _count("reduce_scatter", len(ranks), x)
+    what = _count("reduce_scatter", ranks, x)
     order = _to_sorted(ranks)
     x = (x if order is None else x[order]).contiguous()
     out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, x.reshape(-1), group=_group(ranks))
+    group = _group(ranks)
+    with watch.waiting(what):
+        scatter(out, x.reshape(-1), group=group)
     return out.reshape(x.shape[1:])
 
 
@@ -249,19 +273,42 @@ def send_recv(
     """Point-to-point moves (a pipeline stage boundary, a pairwise exchange): send ``x`` to each
     rank of ``send_to`` and receive a tensor shaped like ``recv_like`` from ``recv_from``."""
     me = dist.get_rank()
-    ops = []
+    ops, waits = [], []
     out = None
     for peer in send_to:
         if peer == me:
             out = x.clone()
             continue
-        _count("send_recv", 2, x)
+        waits.append(_count("send_recv", (me, peer), x))
         ops.append(dist.P2POp(dist.isend, x.contiguous(), peer))
     if recv_from is not None and recv_from != me:
         assert recv_like is not None, "a receive needs the shape it expects"
         out = torch.empty_like(recv_like)
+        # the sender counts it under the same pair, so both sides number it alike
+        waits.append(watch.issued("send_recv", (me, recv_from)))
         ops.append(dist.P2POp(dist.irecv, out, recv_from))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        for work, what in zip(dist.batch_isend_irecv(ops), waits, strict=True):
+            with watch.waiting(what):
+                work.wait()
     return out
+
+
+def barrier(ranks: Sequence[int] | None = None) -> None:
+    """Every member of ``ranks`` (default: the world) has reached this point."""
+    ranks = list(range(dist.get_world_size())) if ranks is None else ranks
+    what = watch.issued("barrier", ranks)
+    group = _group(ranks)
+    with watch.waiting(what):
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj: object, ranks: Sequence[int] | None = None) -> list:
+    """Every member's picklable ``obj``, in ascending rank order (default group: the world)."""
+    ranks = list(range(dist.get_world_size())) if ranks is None else ranks
+    what = watch.issued("all_gather_object", ranks)
+    everyone: list = [None] * len(ranks)
+    group = _group(ranks)
+    with watch.waiting(what):
+        dist.all_gather_object(everyone, obj, group=group)
+    return everyone

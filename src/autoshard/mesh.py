@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoshard import comm
+from autoshard import comm, watch
 
 __all__ = [
     "MeshError",
@@ -129,12 +129,13 @@ def _launched() -> bool:
     return all(v in os.environ for v in _LAUNCHER) and int(os.environ["WORLD_SIZE"]) > 1
 
 
-def check_world(mesh: MeshInfo, source: str = "") -> int:
+def check_world(mesh: MeshInfo, source: str = "", timeout_s: float | None = None) -> int:
     """This rank, after checking that ``mesh`` covers the world exactly. Under torchrun with no
-    process group yet, joins the one it describes first. The error names every factor, where
-    the world size came from and, with ``source``, where the mesh came from."""
-    if not (dist.is_available() and dist.is_initialized()) and _launched():
-        ensure_process_group()
+    process group yet, joins the one it describes first (``timeout_s``: see
+    :func:`ensure_process_group`). The error names every factor, where the world size came
+    from and, with ``source``, where the mesh came from."""
+    if (dist.is_available() and dist.is_initialized()) or _launched():
+        ensure_process_group(timeout_s)
     world = world_size()
     if mesh.num_devices != world:
         where = f" (the mesh of {source})" if source else ""
@@ -152,10 +153,14 @@ def check_world(mesh: MeshInfo, source: str = "") -> int:
     return dist.get_rank() if world > 1 else 0
 
 
-def ensure_process_group(timeout_s: float = 600.0) -> None:
+def ensure_process_group(timeout_s: float | None = None) -> None:
     """Join the job torchrun (or any launcher setting RANK/WORLD_SIZE) describes, and leave it
-    when the script exits (``comm.leave``)."""
+    when the script exits (``comm.leave``). ``timeout_s`` bounds every wait in a collective
+    (the watchdog, docs/failures.md: the ranks that never arrived are named); None leaves
+    torch's own process-group timeout (600 s, no names)."""
     if dist.is_initialized():
+        if timeout_s is not None:
+            watch.start(timeout_s)
         return
     missing = [
         v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
@@ -168,15 +173,19 @@ def ensure_process_group(timeout_s: float = 600.0) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    backstop = 600.0 if timeout_s is None else timeout_s + watch.BACKSTOP_S
+    dist.init_process_group(backend, timeout=timedelta(seconds=backstop))
     # autoshard joined it, so autoshard leaves it when the script ends
     atexit.register(comm.leave)
+    if timeout_s is not None:
+        watch.start(timeout_s)
 
 
-def init_mesh(axes: Mapping[str, int] | Any, *, timeout_s: float = 600.0) -> DeviceMesh:
+def init_mesh(axes: Mapping[str, int] | Any, *, timeout_s: float | None = None) -> DeviceMesh:
     """A DeviceMesh with named axes (major first) over all ranks, from an initialised process
     group or the torchrun environment; a MeshError names every factor if the sizes do not
-    multiply to the world size."""
+    multiply to the world size. ``timeout_s``: the bound on every wait in autoshard's
+    collectives, after which the ranks that never arrived are named (docs/failures.md)."""
     info = mesh_info(axes)
     ensure_process_group(timeout_s)
     check_world(info)

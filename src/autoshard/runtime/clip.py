@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoshard import comm
+
 
 class NonFiniteGradientError(ValueError):
     """A gradient holds inf or nan; names the ranks and parameters."""
@@ -40,7 +42,7 @@ def clip_grad_norm_(
         local = max(g.detach().abs().max().to(torch.float64) for g in grads.values())
         total = local.reshape(1).to(device)
         if _world() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            total = comm.all_reduce_max(total, list(range(_world())))
         norm = total[0]
     else:
         # Each part's share: its sum of powers over the number of ranks holding that same part.
@@ -50,7 +52,7 @@ def clip_grad_norm_(
             local += g.detach().to(torch.float64).abs().pow(norm_type).sum() / copies
         total = local.reshape(1)
         if _world() > 1:
-            dist.all_reduce(total)
+            comm.all_reduce_(total, list(range(_world())))
         norm = total[0] ** (1.0 / norm_type)
     if torch.isfinite(norm):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -63,8 +65,7 @@ def _raise_if_nonfinite(grads: dict[str, torch.Tensor], rank: int) -> None:
     mine = [f"rank {rank}: {fqn}" for fqn, g in grads.items() if not torch.isfinite(g).all()]
     everyone: list = [mine]
     if _world() > 1:
-        everyone = [None] * _world()
-        dist.all_gather_object(everyone, mine)
+        everyone = comm.all_gather_object(mine)
     found = [line for lines in everyone for line in lines]
     if found:
         raise NonFiniteGradientError(

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from autoshard import comm
 from autoshard.graph import OpGraph
 from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshInfo, mesh_info
@@ -121,8 +122,7 @@ def _compare_plans(plan: Plan, rank: int) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     mine = plan.digests()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = comm.all_gather_object(mine)
     for other_rank, other in enumerate(everyone):
         if other == mine:
             continue

@@ -55,8 +55,7 @@ def sync_replicas(
             problems += _check(group, names, tensors)
     if mode == "check":
         # Every rank takes the same decision, so none goes on to train alone and hang.
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
+        everyone = comm.all_gather_object(problems)
         found = sorted({p for ps in everyone for p in ps})
         if found:
             raise ReplicaMismatchError(
@@ -82,8 +81,7 @@ def _fingerprint(t: torch.Tensor) -> str:
 def _check(group: tuple[int, ...], names: list[str], tensors: Mapping[str, torch.Tensor]) -> list:
     """What differs in this group: one line per (rank, parameter) unlike the group's first."""
     mine = [_fingerprint(tensors[n]) for n in names]
-    everyone: list = [None] * len(group)
-    dist.all_gather_object(everyone, mine, group=comm.process_group(group))
+    everyone = comm.all_gather_object(mine, group)
     return [
         f"rank {member} holds other values of {name} than rank {group[0]}, which should hold "
         f"the same part"

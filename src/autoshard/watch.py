@@ -1,0 +1,242 @@
+"""The watchdog: every wait in a collective or point-to-point exchange is bounded, and when one
+runs out the rank that waited names the ranks that never arrived (docs/failures.md).
+
+``watch.start(timeout_s)`` (``parallelize(timeout_s=)``, ``init_mesh(timeout_s=)``,
+``autoshard train --timeout``) starts a thread on each rank. :mod:`autoshard.comm` tells it when
+this rank issues a collective on a group (each group's collectives are counted: every member
+issues them in the same order) and when it waits for one; the runtime tells it the step and
+what the rank is doing outside collectives (reading a batch, the optimizer step). Once a tick
+the thread writes that position into the process group's store, under this rank's key.
+
+When a wait passes ``timeout_s``, the waiting rank reads its group's positions from the store:
+a member that has issued fewer collectives on the group than the one waited for never arrived,
+and the message says where that member is instead and for how long. The rank prints it as one
+line, marks the job stopped in the store and exits with :data:`EXIT_TIMEOUT`; every other
+rank's thread sees the mark within a tick and exits too, so no rank waits for torch's own
+timeout, which is set :data:`BACKSTOP_S` later and only bounds waits outside autoshard's
+collectives (inside torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "BACKSTOP_S",
+    "EXIT_TIMEOUT",
+    "Watched",
+    "doing",
+    "issued",
+    "running",
+    "start",
+    "step",
+    "stop",
+    "waiting",
+]
+
+#: the exit status of a rank that the watchdog stopped
+EXIT_TIMEOUT = 124
+#: how much later than the watchdog torch's own process-group timeout fires
+BACKSTOP_S = 15.0
+_PREFIX = "autoshard/watch/"
+
+
+class _State:
+    """This rank's position: collectives issued per group, the wait it is in, the step."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, ...], int] = {}
+        self.wait: tuple[str, tuple[int, ...], int, float] | None = None
+        self.doing = ("starting", time.monotonic())
+        self.step = 0
+        self.beat = 0
+
+    def position(self) -> dict[str, Any]:
+        now = time.monotonic()
+        wait = None
+        if self.wait is not None:
+            kind, group, seq, since = self.wait
+            wait = [kind, list(group), seq, now - since]
+        return {
+            "counts": {",".join(map(str, g)): n for g, n in self.counts.items()},
+            "wait": wait,
+            "doing": [self.doing[0], now - self.doing[1]],
+            "step": self.step,
+            "beat": self.beat,
+        }
+
+
+_state = _State()
+_thread: _Watchdog | None = None
+
+
+def running() -> bool:
+    return _thread is not None
+
+
+def issued(kind: str, ranks: Sequence[int]) -> tuple[str, tuple[int, ...], int]:
+    """Count a collective this rank issues on the group ``ranks``; returns what identifies it
+    (kind, group, its number on the group) for :func:`waiting`."""
+    group = tuple(sorted(ranks))
+    seq = _state.counts.get(group, 0) + 1
+    _state.counts[group] = seq
+    return kind, group, seq
+
+
+@contextmanager
+def waiting(what: tuple[str, tuple[int, ...], int]) -> Iterator[None]:
+    """This rank waits for the collective ``what`` (from :func:`issued`) inside the block."""
+    kind, group, seq = what
+    outer = _state.wait
+    _state.wait = (kind, group, seq, time.monotonic())
+    try:
+        yield
+    finally:
+        _state.wait = outer
+        if outer is None:
+            _state.doing = ("outside any collective", time.monotonic())
+
+
+class Watched:
+    """An async collective's work whose ``wait()`` the watchdog bounds."""
+
+    __slots__ = ("what", "work")
+
+    def __init__(self, work: Any, what: tuple[str, tuple[int, ...], int]) -> None:
+        self.work, self.what = work, what
+
+    def wait(self) -> Any:
+        with waiting(self.what):
+            return self.work.wait()
+
+
+def step(number: int) -> None:
+    """The training step this rank is in (the runtime's count of training forwards)."""
+    _state.step = number
+
+
+def doing(what: str) -> None:
+    """What this rank does outside collectives now ("reading its batch", ...)."""
+    _state.doing = (what, time.monotonic())
+
+
+def start(timeout_s: float, tick_s: float | None = None) -> None:
+    """Bound every wait of this rank's collectives by ``timeout_s`` (a later call sets a new
+    bound); needs an initialised process group. Without one (a single process) it does
+    nothing."""
+    global _thread
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if not timeout_s or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
+    tick = tick_s or min(1.0, timeout_s / 10)
+    if _thread is not None:
+        _thread.timeout_s, _thread.tick_s = float(timeout_s), tick
+        return
+    _thread = _Watchdog(float(timeout_s), tick)
+    _thread.start()
+
+
+def stop() -> None:
+    """Stop the watchdog (the process group is about to go)."""
+    global _thread
+    if _thread is not None:
+        _thread.stopped.set()
+        _thread.join(timeout=5)
+        _thread = None
+
+
+class _Watchdog(threading.Thread):
+    def __init__(self, timeout_s: float, tick_s: float) -> None:
+        super().__init__(name="autoshard-watchdog", daemon=True)
+        self.timeout_s, self.tick_s = timeout_s, tick_s
+        self.rank = dist.get_rank()
+        self.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.tick_s):
+            try:
+                self._tick()
+            except Exception:  # the store is gone (its host rank died): nothing to publish
+                pass
+
+    def _tick(self) -> None:
+        _state.beat += 1
+        self.store.set(f"rank/{self.rank}", json.dumps(_state.position()))
+        if self.store.check(["stopped"]):
+            told = self.store.get("stopped").decode()
+            _exit(f"autoshard: rank {self.rank} stopped: {told}")
+        wait = _state.wait
+        if wait is not None and time.monotonic() - wait[3] > self.timeout_s:
+            message = self._diagnose(wait)
+            self.store.set("stopped", message)
+            _exit(f"autoshard: error: {message}")
+
+    def _positions(self, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
+        found = {}
+        for r in ranks:
+            key = f"rank/{r}"
+            if self.store.check([key]):
+                found[r] = json.loads(self.store.get(key))
+        return found
+
+    def _diagnose(self, wait: tuple[str, tuple[int, ...], int, float]) -> str:
+        """One line: the wait that ran out, and where each member that never arrived is."""
+        kind, group, seq, _ = wait
+        others = [r for r in group if r != self.rank]
+        first = self._positions(others)
+        time.sleep(2 * self.tick_s)  # a second look tells a stuck process from a live one
+        second = self._positions(others)
+        key = ",".join(map(str, group))
+        missing = []
+        for r in others:
+            now = second.get(r)
+            if now is None or now["counts"].get(key, 0) < seq:
+                frozen = now is not None and first.get(r, {}).get("beat") == now["beat"]
+                missing.append((r, _where(now, frozen)))
+        what = (
+            f"rank {self.rank} waited {self.timeout_s:g} s in {kind} #{seq} over ranks "
+            f"{list(group)} (step {_state.step})"
+        )
+        if missing:
+            names = ", ".join(str(r) for r, _ in missing)
+            ranks = "rank" if len(missing) == 1 else "ranks"
+            where = "; ".join(f"rank {r} {w}" for r, w in missing)
+            return f"{what}: {ranks} {names} never arrived ({where})"
+        return (
+            f"{what}: every member issued it, so they disagree on what it is or the network "
+            f"lost it ({'; '.join(f'rank {r} {_where(second.get(r), False)}' for r in others)})"
+        )
+
+
+def _where(position: dict[str, Any] | None, frozen: bool) -> str:
+    if position is None:
+        return "never checked in"
+    if frozen:
+        return f"stopped responding at step {position['step']}, {_activity(position)}"
+    return f"is at step {position['step']}, {_activity(position)}"
+
+
+def _activity(position: dict[str, Any]) -> str:
+    if position["wait"] is not None:
+        kind, group, seq, seconds = position["wait"]
+        return f"waiting in {kind} #{seq} over ranks {group} for {seconds:.0f} s"
+    what, seconds = position["doing"]
+    return f"{what} for {seconds:.0f} s"
+
+
+def _exit(line: str) -> None:
+    """Leave now: the main thread may be blocked in native code that never returns."""
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_TIMEOUT)
