@@ -36,6 +36,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "ParallelModule.full_state_dict",
             "ParallelModule.load_full_state_dict",
             "ParallelModule.state_dict",
+            "ParallelModule.load_state_dict",
         ],
     ),
     (
@@ -121,6 +122,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
         [
             "CaptureError",
             "CheckpointError",
+            "CheckpointDamaged",
             "LayoutError",
             "MeshError",
             "NonFiniteGradientError",

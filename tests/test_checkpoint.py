@@ -5,6 +5,8 @@ equals an uninterrupted one bit for bit; an interrupted save never loads as comp
 from __future__ import annotations
 
 import copy
+import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,10 +42,38 @@ def _train(pm: Any, opt: Any, data: list, steps: range) -> list[float]:
     return losses
 
 
+def _other_values(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter drawn again (another seed): loads must overwrite them."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model
+
+
+def _plain_dcp_round_trip(pm: Any, other: Any, directory: Path) -> dict[str, torch.Tensor]:
+    """``pm.state_dict()`` through plain ``torch.distributed.checkpoint`` save and load into
+    ``other`` (the same plan, other values); returns ``other``'s full state dict after."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = pm.state_dict()
+    partial = {
+        k: v.placements for k, v in saved.items() if any(p.is_partial() for p in v.placements)
+    }
+    assert not partial, partial  # a value is never a pending sum, and DCP refuses one
+    dcp.save(saved, checkpoint_id=directory)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    other.load_state_dict(state)
+    return other.full_state_dict()
+
+
 def _save_then_load_elsewhere(directory: str, phase: str) -> dict[str, Any]:
     """``save``: 4 ranks, dp 2 x tp 2 (mixed strategies) at ZeRO 2: 3 steps, a checkpoint, 2
-    more steps. ``tp2`` (2 ranks, tp 2 at ZeRO 3) and ``one`` (1 rank) load it and take the
-    same 2 steps. Returns the full state at the checkpoint and after, and the 2 losses."""
+    more steps; at the checkpoint also a plain DCP save of ``pm.state_dict()`` loaded into the
+    same plan of other values. ``tp2`` (2 ranks, tp 2 at ZeRO 3) and ``one`` (1 rank) load it
+    and take the same 2 steps. Returns the full state at the checkpoint and after, and the 2
+    losses."""
     model, data, captured = _model()
     if phase == "save":
         mesh, strategies, zero = {"dp": 2, "tp": 2}, mixed("gpt", 2, 2), 2
@@ -61,6 +91,12 @@ def _save_then_load_elsewhere(directory: str, phase: str) -> dict[str, Any]:
         info = autoshard.load(path, pm, opt)
         assert info == {"step": 3, "extra": {"note": "three steps"}}
     at = pm.full_state_dict()
+    if phase == "save":
+        other = parallelize(_other_values(copy.deepcopy(model)), data[0], None,
+                            plan=pm.plan, captured=captured, zero=zero)  # fmt: skip
+        loaded = _plain_dcp_round_trip(pm, other, Path(directory) / "plain_dcp")
+        for k, v in at.items():
+            assert torch.equal(loaded[k], v), k
     losses = _train(pm, opt, data, range(3, 5))
     return {"at": at, "after": pm.full_state_dict(), "losses": losses}
 
@@ -81,6 +117,64 @@ def test_a_checkpoint_loads_under_another_plan_mesh_zero_stage_and_world(tmp_pat
     autoshard.load(tmp_path / "step_3", model)
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved["at"][k]), k
+
+
+class _CausalLMLoss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def _hf_llama(seed: int) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        attn_implementation="sdpa",
+    )
+    return _CausalLMLoss(transformers.LlamaForCausalLM(config)).to(torch.float64)
+
+
+def _searched_llama_through_plain_dcp(directory: str) -> tuple[int, ...]:
+    """transformers' Llama planned by ``search="optimal"`` on 2 ranks (a mesh with a size-1
+    axis), at ZeRO 1, 2 and 3: ``pm.state_dict()`` saved and loaded with plain DCP into the
+    same plan of other values gives the model's parameters exactly. Returns the mesh."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model = _hf_llama(0)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    captured = capture_modes(model, (ids, ids))
+    plan = None
+    for zero in (1, 2, 3):
+        how = {"search": "optimal"} if plan is None else {"plan": plan}
+        pm = parallelize(copy.deepcopy(model), (ids, ids), 2 if plan is None else None,
+                         captured=captured, zero=zero, **how)  # fmt: skip
+        plan = pm.plan
+        other = parallelize(_other_values(copy.deepcopy(model)), (ids, ids), None, plan=plan,
+                            captured=captured, zero=zero)  # fmt: skip
+        loaded = _plain_dcp_round_trip(pm, other, Path(directory) / f"zero{zero}")
+        for k, v in model.state_dict().items():
+            assert torch.equal(loaded[k], v), (zero, k)
+    return tuple(plan.mesh.sizes)
+
+
+def test_a_searched_plan_saves_and_loads_through_plain_dcp_at_every_zero_stage(tmp_path):
+    """The state dict of a searched plan with a size-1 axis has no Partial placement (once
+    every parameter was ``Partial`` on the size-1 ``tp`` axis, and DCP refused it)."""
+    pytest.importorskip("transformers")
+    sizes = run_ranks(_searched_llama_through_plain_dcp, 2, str(tmp_path), timeout=300)[0]
+    assert 1 in sizes, sizes  # the case the test is about: dp 2 x tp 1
 
 
 def _resumed(directory: str, interrupt: bool) -> list[float]:
@@ -121,15 +215,75 @@ def _resumed(directory: str, interrupt: bool) -> list[float]:
         autoshard.load(path, pm, opt, loader=loader)
         batches_seen = iter(loader)
     steps(10)
-    return losses + [pm.full_state_dict()]
+    return losses + [pm.full_state_dict(), _damaged_load(path, pm, opt) if interrupt else None]
+
+
+def _damaged_load(path: Path, pm: Any, opt: Any) -> str:
+    """Rank 1 cuts the last byte off a file of the checkpoint; what each rank's load says."""
+    import torch.distributed as dist
+
+    victim = sorted(path.glob("*.distcp"))[-1]
+    if dist.get_rank() == 1:
+        victim.write_bytes(victim.read_bytes()[:-1])
+    dist.barrier()
+    try:
+        autoshard.load(path, pm, opt)
+    except autoshard.CheckpointDamaged as err:
+        return str(err)
+    return "loaded"
 
 
 def test_ten_steps_save_load_ten_more_equals_twenty_steps_bitwise(tmp_path) -> None:
+    """... and a file of the checkpoint cut short is one error naming it on every rank."""
     straight = run_ranks(_resumed, 2, str(tmp_path), False, timeout=300)[0]
-    resumed = run_ranks(_resumed, 2, str(tmp_path), True, timeout=300)[0]
-    assert resumed[:20] == straight[:20]
+    resumed = run_ranks(_resumed, 2, str(tmp_path), True, timeout=300)
+    assert resumed[0][:20] == straight[:20]
     for k, v in straight[20].items():
-        assert torch.equal(resumed[20][k], v), k
+        assert torch.equal(resumed[0][20][k], v), k
+    said = {rank[21] for rank in resumed}
+    assert len(said) == 1, said  # the same error on both ranks, none waiting for the other
+    assert re.fullmatch(r"checkpoint \S+/b is damaged: __\d_\d\.distcp is \d+ bytes, .*", *said)
+
+
+def test_a_damaged_checkpoint_is_passed_over_by_latest_and_named_by_load(tmp_path) -> None:
+    """The newest checkpoint with a file cut short, its ``.metadata`` gone or a byte changed:
+    ``latest`` takes the one before and says once which it passed over and why (a changed
+    byte is only found by the checksum, so ``latest`` takes it and ``load`` names it); every
+    damage is one CheckpointDamaged naming the checkpoint and the file."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    for step in (1, 2):
+        autoshard.save(tmp_path / f"step{step}", model, opt, step=step)
+    manifest = json.loads((tmp_path / "step2" / checkpoint.MANIFEST).read_text())
+    assert set(manifest["files"]) == {p.name for p in (tmp_path / "step2").iterdir()} - {
+        checkpoint.MANIFEST
+    }
+    shard = sorted((tmp_path / "step2").glob("*.distcp"))[0]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    with pytest.warns(UserWarning, match=r"step2 \(__0_0\.distcp is \d+ bytes, the manifest"):
+        assert autoshard.latest(tmp_path) == tmp_path / "step1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per run: the same news is not told again
+        assert autoshard.latest(tmp_path) == tmp_path / "step1"
+    with pytest.raises(autoshard.CheckpointDamaged, match=r"checkpoint \S+step2 is damaged: __0_"):
+        autoshard.load(tmp_path / "step2", model, opt)
+    shard.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
+    assert autoshard.latest(tmp_path) == tmp_path / "step2"
+    with pytest.raises(autoshard.CheckpointDamaged, match="does not have the checksum"):
+        autoshard.load(tmp_path / "step2", model, opt)
+    shard.write_bytes(whole)
+    assert autoshard.load(tmp_path / "step2", model, opt)["step"] == 2
+    (tmp_path / "step2" / ".metadata").unlink()
+    with pytest.warns(UserWarning, match=r"step2 \(\.metadata is missing\); taking \S+step1"):
+        assert autoshard.latest(tmp_path) == tmp_path / "step1"
+    with pytest.raises(autoshard.CheckpointDamaged, match=r"\.metadata is missing"):
+        autoshard.load(tmp_path / "step2", model, opt)
+    (tmp_path / "step1" / checkpoint.MANIFEST).write_text('{"format": ')
+    with pytest.warns(UserWarning, match="no whole checkpoint left"):
+        assert autoshard.latest(tmp_path) is None
 
 
 class _Killed(BaseException):

@@ -16,6 +16,7 @@ from autoshard.redistribution import (
     shard_tensor,
 )
 from autoshard.runtime import (
+    CheckpointDamaged,
     CheckpointError,
     GradScaler,
     NonFiniteGradientError,
@@ -36,6 +37,7 @@ from autoshard.search import Plan, PlanningError, plan
 __all__ = [
     "PRESETS",
     "CaptureError",
+    "CheckpointDamaged",
     "CheckpointError",
     "ClusterSpec",
     "Factored",

@@ -2,7 +2,7 @@
 (``grad_sync``), ZeRO (``zero``), checkpoints (``checkpoint``), clipping (``clip``), loss scaling
 (``scaler``), replicas (``replicas``) and models built on the meta device (``materialize``)."""
 
-from autoshard.runtime.checkpoint import CheckpointError, latest, load, save
+from autoshard.runtime.checkpoint import CheckpointDamaged, CheckpointError, latest, load, save
 from autoshard.runtime.clip import NonFiniteGradientError, clip_grad_norm_
 from autoshard.runtime.grad_sync import GradSync
 from autoshard.runtime.materialize import materialize, meta_init
@@ -16,6 +16,7 @@ from autoshard.runtime.parallel import (
 from autoshard.runtime.scaler import GradScaler
 
 __all__ = [
+    "CheckpointDamaged",
     "CheckpointError",
     "latest",
     "load",

@@ -12,7 +12,9 @@ the saved ones. Replicas write once (DCP keeps one writer per box).
 
 A save writes into ``<path>.incomplete`` and, once every rank is done and the manifest
 (``autoshard.json``) is written, renames it to ``<path>``: a save that is interrupted never
-becomes a checkpoint, and :func:`latest` takes only directories with a manifest.
+becomes a checkpoint. The manifest records every file with its size and CRC-32 (each rank
+sums the files it wrote, as they are on disk); :func:`latest` takes the newest checkpoint
+whose files are all there at their sizes, and :func:`load` checks the sums before it reads.
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-MANIFEST = "autoshard.json"
-FORMAT = "autoshard-checkpoint/1"
-INCOMPLETE = ".incomplete"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded as asked (names the path and the cause)."""
+from autoshard import comm
+from autoshard.runtime.manifest import (
+    FORMAT,
+    INCOMPLETE,
+    MANIFEST,
+    CheckpointDamaged,
+    CheckpointError,
+    Writer,
+    file_record,
+    latest,
+    verified,
+)
 
 
 @dataclass
@@ -289,7 +296,7 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if _distributed():
-        dist.barrier()
+        comm.barrier()
 
 
 def save(
@@ -320,14 +327,19 @@ def save(
     if loader is not None:
         state["autoshard.loader"] = loader.state_dict()
     state["autoshard.extra"] = extra
-    dcp.save(state, checkpoint_id=staging, planner=_SavePlanner(), no_dist=not _distributed())
-    _barrier()
+    writer = Writer(staging)
+    dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=not _distributed())
+    mine = {name: file_record(staging / name) for name in writer.names()}
+    files = comm.all_gather_object(mine) if _distributed() else [mine]
     if _rank() == 0:
+        listed = {name: record for each in files for name, record in each.items()}
+        listed[".metadata"] = file_record(staging / ".metadata")
         manifest = {
             "format": FORMAT,
             "step": step,
             "world_size": dist.get_world_size() if _distributed() else 1,
             "aliases": _aliases(module),
+            "files": dict(sorted(listed.items())),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _commit(staging, path)
@@ -347,21 +359,6 @@ def _commit(staging: Path, path: Path) -> None:
         os.replace(staging, path)
 
 
-def latest(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``directory`` (by its step, then its time), or None."""
-    found = []
-    for entry in Path(directory).iterdir() if Path(directory).is_dir() else []:
-        manifest = entry / MANIFEST
-        if entry.name.endswith(INCOMPLETE) or not manifest.is_file():
-            continue
-        try:
-            step = json.loads(manifest.read_text()).get("step")
-        except (OSError, ValueError):
-            continue
-        found.append((step if isinstance(step, int) else -1, manifest.stat().st_mtime, entry))
-    return max(found)[2] if found else None
-
-
 # -- loading ---------------------------------------------------------------------------------------
 
 
@@ -371,12 +368,16 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     loader: Any = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load the checkpoint ``path`` into ``module`` (a ParallelModule under any plan, mesh,
     ZeRO stage or world size, or a plain ``nn.Module``), ``optimizer`` and ``loader``; a
-    collective of every rank. Returns ``{"step": ..., "extra": ...}`` as saved."""
+    collective of every rank. Returns ``{"step": ..., "extra": ...}`` as saved. First every
+    file is checked against the manifest (``verify``: its checksum too, each rank summing its
+    share of the files); a damaged one is a :class:`CheckpointDamaged` on every rank, before
+    anything is read."""
     path = Path(path)
-    saved = _manifest(path)
+    saved = verified(path, verify)
     state = _model_state(module, saved.get("aliases"))
     if optimizer is not None:
         _ready_optimizer(optimizer)
@@ -401,16 +402,6 @@ def load(
     return {"step": state["autoshard.run"]["step"], "extra": state["autoshard.extra"]}
 
 
-def _manifest(path: Path) -> dict[str, Any]:
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{path} is not a complete autoshard checkpoint (no {MANIFEST})")
-    saved = json.loads(manifest.read_text())
-    if saved.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {saved.get('format')!r}, expected {FORMAT!r}")
-    return saved
-
-
 def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     """Read ``state``'s tensors in place; returns the objects read."""
     planner = _LoadPlanner()
@@ -425,11 +416,11 @@ def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     return planner.state_dict
 
 
-def load_weights(path: str | os.PathLike, module: nn.Module) -> None:
+def load_weights(path: str | os.PathLike, module: nn.Module, *, verify: bool = True) -> None:
     """Load only the model's tensors of the checkpoint ``path`` into ``module`` (no optimizer,
-    step, RNG or loader); a collective of every rank."""
+    step, RNG or loader); a collective of every rank, checked first as :func:`load` does."""
     path = Path(path)
-    saved = _manifest(path)
+    saved = verified(path, verify)
     _read(path, _model_state(module, saved.get("aliases")))
 
 
@@ -445,4 +436,13 @@ def _restore_groups(optimizer: torch.optim.Optimizer, groups: Any) -> None:
                 group[key] = value
 
 
-__all__ = ["CheckpointError", "Chunks", "chunks_of", "latest", "load", "load_weights", "save"]
+__all__ = [
+    "CheckpointDamaged",
+    "CheckpointError",
+    "Chunks",
+    "chunks_of",
+    "latest",
+    "load",
+    "load_weights",
+    "save",
+]

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autoshard import watch
 from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.graph import OpGraph, capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
@@ -23,7 +24,7 @@ from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, lower
 from autoshard.mesh import MeshInfo, check_world, mesh_info
 from autoshard.precision import Precision, precision_policy
-from autoshard.redistribution import gather_tensor, shard_tensor
+from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
 from autoshard.runtime.materialize import check_init, fill
 from autoshard.runtime.planned import (
@@ -143,6 +144,7 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         mode = self.training
         if mode:
+            watch.step(self._state.step + 1)
             self._grad_sync.reset()
             self._zero.reset()
         captured, plan = self._captured[mode], self._plans[mode]
@@ -182,6 +184,13 @@ class ParallelModule(nn.Module):
     def rank(self) -> int:
         """This rank in the plan's mesh."""
         return self._rank
+
+    @property
+    def flops_per_step(self) -> float:
+        """Model FLOPs of a training step over the example batch's global size: every matrix
+        product forward and backward, as torch's FlopCounterMode counts them on one device
+        (the numerator of MFU)."""
+        return sum(info.flops for info in self._captured[True].ops())
 
     @property
     def input_names(self) -> list[str]:
@@ -284,6 +293,17 @@ class ParallelModule(nn.Module):
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Shard a single-device state dict (as ``model.state_dict()`` gives) onto this rank."""
+        self.load_state_dict(state_dict, strict=False)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True
+    ) -> None:
+        """Load what ``state_dict`` gives (as ``torch.distributed.checkpoint.load`` fills it:
+        DTensors, of any placements on the ranks of the plan) or single-device tensors, onto
+        this rank's shards. ``strict``: a key the model does not have is an error too; a
+        missing one always is (``load_full_state_dict`` ignores extra keys). A collective."""
+        if strict and (extra := sorted(set(state_dict) - set(self._full_keys))):
+            raise KeyError(f"state dict has keys the model does not: {extra}")
         with torch.no_grad():
             for fqn, t in self.local_tensors().items():
                 names = self._aliases.get(fqn, [fqn])
@@ -292,32 +312,54 @@ class ParallelModule(nn.Module):
                 key = next((n for n in names if n in state_dict), None)
                 if key is None:
                     raise KeyError(f"state dict has no entry for {fqn} (or its tied names)")
-                part = shard_tensor(state_dict[key].to(t.dtype), self._layouts[fqn], self._rank)
+                layout = self._layouts[fqn].with_dtype(t.dtype)
+                part = _part_of(state_dict[key], layout, key, self._rank)
                 t.copy_(self._zero.rows_of(fqn, part) if fqn in self._zero else part)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Sharded: DTensors on the mesh (a layout DTensor cannot express is gathered first)."""
+        """Sharded, for ``torch.distributed.checkpoint``: the model's keys (tied ones too) as
+        DTensors on the mesh, none of them partial (a value is never a pending sum: one is
+        summed first); a layout DTensor cannot express is gathered first. A collective."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Replicate
 
         mesh = self.plan.mesh
         device_type = next(iter(self.local_tensors().values())).device.type
         device_mesh = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.names)
-        out: dict[str, Any] = {}
+        values: dict[str, Any] = {}
         for fqn, t in self.local_tensors().items():
-            layout = self._layouts[fqn]
-            t = self._whole_local(fqn, t)
-            if layout.partial and all(layout.mesh[a] == 1 for a in layout.partial):
-                layout = layout.without_partial()  # a sum over one rank is the value
-            try:
-                placements = layout.to_placements(device_mesh)
-                value = DTensor.from_local(t, device_mesh, placements, run_check=False)
-            except LayoutError:
-                full = gather_tensor(t, layout)
-                value = DTensor.from_local(full, device_mesh, [Replicate()] * len(mesh.sizes))
-            for name in self._aliases.get(fqn, [fqn]):
-                out[name] = value
-        return out
+            if not any(n in self._full_keys for n in self._aliases.get(fqn, [fqn])):
+                continue  # a non-persistent buffer or a constant
+            layout = self._layouts[fqn].with_dtype(t.dtype)
+            with torch.no_grad():
+                t = self._whole_local(fqn, t)
+                if layout.partial:  # summed: DCP takes no pending sums
+                    whole = layout.without_partial()
+                    t, layout = redistribute(t, layout, whole), whole
+                try:
+                    placements = layout.to_placements(device_mesh)
+                    value = DTensor.from_local(t, device_mesh, placements, run_check=False)
+                except LayoutError:
+                    full = gather_tensor(t, layout)
+                    value = DTensor.from_local(full, device_mesh, [Replicate()] * len(mesh.sizes))
+            values[fqn] = value
+        return {key: values[self._canonical(key)] for key in self._full_keys}
+
+
+def _part_of(value: torch.Tensor, layout: Layout, key: str, rank: int) -> torch.Tensor:
+    """This rank's part in ``layout`` of a state dict's ``value``: a DTensor (redistributed
+    from its placements) or the single-device tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if tuple(value.shape) != layout.shape:
+        raise ValueError(f"state dict: {key} is {tuple(value.shape)}, the model's {layout.shape}")
+    if not isinstance(value, DTensor):
+        return shard_tensor(value.to(layout.dtype), layout, rank)
+    local = value.to_local().to(layout.dtype)
+    src = Layout.from_placements(
+        value.placements, value.device_mesh, layout.shape, dtype=layout.dtype
+    )
+    return redistribute(local, src, layout)
 
 
 def _local_input(x: Any, layout: Layout, rank: int, name: str, cast: bool = False) -> Any:
@@ -356,6 +398,7 @@ def parallelize(
     zero: int | Mapping[str, int] | None = None,
     reshard_after_forward: bool = True,
     init: Any = None,
+    timeout_s: float | None = None,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -372,7 +415,10 @@ def parallelize(
     ``{fqn pattern: stage}``; default the plan's, else 0): ZeRO over each parameter's
     data-parallel replicas (docs/zero.md); ``reshard_after_forward`` (stage 3): drop gathered
     parameters after forward and gather them again in backward. ``init`` (a model built on
-    meta): a checkpoint, ``"reset"`` or a function of a module (docs/meta.md)."""
+    meta): a checkpoint, ``"reset"`` or a function of a module (docs/meta.md). ``timeout_s``:
+    the longest wait in a collective; then every rank stops, naming the ranks that never
+    arrived (docs/failures.md; default: the process group's own timeout, naming none)."""
+    # Whole: the public entry point; its keywords and their meaning are one list to read
     if search is not None and plan is not None:
         raise ValueError("parallelize: give search= or plan=, not both")
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
@@ -389,7 +435,7 @@ def parallelize(
         plan, captured[True], mesh, strategies, input_layouts
     )
     info = mesh_info(mesh)
-    rank = check_world(info, source)
+    rank = check_world(info, source, timeout_s)
     plans = _plan_modes(captured, info, ready, strategies, input_layouts, source)
     plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
     _compare_plans(plans[True], rank)
