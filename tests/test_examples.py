@@ -101,6 +101,10 @@ def _train(argv: list[str], tmp_path: Path) -> tuple[str, list[float]]:
         command, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    for line in log.read_text().splitlines():  # a GPT fed token ids: tokens/s, MFU, memory
+        record = json.loads(line)
+        assert record["unit"] == "tokens" and record["tokens_per_s"] > 0, record
+        assert 0 < record["mfu"] < 1 and record["memory_bytes"] > 0, record
     return out.stdout, _losses(log)
 
 
@@ -154,7 +158,8 @@ def _descendants(pid: int) -> list[int]:
 
 def test_autoshard_train_killed_resumes_from_the_latest_checkpoint_as_if_never_stopped(tmp_path):
     """Killed mid-run (every process, no chance to clean up), ``autoshard train`` run again
-    resumes from the newest complete checkpoint and trains on as the run never stopped."""
+    resumes from the newest whole checkpoint (the newest is damaged: it is named and passed
+    over) and trains on as the run never stopped."""
     killed = tmp_path / "killed"
     step = _kill_at_a_checkpoint(
         ["--steps", "100000", "--checkpoint-dir", str(killed), "--checkpoint-every", "2"],
@@ -162,17 +167,22 @@ def test_autoshard_train_killed_resumes_from_the_latest_checkpoint_as_if_never_s
         tmp_path / "killed.jsonl",
     )
     early = _losses(tmp_path / "killed.jsonl")
+    # the newest checkpoint damaged (a file cut short): the run before it is resumed from
+    newest, step = killed / f"step{step}", step - 2
+    shard = sorted(newest.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-1])
     picture = tmp_path / "metrics.png"
     out, late = _train(
-        ["--steps", str(step + 2), "--checkpoint-dir", str(killed), "--picture", str(picture)],
+        ["--steps", str(step + 4), "--checkpoint-dir", str(killed), "--picture", str(picture)],
         tmp_path,
     )
+    assert f"passed over damaged checkpoint(s) {newest} ({shard.name} is " in out
     assert f"resumed from {killed / f'step{step}'} at step {step}" in out
     assert picture.read_bytes().startswith(b"\x89PNG") and f"metrics: {picture}" in out
-    assert len(late) == 2
+    assert len(late) == 4
     straight_dir = tmp_path / "straight"
     out, straight = _train(
-        ["--steps", str(step + 2), "--checkpoint-dir", str(straight_dir)], tmp_path
+        ["--steps", str(step + 4), "--checkpoint-dir", str(straight_dir)], tmp_path
     )
     assert "plan over 2 rank(s)" in out
     assert early[:step] == straight[:step]  # the killed run trained as the straight one

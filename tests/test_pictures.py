@@ -140,5 +140,5 @@ def test_no_figure_stays_open(tmp_path):
 
 def test_missing_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"autoshard\[plot\]"):
+    with pytest.raises(ImportError, match=r"pictures need matplotlib: pip install matplotlib"):
         plan_picture(plan_dict(), tmp_path / "plan.png")

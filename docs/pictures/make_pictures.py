@@ -1,5 +1,5 @@
 """Draw the example pictures of docs/pictures.md with autoshard.pictures.
-Run: ``python docs/pictures/make_pictures.py`` (needs ``pip install 'autoshard[plot]'``)."""
+Run: ``python docs/pictures/make_pictures.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pictures of a layout, a plan and a training run, written as PNG files.
 
-matplotlib is imported only when a picture is drawn (``pip install 'autoshard[plot]'``), and each
+matplotlib (a dependency) is imported only when a picture is drawn, and each
 figure is a bare ``matplotlib.figure.Figure`` on an Agg canvas: it never enters pyplot's list of
 open figures and never switches the backend of a notebook that calls these functions.
 """
@@ -18,7 +18,7 @@ from autoshard.layout import Layout
 
 DPI = 120
 #: the throughput field a metrics record carries, first found wins, with its axis label
-#: (``autoshard train`` writes ``samples_per_s``)
+#: (``autoshard train`` writes one of them: tokens for a model fed token ids)
 THROUGHPUT_FIELDS = (("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"))
 
 Tile = tuple[slice, slice, tuple[int, ...]]
@@ -30,7 +30,7 @@ def _figure(**kwargs: Any) -> Any:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("pictures need matplotlib: pip install 'autoshard[plot]'") from None
+        raise ImportError("pictures need matplotlib: pip install matplotlib") from None
     fig = Figure(**kwargs)
     FigureCanvasAgg(fig)
     return fig

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -146,6 +147,10 @@ def _train_options(p: argparse.ArgumentParser) -> None:
         default=d.checkpoint_every,
         help="steps between checkpoints (0: none)",
     )
+    _train_output_options(p, d)
+
+
+def _train_output_options(p: argparse.ArgumentParser, d: Any) -> None:
     p.add_argument("--log", default=d.log, help="metrics of every step, one JSON per line")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between printed lines")
     p.add_argument("--seed", type=int, default=d.seed, help="data order and dropout seed")
@@ -155,6 +160,14 @@ def _train_options(p: argparse.ArgumentParser) -> None:
         metavar="FILE.png",
         default=d.picture,
         help="draw the loss and throughput of the metrics log here at the end (matplotlib)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        metavar="SECONDS",
+        help="the longest a rank waits for the others in a collective; then every rank stops "
+        "and the ones that waited name the ranks that never arrived",
     )
 
 

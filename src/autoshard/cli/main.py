@@ -328,7 +328,7 @@ def _train_command(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
-    from autoshard.cli.train import TrainConfig, launch, worker
+    from autoshard.cli.train import TrainConfig, check, launch, worker
 
     if args.target.endswith(".toml"):
         cfg = TrainConfig.from_toml(args.target)
@@ -338,6 +338,7 @@ def _train_command(args: argparse.Namespace) -> int:
     if "LOCAL_RANK" in os.environ:  # already a rank torchrun started (the user's torchrun)
         worker(cfg)
         return 0
+    check(cfg)  # the user's mistakes, once and before any rank starts
     passed = [
         f"--{flag.replace('_', '-')}={getattr(args, flag)}"
         for flag in ("nnodes", "node_rank", "master_addr", "master_port")

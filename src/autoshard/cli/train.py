@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import sys
 import time
 import tomllib
@@ -25,6 +26,14 @@ from typing import Any
 import torch
 
 WORKER = "AUTOSHARD_TRAIN"  # the settings, as JSON, on the ranks launch() starts
+#: the types a setting may have, by its annotation (a TOML value is checked against them)
+_KINDS: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (float, int),
+    "str | None": (str, type(None)),
+    "float | None": (float, int, type(None)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +56,24 @@ class TrainConfig:
     seed: int = 0
     cluster: str = "cpu"
     picture: str | None = None
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            kinds = _KINDS[field.type]
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                wanted = " or ".join("none" if k is type(None) else k.__name__ for k in kinds)
+                raise ValueError(f"train setting {field.name} = {value!r}: expected {wanted}")
+        positive = ("steps", "batch_size", "log_every", "timeout", "lr")
+        bad = [f"{n} = {getattr(self, n)!r}" for n in positive if getattr(self, n) <= 0]
+        bad += [f"zero = {self.zero!r}"] if self.zero not in (0, 1, 2, 3) else []
+        bad += [f"checkpoint_every = {self.checkpoint_every}"] if self.checkpoint_every < 0 else []
+        if bad:
+            raise ValueError(
+                f"train settings out of range: {', '.join(bad)} (steps, batch_size, log_every, "
+                "timeout and lr are positive; zero is 0-3; checkpoint_every is 0 or more)"
+            )
 
     @classmethod
     def from_toml(cls, path: str) -> TrainConfig:
@@ -133,23 +160,61 @@ def _example(parts: dict[str, Any], cfg: TrainConfig) -> tuple:
     return tuple(default_collate([dataset[i] for i in range(cfg.batch_size)]))
 
 
-def _parallel(parts: dict[str, Any], cfg: TrainConfig) -> Any:
+def _parallel(parts: dict[str, Any], example: tuple, cfg: TrainConfig) -> Any:
     from autoshard.runtime import parallelize
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     given = {"plan": cfg.plan} if cfg.plan else {"search": cfg.search, "cluster": cfg.cluster}
     return parallelize(
-        parts["model"], _example(parts, cfg), None if cfg.plan else world, parts.get("loss_fn"),
-        precision=cfg.precision, zero=cfg.zero or None, seed=cfg.seed, **given,
+        parts["model"], example, None if cfg.plan else world, parts.get("loss_fn"),
+        precision=cfg.precision, zero=cfg.zero or None, seed=cfg.seed, timeout_s=cfg.timeout,
+        **given,
     )  # fmt: skip
 
 
+def check(cfg: TrainConfig) -> None:
+    """What can be checked before any rank starts: the settings, the target (imported and
+    called: a missing module or function, or a result that is no model and data, is a
+    ValueError naming it), and a first global batch of its data."""
+    from autoshard.precision import precision_policy
+    from autoshard.search.driver import SEARCHES
+
+    precision_policy(cfg.precision)
+    if cfg.plan is None and cfg.search not in SEARCHES:
+        raise ValueError(f"search {cfg.search!r}: expected one of {', '.join(SEARCHES)}")
+    if cfg.plan is not None and not Path(cfg.plan).is_file():
+        raise ValueError(f"plan {cfg.plan!r}: no such file")
+    if cfg.picture is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--picture needs matplotlib: pip install matplotlib") from None
+    torch.manual_seed(cfg.seed)
+    _example(_parts(user_function(cfg.target), cfg.target), cfg)
+
+
+def _work(example: tuple, pm: Any, cfg: TrainConfig) -> tuple[float, str, int]:
+    """The model FLOPs of a step (forward and backward of the global batch), what a
+    throughput counts (tokens: the first integer input of two or more dims, else samples)
+    and how many of them a step has."""
+    flops = pm.flops_per_step
+    ids = next((t for t in example if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if ids is not None and not ids.is_floating_point():
+        return flops, "tokens", ids.numel()
+    return flops, "samples", cfg.batch_size
+
+
+_CLEAR = "\r\033[K"  # back to the start of the terminal's line, and clear it
+
+
 class _Log:
-    """Rank 0's metrics: a JSONL line per step, a printed line every ``every`` steps, and
-    TensorBoard scalars when it is installed."""
+    """Rank 0's metrics: a JSONL line per step, a printed line every ``every`` steps (with a
+    progress bar on a terminal, redrawn every step), and TensorBoard scalars when it is
+    installed."""
 
     def __init__(self, cfg: TrainConfig, loud: bool) -> None:
         self.loud, self.every, self.board = loud, cfg.log_every, None
+        self.bar = loud and sys.stdout.isatty()
         self.file = open(cfg.log, "a") if loud else None  # noqa: SIM115 (closed in close())
         if loud:
             try:
@@ -161,7 +226,7 @@ class _Log:
 
     def say(self, text: str) -> None:
         if self.loud:
-            print(f"autoshard train: {text}", flush=True)
+            print(f"{_CLEAR if self.bar else ''}autoshard train: {text}", flush=True)
 
     def step(self, record: dict[str, Any], total: int) -> None:
         if not self.loud:
@@ -169,14 +234,22 @@ class _Log:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.board is not None:
-            for key in ("loss", "step_s", "samples_per_s", "bytes_sent"):
+            rate = f"{record['unit']}_per_s"
+            for key in ("loss", "step_s", rate, "mfu", "bytes_sent", "memory_bytes"):
                 self.board.add_scalar(key, record[key], record["step"])
+        unit = record["unit"]
+        line = (
+            f"step {record['step']}/{total} loss {record['loss']:.6f} "
+            f"{record['step_s'] * 1e3:.1f} ms/step {record[unit + '_per_s']:,.1f} {unit}/s "
+            f"MFU {record['mfu']:.1%} memory {_size(record['memory_bytes'])}/rank "
+            f"(peak RSS {record['peak_rss_bytes'] / 2**20:.0f} MiB) "
+            f"sent {record['bytes_sent'] / 1024:.1f} KiB/rank"
+        )
         if record["step"] % self.every == 0 or record["step"] == total:
-            self.say(
-                f"step {record['step']}/{total} loss {record['loss']:.6f} "
-                f"{record['step_s'] * 1e3:.1f} ms {record['samples_per_s']:.1f} samples/s "
-                f"sent {record['bytes_sent'] / 1024:.1f} KiB/rank"
-            )
+            self.say(line)
+        elif self.bar:
+            done = 24 * record["step"] // total
+            print(f"{_CLEAR}[{'#' * done:<24}] {line}", end="", flush=True)
 
     def close(self) -> None:
         if self.file is not None:
@@ -185,46 +258,92 @@ class _Log:
             self.board.close()
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
+
+
 def worker(cfg: TrainConfig) -> None:
-    """One rank's run: plan, resume from the latest checkpoint, train, log, checkpoint."""
-    from autoshard import comm
-    from autoshard.runtime import clip_grad_norm_, latest, load, save
+    """One rank's run: plan, resume from the newest whole checkpoint, train, log, checkpoint."""
+    from autoshard import comm, watch
+    from autoshard.runtime import clip_grad_norm_, save
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.manual_seed(cfg.seed)  # the same model on every rank, and from run to run
     parts = _parts(user_function(cfg.target), cfg.target)
-    pm = _parallel(parts, cfg)
+    example = _example(parts, cfg)
+    pm = _parallel(parts, example, cfg)
     opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, **parts.get("optimizer", {}))
     feed, batches = _batches(parts, pm, cfg)
-    log, start = _Log(cfg, pm.rank == 0), 0
+    log = _Log(cfg, pm.rank == 0)
     log.say(f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {pm.plan.mesh.describe()}")
-    found = latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    if found is not None:
-        start = load(found, pm, opt, loader=feed)["step"]
-        log.say(f"resumed from {found} at step {start}")
+    start = _resume(cfg, pm, opt, feed, log)
+    flops, unit, per_step = _work(example, pm, cfg)
+    peak = _peak_flops(cfg, pm) * int(os.environ.get("WORLD_SIZE", "1"))
     for step in range(start, cfg.steps):
+        watch.step(step + 1)
+        watch.doing("reading its batch")
+        batch = next(batches)
         began = time.perf_counter()
         with comm.counting() as sent:
-            loss = pm(*next(batches))
+            loss = pm(*batch)
             loss.backward()
             norm = clip_grad_norm_(pm, cfg.clip) if cfg.clip else None
             opt.step()
             opt.zero_grad()
         seconds = time.perf_counter() - began
         record = {
-            "step": step + 1, "loss": loss.item(), "step_s": seconds,
-            "samples_per_s": cfg.batch_size / seconds,
+            "step": step + 1, "loss": loss.item(), "step_s": seconds, "unit": unit,
+            f"{unit}_per_s": per_step / seconds, "mfu": flops / seconds / peak,
+            "memory_bytes": sum(pm.state_bytes(opt).values()),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "bytes_sent": sum(c["bytes"] for c in sent.values()),
             "grad_norm": None if norm is None else float(norm),
         }  # fmt: skip
         log.step(record, cfg.steps)
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            watch.doing("saving a checkpoint")
             save(Path(cfg.checkpoint_dir) / f"step{step + 1}", pm, opt, step=step + 1, loader=feed)
     log.close()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        watch.doing("finishing")
+        comm.barrier()  # a rank still training is waited for here, and named if it never ends
     if cfg.picture and pm.rank == 0:
         from autoshard.pictures import metrics_picture
 
         log.say(f"picture of the metrics: {metrics_picture(cfg.log, cfg.picture)}")
+
+
+def _peak_flops(cfg: TrainConfig, pm: Any) -> float:
+    """One device's peak of the cluster preset, in the dtype the model computes in."""
+    from autoshard.cost import cluster_spec
+
+    return cluster_spec(cfg.cluster).peak_flops(pm.precision.compute or torch.float32)
+
+
+def _resume(cfg: TrainConfig, pm: Any, opt: Any, feed: Any, log: _Log) -> int:
+    """The step to start from: the newest whole checkpoint's, else 0. A checkpoint that
+    proves damaged when it is read (a checksum) is named and the next older one tried."""
+    from autoshard.runtime import CheckpointDamaged, latest, load
+
+    if not cfg.checkpoint_dir:
+        return 0
+    skipped: list[Path] = []
+    while True:
+        with warnings.catch_warnings(record=True) as passed:
+            warnings.simplefilter("always")
+            found = latest(cfg.checkpoint_dir, skip=skipped)
+        for warning in passed:
+            log.say(str(warning.message).removeprefix("autoshard: "))
+        if found is None:
+            return 0
+        try:
+            step = load(found, pm, opt, loader=feed)["step"]
+        except CheckpointDamaged as err:
+            log.say(f"not resuming from {found}: {err}")
+            skipped.append(found)
+            continue
+        log.say(f"resumed from {found} at step {step}")
+        return step
 
 
 #: torchrun's own log lines (its banner, its notes on the ranks it watches)
@@ -237,8 +356,9 @@ def launch(cfg: TrainConfig, nproc: int, torchrun_args: list[str]) -> int:
     """Run :func:`worker` on ``nproc`` ranks of this node under torchrun. The settings travel
     in the environment as JSON: torchrun would read the options of ours that look like its
     own (``--log``) as its own. The ranks' output comes through as it is, torchrun's own
-    log is left out; when a rank fails, what torchrun reports goes to a file named in one
-    line (unless a rank has already said what went wrong in one)."""
+    log is left out; when a rank fails, what torchrun reports goes to a file, and the last
+    line says why the run stopped: the first ``autoshard: error:`` a rank printed, or the
+    exit code and where torchrun's report is."""
     import subprocess
 
     command = [
@@ -247,35 +367,85 @@ def launch(cfg: TrainConfig, nproc: int, torchrun_args: list[str]) -> int:
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": "1", **os.environ, WORKER: json.dumps(dataclasses.asdict(cfg))}
     with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as proc:
-        report, told = _relay(proc.stderr)
-    if proc.returncode and report:
-        path = Path(cfg.log).parent / "autoshard-torchrun.log"  # beside the metrics
+        report, told, last = _relay(proc.stderr)
+    if not proc.returncode:
+        return 0
+    path = Path(cfg.log).parent / "autoshard-torchrun.log"  # beside the metrics
+    if report:
         path.write_text("".join(report))
-        if not told:
-            print(
-                f"autoshard: error: training stopped, a rank exited with code "
-                f"{proc.returncode} (its output is above; torchrun's report: {path})",
-                file=sys.stderr,
-            )
+    if told is None:
+        told = (
+            f"autoshard: error: training stopped, a rank exited with code {proc.returncode} "
+            f"(its output is above; torchrun's report: {path})"
+        )
+    if told != last:
+        print(told, file=sys.stderr)
     return proc.returncode
 
 
-def _relay(stream: Any) -> tuple[list[str], bool]:
-    """Copy the ranks' lines of torchrun's stderr to ours; return torchrun's failure report
-    and whether a rank printed an ``autoshard: error:`` line."""
+def _relay(stream: Any) -> tuple[list[str], str | None, str | None]:
+    """Copy the ranks' lines of torchrun's stderr to ours; return torchrun's failure report,
+    the first ``autoshard: error:`` line a rank printed and the last line copied."""
     report: list[str] = []
-    told = False
+    told = last = None
     for line in stream:
         if report or _TORCHRUN_FAILED.search(line):
             report.append(line)
         elif not _TORCHRUN_LOG.match(line):
-            told = told or "autoshard: error:" in line
+            if told is None and line.startswith("autoshard: error:"):
+                told = line.rstrip("\n")
+            last = line.rstrip("\n")
             sys.stderr.write(line)
             sys.stderr.flush()
-    return report, told
+    return report, told, last
 
 
-__all__ = ["TrainConfig", "launch", "worker"]
+def _run_rank(cfg: TrainConfig) -> int:
+    """A rank torchrun started: :func:`worker`, and the exit status. Only the first rank that
+    fails says why (the others fail because it did, or with the same error): an error of the
+    user's input in one line, any other error with its traceback."""
+    from autoshard.graph.failure import ONE_LINE_ERRORS
+
+    try:
+        worker(cfg)
+        return 0
+    except Exception as err:
+        if os.environ.get("AUTOSHARD_DEBUG"):
+            raise
+        if _first_to_fail():
+            rank = os.environ.get("RANK", "0")
+            if type(err).__name__ in ONE_LINE_ERRORS or isinstance(err, ValueError | OSError):
+                print(f"autoshard: error: {' '.join(str(err).split())}", file=sys.stderr)
+            else:
+                import traceback
+
+                print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        # not through the exit handlers: they would wait for collectives the failure left
+        # unmatched, and tear down a process group whose peers may be gone
+        os._exit(1)
+
+
+def _first_to_fail() -> bool:
+    """Whether no other rank of the job has failed before this one (the job's store counts
+    them; without a store, every rank is first)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+        else:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+        return store.add("autoshard/failed", 1) == 1
+    except Exception:
+        return True
+
+
+__all__ = ["TrainConfig", "check", "launch", "worker"]
 
 if __name__ == "__main__":  # a rank torchrun started (launch)
-    worker(TrainConfig(**json.loads(os.environ[WORKER])))
+    sys.exit(_run_rank(TrainConfig(**json.loads(os.environ[WORKER]))))
