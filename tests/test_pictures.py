@@ -2,6 +2,7 @@
 PNG, and the errors for what cannot be drawn."""
 
 import json
+import re
 import sys
 
 import matplotlib.pyplot as plt
@@ -142,3 +143,16 @@ def test_missing_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"pictures need matplotlib: pip install matplotlib"):
         plan_picture(plan_dict(), tmp_path / "plan.png")
+
+
+def test_the_readme_install_line_brings_what_pictures_need():
+    """``pip install -e .`` (no extras) must be enough for ``autoshard train --picture``: the
+    README's own example ended in an ImportError when matplotlib was an extra."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    needed = {re.split(r"[<>=!~ ]", d)[0] for d in project["project"]["dependencies"]}
+    assert "matplotlib" in needed
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "pip install -e . && autoshard demo" in readme and "--picture metrics.png" in readme
