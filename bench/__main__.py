@@ -76,7 +76,15 @@ def machine_facts() -> dict[str, Any]:
     import torch
 
     commit = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--", "src")
+    # from the repository's root (git runs in bench/): the package and the benchmarks' code,
+    # not the results they write
+    mine = (
+        ":(top)src",
+        ":(top)bench",
+        ":(exclude,top)bench/results",
+        ":(exclude,top)bench/RESULTS.md",
+    )
+    dirty = _git("status", "--porcelain", "--", *mine)
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return {
         "torch": torch.__version__,

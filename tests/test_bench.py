@@ -41,3 +41,30 @@ def test_paired_ratio_is_the_median_of_the_rounds_ratios_inside_its_interval() -
     assert constant == pytest.approx({"median": 2.0, "low": 2.0, "high": 2.0})
     with pytest.raises(ValueError):
         paired_ratio(ours, theirs[:-1])  # rounds that do not pair up
+
+
+def test_src_modified_is_asked_of_the_whole_repository(tmp_path, monkeypatch) -> None:
+    """git runs in bench/; the package's changes (``src/`` at the root) and the benchmarks'
+    code count as modified, the results the benchmarks write do not."""
+    import subprocess
+
+    import bench.__main__ as main
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    for name in ("src/autoshard/x.py", "bench/bench_x.py", "bench/results/x.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    monkeypatch.setattr(main, "BENCH_DIR", tmp_path / "bench")
+    assert main.machine_facts()["src_modified"] is False
+    (tmp_path / "bench/results/x.json").write_text("1\n")
+    assert main.machine_facts()["src_modified"] is False
+    (tmp_path / "src/autoshard/x.py").write_text("1\n")
+    assert main.machine_facts()["src_modified"] is True
+    git("checkout", "--", "src")
+    (tmp_path / "bench/bench_x.py").write_text("1\n")
+    assert main.machine_facts()["src_modified"] is True
