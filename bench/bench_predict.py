@@ -72,12 +72,14 @@ PLANS = [
 
 
 def _build(spec_json: dict) -> list:
-    """Every plan of PLANS on this rank: (model name, title, module, optimizer, inputs,
-    captured)."""
+    """Every distinct plan of PLANS on this rank: (model name, title, module, optimizer,
+    inputs, captured). A searched plan that is one already built (the same strategies, mesh
+    and ZeRO stage, e.g. the data-parallel plan) is that plan once, its title joined to the
+    first's: it is not a second data point."""
     from autoshard import parallelize, shard_inputs
     from autoshard.graph.capture import capture_modes
 
-    built = []
+    built, seen = [], {}
     for name, title, mesh, how in PLANS:
         model, batch = _model(name)
         captured = capture_modes(model, batch)
@@ -89,6 +91,12 @@ def _build(spec_json: dict) -> list:
         else:
             strategies = _megatron(name) if how == "megatron" else None
             pm = parallelize(model, batch, mesh, strategies, captured=captured)
+        same = (name, tuple(pm.plan.digests()[1:]))  # the layouts, whatever the mesh's names
+        if same in seen:
+            i = seen[same]
+            built[i] = (name, f"{built[i][1]} = {title}", *built[i][2:])
+            continue
+        seen[same] = len(built)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
         built.append((name, title, pm, opt, shard_inputs(batch, pm), captured))
     return built
@@ -245,7 +253,8 @@ def summary(result: dict) -> str:
         lines += ["", f"{r['model']} {r['plan']}: {what}{zero}."]
     lines.append("")
     lines.append(
-        f"Median absolute error {statistics.median(errors) * 100:.0f}% over {len(rows)} plans "
+        f"Median absolute error {statistics.median(errors) * 100:.0f}% over {len(rows)} "
+        "distinct plans "
         f"(max {max(errors) * 100:.0f}%)."
     )
     previous = result.get("previous")
