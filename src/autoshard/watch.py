@@ -67,7 +67,8 @@ class _State:
             kind, group, seq, since = self.wait
             wait = [kind, list(group), seq, now - since]
         return {
-            "counts": {",".join(map(str, g)): n for g, n in self.counts.items()},
+            # a copy first: the main thread may add a group while this thread reads
+            "counts": {",".join(map(str, g)): n for g, n in dict(self.counts).items()},
             "wait": wait,
             "doing": [self.doing[0], now - self.doing[1]],
             "step": self.step,
@@ -166,21 +167,32 @@ class _Watchdog(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.tick_s):
             try:
-                self._tick()
+                self._publish()
             except Exception:  # the store is gone (its host rank died): nothing to publish
                 pass
+            wait = _state.wait
+            if wait is not None and time.monotonic() - wait[3] > self.timeout_s:
+                self._give_up(wait)
 
-    def _tick(self) -> None:
+    def _publish(self) -> None:
         _state.beat += 1
         self.store.set(f"rank/{self.rank}", json.dumps(_state.position()))
         if self.store.check(["stopped"]):
             told = self.store.get("stopped").decode()
             _exit(f"autoshard: rank {self.rank} stopped: {told}")
-        wait = _state.wait
-        if wait is not None and time.monotonic() - wait[3] > self.timeout_s:
+
+    def _give_up(self, wait: tuple[str, tuple[int, ...], int, float]) -> None:
+        try:
             message = self._diagnose(wait)
             self.store.set("stopped", message)
-            _exit(f"autoshard: error: {message}")
+        except Exception as err:  # no store to ask: say what this rank knows
+            kind, group, seq, _ = wait
+            message = (
+                f"rank {self.rank} waited {self.timeout_s:g} s in {kind} #{seq} over ranks "
+                f"{list(group)} (step {_state.step}); the job's store could not be asked which "
+                f"rank is missing ({type(err).__name__}: the rank hosting it may have died)"
+            )
+        _exit(f"autoshard: error: {message}")
 
     def _positions(self, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
         found = {}
