@@ -109,7 +109,7 @@ def run_search(
             "zero": graph.zero,
             "bound_s": lower_bound(graph),
         }
-        if best is not None and row["bound_s"] >= best[1].seconds * (1 + FINALISTS):
+        if best is not None and row["bound_s"] >= best[1].seconds * (1 + FINALIST_MARGIN):
             row["skipped"] = "bound"
             tried.append(row)
             continue
@@ -129,9 +129,10 @@ def run_search(
     return SearchResult(meshes[k], graphs[k], sol, tried, time.perf_counter() - start)
 
 
-#: solutions within this share of the best search objective are priced by the estimate,
-#: whose timeline sees the overlap a sum over ops cannot (ZeRO's gathers in forward)
-FINALISTS = 0.05
+#: a ratio: solutions whose search objective is within (1 + this) of the best one are the
+#: finalists the estimate prices, whose timeline sees the overlap a sum over ops cannot
+#: (ZeRO's gathers in forward); a mesh whose lower bound is past it is not searched
+FINALIST_MARGIN = 0.05
 
 
 def _final(
@@ -143,7 +144,7 @@ def _final(
     cluster: ClusterSpec,
 ) -> tuple[int, Solution]:
     """The finalist the estimate predicts fastest (the search's best when it is alone)."""
-    finalists = [f for f in found if f[1].seconds <= best[1].seconds * (1 + FINALISTS)]
+    finalists = [f for f in found if f[1].seconds <= best[1].seconds * (1 + FINALIST_MARGIN)]
     if len(finalists) == 1:
         return best
     chosen, fastest = best, math.inf
