@@ -13,7 +13,14 @@ import random
 import pytest
 import torch
 
-from autoshard import Factored, Layout, redistribution_plan
+from autoshard import (
+    Factored,
+    Layout,
+    gather_tensor,
+    redistribute,
+    redistribution_plan,
+    shard_tensor,
+)
 from autoshard.layout.grid import common_grid, prime_cuts
 from autoshard.redistribution.planner import candidate_steps, step_bytes
 from autoshard.testing import run_ranks
@@ -243,6 +250,17 @@ def _subset_body() -> None:
     for a, b in ((two, four), (four.without_partial(), two.without_partial())):
         error = _check_case(a, b, 13)
         assert error is None, error
+    # a pairwise swap of a strided view (a transpose's output): received into a dense buffer
+    mesh = {"dp": 2, "tp": 2}
+    full = torch.randn(6, 8, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    cols_tp = Layout.from_named((6, 8), (None, "tp"), mesh, dtype=torch.float64)
+    rows_tp = Layout.from_named((8, 6), ("tp", None), mesh, dtype=torch.float64)
+    rows_dp = Layout.from_named((8, 6), ("dp", None), mesh, dtype=torch.float64)
+    assert [s.kind for s in redistribution_plan(rows_tp, rows_dp).steps] == ["permute"]
+    whole, local = full.t(), shard_tensor(full, cols_tp).t()  # rows of full.t() over tp
+    assert not local.is_contiguous()
+    moved = redistribute(local, rows_tp, rows_dp)
+    assert torch.equal(gather_tensor(moved, rows_dp), whole)
     dist.barrier()
 
 

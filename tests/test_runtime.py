@@ -516,6 +516,16 @@ def _perturbed_start(replicas: str) -> dict:
 
     from autoshard.runtime.replicas import ReplicaMismatchError
 
+    outcome = {}
+    if replicas == "broadcast":  # first, before any group exists:
+        # replica groups along both axes, (0,1),(2,3) and (0,2),(1,3)
+        torch.manual_seed(0)
+        two = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        given = {"0": ((None, None), ("dp", None)), "1": ((None, None), ("tp", None))}
+        x, y = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(2))
+        pm = parallelize(two, (x, y), {"dp": 2, "tp": 2}, given, torch.nn.functional.mse_loss)
+        full = pm.full_state_dict()
+        outcome["both axes"] = all(torch.equal(full[k], v) for k, v in two.state_dict().items())
     model, config = build("mlp", 0.0)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     if dist.get_rank() == 3:
@@ -528,12 +538,13 @@ def _perturbed_start(replicas: str) -> dict:
     except ReplicaMismatchError as err:
         return {"error": str(err)}
     full = pm.full_state_dict()
-    return {"equal": all(torch.equal(full[k], reference[k]) for k in reference)}
+    outcome["equal"] = all(torch.equal(full[k], reference[k]) for k in reference)
+    return outcome
 
 
 def test_replicas_start_equal_or_the_rank_that_differs_is_named() -> None:
     for outcome in run_ranks(_perturbed_start, 4, "broadcast", timeout=120):
-        assert outcome == {"equal": True}  # rank 3's copy replaced by its group's first
+        assert outcome == {"equal": True, "both axes": True}  # rank 3's copy replaced
     outcomes = run_ranks(_perturbed_start, 4, "check", timeout=120)
     assert outcomes[0] == outcomes[1] == outcomes[2] == outcomes[3]  # one decision everywhere
     assert "rank 3 holds other values of" in outcomes[0]["error"]

@@ -283,7 +283,8 @@ def send_recv(
         ops.append(dist.P2POp(dist.isend, x.contiguous(), peer))
     if recv_from is not None and recv_from != me:
         assert recv_like is not None, "a receive needs the shape it expects"
-        out = torch.empty_like(recv_like)
+        # contiguous whatever ``recv_like``'s strides (a transposed view): gloo needs it
+        out = torch.empty(recv_like.shape, dtype=recv_like.dtype, device=recv_like.device)
         # the sender counts it under the same pair, so both sides number it alike
         waits.append(watch.issued("send_recv", (me, recv_from)))
         ops.append(dist.P2POp(dist.irecv, out, recv_from))

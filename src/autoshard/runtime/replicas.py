@@ -45,10 +45,14 @@ def sync_replicas(
     for fqn, layout in layouts.items():
         group = replica_group(layout, rank)
         if len(group) > 1:
-            groups[(group, str(tensors[fqn].dtype))].append(fqn)
-    # The same order on every rank: sorted keys, names in the plan's order.
+            everyone = tuple(sorted({replica_group(layout, r) for r in layout.ranks}))
+            groups[(everyone, group, str(tensors[fqn].dtype))].append(fqn)
+    # The same order on every rank, one partition of the ranks into groups at a time: torch
+    # names a group made by its members alone after how many groups each has made, so members
+    # must make theirs in step (by rank 0's own groups first, rank 0 would make (0,1) then
+    # (0,2) while rank 2 makes (0,2) first, and the two never meet). Names in the plan's order.
     problems = []
-    for (group, _), names in sorted(groups.items()):
+    for (_, group, _), names in sorted(groups.items()):
         if mode == "broadcast":
             _broadcast(group, [tensors[n] for n in names])
         else:
