@@ -142,7 +142,7 @@ class Layout:
                 ]
             else:
                 parts = [(size, axes_of(entry, where))]
-            factors.append(split_factors(parts, device_matrix, where))
+            factors.append(split_factors(parts, device_matrix, where, axis_names))
         partial_axes = tuple(axis_of(int(p), "partial") for p in partial)
         if ranks is None:
             ranks = range(math.prod(device_matrix))

@@ -23,14 +23,17 @@ def split_factors(
     parts: list[tuple[int, tuple[int, ...]]],
     device_matrix: tuple[int, ...],
     where: str,
+    axis_names: Sequence[str] | None = None,
 ) -> list[tuple[int, int]]:
-    """Turn (factor size, split axes) into factors of the internal form, checking divisibility."""
+    """Turn (factor size, split axes) into factors of the internal form, checking divisibility
+    (the error names the axes when the device matrix has names)."""
     out: list[tuple[int, int]] = []
     for size, axes in parts:
         num_parts = math.prod([device_matrix[a] for a in axes])
         if size % num_parts:
+            over = f" over {'*'.join(axis_names[a] for a in axes)}" if axis_names else ""
             raise LayoutError(
-                f"{where}: size {size} is not divisible by its split {num_parts} "
+                f"{where}: size {size} is not divisible by its split {num_parts}{over} "
                 f"(device matrix {device_matrix}, {math.prod(device_matrix)} devices)"
             )
         out.extend((device_matrix[a], a) for a in axes)
