@@ -22,7 +22,7 @@ FORMAT = "autoshard-checkpoint/2"
 #: formats still read; a checkpoint of format 1 lists no files, so it cannot be verified
 READABLE = ("autoshard-checkpoint/1", FORMAT)
 INCOMPLETE = ".incomplete"
-_CHUNK = 16 * 2**20  # bytes read at a time when summing a file
+_CHUNK = 2**20  # bytes read at a time when summing a file
 
 
 class CheckpointError(ValueError):
@@ -54,10 +54,13 @@ def file_record(path: Path) -> dict[str, Any]:
 
 
 def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+    # one buffer, read into again and again: checking a checkpoint as large as the model
+    # must not add to the peak memory of the rank that loads it
+    crc, buffer = 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
     return f"{crc:08x}"
 
 
