@@ -6,7 +6,9 @@ batch, {"dp": N}, zero=k)`` for k = 1, 2, 3; FSDP2 as its docs set it up (``full
 every block, then on the model, over the same ranks, ``reshard_after_forward`` left at its
 default); ``DistributedDataParallel(model)`` with torch's defaults. Each rank gets its slice of
 the batch. A step is forward, backward and the optimizer step; its time is the slowest rank's
-after a barrier. Peak memory per rank: the most tensor storage alive during a step after two
+after a barrier. The ways take turns, one step each a round, in an order that turns around
+every round; a ratio is the median over rounds of that round's ratio, with its 95% interval
+(``bench/timing.py``). Peak memory per rank: the most tensor storage alive during a step after two
 warm-up steps (the most of three; :class:`bench.memory.LiveBytes`, the same count for every
 library), the state held between steps included. Bytes sent per rank: autoshard's counting layer.
 """
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from bench.memory import LiveBytes
-from bench.timing import timed
+from bench.timing import in_turns, paired_ratio, timed
 
 NAME = "zero"
 
@@ -126,15 +128,12 @@ def _rank(steps: int, depths: tuple[int, ...]) -> list[dict]:
         outside = [*model.parameters(), *model.buffers(), *batch]
         peaks = {way: _max_over_ranks(_peak(builders[way], outside)) for way in WAYS}
         states = {way: builders[way]() for way in WAYS}
-        times: dict[str, list[float]] = {way: [] for way in WAYS}
         losses: dict[str, list[float]] = {way: [] for way in WAYS}
-        for step in range(WARMUP + steps):
-            for way in WAYS:
 
-                def one(way: str = way, states: dict = states, losses: dict = losses) -> None:
-                    losses[way].append(_step(*states[way]))
+        def one(way: str, states: dict = states, losses: dict = losses) -> None:
+            losses[way].append(_step(*states[way]))
 
-                timed(one, times[way], step >= WARMUP)
+        times = in_turns({way: lambda way=way: one(way) for way in WAYS}, steps, WARMUP)
         sent: dict[str, int] = {}
         for way in ("zero1", "zero2", "zero3"):
             if way not in states:
@@ -151,6 +150,7 @@ def _rank(steps: int, depths: tuple[int, ...]) -> list[dict]:
                 "ranks": dist.get_world_size(),
                 "params": sum(p.numel() for p in model.parameters()),
                 "ms": {way: statistics.median(times[way]) * 1e3 for way in WAYS},
+                "rounds_ms": {way: [t * 1e3 for t in times[way]] for way in WAYS},
                 "peak": peaks,
                 "sent": sent,
                 "collectives_ms": collectives,
@@ -203,13 +203,17 @@ def run(quick: bool) -> dict:
     steps, depths = (3, (2,)) if quick else (STEPS, (2, 4, 8))
     rows = run_ranks(_rank, 4, steps, depths, timeout=3000)[0]
     for r in rows:
+        rounds = r["rounds_ms"]
         r["time_ratio"] = {
-            "zero3/fsdp2": r["ms"]["zero3"] / r["ms"]["fsdp2"],
-            "zero1/ddp": r["ms"]["zero1"] / r["ms"]["ddp"],
-            "zero2/ddp": r["ms"]["zero2"] / r["ms"]["ddp"],
+            f"{a}/{b}": paired_ratio(rounds[a], rounds[b])
+            for a, b in (("zero3", "fsdp2"), ("zero1", "ddp"), ("zero2", "ddp"))
         }
         r["peak_ratio"] = r["peak"]["zero3"] / r["peak"]["fsdp2"]
     return {"steps": steps, "rows": rows}
+
+
+def _ratio(r: dict[str, float]) -> str:
+    return f"{r['median']:.2f} [{r['low']:.2f}-{r['high']:.2f}]"
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -219,10 +223,11 @@ def summary(result: dict[str, Any]) -> str:
         "global batch 8, float32, AdamW) on 4 CPU ranks of 1 thread (gloo), one data-parallel "
         "mesh dim: autoshard `parallelize(model, batch, {'dp': 4}, zero=k)` against FSDP2 "
         "(`fully_shard` per block, then the model) and `DistributedDataParallel(model)`, "
-        "alternating one step of each way; median of "
-        f"{result['steps']} steps of the slowest rank. Peak: the most tensor storage alive on "
-        "a rank during a step, the most of three (the state held between steps included; the "
-        "largest over ranks), "
+        "taking turns one step each, the order turned around every round; median of "
+        f"{result['steps']} rounds of the slowest rank's step, and each ratio the median of "
+        "the rounds' ratios with its 95% bootstrap interval. Peak: the most tensor storage "
+        "alive on a rank during a step, the most of three (the state held between steps "
+        "included; the largest over ranks), "
         "counted the same way for every library (`bench/memory.py`). Losses of all five ways "
         "agree step by step.",
         "",
@@ -234,8 +239,9 @@ def summary(result: dict[str, Any]) -> str:
         ms, q = r["ms"], r["time_ratio"]
         lines.append(
             f"| {r['model']} | {r['layers']} | {ms['zero1']:.1f} | {ms['zero2']:.1f} | "
-            f"{ms['zero3']:.1f} | {ms['fsdp2']:.1f} | {ms['ddp']:.1f} | {q['zero3/fsdp2']:.2f} | "
-            f"{q['zero1/ddp']:.2f} | {q['zero2/ddp']:.2f} |"
+            f"{ms['zero3']:.1f} | {ms['fsdp2']:.1f} | {ms['ddp']:.1f} | "
+            + " | ".join(_ratio(q[k]) for k in ("zero3/fsdp2", "zero1/ddp", "zero2/ddp"))
+            + " |"
         )
     lines += [
         "",
