@@ -189,7 +189,7 @@ def test_meta_llama_too_big_for_a_rank_trains_under_zero3_on_4_ranks(
     limit is a third of it (four ranks cannot do better than a quarter each). Built on meta,
     loaded from a checkpoint, trained under ZeRO 3 on 4 ranks: equal to one device, predicted
     within the limit; the training's peak of tensor storage (``LiveBytes``, exact) within the
-    prediction, and the process's resident peak (coarse) within 15% of it."""
+    prediction, and the process's resident peak (coarse) at most 1.3 times it."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**BIG)).to(torch.float64)
     params = sum(p.numel() for p in model.parameters())
