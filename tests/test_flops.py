@@ -93,7 +93,7 @@ def test_model_flops_equal_torchs_counter(name: str) -> None:
     og = capture(model, example)
     ours = sum(info.flops for info in og.ops())
     assert expected > 0
-    assert ours == pytest.approx(expected, rel=0.01), (ours, expected)
+    assert ours == expected, (ours, expected)  # exact: the same matrix products, counted alike
 
 
 def test_an_input_without_gradient_costs_no_input_gradient() -> None:
