@@ -65,6 +65,9 @@ def _waits_of_a_step() -> dict:
         after_forward = list(log)
         loss.backward()
         after_backward = list(log)
+        summed = {
+            fqn: t.grad.clone() for fqn, t in pm.local_tensors().items() if t.grad is not None
+        }
         value = loss.item()
         after_read = list(log)
         # arithmetic on the loss reads it; autograd.grad's first gradient does not
@@ -74,6 +77,9 @@ def _waits_of_a_step() -> dict:
         comm.all_reduce_async_, dist.all_reduce = start, blocking
     expected = reference(*batch)
     expected.backward()
+    # the ranks hold different numbers of targets: each gradient is still one device's
+    for fqn, grad in summed.items():
+        torch.testing.assert_close(grad, reference.get_parameter(fqn).grad, msg=fqn)
     return {
         "pending": isinstance(loss, PendingLoss),
         "after_forward": after_forward,
@@ -81,6 +87,7 @@ def _waits_of_a_step() -> dict:
         "after_read": after_read,
         "value": (value, expected.item()),
         "grad_finite": bool(torch.isfinite(grads[0]).all()),
+        "grads_compared": len(summed),
     }
 
 
@@ -97,6 +104,7 @@ def test_the_forward_waits_for_no_collective_and_the_loss_is_one_devices() -> No
         got, want = out["value"]
         assert abs(got - want) <= 1e-12 * abs(want), out["value"]
         assert out["grad_finite"]
+        assert out["grads_compared"] > 5  # every parameter's gradient equals one device's
 
 
 def _losses_read_later() -> tuple[list[float], list[float]]:
