@@ -304,6 +304,16 @@ def test_plan_table_names_dims_and_its_layers_add_up_to_the_headline(tmp_path, c
     assert re.search(rf"^\* +\S+ ZeRO \d: {step} ms,", out, re.M)  # the chosen mesh's row
     total = re.search(r"^  total .* = step ([\d.]+) ms, peak ([\d.]+ \w+)$", out, re.M)
     assert total.groups() == (step, peak)
+    # the rows themselves, each block list counted by its blocks, add up to the headline
+    table = out.split("  layer ", 1)[1].split("\n  total ", 1)[0].splitlines()[1:]
+    rows = [re.fullmatch(r"  .+?\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) (\w+)", r) for r in table]
+    assert rows and all(rows), table
+    unit = {"KiB": 2**-10, "MiB": 1.0, "GiB": 2**10}
+    time = sum(int(r[1]) * (float(r[2]) + float(r[3])) for r in rows)
+    memory = sum(int(r[1]) * float(r[4]) * unit[r[5]] for r in rows)
+    assert time == pytest.approx(float(step), abs=0.002 * len(rows) + 0.01), (time, step)
+    value, scale = peak.split()
+    assert memory == pytest.approx(float(value) * unit[scale], abs=0.01 * len(rows) * 6), memory
     block = re.search(r"^  layers\.\* +(\d+) ", out, re.M)
     assert block and block.group(1) == "6"  # two blocks captured, six priced, one row
     assert re.search(r"c_attn/linear\.0 +x\[b\S*, s, in\] weight\[out\S*, in\]", out)
