@@ -55,9 +55,15 @@ def _rank(end: str) -> dict:
     loader.set_epoch(0)
     local = next(iter(loader))
     loss = pm(*local)
+    loss.backward()
+    torch.optim.SGD(pm.parameters(), lr=0.1).step()
+    stepped = pm.full_state_dict()  # a collective
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, _ids(local))
-    return {"epochs": epochs, "resumed": resumed, "loss": float(loss), "first": everyone}
+    return {
+        "epochs": epochs, "resumed": resumed, "loss": float(loss), "first": everyone,
+        "stepped": stepped,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("end", ["drop", "pad"])
@@ -91,10 +97,14 @@ def test_shards_cover_the_dataset_partners_agree_and_resume(end: str) -> None:
     x, y = _dataset().tensors
     ids = first[0] + first[2]
     torch.manual_seed(0)
-    with torch.no_grad():
-        ref = MLP(MLPConfig())(x[ids], y[ids])
+    model = MLP(MLPConfig())
+    ref = model(x[ids], y[ids])
+    ref.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
     for r in range(4):
         assert results[r]["loss"] == pytest.approx(float(ref), rel=1e-5)
+        for name, want in model.state_dict().items():  # and the step's every parameter
+            torch.testing.assert_close(results[r]["stepped"][name], want, msg=name)
 
 
 def test_bad_loader_arguments_are_clear_errors() -> None:
