@@ -161,7 +161,11 @@ class _Watchdog(threading.Thread):
         super().__init__(name="autoshard-watchdog", daemon=True)
         self.timeout_s, self.tick_s = timeout_s, tick_s
         self.rank = dist.get_rank()
-        self.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+        # a torchrun restart of the same job shares the store: its attempt has keys of its own
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = dist.PrefixStore(
+            f"{_PREFIX}{attempt}/", dist.distributed_c10d._get_default_store()
+        )
         self.stopped = threading.Event()
 
     def run(self) -> None:
