@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_hf_gpt2 import CausalLMLoss
 from test_runtime import batches, build, mixed
 
 import autoshard
@@ -119,15 +120,6 @@ def test_a_checkpoint_loads_under_another_plan_mesh_zero_stage_and_world(tmp_pat
         assert torch.equal(v, saved["at"][k]), k
 
 
-class _CausalLMLoss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
 def _hf_llama(seed: int) -> torch.nn.Module:
     import transformers
 
@@ -143,7 +135,7 @@ def _hf_llama(seed: int) -> torch.nn.Module:
         max_position_embeddings=16,
         attn_implementation="sdpa",
     )
-    return _CausalLMLoss(transformers.LlamaForCausalLM(config)).to(torch.float64)
+    return CausalLMLoss(transformers.LlamaForCausalLM(config)).to(torch.float64)
 
 
 def _searched_llama_through_plain_dcp(directory: str) -> tuple[int, ...]:

@@ -36,7 +36,6 @@ __all__ = [
     "counting",
     "in_flight",
     "leave",
-    "process_group",
     "reduce_scatter",
     "reduce_scatter_async",
     "recording",
@@ -140,11 +139,6 @@ def leave() -> None:
         in_flight.pop(0).wait()
     _groups.clear()
     dist.destroy_process_group()
-
-
-def process_group(ranks: Sequence[int]) -> object:
-    """torch's process group of ``ranks`` (created once, by its members only)."""
-    return _group(ranks)
 
 
 def _to_sorted(ranks: Sequence[int]) -> list[int] | None:

@@ -49,6 +49,8 @@ from autoshard.runtime.manifest import (
     CheckpointDamaged,
     CheckpointError,
     Writer,
+    _distributed,
+    _rank,
     file_record,
     latest,
     verified,
@@ -284,14 +286,6 @@ def _ready_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 # -- saving ----------------------------------------------------------------------------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
 
 
 def _barrier() -> None:
