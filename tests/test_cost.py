@@ -17,10 +17,12 @@ from autoshard.cost import (
     estimate,
     transition,
 )
+from autoshard.cost.collectives import gradient_transition, reduce_group, step_time
 from autoshard.graph import capture
 from autoshard.layout import Layout
 from autoshard.mesh import mesh_info
 from autoshard.models import MLP, MLPConfig
+from autoshard.redistribution import gradient_sum, redistribution_plan
 from autoshard.search import plan_graph
 
 
@@ -30,14 +32,17 @@ def test_transition_prices_collectives_on_their_links() -> None:
     shape = (64, 1024)
     whole = Layout.from_named(shape, (None, None), mesh, dtype=torch.bfloat16)
     nbytes = 64 * 1024 * 2
-    inside = Layout.from_named(shape, (None, None), mesh, partial=("tp",), dtype=torch.bfloat16)
+    # rows already split over dp: the sum over tp is one all-reduce (of a whole tensor the
+    # planner would split over dp first, reduce half and gather: fewer bytes)
+    rows_dp = Layout.from_named(shape, ("dp", None), mesh, dtype=torch.bfloat16)
+    inside = Layout.from_named(shape, ("dp", None), mesh, partial=("tp",), dtype=torch.bfloat16)
     across = Layout.from_named(shape, (None, None), mesh, partial=("dp",), dtype=torch.bfloat16)
-    t_in = transition(inside, whole, cluster)
+    t_in = transition(inside, rows_dp, cluster)
     t_out = transition(across, whole, cluster)
     assert t_in.kinds == ("all_reduce",) and t_out.kinds == ("all_reduce",)
     bw_in, lat_in = cluster.intra_bandwidth, cluster.intra_latency
     # ring bandwidth, tree latency: 3 steps in a group of 8, 1 in a group of 2
-    assert t_in.seconds == pytest.approx(2 * 7 / 8 * nbytes / bw_in + 2 * 3 * lat_in)
+    assert t_in.seconds == pytest.approx(2 * 7 / 8 * nbytes / 2 / bw_in + 2 * 3 * lat_in)
     bw_out, lat_out = cluster.inter_bandwidth, cluster.inter_latency
     assert t_out.seconds == pytest.approx(2 * 1 / 2 * nbytes / bw_out + 2 * lat_out)
     rows = Layout.from_named(shape, ("tp", None), mesh, dtype=torch.bfloat16)
@@ -45,7 +50,49 @@ def test_transition_prices_collectives_on_their_links() -> None:
     assert transition(rows, cols, cluster).kinds == ("all_to_all",)
     assert transition(rows, whole, cluster).kinds == ("all_gather",)
     assert transition(whole, rows, cluster).seconds == 0.0
-    assert transition(inside, rows, cluster).kinds == ("reduce_scatter",)
+    sums = Layout.from_named(shape, (None, None), mesh, partial=("tp",), dtype=torch.bfloat16)
+    # the planner's own plan, priced: split over dp, reduce-scatter half, gather over dp
+    summed = transition(sums, rows, cluster)
+    assert summed.kinds == ("reduce_scatter", "all_gather")
+    assert summed.bytes == 7 / 8 * nbytes / 2 + nbytes / 16 < 7 / 8 * nbytes
+
+
+def test_the_cost_model_prices_the_plan_that_runs() -> None:
+    """Two moves the cost model once priced by its own formula: (P,S1) -> (S1,R), which runs
+    as reduce-scatter, permute and all-gather (the reduce-scatter's rows are the wrong chunk
+    of dim 1 for the destination), and (S0,S1) -> (S1,S0), one pairwise exchange. The price is
+    the planner's steps, bytes for bytes."""
+    cluster = cluster_spec("cpu", 4)
+    mesh = {"dp": 2, "tp": 2}
+    shape = (512, 1024)
+    cases = [
+        (Layout.from_named(shape, (None, "tp"), mesh, partial=("dp",)),
+         Layout.from_named(shape, (None, "dp"), mesh), 1.5 * 2**20),
+        (Layout.from_named(shape, ("dp", "tp"), mesh),
+         Layout.from_named(shape, ("tp", "dp"), mesh), 512 * 2**10),
+    ]  # fmt: skip
+    for src, dst, nbytes in cases:
+        plan = redistribution_plan(src, dst)
+        priced = transition(src, dst, cluster)
+        assert priced.bytes == plan.bytes == nbytes, (str(plan), priced)
+        assert priced.kinds == tuple(s.kind for s in plan.steps if s.bytes)
+        seconds = sum(step_time(s, cluster.devices_per_node, cluster) for s in plan.steps)
+        assert priced.seconds == pytest.approx(seconds)
+
+
+def test_a_gradient_sum_of_replicas_is_one_all_reduce() -> None:
+    """A data-parallel gradient of a parameter replicated over tp: the least-bytes plan splits
+    over tp, all-reduces a half and gathers it (fewer bytes, three collectives in the hook);
+    the runtime sums it with one all-reduce a bucket joins, and the cost model prices that."""
+    cluster = cluster_spec("dgx-h100", 8)
+    grad = Layout.from_named((4096, 512), (None, None), {"dp": 4, "tp": 2}, partial=("dp",))
+    whole = grad.without_partial()
+    assert len(redistribution_plan(grad, whole).steps) == 3
+    summed = gradient_sum(grad, whole)
+    assert [s.kind for s in summed.steps] == ["all_reduce"]
+    assert summed.steps[0].groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert gradient_transition(grad, whole, cluster).kinds == ("all_reduce",)
+    assert reduce_group(grad, whole, cluster) == (4, 4)
 
 
 def test_a_split_of_the_same_dim_elsewhere_is_a_move() -> None:

@@ -1,4 +1,6 @@
-"""Redistribution: least-bytes plans, checked against brute force, executed on 2, 4 and 8 ranks.
+"""Redistribution: least-bytes plans, checked against an unpruned search, executed on 2, 4 and
+8 ranks, and priced by the cost model as they run (the cost model's bytes == the plan's == the
+bytes each rank counts).
 
 The property test runs inside the ranks (one spawn per world size): every rank draws the same
 derandomized cases, and after each case the ranks all-reduce a failure flag so that no rank walks
@@ -162,6 +164,7 @@ def _check_case(src: Layout, dst: Layout, seed: int) -> str | None:
     import torch.distributed as dist
 
     from autoshard import comm, gather_tensor, redistribute, shard_tensor
+    from autoshard.cost import cluster_spec, transition
 
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seed)
@@ -191,6 +194,9 @@ def _check_case(src: Layout, dst: Layout, seed: int) -> str | None:
         problems.append("backward differs")
     if measured != plan.bytes_on(rank):
         problems.append(f"rank {rank} measured {measured} B != planned {plan.bytes_on(rank)} B")
+    priced = transition(src, dst, cluster_spec("cpu", max(len(src.ranks), len(dst.ranks))))
+    if src != dst and (priced.bytes != plan.bytes or len(priced.kinds) > len(plan.steps)):
+        problems.append(f"the cost model prices {priced} for a plan of {plan.bytes} B")
     return f"{src} -> {dst}: {', '.join(problems)}\n{plan}" if problems else None
 
 

@@ -1,6 +1,6 @@
-"""Collectives as the cost model prices them: a redistribution between two layouts priced per
-mesh axis (without the least-bytes planner: the search prices hundreds of thousands of them, on
-meshes of hundreds of devices), and each collective by the link its group uses (docs/cost.md).
+"""Collectives as the cost model prices them: a redistribution between two layouts priced as
+the steps the least-bytes planner returns for it (the steps the runtime runs; both memoized per
+pair), and each collective by the link its group uses (docs/cost.md).
 """
 
 from __future__ import annotations
@@ -12,15 +12,7 @@ from functools import lru_cache
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.layout import NOT_SPLIT, Layout
-from autoshard.redistribution import redistribution_plan
-
-
-def _boundaries(layout: Layout) -> list[int]:
-    out, acc = [1], 1
-    for m in reversed(layout.mesh):
-        acc *= m
-        out.append(acc)
-    return out
+from autoshard.redistribution import RedistributionPlan, Step, gradient_sum, redistribution_plan
 
 
 def _axis_states(layout: Layout) -> list[tuple[int, int, object]]:
@@ -40,16 +32,6 @@ def _axis_states(layout: Layout) -> list[tuple[int, int, object]]:
     for a in reversed(range(len(layout.mesh))):
         out.append((stride, layout.mesh[a], state[a]))
         stride *= layout.mesh[a]
-    return out
-
-
-def _refine(layout: Layout, cuts: list[int]) -> list[tuple[int, int, object]]:
-    """Each axis split into the sub-axes between consecutive cuts: (stride, size, state)."""
-    out = []
-    for stride, size, state in _axis_states(layout):
-        inner = [c for c in cuts if stride <= c < stride * size]
-        for lo, hi in zip(inner, inner[1:] + [stride * size], strict=True):
-            out.append((lo, hi // lo, state))
     return out
 
 
@@ -136,41 +118,53 @@ def transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 
 @lru_cache(maxsize=1 << 18)
 def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
-    n = src.num_devices
-    if n != dst.num_devices or src.ranks != dst.ranks or src.ranks != tuple(range(n)):
-        return _fallback(src, dst, cluster)
-    cuts = sorted(set(_boundaries(src)) | set(_boundaries(dst)))
-    if any(b % a for a, b in zip(cuts, cuts[1:], strict=False)):
-        return _fallback(src, dst, cluster)
-    cuts = cuts[:-1]
-    pairs = list(zip(_refine(src, cuts), _refine(dst, cuts), strict=True))
-    local = src.local_numel * src.dtype.itemsize
+    return price_plan(redistribution_plan(src, dst), cluster)
+
+
+def gradient_transition(partial: Layout, full: Layout, cluster: ClusterSpec) -> Transfer:
+    """Price summing a parameter's gradient from ``partial`` to ``full`` as the runtime does
+    (``redistribution.gradient_sum``)."""
+    if partial == full:
+        return _NONE
+    return _gradient_transition(partial, full, cluster)
+
+
+@lru_cache(maxsize=1 << 16)
+def _gradient_transition(partial: Layout, full: Layout, cluster: ClusterSpec) -> Transfer:
+    return price_plan(gradient_sum(partial, full), cluster)
+
+
+def price_plan(plan: RedistributionPlan, cluster: ClusterSpec) -> Transfer:
+    """Seconds and bytes per rank of a redistribution plan's steps, as they run."""
     seconds = sent = 0.0
     kinds = []
-
-    def do(kind: str, axes: list[tuple[int, int]], nbytes: float) -> None:
-        nonlocal seconds, sent
-        if not axes:
-            return
-        g, per_node = _group(tuple(axes), cluster.devices_per_node)
-        seconds += collective_time(kind, nbytes, g, per_node, cluster)
-        factor = 2 * (g - 1) / g if kind == "all_reduce" else (g - 1) / g
-        sent += factor * nbytes
-        kinds.append(kind)
-
-    reduce = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a == ("P",) and b == ("R",)]
-    scatter = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a == ("P",) and b[0] == "S"]
-    do("all_reduce", reduce, local)
-    if scatter:
-        do("reduce_scatter", scatter, local)
-        local /= math.prod(sz for _, sz in scatter)
-    swap = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a[0] == "S" and b[0] == "S" and a != b]
-    do("all_to_all", swap, local)
-    gather = [(st, sz) for (st, sz, a), (_, _, b) in pairs if a[0] == "S" and b[0] != "S"]
-    if gather:
-        local *= math.prod(sz for _, sz in gather)
-        do("all_gather", gather, local)
+    for step in plan.steps:
+        if step.kind in ("split", "to_partial") or not step.bytes:
+            continue
+        seconds += step_time(step, cluster.devices_per_node, cluster)
+        sent += step.bytes
+        kinds.append(step.kind)
     return Transfer(seconds, sent, tuple(kinds))
+
+
+def step_time(step: Step, devices_per_node: int, cluster: ClusterSpec) -> float:
+    """Seconds of one redistribution step as the runtime runs it: its collective over its
+    first group (the groups of one step are translates of each other), on the links that group
+    spans. ``step.bytes`` are the ring formula's bytes sent per rank; the time takes the
+    collective's own size (the input of an all-reduce, reduce-scatter or all-to-all, the output
+    of an all-gather)."""
+    local = step.src.local_numel * step.src.dtype.itemsize
+    if step.kind in ("permute", "send_recv"):
+        pair = step.groups[0] if step.groups else ()
+        crosses = len({r // devices_per_node for r in pair}) > 1
+        bw, alpha = cluster.link(crosses)
+        factor = cluster.collective_factors.get("send_recv", 1.0)
+        return step.bytes / bw * factor + alpha
+    group = step.groups[0]
+    node = group[0] // devices_per_node
+    per_node = sum(1 for r in group if r // devices_per_node == node)
+    nbytes = local * len(group) if step.kind == "all_gather" else local
+    return collective_time(step.kind, nbytes, len(group), per_node, cluster)
 
 
 def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[float, float, tuple]:
@@ -179,7 +173,7 @@ def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[floa
     term, the hook's copy into the bucket (one pass over its bytes), and the bucket's key, the
     latency being the bucket's (:func:`bucket_latency`). Anything else runs in the hook:
     priced whole, in line, with key None."""
-    t = transition(partial, full, cluster)
+    t = gradient_transition(partial, full, cluster)
     if t.kinds != ("all_reduce",):
         return 0.0, t.seconds, None
     key = (tuple(sorted(partial.partial)), partial.ranks, partial.dtype)
@@ -222,7 +216,7 @@ def assign_buckets(
 def reduce_group(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[int, int] | None:
     """(ranks, ranks per node) of the all-reduce that sums ``partial`` into ``full``, when the
     sum is one all-reduce (data-parallel replicas' gradients); else None."""
-    if transition(partial, full, cluster).kinds != ("all_reduce",):
+    if gradient_transition(partial, full, cluster).kinds != ("all_reduce",):
         return None
     axes = tuple((st, sz) for st, sz, state in _axis_states(partial) if state == ("P",))
     return _group(axes, cluster.devices_per_node)
@@ -235,16 +229,6 @@ def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
     return collective_parts("all_reduce", 1.0, g, per_node, cluster)[1]
 
 
-def _fallback(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
-    """Layouts on meshes with no common refinement: the least-bytes plan's bytes, priced as an
-    all-to-all over all the devices."""
-    nbytes = redistribution_plan(src, dst).bytes
-    n = max(src.num_devices, dst.num_devices)
-    crosses = n > cluster.devices_per_node
-    bw, alpha = cluster.link(crosses)
-    return Transfer(nbytes / bw + (n - 1) * alpha, float(nbytes), ("all_to_all",))
-
-
 __all__ = [
     "BUCKET_CAP_MB",
     "FIRST_BUCKET_MB",
@@ -254,6 +238,8 @@ __all__ = [
     "collective_parts",
     "collective_time",
     "grad_sync",
+    "gradient_transition",
+    "price_plan",
     "reduce_group",
     "transition",
 ]

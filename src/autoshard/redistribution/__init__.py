@@ -2,11 +2,17 @@
 rank's tensor, differentiably (``execute``)."""
 
 from autoshard.redistribution.execute import execute, gather_tensor, redistribute, shard_tensor
-from autoshard.redistribution.planner import RedistributionPlan, Step, redistribution_plan
+from autoshard.redistribution.planner import (
+    RedistributionPlan,
+    Step,
+    gradient_sum,
+    redistribution_plan,
+)
 
 __all__ = [
     "RedistributionPlan",
     "Step",
+    "gradient_sum",
     "execute",
     "gather_tensor",
     "redistribute",

@@ -25,16 +25,13 @@ memoized per (src, dst) because the planner asks for the same pairs many times.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
 
-from autoshard import comm
-from autoshard.layout import NOT_SPLIT, Layout, LayoutError
+from autoshard.layout import Layout, LayoutError
 from autoshard.layout.grid import (
     PRIME_GRID_MAX_RANKS,
     Grid,
@@ -44,11 +41,13 @@ from autoshard.layout.grid import (
     prime_cuts,
     suffix_products,
 )
+from autoshard.redistribution.search import candidate_steps, local_numel, search, step_bytes
 
 __all__ = [
     "RedistributionPlan",
     "Step",
     "candidate_steps",
+    "gradient_sum",
     "grid_coords",
     "group_positions",
     "redistribution_plan",
@@ -57,7 +56,7 @@ __all__ = [
 ]
 
 
-# -- the search ---------------------------------------------------------------------------------
+# -- layouts on a grid -------------------------------------------------------------------------
 
 
 def _decode(grid: Grid, state: GridState, like: Layout, ranks: Sequence[int]) -> Layout:
@@ -75,161 +74,6 @@ def _decode(grid: Grid, state: GridState, like: Layout, ranks: Sequence[int]) ->
         like.dtype,
         grid.axis_names(like),
     )
-
-
-def _local_numel(grid: Grid, state: GridState) -> int:
-    return math.prod(
-        size
-        for sizes, row in zip(grid.dims, state.assign, strict=True)
-        for size, axis in zip(sizes, row, strict=True)
-        if axis == NOT_SPLIT
-    )
-
-
-def _subsets(items: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    for count in range(1, len(items) + 1):
-        yield from itertools.combinations(items, count)
-
-
-def _placements(
-    grid: Grid, axes: tuple[int, ...], free: list[tuple[int, int]], target: dict, exhaustive: bool
-) -> Iterator[tuple[tuple[int, int], ...]]:
-    """Injective maps of ``axes`` onto free factors of matching size. Unless exhaustive, an axis
-    whose destination factor is free goes only there (other slots never shorten a path)."""
-    options = []
-    for axis in axes:
-        slots = [s for s in free if grid.dims[s[0]][s[1]] == grid.axes[axis]]
-        if not exhaustive and target.get(axis) in slots:
-            slots = [target[axis]]
-        options.append(slots)
-    for choice in itertools.product(*options):
-        if len(set(choice)) == len(choice):
-            yield choice
-
-
-def _with(
-    state: GridState, moves: dict[int, tuple[int, int] | None], partial: frozenset[int]
-) -> GridState:
-    assign = [list(row) for row in state.assign]
-    for row in assign:
-        for i, axis in enumerate(row):
-            if axis in moves:
-                row[i] = NOT_SPLIT
-    for axis, slot in moves.items():
-        if slot is not None:
-            assign[slot[0]][slot[1]] = axis
-    return GridState(tuple(tuple(r) for r in assign), partial, state.frame)
-
-
-def _role(state: GridState, axis: int) -> Any:
-    for d, row in enumerate(state.assign):
-        if axis in row:
-            return d, row.index(axis)
-    return "partial" if axis in state.partial else "replicated"
-
-
-def _swap(state: GridState, a: int, b: int) -> GridState:
-    def relabel(axis: int) -> int:
-        return b if axis == a else a if axis == b else axis
-
-    assign = tuple(tuple(relabel(x) for x in row) for row in state.assign)
-    return GridState(assign, frozenset(relabel(x) for x in state.partial), state.frame)
-
-
-def candidate_steps(
-    grid: Grid, state: GridState, goal: GridState, exhaustive: bool
-) -> Iterator[tuple[str, tuple[int, ...], GridState]]:
-    """Every single step from ``state`` as (kind, grid axes it moves, the state after)."""
-    where = {
-        axis: (d, i)
-        for d, row in enumerate(state.assign)
-        for i, axis in enumerate(row)
-        if axis != NOT_SPLIT
-    }
-    target = {
-        axis: (d, i)
-        for d, row in enumerate(goal.assign)
-        for i, axis in enumerate(row)
-        if axis != NOT_SPLIT
-    }
-    free = [
-        (d, i) for d, row in enumerate(state.assign) for i, a in enumerate(row) if a == NOT_SPLIT
-    ]
-    partial = sorted(state.partial)
-    replicated = [a for a in range(len(grid.axes)) if a not in where and a not in state.partial]
-    for axes in _subsets(partial):
-        yield "all_reduce", axes, _with(state, {}, state.partial - set(axes))
-        for slots in _placements(grid, axes, free, target, exhaustive):
-            moves = dict(zip(axes, slots, strict=True))
-            yield "reduce_scatter", axes, _with(state, moves, state.partial - set(axes))
-    for axes in _subsets(sorted(where)):
-        yield "all_gather", axes, _with(state, dict.fromkeys(axes), state.partial)
-        for slots in _placements(grid, axes, free, target, exhaustive):
-            yield (
-                "all_to_all",
-                axes,
-                _with(state, dict(zip(axes, slots, strict=True)), state.partial),
-            )
-    for axes in _subsets(replicated):
-        for slots in _placements(grid, axes, free, target, exhaustive):
-            yield "split", axes, _with(state, dict(zip(axes, slots, strict=True)), state.partial)
-    for a, b in itertools.combinations(range(len(grid.axes)), 2):
-        if grid.axes[a] == grid.axes[b] and _role(state, a) != _role(state, b):
-            yield "permute", (a, b), _swap(state, a, b)
-    wanted = [a for a in sorted(goal.partial) if a not in state.partial]
-    for axes in _subsets(wanted):
-        yield "to_partial", axes, _with(state, dict.fromkeys(axes), state.partial | set(axes))
-
-
-def step_bytes(
-    kind: str, grid: Grid, axes: tuple[int, ...], state: GridState, itemsize: int
-) -> int:
-    """Bytes per rank of a step from ``state`` over grid ``axes`` (ring formulas)."""
-    group_size = math.prod(grid.axes[a] for a in axes)
-    if kind in ("split", "to_partial"):
-        return 0
-    if kind == "permute":
-        return comm.collective_bytes("send_recv", 2, _local_numel(grid, state) * itemsize)
-    return comm.collective_bytes(kind, group_size, _local_numel(grid, state) * itemsize)
-
-
-def _search(
-    grid: Grid, start: GridState, goal: GridState, itemsize: int, exhaustive: bool = False
-) -> list[tuple[str, tuple[int, ...], GridState, GridState, int]]:
-    """Least (bytes per rank, steps) path from start to goal."""
-    counter = itertools.count()
-    best: dict[GridState, tuple[int, int]] = {start: (0, 0)}
-    back: dict[GridState, tuple[GridState, str, tuple[int, ...], int]] = {}
-    heap = [(0, 0, next(counter), start)]
-    while heap:
-        cost, steps, _, state = heapq.heappop(heap)
-        if state == goal:
-            break
-        if best.get(state, (math.inf, 0)) < (cost, steps):
-            continue
-        candidates = list(candidate_steps(grid, state, goal, exhaustive))
-        if state.frame != goal.frame:
-            candidates.append(("send_recv", (), GridState(state.assign, state.partial, goal.frame)))
-        for kind, axes, nxt in candidates:
-            nbytes = (
-                _local_numel(grid, state) * itemsize
-                if kind == "send_recv"
-                else step_bytes(kind, grid, axes, state, itemsize)
-            )
-            key = (cost + nbytes, steps + 1)
-            if key < best.get(nxt, (math.inf, 0)):
-                best[nxt] = key
-                back[nxt] = (state, kind, axes, nbytes)
-                heapq.heappush(heap, (key[0], key[1], next(counter), nxt))
-    if goal not in best:
-        raise LayoutError("no redistribution path found (internal error)")
-    path = []
-    state = goal
-    while state != start:
-        prev, kind, axes, nbytes = back[state]
-        path.append((kind, axes, prev, state, nbytes))
-        state = prev
-    return path[::-1]
 
 
 # -- plans --------------------------------------------------------------------------------------
@@ -314,12 +158,19 @@ def group_positions(grid: Grid, axes: tuple[int, ...], position: int) -> tuple[i
 
 
 def _groups(grid: Grid, axes: tuple[int, ...], ranks: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """The groups of a step over grid ``axes``, each row-major over ``axes``, in the order of
+    their first positions."""
     if not axes:
         return ()
-    seen: dict[tuple[int, ...], None] = {}
-    for position in range(len(ranks)):
-        seen[tuple(ranks[p] for p in group_positions(grid, axes, position))] = None
-    return tuple(seen)
+    strides = [math.prod(grid.axes[a + 1 :]) for a in range(len(grid.axes))]
+    offsets = [0]
+    for a in axes:
+        offsets = [o + c * strides[a] for o in offsets for c in range(grid.axes[a])]
+    bases = [0]
+    for a in range(len(grid.axes)):
+        if a not in axes:
+            bases = [b + c * strides[a] for b in bases for c in range(grid.axes[a])]
+    return tuple(tuple(ranks[b + o] for o in offsets) for b in sorted(bases))
 
 
 def swap_partner(grid: Grid, axes: tuple[int, ...], position: int) -> int:
@@ -336,15 +187,20 @@ def _swap_pairs(grid: Grid, axes: tuple[int, ...], ranks: Sequence[int]) -> tupl
     return tuple(sorted(p for p in pairs if p[0] != p[1]))
 
 
-def _plan_on_grid(src: Layout, dst: Layout, grid: Grid, exhaustive: bool) -> list[Step]:
+def _plan_on_grid(src: Layout, dst: Layout, grid: Grid, exhaustive: bool) -> list[Step] | None:
     start, goal = grid.encode(src), grid.encode(dst)
     if tuple(src.ranks) != tuple(dst.ranks):
         goal = GridState(goal.assign, goal.partial, 1)
     frames = (tuple(src.ranks), tuple(dst.ranks))
+    path = search(grid, start, goal, exhaustive)
+    if path is None:
+        return None
     steps = []
-    for kind, axes, before, after, nbytes in _search(
-        grid, start, goal, src.dtype.itemsize, exhaustive
-    ):
+    for kind, axes, before, after in path:
+        if kind == "send_recv":
+            nbytes = local_numel(grid, before) * src.dtype.itemsize
+        else:
+            nbytes = step_bytes(kind, grid, axes, before, src.dtype.itemsize)
         a = src if before == start else _decode(grid, before, src, frames[before.frame])
         b = dst if after == goal else _decode(grid, after, src, frames[after.frame])
         if kind == "send_recv":
@@ -360,6 +216,11 @@ def _plan_on_grid(src: Layout, dst: Layout, grid: Grid, exhaustive: bool) -> lis
             )
         )
     return steps
+
+
+#: the most mesh axes a grid refined for chunked moves may have: the search's states grow
+#: exponentially with them (a 512-rank mesh refined to 5 or more axes takes seconds a pair)
+FINE_GRID_MAX_AXES = 4
 
 
 @lru_cache(maxsize=65536)
@@ -392,16 +253,52 @@ def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPl
         finer = common_grid(
             (src, dst), suffix_products(grid.axes), [chunk_cuts(d, grid.axes) for d in grid.dims]
         )
-        grid = finer or grid
-    if grid is None:
-        # No common refinement (e.g. device matrices (3,4) and (4,3)): go through the
-        # replicated tensor, which refines with anything.
+        if finer is not None and len(finer.axes) <= max(len(grid.axes), FINE_GRID_MAX_AXES):
+            grid = finer
+    steps = None if grid is None else _plan_on_grid(src, dst, grid, exhaustive)
+    if steps is None:
+        # No common refinement (e.g. device matrices (3,4) and (4,3)), or a search past its
+        # budget: go through the replicated tensor, which refines with anything.
         middle = Layout.replicated(src.shape, src.ranks, dtype=src.dtype)
+        if middle in (src, dst):
+            raise LayoutError(f"no redistribution path found from {src} to {dst} (internal)")
         first = _cached_plan(src, middle, exhaustive).steps
         return RedistributionPlan(src, dst, first + _cached_plan(middle, dst, exhaustive).steps)
-    return RedistributionPlan(src, dst, tuple(_plan_on_grid(src, dst, grid, exhaustive)))
+    return RedistributionPlan(src, dst, tuple(steps))
 
 
 def redistribution_plan(src: Layout, dst: Layout) -> RedistributionPlan:
     """The least-bytes-per-rank sequence of steps taking a tensor from ``src`` to ``dst``."""
     return _cached_plan(src, dst, False)
+
+
+@lru_cache(maxsize=65536)
+def gradient_sum(partial: Layout, full: Layout) -> RedistributionPlan:
+    """How a parameter's gradient is summed once per backward, the one decision the runtime's
+    buckets, ZeRO and the cost model all read: when ``full`` is ``partial`` with its pending
+    sums done and nothing else moving (data-parallel replicas), one all-reduce over the partial
+    axes, the collective a gradient bucket joins and overlaps with backward (the least-bytes
+    plan may instead split over a replicated axis, reduce less and gather: fewer bytes, but
+    three collectives in the hook, in line); any other sum, the least-bytes plan."""
+    if not partial.partial or full != partial.without_partial():
+        return redistribution_plan(partial, full)
+    grid = common_grid((partial, full))
+    if grid is None:
+        return redistribution_plan(partial, full)
+    start, goal = grid.encode(partial), grid.encode(full)
+    axes = tuple(sorted(start.partial))
+    nbytes = step_bytes("all_reduce", grid, axes, start, partial.dtype.itemsize)
+    names = grid.axis_names(partial)
+    step = Step(
+        "all_reduce",
+        partial,
+        full,
+        tuple(names[a] for a in axes),
+        _groups(grid, axes, partial.ranks),
+        nbytes,
+        grid,
+        start,
+        goal,
+        axes,
+    )
+    return RedistributionPlan(partial, full, (step,))

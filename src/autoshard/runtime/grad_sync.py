@@ -11,7 +11,7 @@ import torch
 from autoshard import comm
 from autoshard.cost.collectives import BUCKET_CAP_MB, assign_buckets
 from autoshard.layout import Layout
-from autoshard.redistribution import execute, redistribution_plan
+from autoshard.redistribution import execute, gradient_sum
 
 
 @dataclass(eq=False)
@@ -89,7 +89,7 @@ class GradSync:
 
     def watch(self, param: torch.Tensor, partial: Layout, full: Layout) -> None:
         """Sum ``param``'s gradient from ``partial`` to ``full`` in every backward."""
-        plan = redistribution_plan(partial.with_dtype(param.dtype), full.with_dtype(param.dtype))
+        plan = gradient_sum(partial.with_dtype(param.dtype), full.with_dtype(param.dtype))
         group = _one_all_reduce(plan, self.rank)
         if group is not None:
             self._groups[id(param)] = group
@@ -223,7 +223,7 @@ def all_reduce_group(
 ) -> tuple[int, ...] | None:
     """The ranks ``rank`` sums a gradient with when going from ``partial`` to ``full`` is one
     all-reduce (a data-parallel replica's sum), else None."""
-    plan = redistribution_plan(partial.with_dtype(dtype), full.with_dtype(dtype))
+    plan = gradient_sum(partial.with_dtype(dtype), full.with_dtype(dtype))
     return _one_all_reduce(plan, rank)
 
 

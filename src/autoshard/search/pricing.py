@@ -11,6 +11,7 @@ import numpy as np
 import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
+from autoshard.cost.collectives import gradient_transition
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
 from autoshard.cost.zero import ZeroParam, zero_param
 from autoshard.graph import node_info
@@ -338,7 +339,7 @@ def tied_grads(
         return 0.0
     seconds = transition(grad, want.without_partial(), cluster).seconds if needs else 0.0
     if own_needs:
-        seconds += transition(own_grad, stored, cluster).seconds
+        seconds += gradient_transition(own_grad, stored, cluster).seconds
         seconds -= grad_reduce(p, own_grad, stored, cluster)
     return seconds
 

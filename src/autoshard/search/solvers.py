@@ -185,18 +185,17 @@ def _local_cost(graph, nbrs, i, s, choice, lam):
 
 
 def solve_recursive(graph: CostGraph, memory_limit: float = math.inf, sweeps: int = 20):
-    """Axis by axis, ops by FLOPs choose the dim each axis splits given their neighbours (in
-    both axis orders, and from the all-data-parallel and the cheapest-op starts); then sweeps of
-    local re-choice until nothing changes; the best wins. Memory: a price per byte (Lagrangian),
-    raised until a plan fits and then bisected down to the cheapest price that still fits, and
-    the best fitting plan re-chosen op by op for time within the limit. Each pass is linear in
-    the graph."""
+    """``search="recursive"``: a Lagrangian local search (docs/search.md; not MindSpore's
+    recursive programming). Several starts, each swept (single and edge-pair re-choice on the
+    objective) until nothing moves; memory priced per byte, the price bisected down to the
+    cheapest that fits, then op by op within the limit. Linear passes."""
     start = time.perf_counter()
     nbrs = graph.neighbours()
     order = sorted(range(len(graph.names)), key=lambda i: -graph.weight[i])
     num_axes = len(graph.options[0][0].assign) if graph.options and graph.options[0] else 0
 
     near: list[tuple[float, list[int]]] = []  # plans a little over the limit, to repair
+    propagated = solve_propagate(graph).choice
 
     def attempt(lam: float) -> tuple[Solution | None, list[int]]:
         starts = [
@@ -204,6 +203,7 @@ def solve_recursive(graph: CostGraph, memory_limit: float = math.inf, sweeps: in
             _by_axes(graph, nbrs, order, num_axes, range(num_axes), lam),
             [_data_parallel_option(opts) for opts in graph.options],
             [int(np.argmin(u + lam * m)) for u, m in zip(graph.unary, graph.memory, strict=True)],
+            list(propagated),
         ]
         fits = []
         for choice in starts:
@@ -326,8 +326,19 @@ def _data_parallel_option(opts: list[Option]) -> int:
     return max(range(len(opts)), key=lambda s: sum(d is not None for d in opts[s].assign))
 
 
+def _totals(graph, choice) -> tuple[float, float]:
+    """(bucketed gradient sums, backward window) of ``choice``: what the objective's hidden
+    overlap is the least of."""
+    if not graph.overlap:
+        return 0.0, 0.0
+    bucketed = sum(o[c] for o, c in zip(graph.overlap, choice, strict=True))
+    window = graph.const_window + sum(w[c] for w, c in zip(graph.window, choice, strict=True))
+    return float(bucketed), float(window)
+
+
 def _pair_sweep(graph, nbrs, choice, lam) -> bool:
-    """Every edge re-chooses both its ends together, the rest fixed; True if anything moved."""
+    """Every edge re-chooses both its ends together, the rest fixed, by the objective itself
+    (the overlap the backward hides included); True if anything moved."""
     changed = False
     for (i, j), m in graph.edges.items():
         ui = graph.unary[i] + lam * graph.memory[i]
@@ -339,6 +350,15 @@ def _pair_sweep(graph, nbrs, choice, lam) -> bool:
             if k != i:
                 uj = uj + mk[:, choice[k]]
         total = ui[:, None] + uj[None, :] + m
+        if graph.overlap:
+            bucketed, window = _totals(graph, choice)
+            ci, cj = choice[i], choice[j]
+            b = bucketed - graph.overlap[i][ci] - graph.overlap[j][cj]
+            w = window - graph.window[i][ci] - graph.window[j][cj]
+            total = total - np.minimum(
+                b + graph.overlap[i][:, None] + graph.overlap[j][None, :],
+                w + graph.window[i][:, None] + graph.window[j][None, :],
+            )
         s, t = np.unravel_index(int(np.argmin(total)), total.shape)
         if total[s, t] < total[choice[i], choice[j]] - 1e-15:
             choice[i], choice[j] = int(s), int(t)
@@ -347,15 +367,26 @@ def _pair_sweep(graph, nbrs, choice, lam) -> bool:
 
 
 def _sweep(graph, nbrs, order, choice, lam, sweeps) -> None:
+    """Op by op (heaviest first), the option of least objective, the others fixed."""
+    bucketed, window = _totals(graph, choice)
     for _ in range(sweeps):
         changed = False
         for i in order:
-            costs = [
-                _local_cost(graph, nbrs, i, s, choice, lam) for s in range(len(graph.options[i]))
-            ]
+            c = choice[i]
+            costs = np.array(
+                [_local_cost(graph, nbrs, i, s, choice, lam) for s in range(len(graph.options[i]))]
+            )
+            if graph.overlap:
+                costs = costs - np.minimum(
+                    bucketed - graph.overlap[i][c] + graph.overlap[i],
+                    window - graph.window[i][c] + graph.window[i],
+                )
             s = int(np.argmin(costs))
-            if costs[s] < costs[choice[i]] - 1e-15:
+            if costs[s] < costs[c] - 1e-15:
                 choice[i], changed = s, True
+                if graph.overlap:
+                    bucketed += graph.overlap[i][s] - graph.overlap[i][c]
+                    window += graph.window[i][s] - graph.window[i][c]
         if not changed:
             return
 
