@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture_modes
 from autoshard.models import GPT, Llama, LlamaConfig, reference_config
 from autoshard.models._init import init_weights
-from autoshard.testing import LiveBytes, run_ranks
+from autoshard.testing import LiveBytes, peak_resident_bytes, run_ranks
 
 
 def _gpt(meta: bool) -> torch.nn.Module:
@@ -169,7 +168,7 @@ def _train_meta_llama(checkpoint: str) -> dict[str, Any]:
             opt.step(), opt.zero_grad()
             losses.append(loss.item())
     overhead = _rss() - _tensor_bytes() - before
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before - overhead
+    peak = peak_resident_bytes() - before - overhead
     predicted = estimate(pm.plan, pm.plan.graph, cluster_spec("cpu")).memory
     state = pm.full_state_dict()
     return {
@@ -189,7 +188,7 @@ def test_meta_llama_too_big_for_a_rank_trains_under_zero3_on_4_ranks(
     limit is a third of it (four ranks cannot do better than a quarter each). Built on meta,
     loaded from a checkpoint, trained under ZeRO 3 on 4 ranks: equal to one device, predicted
     within the limit; the training's peak of tensor storage (``LiveBytes``, exact) within the
-    prediction, and the process's resident peak (coarse) at most 1.3 times it."""
+    prediction, and the process's resident peak (coarser) at most 1.1 times it."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**BIG)).to(torch.float64)
     params = sum(p.numel() for p in model.parameters())
@@ -214,11 +213,11 @@ def test_meta_llama_too_big_for_a_rank_trains_under_zero3_on_4_ranks(
         assert r["losses"] == pytest.approx(expected, rel=1e-9)
         assert r["predicted"] < limit, (r["predicted"], limit)
         assert r["tensor_peak"] <= r["predicted"], (r["tensor_peak"], r["predicted"])
-        # The resident size is a coarse measure (the allocator's slack and gloo's buffers come
-        # and go): 0.87-0.89 of the prediction alone, up to 1.23 once inside the whole suite;
-        # the exact tensor peak above is the check of what the runtime holds. Gathering the
-        # whole model would be 3x the prediction.
-        assert r["peak"] <= 1.3 * r["predicted"], (r["peak"], r["predicted"])
+        # The resident size is coarser (the allocator's slack and gloo's buffers come and go):
+        # 0.89-0.90 of the prediction, measured as the rank's own high-water mark (VmHWM; a
+        # spawned rank's ru_maxrss starts at pytest's peak). The exact tensor peak above is the
+        # check of what the runtime holds. Gathering the whole model would be 3x the prediction.
+        assert r["peak"] <= 1.1 * r["predicted"], (r["peak"], r["predicted"])
         print(
             f"tensor peak {r['tensor_peak'] / 2**20:.1f} MiB, resident peak "
             f"{r['peak'] / 2**20:.1f} MiB (besides {r['overhead'] / 2**20:.1f} MiB not "

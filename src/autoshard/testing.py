@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["LiveBytes", "RankFailure", "run_ranks"]
+__all__ = ["LiveBytes", "RankFailure", "peak_resident_bytes", "run_ranks"]
 
 _HOST = "127.0.0.1"
 # After the first failure, the other ranks usually fail within milliseconds (their peers vanish);
@@ -265,6 +265,26 @@ def run_ranks(
         for conn in conns:
             conn.close()
         del store  # the rendezvous must outlive every rank, so it goes last
+
+
+def peak_resident_bytes() -> int:
+    """This process's highest resident size in bytes, its own alone.
+
+    ``getrusage(RUSAGE_SELF).ru_maxrss`` is not: a process started by fork and exec (every
+    multiprocessing "spawn" rank, every torchrun worker) begins with its parent's peak there, as
+    Linux carries the old image's high-water mark across exec. ``VmHWM`` in ``/proc/self/status``
+    is the new image's own; systems without /proc fall back to ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 class LiveBytes(TorchDispatchMode):

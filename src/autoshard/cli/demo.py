@@ -10,7 +10,6 @@ measured MFU against the cluster preset's peak.
 
 from __future__ import annotations
 
-import resource
 import tempfile
 import time
 import warnings
@@ -71,12 +70,13 @@ def flops_per_step(model: torch.nn.Module, cfg: DemoConfig) -> float:
 
 def _metrics(cfg: DemoConfig, step: int, window: dict[str, float], pm: Any, opt: Any) -> str:
     from autoshard.cost import cluster_spec
+    from autoshard.testing import peak_resident_bytes
 
     steps = window["steps"]
     seconds = window["seconds"] / steps
     peak = cluster_spec(cfg.cluster).peak_flops(torch.float32) * cfg.ranks
     held = sum(pm.state_bytes(opt).values())
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    maxrss = peak_resident_bytes()
     bar = "#" * (20 * step // cfg.steps)
     return (
         f"[{bar:<20}] step {step:>4}/{cfg.steps}  loss {window['loss'] / steps:.4f}  "

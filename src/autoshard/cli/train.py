@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import re
-import resource
 import sys
 import time
 import tomllib
@@ -266,6 +265,7 @@ def worker(cfg: TrainConfig) -> None:
     """One rank's run: plan, resume from the newest whole checkpoint, train, log, checkpoint."""
     from autoshard import comm, watch
     from autoshard.runtime import clip_grad_norm_, save
+    from autoshard.testing import peak_resident_bytes
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.manual_seed(cfg.seed)  # the same model on every rank, and from run to run
@@ -295,7 +295,7 @@ def worker(cfg: TrainConfig) -> None:
             "step": step + 1, "loss": loss.item(), "step_s": seconds, "unit": unit,
             f"{unit}_per_s": per_step / seconds, "mfu": flops / seconds / peak,
             "memory_bytes": sum(pm.state_bytes(opt).values()),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_resident_bytes(),
             "bytes_sent": sum(c["bytes"] for c in sent.values()),
             "grad_norm": None if norm is None else float(norm),
         }  # fmt: skip
