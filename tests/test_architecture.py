@@ -218,3 +218,36 @@ def test_public_surface():
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.endswith("__main__")))
 def test_every_module_imports(module):
     importlib.import_module(module)
+
+
+#: parameter names that hold an object a package above the reader defines (a search.Plan, a
+#: runtime.ParallelModule), and that package
+UPPER_OBJECTS = {"plan": "search", "node_plan": "search", "pm": "runtime"}
+
+
+def _untyped_reads(module: str) -> list[str]:
+    """Where ``module`` reads an object of a layer above it through ``Any`` (or no annotation)
+    or ``getattr``, by the names such objects go by: a read the import check cannot see."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = node.args
+            for arg in args.posonlyargs + args.args + args.kwonlyargs:
+                owner = UPPER_OBJECTS.get(arg.arg)
+                untyped = arg.annotation is None or ast.unparse(arg.annotation) == "Any"
+                if owner and _level(module) < LEVEL[owner] and untyped:
+                    found.append(f"{module}:{arg.lineno} {node.name}({arg.arg}: Any)")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and node.args:
+            name = ast.unparse(node.args[0])
+            owner = UPPER_OBJECTS.get(name)
+            if owner and _level(module) < LEVEL[owner]:
+                found.append(f"{module}:{node.lineno} getattr({name}, ...)")
+    return found
+
+
+def test_no_layer_reads_an_upper_layers_object_untyped() -> None:
+    """A package below the one that defines a plan or a parallel module takes it as a typed
+    view defined at its own layer (``cost.decisions.PlanDecisions``, ``data.Planned``), never
+    as ``Any`` or through ``getattr``: what it reads is then named where it is defined."""
+    found = [where for module in MODULES for where in _untyped_reads(module)]
+    assert not found, found

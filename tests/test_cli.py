@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -80,7 +81,7 @@ def test_plan_command_writes_json_that_parallelize_reads(tmp_path, capsys) -> No
         plan["strategies"],
         input_layouts=input_layouts(captured, plan),
     )
-    built.zero = plan["zero"]  # the stage the search chose with the strategies
+    built = dataclasses.replace(built, zero=plan["zero"])  # the stage the search chose
     configured = [n for n in built.nodes.values() if n.configured]
     assert len(configured) >= 4 * 20
     got = estimate(built, captured, cluster_spec(plan["cluster"]))

@@ -95,9 +95,11 @@ def test_plan_picture(tmp_path):
     data = plan_dict()
     assert [r["layer"] for r in plan_layers(data)[1]] == ["wte", "layers.*", "optimizer step"]
     assert is_png(plan_picture(data, tmp_path / "plan.png"))
-    plan = Plan(mesh=None, nodes={}, params={}, inputs={}, outputs=[], warnings=[], auto=data)
+    plan = Plan(
+        mesh=None, nodes={}, params={}, inputs={}, outputs=[], warnings=[], json=data, searched=True
+    )
     assert is_png(plan_picture(plan, tmp_path / "from_plan.png"))
-    with pytest.raises(ValueError, match="auto is None"):
+    with pytest.raises(ValueError, match="json is None"):
         plan_picture(Plan(None, {}, {}, {}, [], []), tmp_path / "none.png")
     del data["predicted"]["layers"]
     with pytest.raises(ValueError, match="'layers'"):

@@ -161,8 +161,8 @@ def test_huge_batch_small_hidden_plans_data_parallel() -> None:
     plan = _plan_for("gpt", batch=512, hidden=256, seq=512, devices=16, preset="dgx-h100")
     # every layer's weight whole on every device, every linear split on the batch by all 16
     assert all(not axes for k, axes in _weight_splits(plan).items() if k.startswith("layers."))
-    mesh = plan.auto["mesh"]
-    for key, value in plan.auto["strategies"].items():
+    mesh = plan.json["mesh"]
+    for key, value in plan.json["strategies"].items():
         if key.endswith("linear.0"):
             batch = value["space"][0]
             axes = [batch] if isinstance(batch, str) else batch or []
@@ -172,7 +172,7 @@ def test_huge_batch_small_hidden_plans_data_parallel() -> None:
 
 def test_small_batch_huge_hidden_plans_tensor_parallel_inside_a_node() -> None:
     plan = _plan_for("gpt", batch=2, hidden=8192, devices=16, preset="dgx-h100")
-    mesh = plan.auto["mesh"]
+    mesh = plan.json["mesh"]
     assert mesh["tp"] in (2, 4, 8), mesh  # tensor parallel, never tp across nodes
     split = _weight_splits(plan)
     for fqn in ("layers.0.mlp.c_fc.weight", "layers.0.mlp.c_proj.weight"):
@@ -180,8 +180,8 @@ def test_small_batch_huge_hidden_plans_tensor_parallel_inside_a_node() -> None:
         layout = plan.params[fqn].layout
         assert layout.local_numel * 8 <= layout.global_numel, layout  # 8 ways or more
     # Megatron's pairing: c_fc splits its output dim, c_proj its input (contracted) dim
-    fc = plan.auto["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
-    proj = plan.auto["strategies"]["layers.*.mlp.c_proj/linear.0"]["space"]
+    fc = plan.json["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
+    proj = plan.json["strategies"]["layers.*.mlp.c_proj/linear.0"]["space"]
     assert fc[2] is not None and proj[3] is not None, (fc, proj)
 
 
@@ -206,12 +206,27 @@ def test_nothing_fits_names_the_smallest_memory_and_the_remedies() -> None:
         _plan_for("gpt", batch=8, hidden=256, devices=4, preset="dgx-h100", memory_limit=1e5)
 
 
-def test_the_searched_plan_prices_as_the_search_said() -> None:
+def _objective_near_the_estimate(plan) -> None:
+    """The solvers' sum over ops is the estimate of the plan built, less what a sum over ops
+    cannot see (docs/search.md): within 3% of its step time; its memory is the estimate's
+    less ZeRO's units' window (stages 2 and 3), exactly the estimate's otherwise."""
+    got, predicted = plan.predicted, plan.json["predicted"]
+    objective = predicted["search_objective_s"]
+    assert objective == pytest.approx(got.step_time, rel=0.03), (objective, got.step_time)
+    assert predicted["step_time_s"] == got.step_time
+    memory = predicted["search_memory_bytes"]
+    if plan.zero >= 2:
+        assert memory < got.peak_memory
+    else:
+        assert memory == pytest.approx(got.peak_memory, rel=1e-9)
+
+
+def test_the_searched_plan_prices_near_what_the_search_said() -> None:
     """The search's objective is the cost model's estimate of the plan the planner builds, as
-    a sum over ops (the bucketed gradient sums in line, without their buckets' latencies). GPT
+    a sum over ops, and the plan chosen is the finalist the estimate prices fastest. GPT
     brings tied embeddings, a position embedding of a buffer (a reduction in backward shaped
-    like a weight's) and biases. At every ZeRO stage too (its units' collectives in place of
-    the buckets, without their latencies or the units' memory)."""
+    like a weight's) and biases; every ZeRO stage too (its units' collectives in place of the
+    buckets)."""
     cases = [
         (name, search, batch, hidden, None)
         for name in ("llama", "gpt")
@@ -225,14 +240,13 @@ def test_the_searched_plan_prices_as_the_search_said() -> None:
             name, batch=batch, hidden=hidden, devices=8, preset="dgx-h100", search=search,
             zero=zero,
         )  # fmt: skip
-        assert zero is None or plan.zero == plan.auto["zero"] == zero
-        got = plan.predicted
-        objective = plan.auto["predicted"]["search_objective_s"]
-        assert got.search_step_time == pytest.approx(objective, rel=1e-6)
-        assert got.step_time == pytest.approx(plan.auto["predicted"]["step_time_s"], rel=1e-9)
-        predicted = plan.auto["predicted"]
-        assert got.search_peak_memory == pytest.approx(predicted["search_memory_bytes"], rel=1e-6)
+        assert zero is None or plan.zero == plan.json["zero"] == zero
+        _objective_near_the_estimate(plan)
+        got, predicted = plan.predicted, plan.json["predicted"]
         assert predicted["memory_bytes"]["total"] == got.peak_memory
+        finalists = [m for m in predicted["meshes"] if "predicted_s" in m]
+        if finalists:  # the estimate chose among them
+            assert min(m["predicted_s"] for m in finalists) == got.step_time
         rows = predicted["layers"]  # layer by layer, adding up to the whole
         time = sum(r["blocks"] * (r["compute_s"] + r["comm_s"]) for r in rows)
         assert time == pytest.approx(got.step_time, rel=1e-9)
@@ -332,7 +346,7 @@ def test_propagate_keeps_configured_ops() -> None:
         strategies={"layers.*.mlp.c_fc": col},
         captured={True: captured},
     )
-    fc = plan.auto["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
+    fc = plan.json["strategies"]["layers.*.mlp.c_fc/linear.0"]["space"]
     assert fc[2] == "tp" and fc[3] is None, fc
 
 
@@ -353,14 +367,14 @@ def test_the_search_shards_with_zero_when_replicas_do_not_fit() -> None:
     limit = sharded.predicted.peak_memory * 1.001  # room for ZeRO 3's plan
     plan = searched(memory_limit=limit)
     assert plan.predicted.peak_memory <= limit < free.peak_memory
-    assert plan.zero >= 1 and plan.auto["zero"] == plan.zero
+    assert plan.zero >= 1 and plan.json["zero"] == plan.zero
     # without ZeRO the weights must be split to fit, which is slower
     try:
         unsharded = searched(zero=0, memory_limit=limit).predicted.step_time
     except PlanningError:
         unsharded = math.inf
     assert plan.predicted.step_time < unsharded
-    memory = plan.auto["predicted"]["memory_bytes"]
+    memory = plan.json["predicted"]["memory_bytes"]
     assert set(memory) == {"parameters", "gradients", "optimizer", "activations", "total"}
     assert memory["total"] == pytest.approx(sum(v for k, v in memory.items() if k != "total"))
     replicated = searched(zero=0).predicted
@@ -390,7 +404,7 @@ def test_a_backend_that_overlaps_partly_prices_the_same_in_the_search_and_the_es
     """On CPU ranks a gradient bucket's sum takes the cores backward runs on: only part of the
     timeline's overlap happens (``overlap_efficiency``), and gloo's reduce-scatter is slower
     than the ring model (``collective_factors``). The search's objective prices both as the
-    estimate of the plan it builds does, at every ZeRO stage."""
+    estimate of the plan it builds does, at every ZeRO stage (within the sum over ops' gap)."""
     from dataclasses import replace
 
     from autoshard.cost import PRESETS
@@ -399,9 +413,8 @@ def test_a_backend_that_overlaps_partly_prices_the_same_in_the_search_and_the_es
     partly = replace(base, overlap_efficiency=0.3, collective_factors={"reduce_scatter": 2.0})
     for zero in (0, 2):
         plan = _plan_for("gpt", batch=8, hidden=512, devices=8, preset=partly, zero=zero)
+        _objective_near_the_estimate(plan)
         got = plan.predicted
-        objective = plan.auto["predicted"]["search_objective_s"]
-        assert got.search_step_time == pytest.approx(objective, rel=1e-6)
         assert got.overlap_efficiency == 0.3
         # the same plan on a backend that overlaps fully: its buckets hide more
         whole, partial = estimate(plan, plan.graph, base), estimate(plan, plan.graph, partly)

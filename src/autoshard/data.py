@@ -17,8 +17,8 @@ resumed run continues with the exact next batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -188,7 +188,26 @@ def batch_shard(layout: Layout, rank: int) -> tuple[int, int]:
     return layout.shape[0] // size, index.start // size
 
 
-def loader(dataset: Dataset, pm: Any, batch_size: int, **kwargs: Any) -> ShardLoader:
+class _Inputs(Protocol):
+    @property
+    def inputs(self) -> Mapping[str, Layout]: ...
+
+
+class Planned(Protocol):
+    """What :func:`loader` reads of a ``runtime.ParallelModule``: its plan's input layouts,
+    its inputs' names and its rank."""
+
+    @property
+    def plan(self) -> _Inputs: ...
+
+    @property
+    def input_names(self) -> Sequence[str]: ...
+
+    @property
+    def rank(self) -> int: ...
+
+
+def loader(dataset: Dataset, pm: Planned, batch_size: int, **kwargs: Any) -> ShardLoader:
     """This rank's loader of ``dataset`` for a ParallelModule: its shard of every global batch
     of ``batch_size`` samples, cut to the plan's input layouts (``shuffle``, ``seed``,
     ``end="drop"|"pad"`` and DataLoader options such as ``num_workers`` pass through)."""

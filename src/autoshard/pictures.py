@@ -158,12 +158,12 @@ def layout_picture(layout: Layout, path: str | Path, *, title: str | None = None
 
 def plan_layers(plan: Mapping[str, Any] | Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A plan's JSON dict and its per-layer rows (``plan["predicted"]["layers"]``); ``plan`` is
-    that dict or an :class:`autoshard.Plan` whose ``.auto`` holds it. A ValueError names the
+    that dict or an :class:`autoshard.Plan` whose ``.json`` holds it. A ValueError names the
     missing field."""
-    data = plan if isinstance(plan, Mapping) else getattr(plan, "auto", None)
+    data = plan if isinstance(plan, Mapping) else getattr(plan, "json", None)
     if data is None:
         raise ValueError(
-            "plan has no searched JSON (its .auto is None): draw a plan from autoshard.plan(...) "
+            "plan has no searched JSON (its .json is None): draw a plan from autoshard.plan(...) "
             "or the dict `autoshard plan --json` writes"
         )
     if "predicted" not in data:

@@ -186,7 +186,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(f"autoshard: error: {err}", file=sys.stderr)
         return 3
     built = build_plan(captured, result, spec)
-    data = built.auto
+    data = built.json
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - start
     if args.json:

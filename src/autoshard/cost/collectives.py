@@ -11,38 +11,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoshard.cost.cluster import ClusterSpec
-from autoshard.layout import NOT_SPLIT, Layout
-from autoshard.redistribution import RedistributionPlan, Step, gradient_sum, redistribution_plan
-
-
-def _axis_states(layout: Layout) -> list[tuple[int, int, object]]:
-    """(stride, size, state) per mesh axis: state is ("P",), ("S", dim, outer, inner) or
-    ("R",), where ``outer`` and ``inner`` are the sizes of the dim's factors before and after
-    the axis's own: the same axis splitting the same dim elsewhere (a sequence split seen
-    through a flattening reshape) gives each rank other elements, a move that costs."""
-    state: dict[int, object] = {a: ("R",) for a in range(len(layout.mesh))}
-    for a in layout.partial:
-        state[a] = ("P",)
-    for d, factors in enumerate(layout.factors):
-        sizes = [size for size, _ in factors]
-        for k, (_, a) in enumerate(factors):
-            if a != NOT_SPLIT:
-                state[a] = ("S", d, math.prod(sizes[:k]), math.prod(sizes[k + 1 :]))
-    out, stride = [], 1
-    for a in reversed(range(len(layout.mesh))):
-        out.append((stride, layout.mesh[a], state[a]))
-        stride *= layout.mesh[a]
-    return out
-
-
-@lru_cache(maxsize=4096)
-def _group(axes: tuple[tuple[int, int], ...], devices_per_node: int) -> tuple[int, int]:
-    """(size, ranks per node) of the group over sub-axes ``(stride, size)``; rank 0's group
-    stands for all, the groups of a row-major mesh being translates of each other."""
-    members = [0]
-    for stride, size in axes:
-        members = [m + c * stride for m in members for c in range(size)]
-    return len(members), sum(1 for m in members if m < devices_per_node)
+from autoshard.layout import Layout
+from autoshard.redistribution import (
+    RedistributionPlan,
+    Step,
+    gradient_sum,
+    redistribution_plan,
+    replica_sum_groups,
+)
 
 
 def _flat(kind: str, nbytes: float, g: int, crosses: bool, cluster: ClusterSpec) -> tuple:
@@ -161,22 +137,23 @@ def step_time(step: Step, devices_per_node: int, cluster: ClusterSpec) -> float:
         factor = cluster.collective_factors.get("send_recv", 1.0)
         return step.bytes / bw * factor + alpha
     group = step.groups[0]
-    node = group[0] // devices_per_node
-    per_node = sum(1 for r in group if r // devices_per_node == node)
+    _, per_node = group_size(group, devices_per_node)
     nbytes = local * len(group) if step.kind == "all_gather" else local
     return collective_time(step.kind, nbytes, len(group), per_node, cluster)
 
 
 def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[float, float, tuple]:
     """A parameter's gradient sum once per backward: (communication, in-line copies, bucket
-    key). One all-reduce joins a bucket of its group's (``runtime.GradSync``): its bandwidth
-    term, the hook's copy into the bucket (one pass over its bytes), and the bucket's key, the
-    latency being the bucket's (:func:`bucket_latency`). Anything else runs in the hook:
-    priced whole, in line, with key None."""
+    key). One all-reduce (``replica_sum_groups``, the runtime's decision) joins a bucket of
+    its groups' (``runtime.GradSync``): its bandwidth term, the hook's copy into the bucket
+    (one pass over its bytes), and the bucket's key, the latency being the bucket's
+    (:func:`bucket_latency`). Anything else runs in the hook: priced whole, in line, with key
+    None."""
     t = gradient_transition(partial, full, cluster)
-    if t.kinds != ("all_reduce",):
+    groups = replica_sum_groups(partial, full)
+    if groups is None:
         return 0.0, t.seconds, None
-    key = (tuple(sorted(partial.partial)), partial.ranks, partial.dtype)
+    key = (groups, partial.dtype)  # the runtime's bucket key, less the device
     copy = partial.local_numel * partial.dtype.itemsize / cluster.memory_bandwidth
     return t.seconds - bucket_latency(partial, cluster), copy, key
 
@@ -215,17 +192,24 @@ def assign_buckets(
 
 def reduce_group(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[int, int] | None:
     """(ranks, ranks per node) of the all-reduce that sums ``partial`` into ``full``, when the
-    sum is one all-reduce (data-parallel replicas' gradients); else None."""
-    if gradient_transition(partial, full, cluster).kinds != ("all_reduce",):
-        return None
-    axes = tuple((st, sz) for st, sz, state in _axis_states(partial) if state == ("P",))
-    return _group(axes, cluster.devices_per_node)
+    sum is one all-reduce (``replica_sum_groups``: data-parallel replicas' gradients); else
+    None."""
+    groups = replica_sum_groups(partial, full)
+    return None if groups is None else group_size(groups[0], cluster.devices_per_node)
+
+
+def group_size(group: Sequence[int], devices_per_node: int) -> tuple[int, int]:
+    """(size, ranks per node) of ``group``, whose ranks fill their nodes alike."""
+    node = group[0] // devices_per_node
+    return len(group), sum(1 for r in group if r // devices_per_node == node)
 
 
 def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
     """Latency of the all-reduce over ``partial``'s partial axes."""
-    axes = tuple((st, sz) for st, sz, state in _axis_states(partial) if state == ("P",))
-    g, per_node = _group(axes, cluster.devices_per_node)
+    groups = replica_sum_groups(partial, partial.without_partial())
+    if groups is None:
+        return 0.0
+    g, per_node = group_size(groups[0], cluster.devices_per_node)
     return collective_parts("all_reduce", 1.0, g, per_node, cluster)[1]
 
 
@@ -239,6 +223,7 @@ __all__ = [
     "collective_time",
     "grad_sync",
     "gradient_transition",
+    "group_size",
     "price_plan",
     "reduce_group",
     "transition",

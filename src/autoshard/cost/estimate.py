@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -22,11 +21,20 @@ from autoshard.cost.collectives import (
     assign_buckets,
     bucket_latency,
     grad_sync,
+    group_size,
     transition,
 )
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.cost.decisions import OpDecisions, ParamDecisions, PlanDecisions
 from autoshard.cost.timeline import Overlapped, exposed
-from autoshard.cost.zero import ZeroParam, gather_parts, scatter_parts, zero_param
+from autoshard.cost.zero import (
+    ZeroParam,
+    ZeroUnit,
+    gather_parts,
+    scatter_parts,
+    zero_param,
+    zero_units,
+)
 from autoshard.graph import OpGraph
 from autoshard.ops import tensor_inputs
 
@@ -48,26 +56,14 @@ class Estimate:
     comm_backward: float = 0.0
     grad_sync: float = 0.0
     bucket_latency: float = 0.0  # part of the overlapped: one latency per bucket
-    #: what summing a value's gradient once for all its readers saves over once per reader
-    shared_saving: float = 0.0
     optimizer: float = 0.0
     overlapped: list[Overlapped] = field(default_factory=list)
     memory: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0.0))
-    #: memory ZeRO's units hold at most beside the shards (two units' gathered parameters and
-    #: gradient buffers): part of ``memory``, not of the searches' sum over ops
-    zero_window: float = 0.0
     model_flops: float = 0.0
     num_devices: int = 1
     peak_flops: float = 1.0
     #: the share of the timeline's overlap that really happens (``ClusterSpec``)
     overlap_efficiency: float = 1.0
-    #: sums of activation gradients the plan moved to their parameters' buckets
-    #: (``Plan.summed_at_params``), as the searches price them: the activation's sum in line
-    #: less the parameter's hook copy, and the parameter's bucketed seconds
-    moved_in_line: float = 0.0
-    moved_bucketed: float = 0.0
-    #: the bucketed sums of ``OpGraph.leading``'s parameters: the searches price them in line
-    leading_bucketed: float = 0.0
     #: where the sums come from (``cost.breakdown``): each node's terms of one run and its
     #: number of runs; each parameter's or buffer's memory and in-line seconds, all copies
     by_node: dict[str, tuple[Estimate, int]] = field(default_factory=dict, repr=False)
@@ -97,26 +93,8 @@ class Estimate:
         return self.compute + self.exposed_comm + self.optimizer
 
     @property
-    def search_step_time(self) -> float:
-        """The step time as the searches price it, a sum over ops (docs/search.md): a value's
-        gradient summed once per reader, and the bucketed gradient sums, without their
-        buckets' latencies, exposed only as far as they outlast the backward compute (the
-        leading parameters', ready last, wholly)."""
-        inline = self.comm_forward + self.comm_backward + self.grad_sync + self.shared_saving
-        inline += self.moved_in_line + self.leading_bucketed
-        bucketed = self.overlapped_comm - self.bucket_latency - self.moved_bucketed
-        bucketed -= self.leading_bucketed
-        exposed = bucketed - self.overlap_efficiency * min(bucketed, self.compute_backward)
-        return self.compute + inline + exposed + self.optimizer
-
-    @property
     def peak_memory(self) -> float:
         return sum(self.memory.values())
-
-    @property
-    def search_peak_memory(self) -> float:
-        """The peak memory as the searches price it, a sum over ops (without ZeRO's units)."""
-        return self.peak_memory - self.zero_window
 
     @property
     def mfu(self) -> float:
@@ -137,14 +115,15 @@ class Estimate:
 
 
 def estimate(
-    plan: Any,
+    plan: PlanDecisions,
     og: OpGraph,
     cluster: ClusterSpec,
     optimizer_states: int = ADAM_STATES,
     bucket_cap_mb: float = BUCKET_CAP_MB,
     depth: Mapping[str, int] | None = None,
 ) -> Estimate:
-    """Price a :class:`~autoshard.search.Plan` of ``og`` on ``cluster``: the runtime's gradient
+    """Price a plan (``search.Plan``, read as :class:`~autoshard.cost.decisions.PlanDecisions`)
+    of ``og`` on ``cluster``: the runtime's gradient
     buckets of ``bucket_cap_mb`` overlap what is left of backward once they are full. ``depth``
     (block list prefix -> its real number of blocks) prices a model captured with fewer blocks
     as the real one: each captured block stands for its share of the real ones."""
@@ -173,13 +152,10 @@ def estimate(
     bucketed, zeroed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
     for layout in plan.inputs.values():
         est.memory["activations"] += local_bytes(layout)
-    for value, (grad, whole, _) in getattr(plan, "summed_at_params", {}).items():
-        node = og.by_name[value]
-        est.moved_in_line += copies.get(node, 1) * transition(grad, whole, cluster).seconds
     position = {item: k for k, item in enumerate(sequence)}
     if zeroed:
         run = _Run(position, forward_at, backward_at, est.grad_sync)
-        _overlap_zero(est, og, zeroed, run, plan.zero_level, cluster)
+        _overlap_zero(est, og, zeroed, run, cluster)
     ready = {  # each copy of a bucketed parameter: where it is first read in the run
         f"{fqn}#{c}": position[(nodes[og.first_use[fqn]], c)] if fqn in og.first_use else 0
         for fqn in bucketed
@@ -224,17 +200,14 @@ def _as_run(
     return sequence, copies
 
 
-def _node_terms(plan: Any, og: OpGraph, node: fx.Node, cluster: ClusterSpec) -> Estimate:
+def _node_terms(plan: PlanDecisions, og: OpGraph, node: fx.Node, cluster: ClusterSpec) -> Estimate:
     """What one run of ``node`` adds to a step: its op, moves and gradient sums."""
     terms = Estimate()
     node_plan = plan.nodes.get(node.name)
     if node_plan is not None:
         _price_node(terms, og, node, node_plan, cluster)
     if node.name in plan.shared_reduce:
-        seconds = transition(*plan.shared_reduce[node.name], cluster).seconds
-        readers = sum(1 for u in node.users for a in tensor_inputs(u) if a is node)
-        terms.comm_backward += seconds
-        terms.shared_saving += (readers - 1) * seconds
+        terms.comm_backward += transition(*plan.shared_reduce[node.name], cluster).seconds
     return terms
 
 
@@ -244,12 +217,13 @@ def _add(est: Estimate, terms: Estimate) -> None:
     est.comm_forward += terms.comm_forward
     est.comm_backward += terms.comm_backward
     est.grad_sync += terms.grad_sync
-    est.shared_saving += terms.shared_saving
     est.model_flops += terms.model_flops
     est.memory["activations"] += terms.memory["activations"]
 
 
-def _price_node(est: Estimate, og: OpGraph, node: Any, node_plan: Any, cluster: ClusterSpec):
+def _price_node(
+    est: Estimate, og: OpGraph, node: fx.Node, node_plan: OpDecisions, cluster: ClusterSpec
+) -> None:
     strategy = node_plan.strategy
     fwd, bwd = op_time(node, strategy, cluster)
     est.compute_forward += fwd
@@ -271,10 +245,10 @@ def _price_node(est: Estimate, og: OpGraph, node: Any, node_plan: Any, cluster: 
             est.comm_backward += seconds
 
 
-def _reduce_dtype(plan: Any, og: OpGraph) -> torch.dtype | None:
+def _reduce_dtype(plan: PlanDecisions, og: OpGraph) -> torch.dtype | None:
     """The dtype gradient sums travel in under the plan's precision policy: its reduce dtype,
     else the master weights' (the model's: float32 when the graph computes in half)."""
-    precision = getattr(plan, "precision", None)
+    precision = plan.precision
     if precision is None or precision.compute is None:
         return None
     return precision.reduce or torch.float32
@@ -282,7 +256,7 @@ def _reduce_dtype(plan: Any, og: OpGraph) -> torch.dtype | None:
 
 def _price_params(
     est: Estimate,
-    plan: Any,
+    plan: PlanDecisions,
     og: OpGraph,
     cluster: ClusterSpec,
     optimizer_states: int,
@@ -296,38 +270,47 @@ def _price_params(
     compute = {i.fqn: i.dtype for i in og.state()}
     bucketed: dict[str, tuple[float, tuple, float, float]] = {}
     zeroed: dict[str, ZeroParam] = {}
-    level = getattr(plan, "zero_level", lambda fqn: 0)
+    level = plan.zero_level
     for fqn, param in plan.params.items():
         memory, in_line = sum(est.memory.values()), est.grad_sync
         count = copies.get(fqn, 1)
         if kinds.get(fqn) != "param":
             est.memory["parameters"] += count * local_bytes(param.layout)
-        elif param.grad_partial is not None and level(fqn) and not param.from_value:  # ZeRO
-            zeroed[fqn] = zero_param(
-                level(fqn), param.layout, param.grad_partial, cluster, optimizer_states,
-                compute.get(fqn), reduce_dtype,
-            )  # fmt: skip
+        elif zp := _zero_param(
+            param, level(fqn), cluster, optimizer_states, compute.get(fqn), reduce_dtype
+        ):
+            zeroed[fqn] = zp
             for kind, nbytes in zeroed[fqn].memory.items():
                 est.memory[kind] += count * nbytes
             est.optimizer += count * optimizer_time(param.layout, cluster, zeroed[fqn].share)
             est.grad_sync += count * zeroed[fqn].copy
-            est.leading_bucketed += count * zeroed[fqn].bandwidth(cluster) * (fqn in og.leading)
         else:
             bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count)
             if bucket is not None:
                 bucketed[fqn] = bucket
-            if param.from_value:  # the searches priced the activation's sum instead
-                est.moved_in_line -= est.grad_sync - in_line
-                est.moved_bucketed += count * bucket[0] if bucket is not None else 0.0
-            elif bucket is not None and fqn in og.leading:
-                est.leading_bucketed += count * bucket[0]
         est.by_param[fqn] = (sum(est.memory.values()) - memory, est.grad_sync - in_line)
     return bucketed, zeroed
 
 
+def _zero_param(
+    param: ParamDecisions,
+    level: int,
+    cluster: ClusterSpec,
+    optimizer_states: int,
+    compute: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> ZeroParam | None:
+    """A trainable parameter under ZeRO (``cost.zero_groups``, the runtime's decision too)."""
+    if param.from_value or param.grad_partial is None:
+        return None
+    return zero_param(
+        level, param.layout, param.grad_partial, cluster, optimizer_states, compute, reduce_dtype
+    )
+
+
 def _price_param(
     est: Estimate,
-    param: Any,
+    param: ParamDecisions,
     cluster: ClusterSpec,
     optimizer_states: int,
     reduce_dtype: torch.dtype | None,
@@ -407,22 +390,21 @@ def _overlap_zero(
     og: OpGraph,
     zeroed: dict[str, ZeroParam],
     run: _Run,
-    level: Any,
     cluster: ClusterSpec,
 ) -> None:
-    """ZeRO's units (``runtime.zero``) as overlapped transfers: one per block copy and stage,
-    in the order of first use. Each unit's all-gather is started when the unit before it is
-    first read and due at its own first read; its reduce-scatter starts when backward has
-    passed its first read and is due when backward ends; at stage 3 backward gathers it again,
-    started when backward reaches the next unit's last read, due at its own last read. Memory:
-    at stage 3 two units' gathered parameters (one in use, the next one coming), at stages 2
-    and 3 two units' gradient buffers (one filling, one being summed)."""
-    units = _zero_units(og, zeroed, run, level)
+    """ZeRO's units (``cost.zero_units``, the runtime's) as overlapped transfers: one per unit
+    and block copy, in the order of first use. Each unit's all-gather is started when the unit
+    before it is first read and due at its own first read; its reduce-scatter starts when
+    backward has passed its first read and is due when backward ends; at stage 3 backward
+    gathers it again, started when backward reaches the next unit's last read, due at its own
+    last read. Memory: at stage 3 two units' gathered parameters (one in use, the next one
+    coming), at stages 2 and 3 two units' gradient buffers (one filling, one being summed)."""
+    units = _zero_units(og, zeroed, run)
     due = run.backward(0)
     previous = 0.0
-    for _, members in units:
+    for unit, members in units:
         zp = [zeroed[f] for f, _, _ in members]
-        g, per_node = zp[0].group, zp[0].per_node
+        g, per_node = group_size(unit.groups[0], cluster.devices_per_node)
         first = min(k for _, k, _ in members)
         gather = gather_parts(sum(z.gathered for z in zp), g, per_node, cluster)
         scatter = scatter_parts(sum(z.summed for z in zp), g, per_node, cluster)
@@ -433,50 +415,53 @@ def _overlap_zero(
     # stage 3: backward gathers each unit again, started when backward needs the unit before
     # it in backward's order (the first when forward ends), due when backward needs it
     ends = sorted(
-        ((max(e for _, _, e in members), members) for stage, members in units if stage == 3),
+        ((max(e for _, _, e in members), unit, members) for unit, members in units
+         if unit.level == 3),
         key=lambda item: -item[0],
-    )
+    )  # fmt: skip
     previous_end = len(run.backward_at) - 1
-    for end, members in ends:
-        zp = [zeroed[f] for f, _, _ in members]
-        gather = gather_parts(sum(z.gathered for z in zp), zp[0].group, zp[0].per_node, cluster)
+    for end, unit, members in ends:
+        g, per_node = group_size(unit.groups[0], cluster.devices_per_node)
+        gather = gather_parts(sum(zeroed[f].gathered for f, _, _ in members), g, per_node, cluster)
         start, needed = run.backward(previous_end + 1), run.backward(end + 1)
         previous_end = end
         est.overlapped.append(Overlapped(sum(gather), start, needed))
         est.bucket_latency += gather[1]
     window = {"parameters": [0.0], "gradients": [0.0]}
-    for stage, members in units:
-        if stage == 3:
+    for unit, members in units:
+        if unit.level == 3:
             window["parameters"].append(sum(zeroed[f].gathered for f, _, _ in members))
-        if stage >= 2:
+        if unit.level >= 2:
             window["gradients"].append(sum(zeroed[f].summed for f, _, _ in members))
     for kind, sizes in window.items():
         est.memory[kind] += sum(sorted(sizes)[-2:])
-        est.zero_window += sum(sorted(sizes)[-2:])
 
 
 def _zero_units(
-    og: OpGraph, zeroed: dict[str, ZeroParam], run: _Run, level: Any
-) -> list[tuple[int, list[tuple[str, int, int]]]]:
-    """The runtime's ZeRO units in the run: (stage, members), each member (name, run position
-    of its first read, of its last read), in the order of first use."""
+    og: OpGraph, zeroed: dict[str, ZeroParam], run: _Run
+) -> list[tuple[ZeroUnit, list[tuple[str, int, int]]]]:
+    """The runtime's ZeRO units in the run, each block copy of a unit once: (unit, members),
+    each member (name, run position of its first read, of its last read), in the order of
+    first use. Members no node reads are never gathered and cost nothing here."""
     nodes = list(og.graph.nodes)
-    index = {node: i for i, node in enumerate(nodes)}
     last: dict[str, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             if og[arg].kind == "param":
                 last[og[arg].fqn] = i
-    units: dict[tuple, list[tuple[str, int, int]]] = {}
-    for (node, copy), k in run.position.items():
-        for arg in node.all_input_nodes:
-            fqn = og[arg].fqn if og[arg].kind == "param" else None
-            if fqn in zeroed and og.first_use.get(fqn) == index[node]:
-                end = run.position.get((nodes[last[fqn]], copy), k)
-                key = (level(fqn), og[node].block, copy)
-                units.setdefault(key, []).append((fqn, k, end))
-    ordered = sorted(units.items(), key=lambda item: min(k for _, k, _ in item[1]))
-    return [(key[0], members) for key, members in ordered]
+    out = []
+    for unit in zero_units(og, {f: (z.stage, z.groups) for f, z in zeroed.items()}):
+        read = [f for f in unit.members if f in og.first_use]
+        copy = 0
+        while read and (nodes[og.first_use[read[0]]], copy) in run.position:
+            members = []
+            for fqn in read:
+                k = run.position[(nodes[og.first_use[fqn]], copy)]
+                members.append((fqn, k, run.position.get((nodes[last[fqn]], copy), k)))
+            out.append((unit, members))
+            copy += 1
+    out.sort(key=lambda item: min(k for _, k, _ in item[1]))
+    return out
 
 
 __all__ = ["ADAM_STATES", "MEMORY_KINDS", "Estimate", "Overlapped", "estimate", "exposed"]

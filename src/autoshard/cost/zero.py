@@ -9,13 +9,19 @@ estimate and the searches price.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from autoshard.cost.cluster import ClusterSpec
-from autoshard.cost.collectives import collective_parts, reduce_group
+from autoshard.cost.collectives import collective_parts, group_size
+from autoshard.graph import OpGraph
 from autoshard.layout import Layout
+from autoshard.redistribution import replica_sum_groups
+
+#: an all-reduce's rank groups (``replica_sum_groups``), the same on every rank
+Groups = tuple[tuple[int, ...], ...]
 
 
 def model_states(
@@ -46,6 +52,7 @@ class ZeroParam:
     per_node: int
     share: float  # the fraction of the local tensor this device's optimizer steps
     copy: float  # seconds of backward adding the gradient into the unit's buffer, in line
+    groups: Groups  # its all-reduce's groups (``zero_groups``), its unit's key
 
     def bandwidth(self, cluster: ClusterSpec) -> float:
         """The bandwidth terms of its share of the unit's collectives in a step: the
@@ -69,12 +76,10 @@ def zero_param(
     """What a parameter stored as ``layout`` (its master dtype), whose gradient is ``grad``
     before its sum, costs at ZeRO ``stage``; None when ZeRO leaves it alone (stage 0, or a
     gradient sum that is not one all-reduce of data-parallel replicas)."""
-    if stage == 0 or not grad.partial:
+    groups = zero_groups(stage, layout, grad)
+    if groups is None:
         return None
-    found = reduce_group(grad, layout, cluster)
-    if found is None:
-        return None
-    g, per_node = found
+    g, per_node = group_size(groups[0], cluster.devices_per_node)
     elements = layout.local_numel
     master = layout.dtype.itemsize
     c = (compute or layout.dtype).itemsize
@@ -86,7 +91,48 @@ def zero_param(
         "optimizer": optimizer_states * shard,
     }
     copy = elements * r / cluster.memory_bandwidth
-    return ZeroParam(stage, memory, elements * c, elements * r, g, per_node, 1.0 / g, copy)
+    return ZeroParam(stage, memory, elements * c, elements * r, g, per_node, 1.0 / g, copy, groups)
+
+
+def zero_groups(level: int, layout: Layout, grad: Layout | None) -> Groups | None:
+    """Whether a trainable parameter stored as ``layout``, whose gradient is ``grad`` before
+    its sum, is under ZeRO at ``level``, the one decision the runtime and the cost model read:
+    the groups of its gradient's all-reduce (its data-parallel replicas), which it is sharded
+    over; None when ZeRO leaves it alone (level 0, no sum, a sum that is not one all-reduce,
+    or nothing held locally)."""
+    if level == 0 or grad is None or layout.local_numel == 0:
+        return None
+    return replica_sum_groups(grad, layout.with_dtype(grad.dtype))
+
+
+@dataclass(frozen=True)
+class ZeroUnit:
+    """Parameters gathered and summed together (``runtime.zero``): those of one ZeRO level
+    and one all-reduce's groups whose first reader is in one block of the model (the root's
+    outside any block: None), in the order of first use."""
+
+    level: int
+    groups: Groups
+    block: tuple[str, int] | None
+    members: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return "root" if self.block is None else f"{self.block[0]}.{self.block[1]}"
+
+
+def zero_units(og: OpGraph, members: Mapping[str, tuple[int, Groups]]) -> list[ZeroUnit]:
+    """The ZeRO units of ``members`` (parameter -> its level and groups, from
+    :func:`zero_groups`), ordered by their first use in ``og``: the runtime builds these and the
+    estimate prices these."""
+    order = og.first_use
+    nodes = list(og.graph.nodes)
+    units: dict[tuple, list[str]] = {}
+    for fqn, (level, groups) in members.items():
+        block = og[nodes[order[fqn]]].block if fqn in order else ("unused", 0)
+        units.setdefault((level, groups, block), []).append(fqn)
+    first = {key: min(order.get(f, len(nodes)) for f in fqns) for key, fqns in units.items()}
+    return [ZeroUnit(*key, tuple(units[key])) for key in sorted(units, key=lambda k: first[k])]
 
 
 def gather_parts(
@@ -103,4 +149,14 @@ def scatter_parts(
     return collective_parts("reduce_scatter", grad_bytes, group, per_node, cluster)
 
 
-__all__ = ["ZeroParam", "gather_parts", "model_states", "scatter_parts", "zero_param"]
+__all__ = [
+    "Groups",
+    "ZeroParam",
+    "ZeroUnit",
+    "gather_parts",
+    "model_states",
+    "scatter_parts",
+    "zero_groups",
+    "zero_param",
+    "zero_units",
+]

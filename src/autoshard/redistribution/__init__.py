@@ -7,6 +7,7 @@ from autoshard.redistribution.planner import (
     Step,
     gradient_sum,
     redistribution_plan,
+    replica_sum_groups,
 )
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "gather_tensor",
     "redistribute",
     "redistribution_plan",
+    "replica_sum_groups",
     "shard_tensor",
 ]

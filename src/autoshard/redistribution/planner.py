@@ -51,6 +51,7 @@ __all__ = [
     "grid_coords",
     "group_positions",
     "redistribution_plan",
+    "replica_sum_groups",
     "step_bytes",
     "swap_partner",
 ]
@@ -302,3 +303,15 @@ def gradient_sum(partial: Layout, full: Layout) -> RedistributionPlan:
         axes,
     )
     return RedistributionPlan(partial, full, (step,))
+
+
+def replica_sum_groups(partial: Layout, full: Layout) -> tuple[tuple[int, ...], ...] | None:
+    """The rank groups of the one all-reduce :func:`gradient_sum` sums ``partial`` into
+    ``full`` with (data-parallel replicas' gradients), else None. This is the one decision of
+    whether a gradient joins a bucket (``runtime.GradSync``) or a ZeRO unit, read by the
+    runtime and the cost model alike; the groups, the same on every rank, are the bucket's and
+    the unit's key."""
+    steps = gradient_sum(partial, full).steps
+    if len(steps) != 1 or steps[0].kind != "all_reduce":
+        return None
+    return tuple(sorted(tuple(sorted(g)) for g in steps[0].groups))

@@ -11,7 +11,7 @@ import torch
 from autoshard import comm
 from autoshard.cost.collectives import BUCKET_CAP_MB, assign_buckets
 from autoshard.layout import Layout
-from autoshard.redistribution import execute, gradient_sum
+from autoshard.redistribution import execute, gradient_sum, replica_sum_groups
 
 
 @dataclass(eq=False)
@@ -78,7 +78,8 @@ class GradSync:
         self.cap_bytes = bucket_cap_mb * 2**20
         self.reduce_dtype = reduce_dtype
         self.syncing = True
-        self._groups: dict[int, tuple[int, ...]] = {}  # id(param) -> its all-reduce group
+        #: id(param) -> its all-reduce's groups (``replica_sum_groups``), the bucket key's part
+        self._groups: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._watched: list[torch.Tensor] = []
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}
@@ -89,10 +90,12 @@ class GradSync:
 
     def watch(self, param: torch.Tensor, partial: Layout, full: Layout) -> None:
         """Sum ``param``'s gradient from ``partial`` to ``full`` in every backward."""
-        plan = gradient_sum(partial.with_dtype(param.dtype), full.with_dtype(param.dtype))
-        group = _one_all_reduce(plan, self.rank)
+        partial, full = partial.with_dtype(param.dtype), full.with_dtype(param.dtype)
+        plan = gradient_sum(partial, full)
+        groups = replica_sum_groups(partial, full)
+        group = None if groups is None else _mine(groups, self.rank)
         if group is not None:
-            self._groups[id(param)] = group
+            self._groups[id(param)] = groups
             self._watched.append(param)
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -120,7 +123,7 @@ class GradSync:
         for i, p in enumerate(order):
             if id(p) in self._groups:
                 dtype = self.reduce_dtype or p.dtype
-                key = (self._groups[id(p)], dtype, p.device)
+                key = (self._groups[id(p)], dtype, p.device)  # as cost.grad_sync's
                 items.append((i, key, p.numel() * dtype.itemsize))
         self._buckets, self._where = [], {}
         for key, members in assign_buckets(items, self.cap_bytes):
@@ -128,7 +131,9 @@ class GradSync:
             offsets = [0]
             for p in params:
                 offsets.append(offsets[-1] + p.numel())
-            bucket = _Bucket(key[0], params, offsets[:-1], offsets[-1], key[1])
+            group = _mine(key[0], self.rank)
+            assert group is not None  # only parameters of this rank's groups are watched
+            bucket = _Bucket(group, params, offsets[:-1], offsets[-1], key[1])
             for slot, p in enumerate(params):
                 self._where[id(p)] = (bucket, slot)
             self._buckets.append(bucket)
@@ -218,20 +223,8 @@ class GradSync:
             self._unsynced.discard(id(param))  # .grad holds sums only
 
 
-def all_reduce_group(
-    partial: Layout, full: Layout, dtype: torch.dtype, rank: int
-) -> tuple[int, ...] | None:
-    """The ranks ``rank`` sums a gradient with when going from ``partial`` to ``full`` is one
-    all-reduce (a data-parallel replica's sum), else None."""
-    plan = gradient_sum(partial.with_dtype(dtype), full.with_dtype(dtype))
-    return _one_all_reduce(plan, rank)
+def _mine(groups: tuple[tuple[int, ...], ...], rank: int) -> tuple[int, ...] | None:
+    return next((g for g in groups if rank in g), None)
 
 
-def _one_all_reduce(plan: Any, rank: int) -> tuple[int, ...] | None:
-    """The group of ``rank`` if ``plan`` is a single all-reduce, else None."""
-    if len(plan.steps) != 1 or plan.steps[0].kind != "all_reduce":
-        return None
-    return next((tuple(sorted(g)) for g in plan.steps[0].groups if rank in g), None)
-
-
-__all__ = ["GradSync", "all_reduce_group"]
+__all__ = ["GradSync"]

@@ -58,9 +58,9 @@ class ParallelModule(nn.Module):
     ) -> None:
         super().__init__()
         self.precision = precision or Precision()
+        # the plans as this module runs them: copies under its precision policy
+        plans = {mode: dataclasses.replace(p, precision=precision) for mode, p in plans.items()}
         self.plan = plans[True]
-        for p in plans.values():
-            p.precision = precision
         self._plans = plans
         self._captured = captured
         self._rank = rank

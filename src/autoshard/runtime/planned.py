@@ -100,8 +100,8 @@ def _given_plan(
         return None, mesh, strategies, input_layouts, ""
     if isinstance(plan, Plan):
         ready = plan if plan.graph is og and not input_layouts else None
-        if plan.auto is not None:
-            input_layouts = _inputs_of(og, plan.auto, input_layouts, "the plan given")
+        if plan.json is not None:
+            input_layouts = _inputs_of(og, plan.json, input_layouts, "the plan given")
         return ready, plan.mesh, plan.strategies, input_layouts, "the plan given"
     source = f"plan {plan}" if isinstance(plan, str | Path) else "the plan given"
     data = load_plan(plan)

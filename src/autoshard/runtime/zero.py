@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 
 from autoshard import comm
+from autoshard.cost.zero import zero_groups, zero_units
 from autoshard.graph import OpGraph
-from autoshard.runtime.grad_sync import all_reduce_group
 from autoshard.search import Plan, ZeroError
 
 
@@ -439,32 +439,28 @@ def build_zero(
     reshard_after_forward: bool,
     device: torch.device | None = None,
 ) -> tuple[Zero, dict[str, Fetch], dict[str, nn.Parameter]]:
-    """The ZeRO units of ``plan`` on this rank: every trainable parameter at a stage above 0
-    whose gradient sum is one all-reduce, in units by (stage, group, block of its first
-    reader), ordered by first use. Returns the units, what the program calls in place of each
-    parameter, and the shards the optimizer steps. A tensor on the meta device (a model built
-    there) gets an unset shard on ``device``."""
+    """The ZeRO units of ``plan`` on this rank (``cost.zero_units``, as the estimate prices
+    them): every trainable parameter ``cost.zero_groups`` puts under ZeRO, in units by
+    (stage, group, block of its first reader), ordered by first use. Returns the units, what
+    the program calls in place of each parameter, and the shards the optimizer steps. A tensor
+    on the meta device (a model built there) gets an unset shard on ``device``."""
     zero = Zero(rank, reshard_after_forward, device)
-    order = og.first_use
-    nodes = list(og.graph.nodes)
     dtypes = {i.fqn: i.dtype for i in og.state()}
-    units: dict[tuple, list[str]] = {}
+    members = {}
     for fqn, p in plan.params.items():
-        t, level = tensors.get(fqn), plan.zero_level(fqn)
-        if level == 0 or p.grad_partial is None or p.from_value or t is None or not t.requires_grad:
+        t = tensors.get(fqn)
+        if p.from_value or t is None or not t.requires_grad:
             continue
-        group = all_reduce_group(p.grad_partial, p.layout, t.dtype, rank)
-        if group is None or t.numel() == 0:
-            continue
-        block = og[nodes[order[fqn]]].block if fqn in order else ("unused", 0)
-        units.setdefault((level, group, block), []).append(fqn)
-    first = {key: min(order.get(f, len(nodes)) for f in fqns) for key, fqns in units.items()}
+        groups = zero_groups(plan.zero_level(fqn), p.layout, p.grad_partial)
+        if groups is not None and any(rank in g for g in groups):
+            members[fqn] = (plan.zero_level(fqn), groups)
     fetchers, shards = {}, {}
-    for key in sorted(units, key=lambda k: first[k]):
-        level, group, block = key
-        name = "root" if block is None else f"{block[0]}.{block[1]}"
-        members = {fqn: tensors[fqn] for fqn in units[key]}
-        made = zero.add_unit(name, level, group, members, dtypes, reduce, set(order))
+    for unit in zero_units(og, members):
+        group = next(g for g in unit.groups if rank in g)
+        tensors_of = {fqn: tensors[fqn] for fqn in unit.members}
+        made = zero.add_unit(
+            unit.name, unit.level, group, tensors_of, dtypes, reduce, set(og.first_use)
+        )
         shards |= made
         fetchers |= {fqn: Fetch(zero, fqn) for fqn in made}
     return zero, fetchers, shards

@@ -3,6 +3,7 @@ and ``autoshard.plan``, from a model to a searched :class:`Plan` (docs/search.md
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -90,9 +91,31 @@ def run_search(
     stage (or the given ``zero``)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
-    start = time.perf_counter()
+    # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
+    # alone, emptied before it and after it (nodes and clusters of another could share ids).
     options.clear_caches()
     pricing.clear_caches()
+    try:
+        return _run_search(og, num_devices, cluster, search, mesh, memory_limit,
+                           tp_across_nodes, depth, fixed, zero)  # fmt: skip
+    finally:
+        options.clear_caches()
+        pricing.clear_caches()
+
+
+def _run_search(
+    og: OpGraph,
+    num_devices: int,
+    cluster: ClusterSpec,
+    search: str,
+    mesh: MeshInfo | None,
+    memory_limit: float | None,
+    tp_across_nodes: bool,
+    depth: Mapping[str, int] | None,
+    fixed: Mapping[str, Any] | None,
+    zero: int | None,
+) -> SearchResult:
+    start = time.perf_counter()
     limit = cluster.memory_bytes if memory_limit is None else memory_limit
     shapes = [mesh] if mesh is not None else mesh_shapes(num_devices, cluster, tp_across_nodes)
     levels = ZERO_LEVELS if zero is None else (zero,)
@@ -260,24 +283,24 @@ def _jsonable(spec: Sequence[Any]) -> list[Any]:
 
 
 def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
-    """The Plan of ``og`` a search result gives, with its JSON (``plan.auto``) and prediction.
+    """The Plan of ``og`` a search result gives, with its JSON (``plan.json``) and prediction.
     The search's objective is a sum over ops: it prices the bucketed gradient sums in line
     and without their buckets' latencies (docs/search.md); the prediction adds what the
     buckets' overlap and latencies change, at the real depth."""
     data = _json(og, result, cluster)
     built = plan_graph(og, result.mesh, data["strategies"], input_layouts=input_layouts(og, data))
-    built.zero = data["zero"] = result.graph.zero
-    built.auto = data
-    built.predicted = estimate(built, og, cluster, depth=result.graph.depth)
+    data["zero"] = result.graph.zero
+    built = dataclasses.replace(built, zero=result.graph.zero, json=data, searched=True)
+    predicted = estimate(built, og, cluster, depth=result.graph.depth)
     pred = data["predicted"]
     pred["search_objective_s"] = pred["step_time_s"]
-    pred["step_time_s"] = built.predicted.step_time
+    pred["step_time_s"] = predicted.step_time
     pred["mfu"] *= pred["search_objective_s"] / pred["step_time_s"]
     pred["search_memory_bytes"] = pred["peak_memory_bytes"]
-    pred["peak_memory_bytes"] = built.predicted.peak_memory
-    pred["memory_bytes"] = built.predicted.as_dict()["memory_bytes"]
-    pred["layers"] = breakdown_rows(built.predicted, og)
-    return built
+    pred["peak_memory_bytes"] = predicted.peak_memory
+    pred["memory_bytes"] = predicted.as_dict()["memory_bytes"]
+    pred["layers"] = breakdown_rows(predicted, og)
+    return dataclasses.replace(built, predicted=predicted)
 
 
 def _json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
@@ -348,7 +371,7 @@ def plan(
 ) -> Plan:
     """Search the fastest plan of ``model`` that fits on ``cluster`` (a preset name, a JSON
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
-    :class:`Plan` with ``plan.auto`` (the JSON ``parallelize(plan=...)`` accepts) and
+    :class:`Plan` with ``plan.json`` (the JSON ``parallelize(plan=...)`` accepts) and
     ``plan.predicted`` (the cost model's :class:`~autoshard.cost.Estimate` of it). The ZeRO
     stage is searched with the strategies unless ``zero`` fixes it (docs/zero.md)."""
     if zero is not None and not isinstance(check_zero(zero), int):

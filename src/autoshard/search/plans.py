@@ -22,7 +22,7 @@ from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
 from autoshard.precision import Precision
-from autoshard.redistribution import redistribution_plan
+from autoshard.redistribution import gradient_sum, redistribution_plan
 
 FORMAT = "autoshard-plan/1"
 
@@ -83,17 +83,25 @@ class ParamPlan:
     from_value: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """Every decision of how a captured graph runs on a mesh, made when the plan is built
+    and never changed after (``dataclasses.replace`` makes a changed copy): each op's
+    strategy and moves, each parameter's layout and gradient sum, ZeRO's stages, the precision
+    policy; for a searched plan also its JSON and its predicted cost."""
+
     mesh: MeshInfo
     nodes: dict[str, NodePlan]
     params: dict[str, ParamPlan]
     inputs: dict[str, Layout]
     outputs: list[tuple[Layout, Layout]]
     warnings: list[str]
-    #: set by the automatic search: the plan as JSON (docs/search.md) and its predicted cost
-    auto: dict[str, Any] | None = None
-    predicted: Any = None
+    #: the plan as JSON (docs/search.md), what ``save`` writes and ``parallelize(plan=)`` reads
+    json: dict[str, Any] | None = field(default=None, compare=False)
+    #: whether the automatic search chose every op's strategy (``autoshard.plan``)
+    searched: bool = False
+    #: the cost model's :class:`~autoshard.cost.Estimate` of it (a searched plan's)
+    predicted: Any = field(default=None, compare=False)
     #: values whose readers all need the same sum of their gradient parts, by value name:
     #: (partial, whole), summed once after autograd adds the parts (Megatron's one ``f`` for
     #: the input of column-split q, k and v) instead of once per reader
@@ -114,8 +122,8 @@ class Plan:
     def strategies(self) -> dict[str, Any]:
         """The strategies that rebuild this plan on another capture of the same model: the
         searched space strategies, else the configured ops' strategies by node name."""
-        if self.auto is not None:
-            return dict(self.auto["strategies"])
+        if self.json is not None:
+            return dict(self.json["strategies"])
         return {n.node: n.strategy for n in self.nodes.values() if n.configured}
 
     def zero_level(self, fqn: str) -> int:
@@ -126,9 +134,14 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         """Write the plan's JSON (a searched plan; ``parallelize(plan=path)`` reads it)."""
-        if self.auto is None:
+        if self.json is None:
             raise ValueError("only a searched plan (autoshard.plan) has a JSON form")
-        Path(path).write_text(json.dumps(self.auto, indent=1) + "\n")
+        Path(path).write_text(json.dumps(self.json, indent=1) + "\n")
+
+    @property
+    def auto(self) -> dict[str, Any] | None:
+        """The plan's JSON: the older name of :attr:`json`."""
+        return self.json
 
     @property
     def fingerprint(self) -> str:
@@ -151,6 +164,34 @@ class Plan:
         return format_plan(self)
 
 
+def _kinds(steps: Any) -> str:
+    return "+".join(s.kind for s in steps) or "none"
+
+
+def _param_sums(plan: Plan) -> list[str]:
+    """The parameters' gradient sums as the runtime runs them (``gradient_sum``): one
+    all-reduce of replicas joins a bucket, or a ZeRO unit's reduce-scatter; any other plan
+    runs in the parameter's hook. The bytes are the sums' without ZeRO."""
+    deferred = [p for p in plan.params.values() if p.grad_partial is not None]
+    if not deferred:
+        return []
+    runs = [
+        gradient_sum(p.grad_partial, p.layout.with_dtype(p.grad_partial.dtype)) for p in deferred
+    ]
+    count: dict[str, int] = {}
+    for p, run in zip(deferred, runs, strict=True):
+        if len(run.steps) != 1 or run.steps[0].kind != "all_reduce":
+            how = f"{_kinds(run.steps)} (in the hook)"
+        elif plan.zero_level(p.fqn) and not p.from_value:
+            how = "reduce_scatter (ZeRO unit)"
+        else:
+            how = "all_reduce (bucketed)"
+        count[how] = count.get(how, 0) + 1
+    kinds = ", ".join(f"{k} {how}" for how, k in count.items())
+    sent = sum(run.bytes for run in runs)
+    return [f"gradient reduction: {len(deferred)} parameters: {kinds}, {sent} bytes/rank"]
+
+
 def format_plan(plan: Plan) -> str:
     """One row per op a strategy was given for, or that moves data: its layouts with named
     dims (``x[b@dp, s, in] weight[out@tp, in] -> [b@dp, s, out@tp]``) and communication."""
@@ -166,7 +207,10 @@ def format_plan(plan: Plan) -> str:
             f"in{i}: " + "+".join(s.kind for s in redistribution_plan(a, b).steps)
             for i, (a, b) in n.moves.items()
         ]
-        comm += [f"in{i} grad: all_reduce" for i in n.grad_reduce]
+        comm += [
+            f"in{i} grad: " + _kinds(redistribution_plan(g, w).steps)
+            for i, (g, w) in n.grad_reduce.items()
+        ]
         if og is not None and n.node in og.by_name:
             layouts = describe_op(og, og.by_name[n.node], n.strategy, names)
         else:
@@ -187,16 +231,15 @@ def format_plan(plan: Plan) -> str:
     lines = [f"plan on mesh {plan.mesh.describe(' x ')} ({plan.mesh.num_devices} devices)"]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    deferred = [p for p in plan.params.values() if p.grad_partial is not None]
-    if deferred:
-        grad_bytes = sum(redistribution_plan(p.grad_partial, p.layout).bytes for p in deferred)
-        lines.append(f"gradient reduction: {len(deferred)} parameters, {grad_bytes} bytes/rank")
+    lines += _param_sums(plan)
     for value, (grad, whole) in plan.shared_reduce.items():
-        sent = redistribution_plan(grad, whole).bytes
-        lines.append(f"gradient of {value}: summed once for all its readers, {sent} bytes/rank")
+        run = redistribution_plan(grad, whole)
+        lines.append(
+            f"gradient of {value}: summed once for all its readers ({_kinds(run.steps)}), "
+            f"{run.bytes} bytes/rank"
+        )
     lines += [f"warning: {w}" for w in plan.warnings]
-    searched = plan.auto is not None  # every op's strategy comes from the search's plan
-    lines.append("(* chosen by the search)" if searched else "(* configured by the user)")
+    lines.append("(* chosen by the search)" if plan.searched else "(* configured by the user)")
     return "\n".join(lines)
 
 
