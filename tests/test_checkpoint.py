@@ -138,10 +138,36 @@ def _hf_llama(seed: int) -> torch.nn.Module:
     return CausalLMLoss(transformers.LlamaForCausalLM(config)).to(torch.float64)
 
 
-def _searched_llama_through_plain_dcp(directory: str) -> tuple[int, ...]:
+def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """5 batches of token ids for ``_hf_llama`` with a quarter of the labels ignored."""
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(5):
+        ids = torch.randint(0, 64, (4, 16), generator=gen)
+        out.append((ids, ids.masked_fill(torch.rand(4, 16, generator=gen) < 0.25, -100)))
+    return out
+
+
+def _megatron_hf_llama() -> dict[str, tuple]:
+    """Megatron's tensor parallel strategies for transformers' Llama layers over ``tp``."""
+    col, row = ((None, None, None), ("tp", None)), ((None, None, "tp"), (None, "tp"))
+    layer = "model.model.layers.*"
+    return {
+        f"{layer}.self_attn.[qkv]_proj": col,
+        f"{layer}.self_attn.o_proj": row,
+        f"{layer}.mlp.gate_proj": col,
+        f"{layer}.mlp.up_proj": col,
+        f"{layer}.mlp.down_proj": row,
+    }
+
+
+def _searched_llama_through_plain_dcp(directory: str) -> dict[str, Any]:
     """transformers' Llama planned by ``search="optimal"`` on 2 ranks (a mesh with a size-1
     axis), at ZeRO 1, 2 and 3: ``pm.state_dict()`` saved and loaded with plain DCP into the
-    same plan of other values gives the model's parameters exactly. Returns the mesh."""
+    same plan of other values gives the model's parameters exactly. Then the searched plan at
+    ZeRO 3 trains 3 AdamW steps and ``autoshard.save``s; Megatron tensor parallel at ZeRO 1,
+    from other values, loads the checkpoint and trains 2 more. Returns the mesh, the 5 losses
+    and the full state after them."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     model = _hf_llama(0)
@@ -158,15 +184,44 @@ def _searched_llama_through_plain_dcp(directory: str) -> tuple[int, ...]:
         loaded = _plain_dcp_round_trip(pm, other, Path(directory) / f"zero{zero}")
         for k, v in model.state_dict().items():
             assert torch.equal(loaded[k], v), (zero, k)
-    return tuple(plan.mesh.sizes)
+    data, path = _llama_batches(), Path(directory) / "step_3"
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)  # pm: the searched plan at ZeRO 3
+    losses = _train(pm, opt, data, range(3))
+    autoshard.save(path, pm, opt, step=3)
+    tp = parallelize(_other_values(copy.deepcopy(model)), (ids, ids), {"tp": 2},
+                     _megatron_hf_llama(), captured=captured, zero=1)  # fmt: skip
+    opt = torch.optim.AdamW(tp.parameters(), lr=1e-2)
+    autoshard.load(path, tp, opt)
+    losses += _train(tp, opt, data, range(3, 5))
+    state = tp.full_state_dict()
+    split = [k for k, v in state.items() if tp.local_tensors()[k].numel() < v.numel()]
+    return {"sizes": tuple(plan.mesh.sizes), "losses": losses, "state": state, "split": split}
 
 
 def test_a_searched_plan_saves_and_loads_through_plain_dcp_at_every_zero_stage(tmp_path):
     """The state dict of a searched plan with a size-1 axis has no Partial placement (once
-    every parameter was ``Partial`` on the size-1 ``tp`` axis, and DCP refused it)."""
+    every parameter was ``Partial`` on the size-1 ``tp`` axis, and DCP refused it). And the
+    searched plan's training, saved, loaded under Megatron tensor parallel and continued, is
+    plain PyTorch's: the eager model and its AdamW, 5 steps on one process, losses (computed
+    in float32 by transformers, which upcasts the logits) within 1e-6 and every parameter at
+    ``assert_close``'s float64 defaults."""
     pytest.importorskip("transformers")
-    sizes = run_ranks(_searched_llama_through_plain_dcp, 2, str(tmp_path), timeout=300)[0]
-    assert 1 in sizes, sizes  # the case the test is about: dp 2 x tp 1
+    results = run_ranks(_searched_llama_through_plain_dcp, 2, str(tmp_path), timeout=300)
+    assert 1 in results[0]["sizes"], results[0]["sizes"]  # what DCP refused: dp 2 x tp 1
+    assert len(results[0]["split"]) == 2 * 7  # q, k, v, o and the MLP's 3 weights of 2 layers
+    eager = _hf_llama(0)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    expected = []
+    for batch in _llama_batches():
+        loss = eager(*batch)
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        expected.append(loss.item())
+    for result in results:
+        assert result["losses"] == pytest.approx(expected, rel=1e-6)
+        assert result["state"].keys() == eager.state_dict().keys()
+        for k, v in eager.state_dict().items():
+            torch.testing.assert_close(result["state"][k], v, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _resumed(directory: str, interrupt: bool) -> list[float]:

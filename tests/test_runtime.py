@@ -2,7 +2,9 @@
 
 Every case trains a reference model for 5 AdamW steps in float64 with dropout on, on one device
 (``single_device``: the same dropout masks as any split) and under a plan, and compares the loss
-of every step and every parameter at the end with ``assert_close`` defaults. Ranks capture each
+of every step and every parameter at the end with ``assert_close`` defaults. Some cases take
+plain PyTorch as the reference instead (``PYTORCH``: the eager model stepped by
+``torch.optim``, dropout off), an oracle that shares no code with autoshard. Ranks capture each
 model once and run many plans, because spawning and exporting dominate the time.
 """
 
@@ -39,6 +41,9 @@ from autoshard.testing import run_ranks
 
 STEPS = 5
 BATCH = 4
+#: a case's reference: autoshard's own program on one device (dropout on, the masks any split
+#: draws), or plain PyTorch (the eager model and its ``torch.optim`` optimizer, dropout off)
+ONE_DEVICE, PYTORCH = "single_device", "pytorch"
 
 
 class SmallCNN(nn.Module):
@@ -207,18 +212,22 @@ def train_and_compare(
     dtype: torch.dtype,
     captures: dict,
     tolerance: dict | None = None,
+    reference: str = ONE_DEVICE,
 ) -> None:
-    dropout = 0.1
+    dropout = 0.1 if reference == ONE_DEVICE else 0.0
     model, config = build(name, dropout)
     model = model.to(dtype)
     data = batches(config, dtype)
-    key = (name, dtype)
+    key = (name, dtype, dropout)
     if key not in captures:
         captures[key] = capture_modes(model, data[0])
     captured = captures[key]
     if isinstance(strategies, RandomStrategies):
         strategies = random_strategies(captured, mesh, strategies.seed)
-    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    if reference == PYTORCH:
+        ref = copy.deepcopy(model)
+    else:
+        ref = single_device(copy.deepcopy(model), data[0], captured=captured)
     if isinstance(strategies, Searched):
         pm = _searched(model, data, mesh, strategies, captured)
     else:
@@ -238,7 +247,8 @@ def train_and_compare(
         torch.testing.assert_close(
             loss, loss_ref, **tol, msg=lambda m, s=step: f"{name} {mesh} step {s}: {m}"
         )
-    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    full = pm.full_state_dict()
+    full_ref = ref.state_dict() if reference == PYTORCH else ref.full_state_dict()
     assert full.keys() == full_ref.keys()
     for k in full_ref:
         torch.testing.assert_close(full[k], full_ref[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
@@ -271,7 +281,7 @@ def _searched(model: Any, data: list, mesh: Any, how: Searched, captured: dict) 
             model, data[0], "dgx-h100", num_devices=mesh, captured=captured, memory_limit=limit,
             zero=zero,
         )  # fmt: skip
-        text = json.dumps(found.auto)
+        text = json.dumps(found.json)
         pm = parallelize(model, data[0], None, plan=json.loads(text), captured=captured)
     else:
         pm = parallelize(
@@ -298,8 +308,8 @@ def run_cases(cases: list[tuple]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     captures: dict = {}
-    for name, mesh, strategies, dtype, tol in cases:
-        train_and_compare(name, mesh, strategies, dtype, captures, tol)
+    for name, mesh, strategies, dtype, tol, *reference in cases:
+        train_and_compare(name, mesh, strategies, dtype, captures, tol, *reference)
 
 
 MODELS = ["mlp", "gpt", "llama"]
@@ -324,6 +334,12 @@ def cases_world2() -> list[tuple]:
     out.append(("regression", {"dp": 2}, None, torch.float64, None))
     out.append(("regression", (2,), RandomStrategies(3), torch.float64, None))
     out.append(("cnn", {"tp": 2}, conv_out | conv_in, torch.float64, None))
+    # plain PyTorch as the reference: data, Megatron tensor and sequence parallel (with dropout
+    # off there is no dropout op to give a sequence split)
+    sequence = {k: v for k, v in sequence_parallel().items() if "dropout" not in k}
+    out.append(("gpt", {"dp": 2}, None, torch.float64, None, PYTORCH))
+    out.append(("llama", {"tp": 2}, megatron("llama"), torch.float64, None, PYTORCH))
+    out.append(("gpt", {"tp": 2}, sequence, torch.float64, None, PYTORCH))
     return out
 
 
@@ -346,6 +362,8 @@ def cases_world4() -> list[tuple]:
             (name, 4, Searched("optimal", fraction, via_json=name == "llama"), torch.float64, None)
         )
     out.append(("gpt", 4, Searched("recursive", 0.5), torch.float64, None))
+    # a searched plan that splits weights, passed as JSON, against plain PyTorch
+    out.append(("gpt", 4, Searched("optimal", 0.45, via_json=True), torch.float64, None, PYTORCH))
     out.append(("mlp", 4, Searched("propagate"), torch.float64, None))
     return out
 
@@ -592,22 +610,36 @@ def _gpt_against_one_device(mesh: Any, strategies: Any) -> tuple:
 
 def _clipped_training(mesh: Any, strategies: Any, inject: bool) -> dict:
     """GPT (tied embeddings) in float64: 3 steps clipped to a norm it exceeds, against
-    torch.nn.utils.clip_grad_norm_ on one device; then an inf on rank 1's gradient."""
+    torch.nn.utils.clip_grad_norm_ on one device and on the plain eager model (stepped by its
+    own AdamW); then an inf on rank 1's gradient."""
     import torch.distributed as dist
 
     from autoshard import NonFiniteGradientError, clip_grad_norm_
 
     data, ref, pm, opt_ref, opt = _gpt_against_one_device(mesh, strategies)
+    eager, _ = build("gpt", 0.0)  # the same seed: the values pm started from
+    eager = eager.to(torch.float64)
+    opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     data = data[:3]
-    norms = []
+    norms, losses = [], []
     for batch in data:
         ref(*batch).backward()
         expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        pm(*shard_inputs(batch, pm)).backward()
+        loss_eager = eager(*batch)
+        loss_eager.backward()
+        eager_norm = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05)
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
         got = clip_grad_norm_(pm, 0.05)
         norms.append((float(got), float(expected)))
-        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+        norms.append((float(got), float(eager_norm)))
+        losses.append((float(loss), float(loss_eager)))
+        for o in (opt_ref, opt, opt_eager):
+            o.step(), o.zero_grad()
     full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    assert full.keys() == eager.state_dict().keys()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"eager {k}: {m}")
     for k in full_ref:
         torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
     before = pm.full_state_dict()
@@ -618,8 +650,8 @@ def _clipped_training(mesh: Any, strategies: Any, inject: bool) -> dict:
         try:
             clip_grad_norm_(pm, 0.05, error_if_nonfinite=True)
         except NonFiniteGradientError as err:
-            return {"norms": norms, "error": str(err)}
-        return {"norms": norms, "error": None}
+            return {"norms": norms, "losses": losses, "error": str(err)}
+        return {"norms": norms, "losses": losses, "error": None}
     norm = clip_grad_norm_(pm, 0.05)
     skipped = not torch.isfinite(norm)
     if not skipped:
@@ -627,7 +659,7 @@ def _clipped_training(mesh: Any, strategies: Any, inject: bool) -> dict:
     opt.zero_grad()
     after = pm.full_state_dict()
     unchanged = all(torch.equal(after[k], before[k]) for k in before)
-    return {"norms": norms, "skipped": skipped, "unchanged": unchanged}
+    return {"norms": norms, "losses": losses, "skipped": skipped, "unchanged": unchanged}
 
 
 @pytest.mark.parametrize(
@@ -642,9 +674,12 @@ def test_clipping_equals_one_device_and_a_nonfinite_gradient_skips_everywhere(
     given = megatron("gpt", tp) if strategies else None
     outcomes = run_ranks(_clipped_training, 4, mesh, given, False, timeout=240)
     for outcome in outcomes:
+        # norms against one device's and against the plain eager model's
         for got, expected in outcome["norms"]:
             assert got == pytest.approx(expected, rel=1e-9)
             assert expected > 0.05  # the clipping was active
+        for got, expected in outcome["losses"]:  # and each step's loss against the eager one
+            assert got == pytest.approx(expected, rel=1e-9)
         assert outcome["skipped"] and outcome["unchanged"]
     raised = run_ranks(_clipped_training, 4, mesh, given, True, timeout=240)
     assert all(r["error"] == raised[0]["error"] for r in raised)

@@ -1,7 +1,8 @@
 """ZeRO stages 1, 2 and 3 (docs/zero.md) against one device (DESIGN.md invariant 1): float64,
 5 AdamW steps with dropout, losses at every step and every parameter at the end equal; with
-gradient accumulation under no_sync and with clipping; and what each rank holds and sends per
-step against the stage formulas."""
+gradient accumulation under no_sync and with clipping; at every stage also against plain
+PyTorch (the eager model, ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW``, dropout
+off); and what each rank holds and sends per step against the stage formulas."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime import STEPS, WithUnused, batches, build, megatron, mixed
+from test_runtime import ONE_DEVICE, PYTORCH, STEPS, WithUnused, batches, build, megatron, mixed
 
 from autoshard import clip_grad_norm_, comm, parallelize, shard_inputs, single_device
 from autoshard.cost import cluster_spec, estimate
@@ -38,18 +39,27 @@ def _strategies(name: str, how: str | None) -> dict[str, Any] | None:
 
 
 def _zero_training(
-    name: str, mesh: Any, how: str | None, level: int, micro: int = 1, clip: float | None = None
+    name: str,
+    mesh: Any,
+    how: str | None,
+    level: int,
+    micro: int = 1,
+    clip: float | None = None,
+    reference: str = ONE_DEVICE,
 ) -> dict[str, Any]:
-    """``name`` (with an unused parameter) at ZeRO ``level`` on ``mesh`` against one device:
-    5 AdamW steps of ``micro`` micro-batches (all but the last under no_sync), clipped to
-    ``clip`` when given."""
+    """``name`` (with an unused parameter) at ZeRO ``level`` on ``mesh`` against one device
+    (dropout on) or plain PyTorch (``reference=PYTORCH``, dropout off): 5 AdamW steps of
+    ``micro`` micro-batches (all but the last under no_sync), clipped to ``clip`` when given."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    inner, config = build(name, 0.1)
+    inner, config = build(name, 0.1 if reference == ONE_DEVICE else 0.0)
     model = WithUnused(inner).to(torch.float64)
     data = batches(config, torch.float64)
     captured = capture_modes(model, data[0])
-    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    if reference == PYTORCH:
+        ref = copy.deepcopy(model)
+    else:
+        ref = single_device(copy.deepcopy(model), data[0], captured=captured)
     pm = parallelize(model, data[0], mesh, _strategies(name, how), captured=captured, zero=level)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -70,7 +80,9 @@ def _zero_training(
             expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             norms.append((float(clip_grad_norm_(pm, clip)), float(expected)))
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
-    full, full_ref = pm.full_state_dict(), ref.full_state_dict()
+    full = pm.full_state_dict()
+    full_ref = ref.state_dict() if reference == PYTORCH else ref.full_state_dict()
+    assert full.keys() == full_ref.keys()
     for k in full_ref:
         torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
     assert torch.equal(full["unused.weight"], model.unused.weight)  # no gradient, no step
@@ -84,9 +96,17 @@ def _cases(cases: list[tuple]) -> list[dict]:
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_zero_trains_as_one_device_on_2_ranks(level: int) -> None:
-    cases = [("gpt", {"dp": 2}, None, level), ("llama", {"dp": 2}, None, level, 2)]
+    """... and as plain PyTorch: GPT (tied embeddings) with accumulation and clipping."""
+    cases = [
+        ("gpt", {"dp": 2}, None, level),
+        ("llama", {"dp": 2}, None, level, 2),
+        ("gpt", {"dp": 2}, None, level, 2, 0.05, PYTORCH),
+    ]
     for per_rank in run_ranks(_cases, 2, cases, timeout=300):
         assert all(r["sharded"] > 0 for r in per_rank)
+        for got, expected in per_rank[2]["norms"]:
+            assert got == pytest.approx(expected, rel=1e-9)
+            assert expected > 0.05  # the clipping was active
 
 
 def test_zero_argument_is_checked() -> None:
@@ -239,7 +259,8 @@ def _assert_predicted_memory(r: dict[str, Any], level: int) -> None:
 
 def _searched_plan_with_zero() -> dict[str, Any]:
     """A plan searched at ZeRO 2, written to JSON and read back by parallelize, against one
-    device."""
+    device and against plain PyTorch (the eager model and its AdamW; dropout off): each
+    step's loss and every parameter after the last."""
     import autoshard
 
     warnings.filterwarnings("ignore")
@@ -247,21 +268,36 @@ def _searched_plan_with_zero() -> dict[str, Any]:
     model = model.to(torch.float64)
     data = batches(config, torch.float64)
     captured = capture_modes(model, data[0])
+    eager = copy.deepcopy(model)
     ref = single_device(copy.deepcopy(model), data[0], captured=captured)
     searched = autoshard.plan(model, data[0], "cpu", num_devices=2, zero=2, captured=captured)
-    pm = parallelize(model, data[0], 2, plan=searched.auto, captured=captured)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm = parallelize(model, data[0], 2, plan=searched.json, captured=captured)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, eager, pm)]
+    losses = []
     for batch in data:
         ref(*batch).backward()
-        pm(*shard_inputs(batch, pm)).backward()
-        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+        loss_eager = eager(*batch)
+        loss_eager.backward()
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
+        losses.append((float(loss), float(loss_eager)))
+        for opt in opts:
+            opt.step(), opt.zero_grad()
     full, full_ref = pm.full_state_dict(), ref.full_state_dict()
     for k in full_ref:
         torch.testing.assert_close(full[k], full_ref[k], msg=lambda m, k=k: f"{k}: {m}")
-    return {"zero": searched.auto["zero"], "stages": {u.level for u in pm._zero.units}}
+    assert full.keys() == eager.state_dict().keys()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"eager {k}: {m}")
+    return {
+        "zero": searched.json["zero"],
+        "stages": {u.level for u in pm._zero.units},
+        "losses": losses,
+    }
 
 
 def test_a_searched_plan_carries_its_zero_stage() -> None:
     for result in run_ranks(_searched_plan_with_zero, 2, timeout=300):
-        assert result == {"zero": 2, "stages": {2}}
+        assert (result["zero"], result["stages"]) == (2, {2})
+        for got, expected in result["losses"]:  # plain PyTorch's losses
+            assert got == pytest.approx(expected, rel=1e-9)
