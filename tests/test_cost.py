@@ -17,12 +17,12 @@ from autoshard.cost import (
     estimate,
     transition,
 )
-from autoshard.cost.collectives import gradient_transition, reduce_group, step_time
+from autoshard.cost.collectives import gradient_transition, group_size, step_time
 from autoshard.graph import capture
 from autoshard.layout import Layout
 from autoshard.mesh import mesh_info
 from autoshard.models import MLP, MLPConfig
-from autoshard.redistribution import gradient_sum, redistribution_plan
+from autoshard.redistribution import gradient_sum, redistribution_plan, replica_sum_groups
 from autoshard.search import plan_graph
 
 
@@ -92,7 +92,8 @@ def test_a_gradient_sum_of_replicas_is_one_all_reduce() -> None:
     assert [s.kind for s in summed.steps] == ["all_reduce"]
     assert summed.steps[0].groups == ((0, 2, 4, 6), (1, 3, 5, 7))
     assert gradient_transition(grad, whole, cluster).kinds == ("all_reduce",)
-    assert reduce_group(grad, whole, cluster) == (4, 4)
+    assert replica_sum_groups(grad, whole) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert group_size((0, 2, 4, 6), cluster.devices_per_node) == (4, 4)
 
 
 def test_a_split_of_the_same_dim_elsewhere_is_a_move() -> None:

@@ -190,14 +190,6 @@ def assign_buckets(
     return out
 
 
-def reduce_group(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[int, int] | None:
-    """(ranks, ranks per node) of the all-reduce that sums ``partial`` into ``full``, when the
-    sum is one all-reduce (``replica_sum_groups``: data-parallel replicas' gradients); else
-    None."""
-    groups = replica_sum_groups(partial, full)
-    return None if groups is None else group_size(groups[0], cluster.devices_per_node)
-
-
 def group_size(group: Sequence[int], devices_per_node: int) -> tuple[int, int]:
     """(size, ranks per node) of ``group``, whose ranks fill their nodes alike."""
     node = group[0] // devices_per_node
@@ -225,6 +217,5 @@ __all__ = [
     "gradient_transition",
     "group_size",
     "price_plan",
-    "reduce_group",
     "transition",
 ]
