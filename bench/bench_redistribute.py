@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autoshard
 from autoshard import Layout, comm
 from autoshard.testing import run_ranks
+from bench.timing import paired_ratio
 
 NAME = "redistribute"
 
@@ -393,6 +394,8 @@ def run(quick: bool) -> dict[str, Any]:
     for index, pair in enumerate(PAIRS):
         rows = [r["pairs"][index] for r in per_rank]
         a, d = _merge_side(rows, "autoshard"), _merge_side(rows, "dtensor")
+        # paired: each rep's autoshard time over the DTensor time of the same rep
+        paired = paired_ratio(a["ms_per_rep"], d["ms_per_rep"])
         min_cost = rows[0]["dtensor_min_cost"]
         pairs.append(
             {
@@ -411,7 +414,8 @@ def run(quick: bool) -> dict[str, Any]:
                 "dtensor_plan": rows[0]["dtensor_plan"],
                 "bytes_ratio": _ratio(max(a["bytes_by_rank"]), max(d["bytes_by_rank"])),
                 "total_bytes_ratio": _ratio(sum(a["bytes_by_rank"]), sum(d["bytes_by_rank"])),
-                "time_ratio": _ratio(a["ms_median"], d["ms_median"]),
+                "time_ratio": paired["median"],
+                "time": paired,
             }
         )
     return {
@@ -462,13 +466,15 @@ def summary(result: dict[str, Any]) -> str:
         f"{cfg['world_size']} CPU ranks ({cfg['backend']}, {cfg['threads_per_rank']} thread per "
         f"rank). Placements are DTensor's, (dp, tp). Bytes: sent per rank by the ring formulas "
         "of `autoshard.comm.collective_bytes` for both libraries, max over ranks (the total over "
-        f"ranks is in the total column). Time: median over {cfg['reps']} alternating reps "
-        f"(after {cfg['warmup']} warm-up) of the slowest rank, barrier before each call. "
-        "Ratios are autoshard / DTensor: below 1, autoshard moves less or is faster.",
+        f"ranks is in the total column). Time: median over {cfg['reps']} reps "
+        f"(after {cfg['warmup']} warm-up) of the slowest rank, barrier before each call, the "
+        "two libraries taking turns with the order turned around every rep. Ratios are "
+        "autoshard / DTensor: below 1, autoshard moves less or is faster; the time ratio is "
+        "the median of each rep's ratio, with its 95% interval (bootstrap over reps).",
         "",
         "| src → dst | autoshard steps | DTensor steps | autoshard B/rank | DTensor B/rank "
-        "| bytes ratio | total ratio | autoshard ms | DTensor ms | time ratio |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| bytes ratio | total ratio | autoshard ms | DTensor ms | time ratio | 95% interval |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in pairs:
         a, d = p["autoshard"], p["dtensor"]
@@ -476,7 +482,8 @@ def summary(result: dict[str, Any]) -> str:
             f"| ({p['src']}) → ({p['dst']}) | {_steps(a['steps'])} | {_steps(d['steps'])} "
             f"| {_fmt_bytes(max(a['bytes_by_rank']))} | {_fmt_bytes(max(d['bytes_by_rank']))} "
             f"| {_fmt_ratio(p['bytes_ratio'])} | {_fmt_ratio(p['total_bytes_ratio'])} "
-            f"| {a['ms_median']:.3f} | {d['ms_median']:.3f} | {_fmt_ratio(p['time_ratio'])} |"
+            f"| {a['ms_median']:.3f} | {d['ms_median']:.3f} | {_fmt_ratio(p['time_ratio'])} "
+            f"| {p['time']['low']:.2f}-{p['time']['high']:.2f} |"
         )
     lines.append("")
     gb, gt = _geomean([p["bytes_ratio"] for p in pairs]), _geomean([p["time_ratio"] for p in pairs])
@@ -492,7 +499,11 @@ def summary(result: dict[str, Any]) -> str:
     lines.append(
         "- autoshard is slower than DTensor on: "
         + (
-            ", ".join(f"({p['src']}) → ({p['dst']}) ({p['time_ratio']:.2f}x)" for p in slower)
+            ", ".join(
+                f"({p['src']}) → ({p['dst']}) ({p['time_ratio']:.2f}x, "
+                f"interval {p['time']['low']:.2f}-{p['time']['high']:.2f})"
+                for p in slower
+            )
             or "no pair"
         )
         + "."
