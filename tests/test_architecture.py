@@ -18,7 +18,7 @@ SRC = Path(autoshard.__file__).resolve().parent
 LAYERS = [
     ("watch",),
     ("comm", "mesh", "precision", "testing"),
-    ("layout",),
+    ("layout", "schedule"),
     ("redistribution",),
     ("data",),
     ("ops",),

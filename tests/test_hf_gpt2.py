@@ -98,7 +98,7 @@ def _train(example: tuple, batches: list) -> dict:
     import torch.distributed as dist
 
     from autoshard.graph.capture import capture_modes
-    from autoshard.runtime.parallel import parallelize, shard_inputs, single_device
+    from autoshard.runtime import parallelize, shard_inputs, single_device
 
     warnings.filterwarnings("ignore")
     start = time.perf_counter()

@@ -36,6 +36,8 @@ __all__ = [
     "counting",
     "in_flight",
     "leave",
+    "Posted",
+    "post_p2p",
     "reduce_scatter",
     "reduce_scatter_async",
     "recording",
@@ -287,6 +289,40 @@ def send_recv(
             with watch.waiting(what):
                 work.wait()
     return out
+
+
+class Posted:
+    """Sends and receives posted together; ``wait()`` completes them (the tensors they read
+    and write are kept alive until then)."""
+
+    def __init__(self, works: list, whats: list, tensors: list[torch.Tensor]) -> None:
+        self._works, self._whats, self._tensors = works, whats, tensors
+
+    def wait(self) -> None:
+        for work, what in zip(self._works, self._whats, strict=True):
+            with watch.waiting(what):
+                work.wait()
+        self._works, self._whats, self._tensors = [], [], []
+
+
+def post_p2p(
+    sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]
+) -> Posted:
+    """Post point-to-point sends of each (tensor, peer) and receives into each (tensor, peer),
+    batched (a pipeline schedule's ``SEND``/``RECV`` actions); nothing waits for them here."""
+    me = dist.get_rank()
+    ops, whats, kept = [], [], []
+    for x, peer in sends:
+        x = x.contiguous()
+        whats.append(_count("send_recv", (me, peer), x))
+        ops.append(dist.P2POp(dist.isend, x, peer))
+        kept.append(x)
+    for out, peer in recvs:
+        whats.append(watch.issued("send_recv", (me, peer)))
+        ops.append(dist.P2POp(dist.irecv, out, peer))
+        kept.append(out)
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return Posted(list(works), whats, kept)
 
 
 def barrier(ranks: Sequence[int] | None = None) -> None:

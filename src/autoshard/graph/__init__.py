@@ -3,13 +3,18 @@ carries what the later stages ask about it (``opgraph``)."""
 
 from autoshard.graph.capture import CaptureError, capture, capture_modes, tied_names
 from autoshard.graph.opgraph import NodeInfo, OpGraph, node_info
+from autoshard.graph.stages import StageCut, StageError, cut_at_modules, cut_balanced
 
 __all__ = [
     "CaptureError",
     "NodeInfo",
     "OpGraph",
+    "StageCut",
+    "StageError",
     "capture",
     "capture_modes",
+    "cut_at_modules",
+    "cut_balanced",
     "node_info",
     "tied_names",
 ]

@@ -386,6 +386,18 @@ class Layout:
             self.shape, self.mesh, self.factors, self.partial, self.ranks, dtype, self.axis_names
         )
 
+    def on_ranks(self, ranks: Sequence[int]) -> Layout:
+        """The same placement over another rank list of the same size (a pipeline stage's
+        sub-mesh: position ``i`` of ``ranks`` holds what position ``i`` held)."""
+        ranks = tuple(ranks)
+        if len(ranks) != len(self.ranks):
+            raise LayoutError(f"{self} is on {len(self.ranks)} ranks, not {len(ranks)}")
+        if ranks == self.ranks:
+            return self
+        return Layout.from_factors(
+            self.shape, self.mesh, self.factors, self.partial, ranks, self.dtype, self.axis_names
+        )
+
     def without_partial(self) -> Layout:
         """The layout of this tensor's gradient: partial axes become replicated."""
         if not self.partial:

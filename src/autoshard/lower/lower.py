@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autoshard.graph import OpGraph
+from autoshard.graph import OpGraph, StageCut
 from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.ops import local, rule_for, tensor_inputs
 from autoshard.redistribution import execute, redistribute, redistribution_plan
@@ -161,9 +161,14 @@ def lower(
     device: torch.device,
     tensors: dict[str, torch.Tensor],
     state: RunState,
+    stage: tuple[StageCut, int] | None = None,
 ) -> fx.GraphModule:
     """The rank's program; ``tensors`` holds its parameter and buffer shards by name, or a
-    module that returns the parameter's local tensor when called (ZeRO's gather)."""
+    module that returns the parameter's local tensor when called (ZeRO's gather).
+    ``stage`` (a cut and a stage of it): the program of that pipeline stage only, taking the
+    model's inputs and then the values it receives (``cut.receives``), and returning the
+    values it sends (``cut.sends``), or the model's outputs from the last stage."""
+    # Whole: one walk over the graph; every kind of node is one branch of it
     low = _Lowerer(plan, rank, device, state)
     for fqn, tensor in tensors.items():
         if isinstance(tensor, nn.Module):
@@ -173,10 +178,23 @@ def lower(
         else:
             low.root.register_buffer(attr_name(fqn), tensor)
     env: dict[fx.Node, Any] = low.env
+    received: tuple[str, ...] = ()
+    for node in og.graph.nodes:
+        if og[node].kind == "input":
+            env[node] = low.graph.placeholder(node.name)
+    if stage is not None:
+        cut, s = stage
+        received = cut.receives[s]
+        for name in received:
+            env[og.by_name[name]] = low.graph.placeholder(f"recv_{name}")
     for node in og.graph.nodes:
         info = og[node]
-        if info.kind == "input":
-            env[node] = low.graph.placeholder(node.name)
+        if info.kind == "input" or node.name in received:
+            continue
+        if stage is not None and not _in_stage(og, node, *stage):
+            continue
+        if stage is not None and node.op == "output" and s < cut.num_stages - 1:
+            low.graph.output(tuple(low.value(og.by_name[n]) for n in cut.sends(s)))
         elif node.op == "placeholder":
             stored = tensors.get(info.fqn)
             if isinstance(stored, nn.Module):
@@ -203,6 +221,16 @@ def lower(
             env[node] = low.module(reduce, (low.value(node),), "reduce_grad")
     gm = fx.GraphModule(low.root, low.graph, class_name=f"Rank{rank}")
     return gm
+
+
+def _in_stage(og: OpGraph, node: fx.Node, cut: StageCut, s: int) -> bool:
+    """Whether ``node`` is part of stage ``s``'s program (its ops, the parameters they read,
+    the output)."""
+    if node.op == "output":
+        return True
+    if node.op == "placeholder":
+        return og[node].fqn in cut.params[s]
+    return cut.stage_of.get(node.name) == s
 
 
 def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:

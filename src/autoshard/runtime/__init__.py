@@ -4,12 +4,12 @@
 
 from autoshard.runtime.checkpoint import CheckpointDamaged, CheckpointError, latest, load, save
 from autoshard.runtime.clip import NonFiniteGradientError, clip_grad_norm_
+from autoshard.runtime.entry import parallelize
 from autoshard.runtime.grad_sync import GradSync
 from autoshard.runtime.materialize import materialize, meta_init
 from autoshard.runtime.parallel import (
     ParallelModule,
     PlanMismatchError,
-    parallelize,
     shard_inputs,
     single_device,
 )

@@ -19,21 +19,15 @@ import torch.utils._pytree as pytree
 from autoshard import watch
 from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.graph import OpGraph, capture_modes
-from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, lower
-from autoshard.mesh import MeshInfo, check_world, mesh_info
+from autoshard.mesh import MeshInfo
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
 from autoshard.runtime.materialize import check_init, fill
 from autoshard.runtime.planned import (
     PlanMismatchError,
-    _compare_plans,
-    _given_plan,
-    _plan_modes,
-    _search,
-    _zero_of,
 )
 from autoshard.runtime.replicas import replica_group, sync_replicas
 from autoshard.runtime.zero import build_zero
@@ -85,12 +79,23 @@ class ParallelModule(nn.Module):
         order = captured[True].gradient_order
         self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
         tensors |= fetchers
-        self._programs = {
+        self._programs = self._lower_programs(captured, plans, rank, device, tensors)
+        if init is not None:
+            fill(self, model, init, seed)
+
+    def _lower_programs(
+        self,
+        captured: dict[bool, OpGraph],
+        plans: dict[bool, Plan],
+        rank: int,
+        device: torch.device,
+        tensors: dict[str, Any],
+    ) -> dict[bool, Any]:
+        """The programs this rank runs, by mode (train, eval)."""
+        return {
             mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
             for mode in captured
         }
-        if init is not None:
-            fill(self, model, init, seed)
 
     def _local_state(
         self, model: nn.Module, captured: dict[bool, OpGraph]
@@ -377,72 +382,6 @@ def _local_input(x: Any, layout: Layout, rank: int, name: str, cast: bool = Fals
     )
 
 
-def parallelize(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    mesh: Any,
-    strategies: Mapping[str, Any] | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    *,
-    example_kwargs: dict[str, Any] | None = None,
-    input_layouts: Mapping[str, Layout] | None = None,
-    seed: int = 0,
-    captured: dict[bool, OpGraph] | None = None,
-    search: str | None = None,
-    cluster: Any = None,
-    plan: Any = None,
-    memory_limit: float | None = None,
-    replicas: str = "broadcast",
-    bucket_cap_mb: float = BUCKET_CAP_MB,
-    precision: str | Precision | None = None,
-    zero: int | Mapping[str, int] | None = None,
-    reshard_after_forward: bool = True,
-    init: Any = None,
-    timeout_s: float | None = None,
-) -> ParallelModule:
-    """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
-    with the given strategies, check every rank planned the same, and lower this rank's part.
-    ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
-    (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
-    from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
-    sets the mesh. ``captured`` (``capture_modes``) skips the capture when planning again.
-    ``replicas``: "broadcast" the first rank's part of each parameter and buffer to the ranks
-    that hold the same part, "check" that they are equal (naming the rank that differs), or
-    "none". ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward
-    (DDP's default, 25). ``precision`` ("fp32", "bf16", "fp16" or a ``Precision``): the dtype
-    the model computes in and gradients are summed in (docs/precision.md); a ``captured``
-    given with it must have been captured in its compute dtype. ``zero`` (0, 1, 2, 3, or
-    ``{fqn pattern: stage}``; default the plan's, else 0): ZeRO over each parameter's
-    data-parallel replicas (docs/zero.md); ``reshard_after_forward`` (stage 3): drop gathered
-    parameters after forward and gather them again in backward. ``init`` (a model built on
-    meta): a checkpoint, ``"reset"`` or a function of a module (docs/meta.md). ``timeout_s``:
-    the longest wait in a collective; then every rank stops, naming the ranks that never
-    arrived (docs/failures.md; default: the process group's own timeout, naming none)."""
-    # Whole: the public entry point; its keywords and their meaning are one list to read
-    if search is not None and plan is not None:
-        raise ValueError("parallelize: give search= or plan=, not both")
-    one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
-    check_init(model, init)
-    policy = precision_policy(precision)
-    if captured is None:
-        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
-                                 dtype=policy.compute)  # fmt: skip
-    if search is not None:
-        given = strategies if search == "propagate" else None
-        plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit,
-                       given, zero if isinstance(zero, int) else None)  # fmt: skip
-    ready, mesh, strategies, input_layouts, source = _given_plan(
-        plan, captured[True], mesh, strategies, input_layouts
-    )
-    info = mesh_info(mesh)
-    rank = check_world(info, source, timeout_s)
-    plans = _plan_modes(captured, info, ready, strategies, input_layouts, source)
-    plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
-    _compare_plans(plans[True], rank)
-    options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init)
-    return ParallelModule(model, captured, plans, rank, seed, *options)
-
-
 def single_device(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -489,7 +428,6 @@ def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> A
 __all__ = [
     "ParallelModule",
     "PlanMismatchError",
-    "parallelize",
     "shard_inputs",
     "single_device",
 ]

@@ -9,6 +9,7 @@ files: within one process the Plan object is handed on as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -137,6 +138,53 @@ class Plan:
         if self.json is None:
             raise ValueError("only a searched plan (autoshard.plan) has a JSON form")
         Path(path).write_text(json.dumps(self.json, indent=1) + "\n")
+
+    def on_ranks(self, ranks: tuple[int, ...]) -> Plan:
+        """The same plan run by ``ranks`` (a pipeline stage's sub-mesh of the world): every
+        layout laid over them, position ``i`` of ``ranks`` doing what rank ``i`` did."""
+        if tuple(ranks) == tuple(range(self.mesh.num_devices)):
+            return self
+        moved: dict[Layout, Layout] = {}
+
+        def on(layout: Any) -> Any:
+            if not isinstance(layout, Layout):
+                return layout
+            if layout not in moved:
+                moved[layout] = layout.on_ranks(ranks)
+            return moved[layout]
+
+        def pair(p: tuple) -> tuple:
+            return tuple(on(x) for x in p)
+
+        def strategy(st: Strategy) -> Strategy:
+            return dataclasses.replace(
+                st, ins=pair(st.ins), outs=pair(st.outs), grads=pair(st.grads), space=on(st.space)
+            )
+
+        nodes = {
+            k: dataclasses.replace(
+                n,
+                strategy=strategy(n.strategy),
+                moves={i: pair(m) for i, m in n.moves.items()},
+                grad_reduce={i: pair(m) for i, m in n.grad_reduce.items()},
+            )
+            for k, n in self.nodes.items()
+        }
+        params = {
+            k: dataclasses.replace(p, layout=on(p.layout), grad_partial=on(p.grad_partial))
+            for k, p in self.params.items()
+        }
+        return dataclasses.replace(
+            self,
+            nodes=nodes,
+            params=params,
+            inputs={k: on(v) for k, v in self.inputs.items()},
+            outputs=[pair(o) for o in self.outputs],
+            shared_reduce={k: pair(v) for k, v in self.shared_reduce.items()},
+            summed_at_params={
+                k: (on(a), on(b), f) for k, (a, b, f) in self.summed_at_params.items()
+            },
+        )
 
     @property
     def auto(self) -> dict[str, Any] | None:

@@ -1,0 +1,113 @@
+"""``autoshard.parallelize``: a single-device model in, this rank's part of the parallel model
+out (a ``ParallelModule``, or a ``PipelineModule`` when the mesh has a ``pp`` axis)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autoshard.cost.collectives import BUCKET_CAP_MB
+from autoshard.graph import OpGraph, capture_modes
+from autoshard.graph.failure import one_line_on_rank_zero
+from autoshard.layout import Layout
+from autoshard.mesh import check_world, mesh_info
+from autoshard.precision import Precision, precision_policy
+from autoshard.runtime.materialize import check_init
+from autoshard.runtime.parallel import ParallelModule
+from autoshard.runtime.pipeline_entry import parallelize_pipeline
+from autoshard.runtime.planned import (
+    _compare_plans,
+    _given_plan,
+    _plan_modes,
+    _search,
+    _zero_of,
+)
+
+
+def parallelize(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    mesh: Any,
+    strategies: Mapping[str, Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    input_layouts: Mapping[str, Layout] | None = None,
+    seed: int = 0,
+    captured: dict[bool, OpGraph] | None = None,
+    search: str | None = None,
+    cluster: Any = None,
+    plan: Any = None,
+    memory_limit: float | None = None,
+    replicas: str = "broadcast",
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    precision: str | Precision | None = None,
+    zero: int | Mapping[str, int] | None = None,
+    reshard_after_forward: bool = True,
+    init: Any = None,
+    timeout_s: float | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    stages: Sequence[str] | None = None,
+    virtual_stages: int = 1,
+) -> ParallelModule:
+    """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
+    with the given strategies, check every rank planned the same, and lower this rank's part.
+    ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
+    (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
+    from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
+    sets the mesh. ``captured`` (``capture_modes``) skips the capture when planning again.
+    ``replicas``: "broadcast" the first rank's part of each parameter and buffer to the ranks
+    that hold the same part, "check" that they are equal (naming the rank that differs), or
+    "none". ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward
+    (DDP's default, 25). ``precision`` ("fp32", "bf16", "fp16" or a ``Precision``): the dtype
+    the model computes in and gradients are summed in (docs/precision.md); a ``captured``
+    given with it must have been captured in its compute dtype. ``zero`` (0, 1, 2, 3, or
+    ``{fqn pattern: stage}``; default the plan's, else 0): ZeRO over each parameter's
+    data-parallel replicas (docs/zero.md); ``reshard_after_forward`` (stage 3): drop gathered
+    parameters after forward and gather them again in backward. ``init`` (a model built on
+    meta): a checkpoint, ``"reset"`` or a function of a module (docs/meta.md). ``timeout_s``:
+    the longest wait in a collective; then every rank stops, naming the ranks that never
+    arrived (docs/failures.md; default: the process group's own timeout, naming none).
+    A mesh axis ``pp`` cuts the model into pipeline stages (docs/parallelism/pipeline.md):
+    ``schedule`` (default ``"1f1b"``), ``microbatches`` (the batch is cut into that many,
+    default the ``pp`` size), ``stages`` (module paths where stages 2, 3, ... begin; default
+    cut between repeated blocks by FLOPs), ``virtual_stages`` (stages per rank of
+    ``interleaved-1f1b``)."""
+    # Whole: the public entry point; its keywords and their meaning are one list to read
+    if search is not None and plan is not None:
+        raise ValueError("parallelize: give search= or plan=, not both")
+    if "pp" in mesh_info(mesh).names or schedule is not None or microbatches is not None:
+        return parallelize_pipeline(
+            model, example_inputs, mesh, strategies, loss_fn, example_kwargs, input_layouts,
+            seed, (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init),
+            timeout_s, schedule or "1f1b", microbatches, stages, virtual_stages,
+            search is not None or plan is not None,
+        )  # fmt: skip
+    one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
+    check_init(model, init)
+    policy = precision_policy(precision)
+    if captured is None:
+        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
+                                 dtype=policy.compute)  # fmt: skip
+    if search is not None:
+        given = strategies if search == "propagate" else None
+        plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit,
+                       given, zero if isinstance(zero, int) else None)  # fmt: skip
+    ready, mesh, strategies, input_layouts, source = _given_plan(
+        plan, captured[True], mesh, strategies, input_layouts
+    )
+    info = mesh_info(mesh)
+    rank = check_world(info, source, timeout_s)
+    plans = _plan_modes(captured, info, ready, strategies, input_layouts, source)
+    plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
+    _compare_plans(plans[True], rank)
+    options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init)
+    return ParallelModule(model, captured, plans, rank, seed, *options)
+
+
+__all__ = ["parallelize"]

@@ -1,0 +1,184 @@
+"""Pipeline parallelism equals plain PyTorch: the GPT and Llama reference models cut into
+stages on a ``pp`` axis, run by each schedule the runtime has, alone and with data and tensor
+parallel inside the stages, trained 5 AdamW steps in float64 beside the eager model stepped by
+``torch.optim``; every step's loss and every parameter compared. The user's loop is the one
+device's: ``loss = pm(*batch); loss.backward(); opt.step()``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from autoshard import parallelize
+from autoshard.graph import StageError, capture_modes, cut_at_modules, cut_balanced
+from autoshard.mesh import mesh_info
+from autoshard.models import build, reference_config
+from autoshard.redistribution import shard_tensor
+from autoshard.runtime.pipeline import pipeline_groups
+from autoshard.testing import run_ranks
+from tests.test_runtime import megatron
+
+STEPS, BATCH, SEQ, VOCAB = 5, 8, 8, 64
+
+
+def _model(name: str, layers: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = reference_config(name, layers=layers, hidden=32, heads=4, kv_heads=2, ffn=64,
+                           vocab=VOCAB, seq=SEQ)  # fmt: skip
+    return build(cfg).to(torch.float64)
+
+
+def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        )  # fmt: skip
+        for _ in range(STEPS)
+    ]
+
+
+def _against_pytorch(name: str, mesh: dict, strategies: Any = None, **pipeline: Any) -> str:
+    """Train under the pipeline and eagerly; '' when every loss and parameter agree."""
+    model = _model(name)
+    ref = copy.deepcopy(model)
+    batches = _batches()
+    pm = parallelize(model, batches[0], mesh, strategies, **pipeline)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, batch in enumerate(batches):
+        loss = pm(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = ref(*batch)
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        if not torch.allclose(loss.detach(), want.detach()):
+            return f"{name} {mesh} {pipeline}: step {step} loss {float(loss)} != {float(want)}"
+    params = dict(ref.named_parameters())
+    held = pm.local_tensors()
+    for fqn, t in held.items():
+        if fqn in params:
+            expected = shard_tensor(params[fqn].detach(), pm.layout_of(fqn), pm.rank)
+            if not torch.allclose(t.detach(), expected):
+                return f"{name} {mesh} {pipeline}: parameter {fqn} differs"
+    if not any(fqn in params for fqn in held):
+        return f"{name} {mesh} {pipeline}: this rank holds no parameter"
+    return ""
+
+
+def _scaled_and_accumulated() -> str:
+    """``(loss * 0.5).backward()`` halves the gradients, and two calls before a step add
+    theirs, as on one device."""
+    model = _model("gpt")
+    ref = copy.deepcopy(model)
+    a, b = _batches()[:2]
+    pm = parallelize(model, a, {"pp": 2}, microbatches=2)
+    (pm(*a) * 0.5).backward()
+    pm(*b).backward()
+    (ref(*a) * 0.5).backward()
+    ref(*b).backward()
+    params = dict(ref.named_parameters())
+    for fqn, t in pm.local_tensors().items():
+        if fqn in params and t.grad is not None:
+            expected = shard_tensor(params[fqn].grad, pm.layout_of(fqn), pm.rank)
+            if not torch.allclose(t.grad, expected):
+                return f"gradient of {fqn} differs"
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        if not torch.allclose(pm(*a), ref(*a)):
+            return "eval loss differs"
+    return ""
+
+
+def _cases_world2() -> list[str]:
+    torch.set_num_threads(1)
+    out = [
+        _against_pytorch("gpt", {"pp": 2}, schedule="1f1b", microbatches=4),
+        _against_pytorch("llama", {"pp": 2}, schedule="gpipe", microbatches=2),
+        _against_pytorch(
+            "gpt", {"pp": 2}, schedule="interleaved-1f1b", microbatches=2, virtual_stages=2
+        ),  # fmt: skip
+        _against_pytorch(
+            "llama", {"pp": 2}, schedule="1f1b", microbatches=4, stages=["layers.1"]
+        ),  # fmt: skip
+        _scaled_and_accumulated(),
+    ]
+    return [o for o in out if o]
+
+
+def _cases_world4() -> list[str]:
+    torch.set_num_threads(1)
+    out = [
+        _against_pytorch("llama", {"dp": 2, "pp": 2}, schedule="1f1b", microbatches=4),
+        _against_pytorch("gpt", {"pp": 2, "tp": 2}, megatron("gpt"), microbatches=2),
+        _against_pytorch("gpt", {"pp": 4}, schedule="1f1b", microbatches=4),
+    ]
+    return [o for o in out if o]
+
+
+def test_pipelines_of_two_ranks_train_as_pytorch() -> None:
+    for problems in run_ranks(_cases_world2, 2, timeout=600):
+        assert problems == []
+
+
+def test_pipelines_with_data_and_tensor_parallel_train_as_pytorch() -> None:
+    for problems in run_ranks(_cases_world4, 4, timeout=600):
+        assert problems == []
+
+
+# -- stage cuts, without ranks ----------------------------------------------------------------
+
+
+def _captured(name: str) -> Any:
+    model = _model(name)
+    return capture_modes(model, _batches()[0])[True]
+
+
+def test_balanced_cuts_fall_between_blocks_and_tied_weights_live_on_both_ends() -> None:
+    og = _captured("gpt")
+    cut = cut_balanced(og, 2)
+    first, last = cut.params
+    assert "wpe.weight" in first and "ln_f.weight" in last
+    assert cut.holders("lm_head.weight") == [0, 1]  # tied to wte: the embedding and the head
+    assert {f for f in first if f.startswith("layers.")} == {
+        f for f in first if f.startswith(("layers.0.", "layers.1."))
+    }
+    assert len(cut.receives[1]) == 1  # only the residual stream crosses
+    assert cut_balanced(og, 4).num_stages == 4
+
+
+def test_cut_by_hand_and_its_errors() -> None:
+    og = _captured("llama")
+    cut = cut_at_modules(og, ["layers.1", "layers.3"])
+    assert cut.num_stages == 3
+    assert any(f.startswith("layers.3.") for f in cut.params[2])
+    # the rotary tables made before the blocks reach every later stage
+    assert set(cut.receives[1]) <= set(cut.receives[1]) | set(cut.receives[2])
+    with pytest.raises(StageError, match="no op of the model runs in module 'layers.9'"):
+        cut_at_modules(og, ["layers.9"])
+    with pytest.raises(StageError, match="in the order the model runs them"):
+        cut_at_modules(og, ["layers.3", "layers.1"])
+    with pytest.raises(StageError, match="runs of repeated blocks"):
+        cut_balanced(og, 6)
+
+
+def test_pipeline_groups_are_the_ranks_of_each_pp_coordinate() -> None:
+    assert pipeline_groups(mesh_info({"dp": 2, "pp": 2, "tp": 2})) == ((0, 1, 4, 5), (2, 3, 6, 7))
+    assert pipeline_groups(mesh_info({"pp": 4})) == ((0,), (1,), (2,), (3,))
+
+
+def test_bad_pipeline_arguments_are_clear_errors() -> None:
+    model = _model("gpt")
+    batch = _batches()[0]
+    with pytest.raises(ValueError, match="does not split into 3 equal micro-batches"):
+        parallelize(model, batch, {"pp": 1}, microbatches=3)
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        parallelize(model, batch, {"pp": 1}, schedule="pipedream")

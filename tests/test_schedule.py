@@ -1,0 +1,169 @@
+"""Pipeline schedules as data: every named schedule is valid (each action once, on its stage's
+rank, dependencies in order, sends and receives paired in the same order on every pair of
+ranks, no deadlock), has the bubble and the memory its paper gives at nominal costs, and the
+validator names what is wrong with a broken one."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoshard.schedule import (
+    Action,
+    Schedule,
+    ScheduleError,
+    make_schedule,
+    parse_action,
+    simulate,
+    unit_cost,
+    validate,
+    with_communication,
+)
+
+CASES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 12)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zbv"])
+@pytest.mark.parametrize(("p", "m"), CASES)
+def test_every_named_schedule_is_valid(name: str, p: int, m: int) -> None:
+    schedule = make_schedule(name, p, m)
+    timeline = validate(schedule)
+    assert timeline.step > 0
+    assert Schedule.from_json(schedule.to_json()) == schedule
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (2, 3), (4, 2), (4, 4), (8, 2)])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_interleaved_is_valid_and_its_bubble_is_1f1bs_over_v(p: int, v: int, k: int) -> None:
+    m = k * p
+    schedule = make_schedule("interleaved-1f1b", p, m, virtual=v)
+    validate(schedule)
+    # each of a rank's v stages is 1/v of its work
+    interleaved = simulate(schedule, lambda a: unit_cost(a) / v)
+    one_f_one_b = validate(make_schedule("1f1b", p, m))
+    # Narayanan et al. 2021: the bubble time is divided by v (each stage 1/v of the work)
+    bubble_time = interleaved.step - 3 * m
+    assert bubble_time == pytest.approx((one_f_one_b.step - 3 * m) / v)
+    assert interleaved.bubble < one_f_one_b.bubble
+    assert interleaved.schedule.placement == tuple(s % p for s in range(p * v))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), CASES)
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(
+    name: str, p: int, m: int
+) -> None:
+    timeline = validate(make_schedule(name, p, m))
+    assert timeline.bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 12), (8, 16)])
+def test_1f1b_holds_p_minus_r_micro_batches_where_gpipe_holds_m(p: int, m: int) -> None:
+    gpipe = validate(make_schedule("gpipe", p, m))
+    one_f_one_b = validate(make_schedule("1f1b", p, m))
+    assert gpipe.in_flight == (m,) * p
+    assert one_f_one_b.in_flight == tuple(min(p - r, m) for r in range(p))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12), (8, 16), (8, 24)])
+def test_zero_bubble_schedules_beat_1f1b_at_its_memory(p: int, m: int) -> None:
+    one_f_one_b = validate(make_schedule("1f1b", p, m))
+    h1 = validate(make_schedule("zb-h1", p, m))
+    zbv = validate(make_schedule("zbv", p, m))
+    assert h1.bubble < one_f_one_b.bubble
+    assert zbv.bubble < h1.bubble
+    # ZB-H1 keeps 1F1B's bound; ZB-V holds p micro-batches of two half-size stages a rank
+    assert all(h <= f for h, f in zip(h1.in_flight, one_f_one_b.in_flight, strict=True))
+    per_rank = [sum(zbv.in_flight[s] for s in zbv.schedule.stages_of(r)) for r in range(p)]
+    assert max(per_rank) <= 2 * p + 1
+
+
+def test_transfer_time_delays_the_stage_after() -> None:
+    one = make_schedule("1f1b", 2, 1)  # F0, hop, F1 B1, hop, B0
+    assert simulate(one, unit_cost, transfer=lambda send: 0.5).step == pytest.approx(7.0)
+    schedule = make_schedule("1f1b", 2, 4)
+    at_once = simulate(schedule, unit_cost)
+    slow = simulate(schedule, unit_cost, transfer=lambda send: 0.5)
+    # in the steady state each round trip between the ranks is on the critical path
+    assert at_once.step + 2 * 0.5 < slow.step <= at_once.step + 4 * 2 * 0.5
+    bytes_ = simulate(schedule, unit_cost, activation_bytes=lambda s: 10.0)
+    assert bytes_.peak_activation_bytes == (20.0, 10.0)
+
+
+def test_actions_read_back_from_their_text() -> None:
+    for text in ("F3.1", "SEND_F3.1>4", "RECV_B2.0<3", "REDUCE_GRAD2", "W0.11"):
+        assert str(parse_action(text)) == text
+    with pytest.raises(ScheduleError, match="cannot read"):
+        parse_action("X1.2")
+
+
+def _two_ranks(rank0: list[str], rank1: list[str], name: str = "broken") -> Schedule:
+    return Schedule(
+        name, 2, (0, 1), (tuple(map(parse_action, rank0)), tuple(map(parse_action, rank1)))
+    )
+
+
+def test_the_validator_names_a_missing_action() -> None:
+    compute = [
+        [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0)],
+        [Action("F", 1, 0), Action("B", 1, 0), Action("F", 1, 1), Action("B", 1, 1)],
+    ]
+    with pytest.raises(ScheduleError, match="B0.1 is missing"):
+        validate(with_communication("broken", 2, (0, 1), compute, False))
+
+
+def test_the_validator_names_sends_out_of_order() -> None:
+    rank0 = [
+        "F0.0",
+        "SEND_F0.0>1",
+        "F0.1",
+        "SEND_F0.1>1",
+        "RECV_B0.0<1",
+        "B0.0",
+        "RECV_B0.1<1",
+        "B0.1",
+        "REDUCE_GRAD0",
+    ]
+    rank1 = [
+        "RECV_F1.1<0",
+        "RECV_F1.0<0",
+        "F1.0",
+        "B1.0",
+        "SEND_B1.0>0",
+        "F1.1",
+        "B1.1",
+        "SEND_B1.1>0",
+        "REDUCE_GRAD1",
+    ]
+    with pytest.raises(ScheduleError, match="rank 0 sends to rank 1 in the order"):
+        validate(_two_ranks(rank0, rank1))
+
+
+def test_the_validator_names_a_deadlock() -> None:
+    # rank 0 waits for micro-batch 0's gradient before sending micro-batch 1, which rank 1
+    # needs before it runs micro-batch 0's backward
+    compute = [
+        [Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
+        [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)],
+    ]
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 at B0.0; rank 1 at F1.1"):
+        validate(with_communication("broken", 2, (0, 1), compute, False))
+
+
+def test_the_validator_names_a_backward_before_its_forward_and_a_wrong_rank() -> None:
+    compute = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 1, 0), Action("B", 1, 0)]]
+    with pytest.raises(ScheduleError, match="runs B0.0 before F0.0"):
+        validate(with_communication("broken", 1, (0, 1), compute, False))
+    compute = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0)], [Action("B", 1, 0)]]
+    with pytest.raises(ScheduleError, match="F1.0 runs on rank 0; stage 1 is on rank 1"):
+        validate(with_communication("broken", 1, (0, 1), compute, False))
+
+
+def test_bad_names_and_sizes_are_clear_errors() -> None:
+    with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'"):
+        make_schedule("pipedream", 2, 4)
+    with pytest.raises(ScheduleError, match="not a multiple of the 4 pipeline ranks; use 8"):
+        make_schedule("interleaved-1f1b", 4, 6, virtual=2)
+    with pytest.raises(ScheduleError, match="no virtual stages"):
+        make_schedule("1f1b", 2, 4, virtual=2)
+    with pytest.raises(ScheduleError, match="at least 1"):
+        make_schedule("gpipe", 2, 0)
