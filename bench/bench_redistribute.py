@@ -453,6 +453,12 @@ def _steps(steps: Sequence[str]) -> str:
     return " → ".join(f"`{s}`" for s in steps) or "(none)"
 
 
+def _interval(pair: dict[str, Any]) -> str:
+    """The time ratio's 95% interval (results from before it was measured have none)."""
+    t = pair.get("time")
+    return f"{t['low']:.2f}-{t['high']:.2f}" if t else "n/a"
+
+
 def _geomean(values: Sequence[float | None]) -> float | None:
     kept = [v for v in values if v]
     return math.exp(sum(map(math.log, kept)) / len(kept)) if kept else None
@@ -483,7 +489,7 @@ def summary(result: dict[str, Any]) -> str:
             f"| {_fmt_bytes(max(a['bytes_by_rank']))} | {_fmt_bytes(max(d['bytes_by_rank']))} "
             f"| {_fmt_ratio(p['bytes_ratio'])} | {_fmt_ratio(p['total_bytes_ratio'])} "
             f"| {a['ms_median']:.3f} | {d['ms_median']:.3f} | {_fmt_ratio(p['time_ratio'])} "
-            f"| {p['time']['low']:.2f}-{p['time']['high']:.2f} |"
+            f"| {_interval(p)} |"
         )
     lines.append("")
     gb, gt = _geomean([p["bytes_ratio"] for p in pairs]), _geomean([p["time_ratio"] for p in pairs])
@@ -500,8 +506,7 @@ def summary(result: dict[str, Any]) -> str:
         "- autoshard is slower than DTensor on: "
         + (
             ", ".join(
-                f"({p['src']}) → ({p['dst']}) ({p['time_ratio']:.2f}x, "
-                f"interval {p['time']['low']:.2f}-{p['time']['high']:.2f})"
+                f"({p['src']}) → ({p['dst']}) ({p['time_ratio']:.2f}x, interval {_interval(p)})"
                 for p in slower
             )
             or "no pair"

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from autoshard import parallelize
+import autoshard
+from autoshard import parallelize, shard_inputs
 from autoshard.graph import StageError, capture_modes, cut_at_modules, cut_balanced
 from autoshard.mesh import mesh_info
 from autoshard.models import build, reference_config
 from autoshard.redistribution import shard_tensor
 from autoshard.runtime.pipeline import pipeline_groups
-from autoshard.testing import run_ranks
+from autoshard.testing import LiveBytes, run_ranks
 from tests.test_runtime import megatron
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 8, 64
@@ -42,8 +43,11 @@ def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _against_pytorch(name: str, mesh: dict, strategies: Any = None, **pipeline: Any) -> str:
-    """Train under the pipeline and eagerly; '' when every loss and parameter agree."""
+def _against_pytorch(
+    name: str, mesh: dict, strategies: Any = None, clip: float | None = None, **pipeline: Any
+) -> str:
+    """Train under the pipeline and eagerly (gradients clipped to ``clip`` both ways); ''
+    when every loss and parameter agree."""
     model = _model(name)
     ref = copy.deepcopy(model)
     batches = _batches()
@@ -53,23 +57,25 @@ def _against_pytorch(name: str, mesh: dict, strategies: Any = None, **pipeline: 
     for step, batch in enumerate(batches):
         loss = pm(*batch)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
         want = ref(*batch)
         want.backward()
+        if clip is not None:
+            norm = autoshard.clip_grad_norm_(pm, clip)
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            if not torch.allclose(norm, norm_ref):
+                return f"{name} {mesh} {pipeline}: step {step} norm {norm} != {norm_ref}"
+        opt.step()
+        opt.zero_grad()
         opt_ref.step()
         opt_ref.zero_grad()
         if not torch.allclose(loss.detach(), want.detach()):
             return f"{name} {mesh} {pipeline}: step {step} loss {float(loss)} != {float(want)}"
-    params = dict(ref.named_parameters())
-    held = pm.local_tensors()
-    for fqn, t in held.items():
-        if fqn in params:
-            expected = shard_tensor(params[fqn].detach(), pm.layout_of(fqn), pm.rank)
-            if not torch.allclose(t.detach(), expected):
-                return f"{name} {mesh} {pipeline}: parameter {fqn} differs"
-    if not any(fqn in params for fqn in held):
-        return f"{name} {mesh} {pipeline}: this rank holds no parameter"
+    full, want = pm.full_state_dict(), ref.state_dict()
+    if set(full) != set(want):
+        return f"{name} {mesh} {pipeline}: state dict keys {sorted(set(full) ^ set(want))}"
+    for key, value in want.items():
+        if not torch.allclose(full[key], value):
+            return f"{name} {mesh} {pipeline}: {key} differs"
     return ""
 
 
@@ -98,10 +104,50 @@ def _scaled_and_accumulated() -> str:
     return ""
 
 
-def _cases_world2() -> list[str]:
+def _saved_under_pp_loads_under_dp(path: str) -> str:
+    """A checkpoint of 2 steps under pp 2 loads under dp 2 (into other values) and the next
+    3 steps equal plain PyTorch's steps 3 to 5."""
+    model = _model("gpt")
+    ref = copy.deepcopy(model)
+    batches = _batches()
+    pm = parallelize(model, batches[0], {"pp": 2}, microbatches=2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for batch in batches:
+        loss = ref(*batch)
+        loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        want.append(float(loss))
+    for batch in batches[:2]:
+        pm(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+    autoshard.save(path, pm, opt, step=2)
+    torch.manual_seed(7)  # other values, all replaced by the checkpoint's
+    other = build(reference_config("gpt", layers=4, hidden=32, heads=4, vocab=VOCAB, seq=SEQ))
+    dp = parallelize(other.to(torch.float64), batches[0], {"dp": 2})
+    opt_dp = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+    autoshard.load(path, dp, opt_dp)
+    for step, batch in enumerate(batches[2:], start=2):
+        loss = dp(*shard_inputs(batch, dp))
+        loss.backward()
+        opt_dp.step()
+        opt_dp.zero_grad()
+        if abs(float(loss) - want[step]) > 1e-9:
+            return f"after loading, step {step} loss {float(loss)} != {want[step]}"
+    full = dp.full_state_dict()
+    for key, value in ref.state_dict().items():
+        if not torch.allclose(full[key], value):
+            return f"after loading, {key} differs"
+    return ""
+
+
+def _cases_world2(path: str) -> list[str]:
     torch.set_num_threads(1)
     out = [
-        _against_pytorch("gpt", {"pp": 2}, schedule="1f1b", microbatches=4),
+        _against_pytorch("gpt", {"pp": 2}, schedule="1f1b", microbatches=4, clip=0.05),
         _against_pytorch("llama", {"pp": 2}, schedule="gpipe", microbatches=2),
         _against_pytorch(
             "gpt", {"pp": 2}, schedule="interleaved-1f1b", microbatches=2, virtual_stages=2
@@ -109,7 +155,20 @@ def _cases_world2() -> list[str]:
         _against_pytorch(
             "llama", {"pp": 2}, schedule="1f1b", microbatches=4, stages=["layers.1"]
         ),  # fmt: skip
+        _against_pytorch("gpt", {"pp": 2}, schedule="1f1b", microbatches=2, recompute="full"),
+        _against_pytorch(
+            "llama",
+            {"pp": 2},
+            schedule="interleaved-1f1b",
+            microbatches=2,
+            virtual_stages=2,
+            recompute="selective",
+        ),  # fmt: skip
+        _against_pytorch("llama", {"dp": 2}, recompute={"layers.[02]": "full"}),
+        _against_pytorch("llama", {"pp": 2}, schedule="zb-h1", microbatches=4),
+        _against_pytorch("gpt", {"pp": 2}, schedule="zbv", microbatches=2),
         _scaled_and_accumulated(),
+        _saved_under_pp_loads_under_dp(path),
     ]
     return [o for o in out if o]
 
@@ -120,12 +179,15 @@ def _cases_world4() -> list[str]:
         _against_pytorch("llama", {"dp": 2, "pp": 2}, schedule="1f1b", microbatches=4),
         _against_pytorch("gpt", {"pp": 2, "tp": 2}, megatron("gpt"), microbatches=2),
         _against_pytorch("gpt", {"pp": 4}, schedule="1f1b", microbatches=4),
+        _against_pytorch("gpt", {"dp": 2, "pp": 2}, schedule="zbv", microbatches=2),
+        _against_pytorch("llama", {"dp": 2, "pp": 2}, zero=1, microbatches=2, recompute="full"),
+        _against_pytorch("gpt", {"dp": 2, "pp": 2}, zero=2, microbatches=2, clip=0.05),
     ]
     return [o for o in out if o]
 
 
-def test_pipelines_of_two_ranks_train_as_pytorch() -> None:
-    for problems in run_ranks(_cases_world2, 2, timeout=600):
+def test_pipelines_of_two_ranks_train_as_pytorch(tmp_path) -> None:
+    for problems in run_ranks(_cases_world2, 2, str(tmp_path / "ckpt"), timeout=600):
         assert problems == []
 
 
@@ -182,3 +244,31 @@ def test_bad_pipeline_arguments_are_clear_errors() -> None:
         parallelize(model, batch, {"pp": 1}, microbatches=3)
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         parallelize(model, batch, {"pp": 1}, schedule="pipedream")
+
+
+# -- recompute, on one process ------------------------------------------------------------------
+
+
+def _held_after_forward(pm: Any, batch: tuple) -> tuple[int, dict[str, torch.Tensor]]:
+    """The bytes a step's forward leaves alive for backward (every storage made in it), and
+    the step's gradients."""
+    with LiveBytes() as live:
+        loss = pm(*batch)
+        held = live.live
+    loss.backward()
+    grads = {k: t.grad.clone() for k, t in pm.local_tensors().items() if t.grad is not None}
+    return held, grads
+
+
+def test_recompute_keeps_less_for_backward_and_changes_no_gradient() -> None:
+    batch = _batches()[0]
+    saved, grads = {}, {}
+    for mode in ("none", "selective", "full"):
+        pm = parallelize(_model("llama"), batch, 1, recompute=mode)
+        saved[mode], grads[mode] = _held_after_forward(pm, batch)
+    assert saved["full"] < saved["selective"] < saved["none"]
+    for mode in ("selective", "full"):
+        for k, g in grads["none"].items():
+            torch.testing.assert_close(grads[mode][k], g)
+    with pytest.raises(ValueError, match="recompute='some': expected one of none, full"):
+        parallelize(_model("gpt"), batch, 1, recompute="some")

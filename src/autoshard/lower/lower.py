@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from autoshard.graph import OpGraph, StageCut
 from autoshard.layout import NOT_SPLIT, Layout
+from autoshard.lower.recompute import TAG, with_recompute
 from autoshard.ops import local, rule_for, tensor_inputs
 from autoshard.redistribution import execute, redistribute, redistribution_plan
 from autoshard.search import Plan
@@ -162,12 +163,18 @@ def lower(
     tensors: dict[str, torch.Tensor],
     state: RunState,
     stage: tuple[StageCut, int] | None = None,
+    recompute: str | dict[str, str] = "none",
+    weights: bool = False,
 ) -> fx.GraphModule:
     """The rank's program; ``tensors`` holds its parameter and buffer shards by name, or a
     module that returns the parameter's local tensor when called (ZeRO's gather).
     ``stage`` (a cut and a stage of it): the program of that pipeline stage only, taking the
     model's inputs and then the values it receives (``cut.receives``), and returning the
-    values it sends (``cut.sends``), or the model's outputs from the last stage."""
+    values it sends (``cut.sends``), or the model's outputs from the last stage.
+    ``recompute``: which repeated blocks backward runs again (``lower/recompute.py``).
+    ``weights`` (with ``stage``): the program also returns, after those, the (first) output
+    of every op of the stage that reads a parameter (``weight_readers``), where a backward
+    split in two finds the gradients its weight half starts from."""
     # Whole: one walk over the graph; every kind of node is one branch of it
     low = _Lowerer(plan, rank, device, state)
     for fqn, tensor in tensors.items():
@@ -187,14 +194,20 @@ def lower(
         received = cut.receives[s]
         for name in received:
             env[og.by_name[name]] = low.graph.placeholder(f"recv_{name}")
+    tagging = recompute != "none"
+    extra: tuple = ()
     for node in og.graph.nodes:
         info = og[node]
         if info.kind == "input" or node.name in received:
             continue
+        if tagging:
+            before = len(low.graph.nodes)
         if stage is not None and not _in_stage(og, node, *stage):
             continue
+        if node.op == "output" and weights and stage is not None:
+            extra = _weight_values(low, og, cut, s)
         if stage is not None and node.op == "output" and s < cut.num_stages - 1:
-            low.graph.output(tuple(low.value(og.by_name[n]) for n in cut.sends(s)))
+            low.graph.output(tuple(low.value(og.by_name[n]) for n in cut.sends(s)) + extra)
         elif node.op == "placeholder":
             stored = tensors.get(info.fqn)
             if isinstance(stored, nn.Module):
@@ -211,7 +224,7 @@ def lower(
                 if src != dst:
                     v = low.module(Redistribute(src, dst), (v,), "redistribute")
                 values.append(v)
-            low.graph.output(tuple(values))
+            low.graph.output(tuple(values) + extra)
         elif info.kind == "getitem":
             env[node] = low.call(operator.getitem, (low.value(node.args[0]), node.args[1]), {})
         else:
@@ -219,8 +232,41 @@ def lower(
         if node.name in plan.shared_reduce:  # one sum for all readers' gradient parts
             reduce = ReduceGrad(*plan.shared_reduce[node.name])
             env[node] = low.module(reduce, (low.value(node),), "reduce_grad")
+        if tagging:
+            _tag(low.graph, len(low.graph.nodes) - before, _block_of(og, node))
     gm = fx.GraphModule(low.root, low.graph, class_name=f"Rank{rank}")
-    return gm
+    return with_recompute(gm, recompute) if tagging else gm
+
+
+def weight_readers(og: OpGraph, cut: StageCut, s: int) -> list[fx.Node]:
+    """The ops of stage ``s`` that read a parameter or buffer, in graph order."""
+    return [
+        n
+        for n in og.graph.nodes
+        if og[n].kind == "op" and og[n].params and cut.stage_of[n.name] == s
+    ]
+
+
+def _weight_values(low: _Lowerer, og: OpGraph, cut: StageCut, s: int) -> tuple:
+    out = []
+    for n in weight_readers(og, cut, s):
+        v = low.value(n)
+        if isinstance(n.meta.get("val"), list | tuple):  # a tuple: its first tensor
+            v = low.call(operator.getitem, (v, 0), {})
+        out.append(v)
+    return tuple(out)
+
+
+def _block_of(og: OpGraph, node: fx.Node) -> str | None:
+    block = og[node].block
+    return f"{block[0]}.{block[1]}" if block and block[0] in og.repeated else None
+
+
+def _tag(graph: fx.Graph, count: int, block: str | None) -> None:
+    """Tag the last ``count`` nodes of ``graph`` (what lowering one node made) with its block."""
+    for n, _ in zip(reversed(graph.nodes), range(count), strict=False):
+        if n.op != "output":
+            n.meta[TAG] = block
 
 
 def _in_stage(og: OpGraph, node: fx.Node, cut: StageCut, s: int) -> bool:
@@ -260,4 +306,12 @@ def _needless_copy(node: fx.Node) -> bool:
     return node.kwargs.get("memory_format", torch.preserve_format) == torch.preserve_format
 
 
-__all__ = ["Dropout", "Redistribute", "ReduceGrad", "RunState", "attr_name", "lower"]
+__all__ = [
+    "Dropout",
+    "Redistribute",
+    "ReduceGrad",
+    "RunState",
+    "attr_name",
+    "lower",
+    "weight_readers",
+]

@@ -54,6 +54,7 @@ def parallelize(
     microbatches: int | None = None,
     stages: Sequence[str] | None = None,
     virtual_stages: int = 1,
+    recompute: str | Mapping[str, str] | None = None,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -77,14 +78,17 @@ def parallelize(
     ``schedule`` (default ``"1f1b"``), ``microbatches`` (the batch is cut into that many,
     default the ``pp`` size), ``stages`` (module paths where stages 2, 3, ... begin; default
     cut between repeated blocks by FLOPs), ``virtual_stages`` (stages per rank of
-    ``interleaved-1f1b``)."""
+    ``interleaved-1f1b``). ``recompute`` (``"none"``, ``"full"``, ``"selective"`` or
+    ``{module glob: mode}``): which repeated blocks backward runs again instead of keeping
+    their activations (docs/parallelism/pipeline.md)."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if search is not None and plan is not None:
         raise ValueError("parallelize: give search= or plan=, not both")
-    if "pp" in mesh_info(mesh).names or schedule is not None or microbatches is not None:
+    if _pipelined(mesh, schedule, microbatches, stages):
         return parallelize_pipeline(
             model, example_inputs, mesh, strategies, loss_fn, example_kwargs, input_layouts,
-            seed, (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init),
+            seed,
+            (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute),
             timeout_s, schedule or "1f1b", microbatches, stages, virtual_stages,
             search is not None or plan is not None,
         )  # fmt: skip
@@ -106,8 +110,16 @@ def parallelize(
     plans = _plan_modes(captured, info, ready, strategies, input_layouts, source)
     plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
     _compare_plans(plans[True], rank)
-    options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init)
+    options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init, recompute)
     return ParallelModule(model, captured, plans, rank, seed, *options)
+
+
+def _pipelined(mesh: Any, schedule: Any, microbatches: Any, stages: Any) -> bool:
+    """Whether ``parallelize`` makes pipeline stages: a ``pp`` axis or a pipeline keyword (a
+    ``plan=`` sets the mesh, which is None here then)."""
+    if schedule is not None or microbatches is not None or stages is not None:
+        return True
+    return mesh is not None and "pp" in mesh_info(mesh).names
 
 
 __all__ = ["parallelize"]

@@ -147,6 +147,25 @@ class GradSync:
             bucket.flat, bucket.ready, bucket.work = None, [], None
         self._accumulated, self._full, self._queued = set(), [], False
 
+    def sum_accumulated(self, params: list[torch.Tensor]) -> None:
+        """Sum now, over each one's group, what backwards run while ``syncing`` was off left
+        in the ``.grad`` of ``params`` (the weight halves of a split backward): one
+        all-reduce per group and dtype, in the order given (the same on every rank)."""
+        by_group: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            if id(p) in self._unsynced and p.grad is not None and id(p) in self._groups:
+                group = _mine(self._groups[id(p)], self.rank)
+                by_group.setdefault((group, p.grad.dtype), []).append(p)
+        for (group, dtype), members in by_group.items():
+            flat = torch.cat([p.grad.reshape(-1).to(self.reduce_dtype or dtype) for p in members])
+            comm.all_reduce_(flat, group)
+            offset = 0
+            with torch.no_grad():
+                for p in members:
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                    offset += p.numel()
+                    self._unsynced.discard(id(p))
+
     def _start_full(self) -> None:
         # Not in the hook that completes a bucket: autograd has yet to accumulate that
         # gradient, which may read the slot the collective is writing. The next hook (or the

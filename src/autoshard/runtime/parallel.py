@@ -20,7 +20,7 @@ from autoshard import watch
 from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.graph import OpGraph, capture_modes
 from autoshard.layout import Layout, LayoutError
-from autoshard.lower import RunState, attr_name, lower
+from autoshard.lower import RunState, attr_name, check_recompute, lower
 from autoshard.mesh import MeshInfo
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
@@ -49,8 +49,10 @@ class ParallelModule(nn.Module):
         precision: Precision | None = None,
         reshard_after_forward: bool = True,
         init: Any = None,
+        recompute: Any = "none",
     ) -> None:
         super().__init__()
+        self._recompute = check_recompute(recompute)
         self.precision = precision or Precision()
         # the plans as this module runs them: copies under its precision policy
         plans = {mode: dataclasses.replace(p, precision=precision) for mode, p in plans.items()}
@@ -93,7 +95,15 @@ class ParallelModule(nn.Module):
     ) -> dict[bool, Any]:
         """The programs this rank runs, by mode (train, eval)."""
         return {
-            mode: lower(captured[mode], plans[mode], rank, device, tensors, self._state)
+            mode: lower(
+                captured[mode],
+                plans[mode],
+                rank,
+                device,
+                tensors,
+                self._state,
+                recompute=self._recompute if mode else "none",
+            )  # fmt: skip
             for mode in captured
         }
 

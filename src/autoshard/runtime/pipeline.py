@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autoshard import comm, watch
 from autoshard.graph import OpGraph, StageCut, cut_at_modules, cut_balanced
-from autoshard.layout import Layout
-from autoshard.lower import lower
+from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
+from autoshard.redistribution import gather_tensor
 from autoshard.runtime.parallel import ParallelModule, _local_input
+from autoshard.runtime.pipeline_step import Step
 from autoshard.schedule import Action, Schedule
 from autoshard.search import Plan
 
@@ -90,14 +90,6 @@ def _block_path(og: OpGraph, name: str) -> str:
     return f"{info.block[0]}.{info.block[1]}" if info.block else info.path
 
 
-def _value_layout(plan: Plan, og: OpGraph, name: str) -> Layout:
-    node = og.by_name[name]
-    if og[node].kind == "getitem":
-        src = plan.nodes[node.args[0].name]
-        return src.strategy.outs[node.args[1]]
-    return plan.nodes[name].strategy.outs[0]
-
-
 class _Finished(torch.autograd.Function):
     """The loss the schedule computed; its backward scales the schedule's gradients by the
     gradient it is given."""
@@ -121,7 +113,33 @@ class PipelineModule(ParallelModule):
         object.__setattr__(self, "_microbatches", microbatches)
         super().__init__(*args, **kwargs)
         self._anchor = torch.zeros((), requires_grad=True)
+        #: record each action's start and end in the steps that follow (``timeline``)
+        self.recording = False
+        #: the last recorded step of this rank: (action, start s, end s) from the step's start
+        self.timeline: list[tuple[str, float, float]] = []
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # each weight reader's trainable tensors per stage (what a W of a split backward
+        # reaches), in the order the stage's program returns the readers' outputs
+        og, held = self._captured[True], self.local_tensors()
+        self._weights_of = {
+            s: [
+                [held[f] for f in og[n].params if f in held and held[f].requires_grad]
+                for n in weight_readers(og, pipe.cuts[True], s)
+            ]
+            for s in pipe.stages
+        }
+        # a split backward's sums: each tensor at the last REDUCE_GRAD among this rank's
+        # stages that hold it (a weight tied between two stages of a V is one tensor here)
+        reduces = [
+            a.stage for a in pipe.schedule.actions[pipe.coordinate] if a.kind == "REDUCE_GRAD"
+        ]
+        last_at = {id(t): s for s in reduces for ws in self._weights_of[s] for t in ws}
+        self._reduce_at = {
+            s: list(
+                {id(t): t for ws in self._weights_of[s] for t in ws if last_at[id(t)] == s}.values()
+            )
+            for s in reduces
+        }
         # the micro-batch whose backward ends each of this rank's stages: its buckets sum
         order = [a for a in pipe.schedule.actions[pipe.coordinate] if a.kind in ("B", "W")]
         self._last_backward = {a.stage: a.microbatch for a in order}
@@ -132,7 +150,17 @@ class PipelineModule(ParallelModule):
         pipe = self._pipe
         return {
             mode: {
-                s: lower(og, plans[mode], rank, device, tensors, self._state, (pipe.cuts[mode], s))
+                s: lower(
+                    og,
+                    plans[mode],
+                    rank,
+                    device,
+                    tensors,
+                    self._state,
+                    (pipe.cuts[mode], s),
+                    recompute=self._recompute if mode else "none",
+                    weights=mode and pipe.schedule.split_backward,
+                )  # fmt: skip
                 for s in pipe.stages
             }
             for mode, og in captured.items()
@@ -145,14 +173,17 @@ class PipelineModule(ParallelModule):
             return self._forward_only(args, kwargs)
         watch.step(self._state.step + 1)
         self._grad_sync.reset()
+        self._zero.reset()
         params = [p for p in self.parameters() if p.requires_grad]
         stash = {id(p): p.grad for p in params}
         for p in params:
             p.grad = None
-        run = _Run(self, True, self._split(args, kwargs, True))
+        run = Step(self, True, self._split(args, kwargs, True))
         for action in self._pipe.schedule.actions[self._pipe.coordinate]:
             run.do(action)
         run.finish()
+        if run.record is not None:
+            self.timeline = run.record
         self._sum_tied()
         self._pending = []
         for p in params:
@@ -179,7 +210,7 @@ class PipelineModule(ParallelModule):
 
     def _forward_only(self, args: tuple, kwargs: dict) -> Any:
         mode = self.training
-        run = _Run(self, mode, self._split(args, kwargs, mode))
+        run = Step(self, mode, self._split(args, kwargs, mode))
         for i in range(self._microbatches):
             for s in self._pipe.stages:
                 if s > 0 and self._pipe.schedule.placement[s - 1] != self._pipe.coordinate:
@@ -243,137 +274,54 @@ class PipelineModule(ParallelModule):
         ]
         return comm.broadcast_(loss.contiguous(), everyone)
 
+    def holders(self, fqn: str) -> int:
+        """How many ranks hold the same values as this rank's ``local_tensors()[fqn]``: its
+        copies in this stage's sub-mesh, times the pipeline ranks whose stages hold it (a
+        tied weight's gradient is summed over them)."""
+        placement = self._pipe.schedule.placement
+        stages = self._pipe.cuts[True].holders(self._canonical(fqn))
+        return super().holders(fqn) * len({placement[s] for s in stages})
+
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Each tied name of a parameter -> the name checkpoints save it under, for every
+        stage's parameters (the same on every rank)."""
+        canonical = {n: info.fqn for info in self._captured[True].state() for n in info.names}
+        return {k: canonical[k] for k in self._full_keys if canonical.get(k, k) != k}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-device state dict on every rank, each stage's tensors from the first
+        rank that holds them (tied weights under every name); a collective of the world."""
+        held = {}
+        for fqn, t in self.local_tensors().items():
+            t = self._whole_local(fqn, t)
+            layout = self._layouts[fqn]
+            whole = t if layout.num_devices == 1 else gather_tensor(t, layout)
+            held[fqn] = whole.clone() if whole.data_ptr() == t.data_ptr() else whole
+        everyone = comm.all_gather_object({f: (tuple(w.shape), w.dtype) for f, w in held.items()})
+        owner: dict[str, int] = {}
+        for r, facts in enumerate(everyone):
+            for fqn in facts:
+                owner.setdefault(fqn, r)
+        out = {}
+        world = list(range(len(everyone)))
+        for fqn in sorted(owner):
+            shape, dtype = everyone[owner[fqn]][fqn]
+            x = (
+                held[fqn].contiguous()
+                if self._rank == owner[fqn]
+                else torch.empty(shape, dtype=dtype)
+            )
+            out[fqn] = comm.broadcast_(x, [owner[fqn], *(r for r in world if r != owner[fqn])])
+        named = {}
+        for key in self._full_keys:
+            name = next((n for n in self._aliases.get(key, [key]) if n in out), None)
+            if name is not None:
+                named[key] = out[name]
+        return named
+
     @property
     def schedule(self) -> Schedule:
         return self._pipe.schedule
-
-
-class _Run:
-    """One step's state: the micro-batches' inputs, each stage's saved values, what is in
-    flight."""
-
-    def __init__(self, pm: PipelineModule, mode: bool, inputs: list[list[Any]]) -> None:
-        self.pm, self.mode, self.inputs = pm, mode, inputs
-        self.pipe = pm._pipe
-        self.cut = self.pipe.cuts[mode]
-        self.og, self.plan = pm._captured[mode], pm._plans[mode]
-        self.programs: dict[int, fx.GraphModule] = pm._programs[mode]
-        self.last = self.cut.num_stages - 1
-        self.leaves: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self.outs: dict[tuple[int, int], tuple] = {}
-        self.inbox: dict[tuple[str, int, int], tuple[comm.Posted, list[torch.Tensor]]] = {}
-        self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self.sent: list[comm.Posted] = []
-        self.losses: list[torch.Tensor] = []
-
-    def needs_grad(self, name: str) -> bool:
-        info = self.og[self.og.by_name[name]]
-        return bool(info.requires_grad) and info.dtype.is_floating_point
-
-    def do(self, a: Action) -> None:
-        getattr(self, "_" + a.kind.lower())(a)
-
-    def _buffers(self, names: tuple[str, ...]) -> list[torch.Tensor]:
-        out = []
-        for name in names:
-            layout = _value_layout(self.plan, self.og, name)
-            dtype = self.pm.precision.compute or layout.dtype
-            dtype = dtype if layout.dtype.is_floating_point else layout.dtype
-            out.append(torch.empty(layout.local_shape(), dtype=dtype))
-        return out
-
-    def _post_receive(self, a: Action, names: tuple[str, ...]) -> None:
-        """Buffers for ``names`` from ``a.peer``'s rank, posted; what reads them waits."""
-        bufs = self._buffers(names)
-        peer = self.pipe.rank_of(a.peer)
-        posted = comm.post_p2p([], [(b, peer) for b in bufs])
-        self.inbox[(a.kind[-1], a.stage, a.microbatch)] = (posted, bufs)
-
-    def _recv_f(self, a: Action) -> None:
-        self._post_receive(a, self.cut.receives[a.stage])
-
-    def _f(self, a: Action) -> None:
-        s, i = a.stage, a.microbatch
-        if s == 0:
-            received: list[torch.Tensor] = []
-        elif ("F", s, i) in self.inbox:
-            posted, received = self.inbox.pop(("F", s, i))
-            posted.wait()
-        else:  # the stage before is on this rank
-            received = list(self.outs[(s - 1, i)])
-        names = self.cut.receives[s]
-        leaves = [
-            t.detach().requires_grad_(self.needs_grad(n) and torch.is_grad_enabled())
-            for t, n in zip(received, names, strict=True)
-        ]
-        out = self.programs[s](*self.inputs[i], *leaves)
-        self.leaves[(s, i)] = leaves
-        if s == self.last:
-            self.losses.append(out[self.og.outputs[0]])
-            self.outs[(s, i)] = out
-        else:
-            self.outs[(s, i)] = tuple(out)
-
-    def _send_f(self, a: Action) -> None:
-        out = self.outs[(a.stage, a.microbatch)]
-        if not torch.is_grad_enabled():
-            self.outs.pop((a.stage, a.microbatch))
-        peer = self.pipe.rank_of(a.peer)
-        self.sent.append(comm.post_p2p([(t.detach(), peer) for t in out], []))
-
-    def _recv_b(self, a: Action) -> None:
-        self._post_receive(a, tuple(n for n in self.cut.sends(a.stage) if self.needs_grad(n)))
-
-    def _b(self, a: Action) -> None:
-        s, i = a.stage, a.microbatch
-        out = self.outs.pop((s, i))
-        if s == self.last:
-            loss = out[self.og.outputs[0]]
-            tensors, grads = [loss], [torch.full_like(loss, 1.0 / self.pm._microbatches)]
-        else:
-            names = self.cut.sends(s)
-            wanted = [t for t, n in zip(out, names, strict=True) if self.needs_grad(n)]
-            if ("B", s, i) in self.inbox:
-                posted, grads = self.inbox.pop(("B", s, i))
-                posted.wait()
-            else:  # the stage after is on this rank
-                grads = self.grads_out.pop((s + 1, i))
-            pairs = [(t, g) for t, g in zip(wanted, grads, strict=True) if t.requires_grad]
-            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        self.pm._grad_sync.syncing = i == self.pm._last_backward[s]
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        self.pm._grad_sync.syncing = True
-        leaves = self.leaves.pop((s, i))
-        names = self.cut.receives[s]
-        self.grads_out[(s, i)] = [
-            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for leaf, n in zip(leaves, names, strict=True)
-            if self.needs_grad(n)
-        ]
-
-    def _send_b(self, a: Action) -> None:
-        grads = self.grads_out.pop((a.stage, a.microbatch))
-        peer = self.pipe.rank_of(a.peer)
-        self.sent.append(comm.post_p2p([(g, peer) for g in grads], []))
-
-    def _reduce_grad(self, a: Action) -> None:
-        """The stage's data-parallel sums ran in its last backward's buckets."""
-
-    def finish(self) -> None:
-        for posted in self.sent:
-            posted.wait()
-        self.sent = []
-
-    def loss(self) -> torch.Tensor | None:
-        """The model's output over the whole batch: the mean of the micro-batches' losses
-        (each a mean over its part), or their outputs joined along the batch dim."""
-        if not self.losses:
-            return None
-        parts = [x.detach() for x in self.losses]
-        if parts[0].dim() == 0:
-            return torch.stack(parts).mean()
-        return torch.cat(parts)
 
 
 def microbatch_example(example: tuple, kwargs: dict | None, m: int) -> tuple[tuple, dict | None]:

@@ -3,6 +3,7 @@ sub-mesh, the stages cut, the schedule made and validated, this rank's stages lo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.nn as nn
 from autoshard.graph import capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.layout import Layout
+from autoshard.lower import weight_readers
 from autoshard.mesh import check_world, mesh_info
 from autoshard.precision import precision_policy
 from autoshard.runtime.materialize import check_init
@@ -26,6 +28,7 @@ from autoshard.runtime.pipeline import (
 )
 from autoshard.runtime.planned import _compare_plans, _plan_modes
 from autoshard.schedule import make_schedule, validate
+from autoshard.search.plans import check_zero
 
 
 def parallelize_pipeline(
@@ -46,14 +49,12 @@ def parallelize_pipeline(
     planned: bool,
 ) -> PipelineModule:
     """``parallelize`` of a mesh with a ``pp`` axis (its arguments, in its order)."""
-    replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init = options
+    replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute = options
     if planned:
         raise ValueError(
             "parallelize: search= and plan= do not take pipeline stages yet; give the stage's "
             "strategies (or none: data parallel inside each stage)"
         )
-    if zero:
-        raise ValueError(f"parallelize: zero={zero} with pipeline stages is not supported yet")
     one_line_on_rank_zero()
     check_init(model, init)
     info = mesh_info(mesh)
@@ -73,16 +74,35 @@ def parallelize_pipeline(
         )
     rank = check_world(info, "", timeout_s)
     plans = _plan_modes(captured, stage_mesh(info), None, strategies, input_layouts, "")
+    plans[True] = dataclasses.replace(plans[True], zero=check_zero(zero or 0))
     _compare_plans(plans[True], rank)
     cuts = cut_modes(captured, plan_schedule.num_stages, list(stages) if stages else None)
+    if plan_schedule.split_backward:
+        _check_split(captured[True], cuts[True], zero, schedule)
     groups = pipeline_groups(info)
     coordinate = next(c for c, g in enumerate(groups) if rank in g)
     pipe = Pipe(cuts, plan_schedule, groups, coordinate, groups[coordinate].index(rank))
     plans = pipeline_plans(plans, cuts, pipe.stages, groups[coordinate])
     return PipelineModule(
         model, captured, plans, rank, seed, replicas, bucket_cap_mb, policy,
-        reshard_after_forward, init, pipe=pipe, microbatches=m,
+        reshard_after_forward, init, recompute, pipe=pipe, microbatches=m,
     )  # fmt: skip
+
+
+def _check_split(og: Any, cut: Any, zero: Any, schedule: str) -> None:
+    """A backward split into I and W reaches each weight from its one reader in a stage."""
+    if zero:
+        raise ValueError(f"schedule={schedule!r} with zero={zero} is not supported yet")
+    for s in range(cut.num_stages):
+        seen: dict[str, str] = {}
+        for n in weight_readers(og, cut, s):
+            for fqn in og[n].params:
+                if fqn in seen and og[n].requires_grad:
+                    raise ValueError(
+                        f"schedule={schedule!r}: {fqn} is read twice in stage {s} ({seen[fqn]} "
+                        f"and {n.name}); split backwards need one reader a stage (use 1f1b)"
+                    )
+                seen[fqn] = n.name
 
 
 __all__ = ["parallelize_pipeline"]

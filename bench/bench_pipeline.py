@@ -1,0 +1,225 @@
+"""autoshard's pipeline against torch.distributed.pipelining, in the same run.
+
+The Llama reference model (4 layers, hidden 256, 8 heads, 4 kv heads, ffn 512, seq 64, vocab
+512, global batch 16, float32, AdamW) on 2 CPU ranks of 1 thread (gloo), cut the same way both
+ways: ``parallelize(model, batch, {"pp": 2}, schedule=..., microbatches=4, stages=[...])``
+against ``PipelineStage`` modules holding the same layers, run by torch's schedule of the same
+name (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages a rank).
+A step is forward, backward and the optimizer step, one of each way a round, the order turning
+around every round; the ratio is the median over rounds of the two steps' ratio in each round,
+with a bootstrap interval.
+
+Then autoshard's recorded timeline (``pm.recording``): the measured bubble (the share of the
+ranks' time, from the first compute to the last, that no compute runs) beside
+(p-1)/(m+p-1), and the simulator's step from the measured median time of each action beside
+the measured step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from typing import Any
+
+import torch
+
+from bench.timing import in_turns, paired_ratio
+
+NAME = "pipeline"
+
+ROUNDS, WARMUP = 20, 3
+BATCH, MICRO = 16, 4
+CUTS = {1: ["layers.2"], 2: ["layers.1", "layers.2", "layers.3"]}  # stages a rank -> cuts
+SCHEDULES = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
+             ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2))  # fmt: skip
+
+
+def _model():
+    from autoshard.models import build, reference_config
+
+    torch.manual_seed(0)
+    config = reference_config("llama", vocab=512, seq=64, layers=4, heads=8, hidden=256,
+                              kv_heads=4, ffn=512)  # fmt: skip
+    return build(config), config.example_batch(BATCH, torch.Generator().manual_seed(1))
+
+
+class _Part(torch.nn.Module):
+    """Layers ``lo:hi`` of the model, with the embedding first or the head last."""
+
+    def __init__(self, model: Any, lo: int, hi: int) -> None:
+        super().__init__()
+        n = len(model.layers)
+        self.emb = model.tok_embeddings if lo == 0 else None
+        self.layers = torch.nn.ModuleList(model.layers[lo:hi])
+        self.norm, self.output = (model.norm, model.output) if hi == n else (None, None)
+        self.register_buffer("cos", model.rope_cos, persistent=False)
+        self.register_buffer("sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.emb is not None:
+            x = self.emb(x)
+        S = x.shape[1]
+        for layer in self.layers:
+            x = layer(x, self.cos[:S], self.sin[:S])
+        return self.output(self.norm(x)) if self.output is not None else x
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    )
+
+
+def _torch_side(model: Any, virtual: int, schedule: str, rank: int, world: int):
+    import torch.distributed.pipelining as pipelining
+
+    stages_total = world * virtual
+    per = len(model.layers) // stages_total
+    mine = [s for s in range(stages_total) if s % world == rank]
+    stages = [
+        pipelining.PipelineStage(
+            _Part(model, s * per, (s + 1) * per), s, stages_total, torch.device("cpu")
+        )  # fmt: skip
+        for s in mine
+    ]
+    cls = getattr(pipelining, schedule)
+    sched = cls(stages if virtual > 1 else stages[0], MICRO, loss_fn=_loss)
+    params = [p for s in stages for p in s.submod.parameters()]
+    return sched, params
+
+
+def _rank(rounds: int) -> list[dict]:
+    import copy
+
+    import torch.distributed as dist
+
+    from autoshard import parallelize
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = []
+    for name, torch_name, virtual in SCHEDULES:
+        model, batch = _model()
+        sched, theirs_params = _torch_side(copy.deepcopy(model), virtual, torch_name, rank, world)
+        pm = parallelize(model, batch, {"pp": world}, schedule=name, microbatches=MICRO,
+                         stages=CUTS[virtual], virtual_stages=virtual)  # fmt: skip
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        opt_t = torch.optim.AdamW(theirs_params, lr=1e-4)
+        holds_last = rank == (world * virtual - 1) % world
+        losses: list[torch.Tensor] = []
+
+        def ours(pm=pm, opt=opt, batch=batch) -> None:
+            pm(*batch).backward()
+            opt.step()
+            opt.zero_grad()
+
+        def theirs(
+            sched=sched, opt_t=opt_t, holds_last=holds_last, losses=losses, batch=batch
+        ) -> None:
+            losses.clear()
+            args = (batch[0],) if rank == 0 else ()
+            kwargs = {"target": batch[1], "losses": losses} if holds_last else {}
+            sched.step(*args, **kwargs)
+            opt_t.step()
+            opt_t.zero_grad()
+
+        first = float(pm(*batch))  # the same first loss both ways (before any step)
+        theirs_first = None
+        times = in_turns({"autoshard": ours, "torch": theirs}, rounds, WARMUP)
+        if holds_last and losses:
+            theirs_first = float(torch.stack(losses).mean())
+        pm.recording = True
+        timelines = []
+        for _ in range(5):
+            dist.barrier()
+            ours()
+            timelines.append(list(pm.timeline))
+        pm.recording = False
+        gathered = [None] * world
+        dist.all_gather_object(gathered, timelines)
+        rows.append({
+            "schedule": name, "torch_schedule": torch_name, "virtual": virtual,
+            "autoshard_ms": statistics.median(times["autoshard"]) * 1e3,
+            "torch_ms": statistics.median(times["torch"]) * 1e3,
+            "paired": paired_ratio(times["autoshard"], times["torch"]),
+            "first_loss": first, "torch_last_loss": theirs_first,
+            "timelines": gathered,
+            "schedule_json": pm.schedule.to_json(),
+        })  # fmt: skip
+    return rows
+
+
+def _measured(row: dict) -> dict:
+    """Bubble and step from the recorded timelines, and the simulator's step from the
+    measured median time of each compute action."""
+    from autoshard.schedule import Schedule, parse_action, simulate
+
+    schedule = Schedule.from_json(row["schedule_json"])
+    p, m = schedule.num_ranks, schedule.microbatches
+    bubbles, steps, durations = [], [], {}
+    for step in range(len(row["timelines"][0])):
+        compute = [
+            (parse_action(a), s, e)
+            for rank in row["timelines"]
+            for a, s, e in rank[step]
+            if parse_action(a).is_compute
+        ]
+        first, last = min(s for _, s, _ in compute), max(e for _, _, e in compute)
+        busy = sum(e - s for _, s, e in compute)
+        bubbles.append(1 - busy / (p * (last - first)))
+        steps.append(last - first)
+        for a, s, e in compute:
+            durations.setdefault((a.kind, a.stage), []).append(e - s)
+    median = {k: statistics.median(v) for k, v in durations.items()}
+    simulated = simulate(schedule, lambda a: median.get((a.kind, a.stage), 0.0)).step
+    measured_step = statistics.median(steps)
+    return {
+        "bubble": statistics.median(bubbles),
+        "formula": (p - 1) / (m + p - 1),
+        "step_ms": measured_step * 1e3,
+        "simulated_ms": simulated * 1e3,
+        "simulated_error": simulated / measured_step - 1,
+    }
+
+
+def run(quick: bool) -> dict:
+    from autoshard.testing import run_ranks
+
+    rounds = 3 if quick else ROUNDS
+    rows = run_ranks(_rank, 2, rounds, timeout=1800)[0]
+    for r in rows:
+        r["ratio"] = r["paired"]["median"]
+        r |= _measured(r)
+        del r["timelines"]
+    return {"rounds": rounds, "rows": rows}
+
+
+def summary(result: dict) -> str:
+    lines = [
+        "Llama reference model (4 layers, hidden 256, 8 heads, 4 kv heads, ffn 512, seq 64, "
+        f"global batch {BATCH}, {MICRO} micro-batches, float32, AdamW) on 2 CPU ranks of 1 "
+        "thread (gloo), the same stages both ways: autoshard `parallelize(model, batch, "
+        "{'pp': 2}, schedule=..., stages=[...])` against torch.distributed.pipelining "
+        "(`PipelineStage` per stage, torch's schedule of the same name), one step of each a "
+        f"round, the order turning around every round, {result['rounds']} rounds, times of the "
+        "slowest rank. Ratio: the median over rounds of autoshard's step / torch's, with its "
+        "95% interval; below 1 autoshard is faster. Bubble: measured from autoshard's recorded "
+        "timeline (the share of the two ranks' time from the first compute to the last with no "
+        "compute running; median of 5 steps) beside (p-1)/(m+p-1) = 1/5; simulated: "
+        "`autoshard.schedule.simulate` of the same schedule from the measured median time of "
+        "each action, beside the measured span.",
+        "",
+        "| schedule | stages a rank | autoshard ms | torch ms | ratio | 95% interval | "
+        "bubble | (p-1)/(m+p-1) | span ms | simulated ms | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        p = r["paired"]
+        lines.append(
+            f"| {r['schedule']} (torch {r['torch_schedule']}) | {r['virtual']} | "
+            f"{r['autoshard_ms']:.1f} | {r['torch_ms']:.1f} | {p['median']:.3f} | "
+            f"{p['low']:.3f}-{p['high']:.3f} | {r['bubble']:.3f} | {r['formula']:.3f} | "
+            f"{r['step_ms']:.1f} | {r['simulated_ms']:.1f} | {r['simulated_error']:+.0%} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""One step of a pipeline schedule on this rank (``PipelineModule`` runs it): each action of
+the rank's list is one call, with the state they share (inputs, saved values, what is in
+flight)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoshard import comm
+from autoshard.graph import OpGraph
+from autoshard.layout import Layout
+from autoshard.schedule import Action
+from autoshard.search import Plan
+
+
+def _value_layout(plan: Plan, og: OpGraph, name: str) -> Layout:
+    node = og.by_name[name]
+    if og[node].kind == "getitem":
+        src = plan.nodes[node.args[0].name]
+        return src.strategy.outs[node.args[1]]
+    return plan.nodes[name].strategy.outs[0]
+
+
+class Step:
+    """One step's state: the micro-batches' inputs, each stage's saved values, what is in
+    flight."""
+
+    def __init__(self, pm: Any, mode: bool, inputs: list[list[Any]]) -> None:
+        self.pm, self.mode, self.inputs = pm, mode, inputs
+        self.pipe = pm._pipe
+        self.cut = self.pipe.cuts[mode]
+        self.og, self.plan = pm._captured[mode], pm._plans[mode]
+        self.programs: dict[int, fx.GraphModule] = pm._programs[mode]
+        self.last = self.cut.num_stages - 1
+        self.leaves: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.outs: dict[tuple[int, int], tuple] = {}
+        self.inbox: dict[tuple[str, int, int], tuple[comm.Posted, list[torch.Tensor]]] = {}
+        self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.sent: list[comm.Posted] = []
+        self.losses: list[torch.Tensor] = []
+        self.split = self.pipe.schedule.split_backward and mode
+        self.ys: dict[tuple[int, int], tuple] = {}
+        self.weight_grads: dict[tuple[int, int], list] = {}
+        #: (action, start, end) in seconds from the step's start, when the module records
+        self.record: list[tuple[str, float, float]] | None = [] if pm.recording else None
+        self.t0 = time.perf_counter()
+        self.ready: float | None = None
+
+    def needs_grad(self, name: str) -> bool:
+        info = self.og[self.og.by_name[name]]
+        return bool(info.requires_grad) and info.dtype.is_floating_point
+
+    def do(self, a: Action) -> None:
+        if self.record is None:
+            getattr(self, "_" + a.kind.lower())(a)
+            return
+        self.ready = None
+        start = time.perf_counter()
+        getattr(self, "_" + a.kind.lower())(a)
+        end = time.perf_counter()
+        # a compute action starts once what it reads has arrived
+        begin = self.ready if self.ready is not None else start
+        self.record.append((str(a), begin - self.t0, end - self.t0))
+
+    def arrived(self) -> None:
+        """What the compute running now reads is here (its measured start)."""
+        if self.record is not None:
+            self.ready = time.perf_counter()
+
+    def _buffers(self, names: tuple[str, ...]) -> list[torch.Tensor]:
+        out = []
+        for name in names:
+            layout = _value_layout(self.plan, self.og, name)
+            dtype = self.pm.precision.compute or layout.dtype
+            dtype = dtype if layout.dtype.is_floating_point else layout.dtype
+            out.append(torch.empty(layout.local_shape(), dtype=dtype))
+        return out
+
+    def _post_receive(self, a: Action, names: tuple[str, ...]) -> None:
+        """Buffers for ``names`` from ``a.peer``'s rank, posted; what reads them waits."""
+        bufs = self._buffers(names)
+        peer = self.pipe.rank_of(a.peer)
+        posted = comm.post_p2p([], [(b, peer) for b in bufs])
+        self.inbox[(a.kind[-1], a.stage, a.microbatch)] = (posted, bufs)
+
+    def _recv_f(self, a: Action) -> None:
+        self._post_receive(a, self.cut.receives[a.stage])
+
+    def _f(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        if s == 0:
+            received: list[torch.Tensor] = []
+        elif ("F", s, i) in self.inbox:
+            posted, received = self.inbox.pop(("F", s, i))
+            posted.wait()
+            self.arrived()
+        else:  # the stage before is on this rank
+            received = list(self.outs[(s - 1, i)])
+        names = self.cut.receives[s]
+        leaves = [
+            t.detach().requires_grad_(self.needs_grad(n) and torch.is_grad_enabled())
+            for t, n in zip(received, names, strict=True)
+        ]
+        out = tuple(self.programs[s](*self.inputs[i], *leaves))
+        self.leaves[(s, i)] = leaves
+        main = len(self.plan.outputs) if s == self.last else len(self.cut.sends(s))
+        if self.split:  # what the weight halves of the backward start from
+            self.ys[(s, i)] = out[main:]
+        out = out[:main]
+        if s == self.last:
+            self.losses.append(out[self.og.outputs[0]])
+        self.outs[(s, i)] = out
+
+    def _send_f(self, a: Action) -> None:
+        out = self.outs[(a.stage, a.microbatch)]
+        if not torch.is_grad_enabled():
+            self.outs.pop((a.stage, a.microbatch))
+        peer = self.pipe.rank_of(a.peer)
+        self.sent.append(comm.post_p2p([(t.detach(), peer) for t in out], []))
+
+    def _recv_b(self, a: Action) -> None:
+        self._post_receive(a, tuple(n for n in self.cut.sends(a.stage) if self.needs_grad(n)))
+
+    def _targets(self, s: int, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What the backward of stage ``s`` on micro-batch ``i`` starts from: the loss (the
+        last stage's, over the micro-batches' count) or the outputs sent on with the
+        gradients that came back for them."""
+        out = self.outs.pop((s, i))
+        if s == self.last:
+            loss = out[self.og.outputs[0]]
+            tensors, grads = [loss], [torch.full_like(loss, 1.0 / self.pm._microbatches)]
+        else:
+            names = self.cut.sends(s)
+            wanted = [t for t, n in zip(out, names, strict=True) if self.needs_grad(n)]
+            if ("B", s, i) in self.inbox:
+                posted, grads = self.inbox.pop(("B", s, i))
+                posted.wait()
+                self.arrived()
+            else:  # the stage after is on this rank
+                grads = self.grads_out.pop((s + 1, i))
+            pairs = [(t, g) for t, g in zip(wanted, grads, strict=True) if t.requires_grad]
+            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        return tensors, grads
+
+    def _wanted_leaves(self, s: int, i: int) -> list[torch.Tensor]:
+        names = self.cut.receives[s]
+        leaves = self.leaves.pop((s, i))
+        return [leaf for leaf, n in zip(leaves, names, strict=True) if self.needs_grad(n)]
+
+    def _b(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        tensors, grads = self._targets(s, i)
+        last = i == self.pm._last_backward[s]
+        self.pm._grad_sync.syncing = last
+        # the data-parallel sums (buckets, ZeRO's reduce-scatters) run in the stage's last
+        # micro-batch's backward, over the gradients of all of them
+        with contextlib.nullcontext() if last else self.pm._zero.paused():
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        self.pm._grad_sync.syncing = True
+        self.grads_out[(s, i)] = [
+            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for leaf in self._wanted_leaves(s, i)
+        ]
+
+    def _i(self, a: Action) -> None:
+        """The backward for the stage's inputs only; the gradients at every weight reader's
+        output are kept for ``W``."""
+        s, i = a.stage, a.microbatch
+        tensors, grads = self._targets(s, i)
+        leaves = self._wanted_leaves(s, i)
+        ys = [(k, y) for k, y in enumerate(self.ys.pop((s, i))) if y.requires_grad]
+        inputs = leaves + [y for _, y in ys]
+        got: list[torch.Tensor | None] = [None] * len(inputs)
+        if tensors and inputs:
+            got = list(torch.autograd.grad(tensors, inputs, grads, retain_graph=True,
+                                           allow_unused=True))  # fmt: skip
+        self.grads_out[(s, i)] = [
+            g if g is not None else torch.zeros_like(leaf)
+            for g, leaf in zip(got[: len(leaves)], leaves, strict=True)
+        ]
+        self.weight_grads[(s, i)] = [
+            (k, y, g) for (k, y), g in zip(ys, got[len(leaves) :], strict=True) if g is not None
+        ]
+
+    def _w(self, a: Action) -> None:
+        """The backward for the stage's weights, reader by reader from the gradients ``I``
+        kept (each reaches only its own weights); summed over replicas by ``REDUCE_GRAD``."""
+        weights = self.pm._weights_of[a.stage]
+        self.pm._grad_sync.syncing = False
+        try:
+            for k, y, g in self.weight_grads.pop((a.stage, a.microbatch)):
+                if weights[k]:
+                    torch.autograd.backward([y], [g], inputs=weights[k], retain_graph=True)
+        finally:
+            self.pm._grad_sync.syncing = True
+
+    def _send_b(self, a: Action) -> None:
+        grads = self.grads_out.pop((a.stage, a.microbatch))
+        peer = self.pipe.rank_of(a.peer)
+        self.sent.append(comm.post_p2p([(g, peer) for g in grads], []))
+
+    def _reduce_grad(self, a: Action) -> None:
+        """The stage's data-parallel sums: run in its last backward's buckets already, or
+        (a split backward) here, once for every micro-batch's weight gradients."""
+        if self.split:
+            self.pm._grad_sync.sum_accumulated(self.pm._reduce_at[a.stage])
+
+    def finish(self) -> None:
+        for posted in self.sent:
+            posted.wait()
+        self.sent = []
+
+    def loss(self) -> torch.Tensor | None:
+        """The model's output over the whole batch: the mean of the micro-batches' losses
+        (each a mean over its part), or their outputs joined along the batch dim."""
+        if not self.losses:
+            return None
+        parts = [x.detach() for x in self.losses]
+        if parts[0].dim() == 0:
+            return torch.stack(parts).mean()
+        return torch.cat(parts)
+
+
+__all__ = ["Step"]
