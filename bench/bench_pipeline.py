@@ -1,9 +1,10 @@
 """autoshard's pipeline against torch.distributed.pipelining, in the same run.
 
 The Llama reference model (4 layers, hidden 256, 8 heads, 4 kv heads, ffn 512, seq 64, vocab
-512, global batch 16, float32, AdamW) on 2 CPU ranks of 1 thread (gloo), cut the same way both
-ways: ``parallelize(model, batch, {"pp": 2}, schedule=..., microbatches=4, stages=[...])``
-against ``PipelineStage`` modules holding the same layers, run by torch's schedule of the same
+128, so the two stages' work is within 3%; global batch 16, float32, AdamW) on 2 CPU ranks
+of 1 thread (gloo), cut the same way both ways:
+``parallelize(model, batch, {"pp": 2}, schedule=..., microbatches=4, stages=[...])`` against
+``PipelineStage`` modules holding the same layers, run by torch's schedule of the same
 name (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages a rank).
 A step is forward, backward and the optimizer step, one of each way a round, the order turning
 around every round; the ratio is the median over rounds of the two steps' ratio in each round,
@@ -38,7 +39,7 @@ def _model():
     from autoshard.models import build, reference_config
 
     torch.manual_seed(0)
-    config = reference_config("llama", vocab=512, seq=64, layers=4, heads=8, hidden=256,
+    config = reference_config("llama", vocab=128, seq=64, layers=4, heads=8, hidden=256,
                               kv_heads=4, ffn=512)  # fmt: skip
     return build(config), config.example_batch(BATCH, torch.Generator().manual_seed(1))
 
@@ -138,6 +139,8 @@ def _rank(rounds: int) -> list[dict]:
         pm.recording = False
         gathered = [None] * world
         dist.all_gather_object(gathered, timelines)
+        kept = [None] * world
+        dist.all_gather_object(kept, dict(pm.saved_bytes.peak))
         rows.append({
             "schedule": name, "torch_schedule": torch_name, "virtual": virtual,
             "autoshard_ms": statistics.median(times["autoshard"]) * 1e3,
@@ -145,8 +148,20 @@ def _rank(rounds: int) -> list[dict]:
             "paired": paired_ratio(times["autoshard"], times["torch"]),
             "first_loss": first, "torch_last_loss": theirs_first,
             "timelines": gathered,
+            "kept_first_stage": kept[0].get(0, 0),
             "schedule_json": pm.schedule.to_json(),
         })  # fmt: skip
+    for recompute in ("selective", "full"):  # memory only: what 1F1B keeps with recompute
+        model, batch = _model()
+        pm = parallelize(model, batch, {"pp": world}, schedule="1f1b", microbatches=MICRO,
+                         stages=CUTS[1], recompute=recompute)  # fmt: skip
+        pm.recording = True
+        pm(*batch).backward()
+        kept = [None] * world
+        dist.all_gather_object(kept, dict(pm.saved_bytes.peak))
+        rows.append(
+            {"schedule": f"1f1b, recompute {recompute}", "kept_first_stage": kept[0].get(0, 0)}
+        )
     return rows
 
 
@@ -189,15 +204,17 @@ def run(quick: bool) -> dict:
     rounds = 3 if quick else ROUNDS
     rows = run_ranks(_rank, 2, rounds, timeout=1800)[0]
     for r in rows:
-        r["ratio"] = r["paired"]["median"]
-        r |= _measured(r)
-        del r["timelines"]
+        if "paired" in r:
+            r["ratio"] = r["paired"]["median"]
+            r |= _measured(r)
+            del r["timelines"]
     return {"rounds": rounds, "rows": rows}
 
 
 def summary(result: dict) -> str:
     lines = [
         "Llama reference model (4 layers, hidden 256, 8 heads, 4 kv heads, ffn 512, seq 64, "
+        "vocab 128, "
         f"global batch {BATCH}, {MICRO} micro-batches, float32, AdamW) on 2 CPU ranks of 1 "
         "thread (gloo), the same stages both ways: autoshard `parallelize(model, batch, "
         "{'pp': 2}, schedule=..., stages=[...])` against torch.distributed.pipelining "
@@ -214,7 +231,8 @@ def summary(result: dict) -> str:
         "bubble | (p-1)/(m+p-1) | span ms | simulated ms | error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in result["rows"]:
+    timed = [r for r in result["rows"] if "paired" in r]
+    for r in timed:
         p = r["paired"]
         lines.append(
             f"| {r['schedule']} (torch {r['torch_schedule']}) | {r['virtual']} | "
@@ -222,4 +240,18 @@ def summary(result: dict) -> str:
             f"{p['low']:.3f}-{p['high']:.3f} | {r['bubble']:.3f} | {r['formula']:.3f} | "
             f"{r['step_ms']:.1f} | {r['simulated_ms']:.1f} | {r['simulated_error']:+.0%} |"
         )
+    lines += [
+        "",
+        "Kept for backward on the first stage (the most bytes of the tensors autograd saved, "
+        "recorded with saved-tensor hooks in one step): GPipe holds all "
+        f"{MICRO} micro-batches, 1F1B p = 2 of them, recompute less.",
+        "",
+        "| schedule | first stage kept MiB | of 1F1B's |",
+        "|---|---:|---:|",
+    ]
+    base = next((r["kept_first_stage"] for r in result["rows"] if r["schedule"] == "1f1b"), 0)
+    for r in result["rows"]:
+        kept = r.get("kept_first_stage", 0)
+        share = f"{kept / base:.2f}" if base else "n/a"
+        lines.append(f"| {r['schedule']} | {kept / 2**20:.2f} | {share} |")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """Planning speed: ``autoshard plan`` from process start to the JSON file, capture included, and
 the search alone, for the Llama-3-8B shape on 64 devices and a Llama-70B shape on 512 (8-device
-H100 nodes), with each search; the recursive search's plan against the optimal one's. And the
+H100 nodes), with each search; the recursive search's plan against the optimal one's; GPT-3
+175B on 128 H100 nodes and a 1T GPT on 384 A100 nodes in pipeline stages (``--pp``). And the
 presets' predicted MFU for shapes published runs trained: Megatron-LM's GPT-1.7B on 32 A100s
 (2021: 44% of peak) and Llama-3-8B at a larger batch."""
 
@@ -32,6 +33,17 @@ SHAPES = {
         "nodes": 4,
         "cluster": "dgx-a100",
     },
+    "gpt3-175b": {  # Brown et al. 2020's shape; the stages, micro-batches, recompute given
+        "args": "--model gpt --layers 96 --hidden 12288 --heads 96 --seq 2048 --batch 1536 "
+        "--vocab 51200 --pp 16 --microbatches 96 --recompute full",
+        "nodes": 128,
+    },
+    "gpt-1t": {  # Narayanan et al. 2021's 1T run: 3072 A100s, pp 64, batch 3072
+        "args": "--model gpt --layers 128 --hidden 25600 --heads 160 --seq 2048 --batch 3072 "
+        "--vocab 51200 --pp 64 --microbatches 512 --recompute full",
+        "nodes": 384,
+        "cluster": "dgx-a100",
+    },
     "llama3-8b-bs256": {
         "args": "--model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 "
         "--seq 2048 --batch 256 --vocab 128256",
@@ -57,6 +69,9 @@ def _one(shape: str, search: str) -> dict:
         wall = time.perf_counter() - start
         data = json.loads(out.read_text())
     pred = data["predicted"]
+    pipe = data.get("pipeline")  # with --pp: the pipeline's step, MFU and memory
+    shown = pipe or pred
+    mesh = ({"pp": pipe["pp"]} if pipe else {}) | data["mesh"]
     return {
         "shape": shape,
         "cluster": spec.get("cluster", "dgx-h100"),
@@ -66,10 +81,13 @@ def _one(shape: str, search: str) -> dict:
         "in_process_s": pred["end_to_end_s"],
         "capture_s": pred["capture_s"],
         "search_s": pred["search_s"],
-        "mesh": data["mesh"],
-        "step_ms": pred["step_time_s"] * 1e3,
-        "mfu": pred["mfu"],
-        "peak_gib": pred["peak_memory_bytes"] / 2**30,
+        "mesh": mesh,
+        "step_ms": shown["step_time_s"] * 1e3,
+        "mfu": shown["mfu"],
+        "peak_gib": shown["peak_memory_bytes"] / 2**30,
+        "pipeline": {k: pipe[k] for k in ("schedule", "microbatches", "recompute", "bubble")}
+        if pipe
+        else None,
         "command": "autoshard plan " + " ".join(cmd[4:-2]),
     }
 
@@ -114,6 +132,15 @@ def summary(result: dict) -> str:
             lines.append(
                 f"- {r['shape']} on {r.get('cluster', 'dgx-h100')}: predicted MFU "
                 f"{r['mfu'] * 100:.1f}%, {inside} the {low:.0%}-{high:.0%} published runs reach."
+            )
+    for r in result["rows"]:
+        if r.get("pipeline"):
+            p = r["pipeline"]
+            fits = "fits in 80 GiB" if r["peak_gib"] <= 80 else "does not fit in 80 GiB"
+            lines.append(
+                f"- {r['shape']}: {p['schedule']}, {p['microbatches']} micro-batches, recompute "
+                f"{p['recompute']}: bubble {p['bubble'] * 100:.1f}%, peak {r['peak_gib']:.1f} "
+                f"GiB per device ({fits})."
             )
     lines.append("")
     lines.append("Commands: " + "; ".join(f"`{r['command']}`" for r in result["rows"]))

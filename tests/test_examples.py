@@ -79,6 +79,21 @@ def test_the_transformers_example_under_torchrun_matches_one_device():
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_pipeline_example_under_torchrun_trains_as_plain_pytorch():
+    _, losses = _torchrun("pipeline", 4)
+    example = _module("pipeline")
+    model, config = example.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    expected = []
+    for step in range(4):
+        loss = model(*example.batch_of(config, step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
 def _train_command(argv: list[str], log: Path) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-m", "autoshard.cli", "train", "train_fn:make", "--batch-size", "8"]
     command += ["--nproc-per-node", "2"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import parallelize, shard_inputs
+from autoshard import parallelize, shard_inputs, single_device
 from autoshard.graph import StageError, capture_modes, cut_at_modules, cut_balanced
 from autoshard.mesh import mesh_info
 from autoshard.models import build, reference_config
@@ -144,6 +144,53 @@ def _saved_under_pp_loads_under_dp(path: str) -> str:
     return ""
 
 
+def _dropout_masks_are_one_devices() -> str:
+    """With dropout on, the pipeline draws the masks autoshard's one-device program draws for
+    the same rows of the whole batch (recomputed forwards too): losses and parameters equal
+    ``single_device``'s over 3 steps."""
+    torch.manual_seed(0)
+    cfg = reference_config("gpt", layers=4, hidden=32, heads=4, vocab=VOCAB, seq=SEQ, dropout=0.2)
+    model = build(cfg).to(torch.float64)
+    one = single_device(copy.deepcopy(model), _batches()[0])
+    batches = _batches()[:3]
+    pm = parallelize(model, batches[0], {"pp": 2}, microbatches=2, recompute="full")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, one)]
+    for step, batch in enumerate(batches):
+        losses = []
+        for m, opt in zip((pm, one), opts, strict=True):
+            loss = m(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        if abs(losses[0] - losses[1]) > 1e-9:
+            return f"dropout: step {step} loss {losses[0]} != one device's {losses[1]}"
+    full, want = pm.full_state_dict(), one.full_state_dict()
+    bad = [k for k in want if not torch.allclose(full[k], want[k])]
+    return f"dropout: {bad[:3]} differ" if bad else ""
+
+
+def _first_stage_holds() -> str:
+    """Bytes autograd keeps on the first stage (recorded with saved-tensor hooks): GPipe holds
+    all m micro-batches, 1F1B p of them, and recompute less."""
+    batch = _batches()[0]
+    peak = {}
+    for name, options in (("gpipe", {}), ("1f1b", {}), ("1f1b", {"recompute": "full"})):
+        pm = parallelize(_model("llama"), batch, {"pp": 2}, schedule=name, microbatches=4,
+                         **options)  # fmt: skip
+        pm.recording = True
+        pm(*batch).backward()
+        peak[(name, bool(options))] = pm.saved_bytes.peak.get(0, 0)
+    if torch.distributed.get_rank() != 0:
+        return ""
+    gpipe, one, full = peak[("gpipe", False)], peak[("1f1b", False)], peak[("1f1b", True)]
+    if gpipe != 2 * one:  # m / p micro-batches
+        return f"first stage keeps {gpipe} bytes under GPipe, {one} under 1F1B: not 4 to 2"
+    if not 0 < full < one / 2:
+        return f"full recompute keeps {full} bytes of 1F1B's {one}"
+    return ""
+
+
 def _cases_world2(path: str) -> list[str]:
     torch.set_num_threads(1)
     out = [
@@ -169,6 +216,8 @@ def _cases_world2(path: str) -> list[str]:
         _against_pytorch("gpt", {"pp": 2}, schedule="zbv", microbatches=2),
         _scaled_and_accumulated(),
         _saved_under_pp_loads_under_dp(path),
+        _dropout_masks_are_one_devices(),
+        _first_stage_holds(),
     ]
     return [o for o in out if o]
 

@@ -202,6 +202,30 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     _plan_cluster_options(p)
+    _plan_pipeline_options(p)
+
+
+def _plan_pipeline_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (1: none)")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches a step with --pp (None: 4 x --pp); they divide --batch",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"],
+        help="pipeline schedule with --pp",
+    )
+    p.add_argument("--virtual-stages", type=int, default=1, help="stages a rank (interleaved-1f1b)")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        choices=["none", "selective", "full"],
+        help="recompute of the repeated blocks in backward",
+    )
 
 
 def _plan_cluster_options(p: argparse.ArgumentParser) -> None:

@@ -171,6 +171,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.dtype != "f32":
         model = model.to(_DTYPES[args.dtype])
         example = tuple(t.to(_DTYPES[args.dtype]) if t.is_floating_point() else t for t in example)
+    if args.pp > 1 or args.recompute != "none":
+        return _pipeline_plan(args, spec, model, example, depth, loss_fn, start)
     captured = capture(model, example, {}, loss_fn=loss_fn, train=True)
     captured_s = time.perf_counter() - start
     try:
@@ -203,6 +205,84 @@ def _plan_command(args: argparse.Namespace) -> int:
 
         print(f"picture: {plan_picture(data, args.picture)}")
     return 0
+
+
+def _pipeline_plan(args, spec, model, example, depth, loss_fn, start) -> int:
+    """``autoshard plan --pp``: the stage plan for one micro-batch, the stages and schedule
+    priced together; the table adds the pipeline's step, bubble and each rank's memory."""
+    import json
+    import time
+
+    from autoshard.graph import capture
+    from autoshard.search import PlanningError
+    from autoshard.search.pipelined import pipeline_json, plan_stages
+
+    m = args.microbatches or 4 * args.pp
+    if args.batch % m:
+        print(f"autoshard: error: --microbatches {m} does not divide --batch {args.batch}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    micro = tuple(t[: t.shape[0] // m] for t in example)
+    captured = capture(model, micro, {}, loss_fn=loss_fn, train=True)
+    captured_s = time.perf_counter() - start
+    try:
+        pp_plan = plan_stages(captured, spec.num_devices, spec, args.pp, m, args.schedule,
+                              args.virtual_stages, args.recompute, args.search, depth,
+                              args.tp_across_nodes)  # fmt: skip
+    except (PlanningError, ValueError) as err:
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        return 3
+    data = dict(pp_plan.stage.json)
+    data["pipeline"] = pipeline_json(pp_plan, spec.num_devices)
+    data["predicted"]["capture_s"] = captured_s
+    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
+    if args.json:
+        text = json.dumps(data, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print("\n".join(_pipeline_lines(data, spec)))
+        print(format_search(data, pp_plan.result, pp_plan.stage))
+    return 0
+
+
+def _pipeline_lines(data: dict, spec) -> list[str]:
+    pipe = data["pipeline"]
+    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
+    lines = [
+        f"pipeline: pp({pipe['pp']}) x {mesh} on {spec.num_devices} devices, "
+        f"{pipe['schedule']}"
+        + (f" ({pipe['virtual_stages']} stages a rank)" if pipe["virtual_stages"] > 1 else "")
+        + f", {pipe['microbatches']} micro-batches, recompute {pipe['recompute']}",
+        f"predicted step {pipe['step_time_s'] * 1e3:.1f} ms, MFU {pipe['mfu'] * 100:.1f}%, "
+        f"bubble {pipe['bubble'] * 100:.1f}%, peak memory {_size(pipe['peak_memory_bytes'])} per "
+        f"device (of {_size(spec.memory_bytes)}); a stage sends {_size(pipe['boundary_bytes'])} "
+        "per micro-batch",
+        "pipeline rank  stages  forward ms  backward ms  parameters  gradients  optimizer  "
+        "activations",
+    ]
+    from autoshard.schedule import make_schedule
+
+    sched = make_schedule(
+        pipe["schedule"], pipe["pp"], pipe["microbatches"], pipe["virtual_stages"]
+    )
+    for r, mem in enumerate(pipe["memory_bytes"]):
+        stages = sched.stages_of(r)
+        fwd = sum(pipe["stage_seconds"][s][0] for s in stages) * 1e3
+        bwd = sum(pipe["stage_seconds"][s][1] for s in stages) * 1e3
+        lines.append(
+            f"{r:>13}  {','.join(map(str, stages)):>6}  {fwd:>10.2f}  {bwd:>11.2f}  "
+            + "  ".join(
+                f"{_size(mem[k]):>10}"
+                for k in ("parameters", "gradients", "optimizer", "activations")
+            )
+        )
+    lines.append("(the stage plan below is one micro-batch's on one stage's sub-mesh; its "
+                 "step and memory are the whole model's, for the search)")  # fmt: skip
+    return lines
 
 
 def _assumptions(data: dict) -> list[str]:

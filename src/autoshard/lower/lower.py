@@ -27,10 +27,12 @@ from autoshard.search import Plan
 
 @dataclass
 class RunState:
-    """What changes between calls of the same program: the dropout seed and step."""
+    """What changes between calls of the same program: the dropout seed and step, and the
+    micro-batch a pipeline stage runs (its elements' place in the whole batch)."""
 
     seed: int = 0
     step: int = 0
+    microbatch: int = 0
 
 
 class Redistribute(nn.Module):
@@ -85,7 +87,10 @@ class Dropout(nn.Module):
         if self._index is None:
             self._index = local.global_index(self.layout.local_index(self.rank), self.layout.shape)
         key = local.dropout_key(self.state.seed, self.state.step, self.op)
-        return local.dropout(x, self.p, self.train_flag, self._index, key)
+        index = self._index
+        if self.state.microbatch:  # micro-batch i of a batch cut along dim 0 follows i others
+            index = index + self.state.microbatch * self.layout.global_numel
+        return local.dropout(x, self.p, self.train_flag, index, key)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, op={self.op}, {self.layout}"

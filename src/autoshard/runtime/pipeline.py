@@ -22,7 +22,7 @@ from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
 from autoshard.redistribution import gather_tensor
 from autoshard.runtime.parallel import ParallelModule, _local_input
-from autoshard.runtime.pipeline_step import Step
+from autoshard.runtime.pipeline_step import SavedBytes, Step
 from autoshard.schedule import Action, Schedule
 from autoshard.search import Plan
 
@@ -117,6 +117,8 @@ class PipelineModule(ParallelModule):
         self.recording = False
         #: the last recorded step of this rank: (action, start s, end s) from the step's start
         self.timeline: list[tuple[str, float, float]] = []
+        #: in recorded steps: the bytes autograd keeps for backward, per stage (``.peak``)
+        self.saved_bytes = SavedBytes()
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         # each weight reader's trainable tensors per stage (what a W of a split backward
         # reaches), in the order the stage's program returns the readers' outputs
@@ -178,10 +180,13 @@ class PipelineModule(ParallelModule):
         stash = {id(p): p.grad for p in params}
         for p in params:
             p.grad = None
+        if self.recording:
+            self.saved_bytes.reset()
         run = Step(self, True, self._split(args, kwargs, True))
         for action in self._pipe.schedule.actions[self._pipe.coordinate]:
             run.do(action)
         run.finish()
+        self._state.microbatch = 0
         if run.record is not None:
             self.timeline = run.record
         self._sum_tied()
@@ -222,6 +227,7 @@ class PipelineModule(ParallelModule):
                 ):
                     run.do(Action("SEND_F", s, i, s + 1))
         run.finish()
+        self._state.microbatch = 0
         return self._broadcast_loss(run.loss(), mode)
 
     def _split(self, args: tuple, kwargs: dict, mode: bool) -> list[list[Any]]:

@@ -26,6 +26,38 @@ def _value_layout(plan: Plan, og: OpGraph, name: str) -> Layout:
     return plan.nodes[name].strategy.outs[0]
 
 
+class _Kept:
+    """A tensor autograd saved for backward, counted while autograd holds it."""
+
+    __slots__ = ("tensor", "count", "stage")
+
+    def __init__(self, tensor: torch.Tensor, count: SavedBytes, stage: int) -> None:
+        self.tensor, self.count, self.stage = tensor, count, stage
+        count.add(stage, tensor.numel() * tensor.element_size())
+
+    def __del__(self) -> None:
+        self.count.add(self.stage, -self.tensor.numel() * self.tensor.element_size())
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd keeps for backward, per stage, now and at most (the
+    forwards of a recorded step count them: a view is counted as its own bytes)."""
+
+    def __init__(self) -> None:
+        self.now: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+
+    def add(self, stage: int, n: int) -> None:
+        self.now[stage] = self.now.get(stage, 0) + n
+        self.peak[stage] = max(self.peak.get(stage, 0), self.now[stage])
+
+    def hooks(self, stage: int) -> tuple[Any, Any]:
+        return (lambda t: _Kept(t, self, stage)), (lambda kept: kept.tensor)
+
+    def reset(self) -> None:
+        self.now, self.peak = {}, {}
+
+
 class Step:
     """One step's state: the micro-batches' inputs, each stage's saved values, what is in
     flight."""
@@ -49,6 +81,7 @@ class Step:
         #: (action, start, end) in seconds from the step's start, when the module records
         self.record: list[tuple[str, float, float]] | None = [] if pm.recording else None
         self.t0 = time.perf_counter()
+        self.saved = pm.saved_bytes
         self.ready: float | None = None
 
     def needs_grad(self, name: str) -> bool:
@@ -56,6 +89,9 @@ class Step:
         return bool(info.requires_grad) and info.dtype.is_floating_point
 
     def do(self, a: Action) -> None:
+        # dropout's masks are those of the micro-batch's rows of the whole batch, also when a
+        # backward runs a recomputed forward again
+        self.pm._state.microbatch = max(a.microbatch, 0)
         if self.record is None:
             getattr(self, "_" + a.kind.lower())(a)
             return
@@ -106,7 +142,11 @@ class Step:
             t.detach().requires_grad_(self.needs_grad(n) and torch.is_grad_enabled())
             for t, n in zip(received, names, strict=True)
         ]
-        out = tuple(self.programs[s](*self.inputs[i], *leaves))
+        if self.record is not None and torch.is_grad_enabled():
+            with torch.autograd.graph.saved_tensors_hooks(*self.saved.hooks(s)):
+                out = tuple(self.programs[s](*self.inputs[i], *leaves))
+        else:
+            out = tuple(self.programs[s](*self.inputs[i], *leaves))
         self.leaves[(s, i)] = leaves
         main = len(self.plan.outputs) if s == self.last else len(self.cut.sends(s))
         if self.split:  # what the weight halves of the backward start from
@@ -227,4 +267,4 @@ class Step:
         return torch.cat(parts)
 
 
-__all__ = ["Step"]
+__all__ = ["SavedBytes", "Step"]

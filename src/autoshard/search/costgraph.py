@@ -171,9 +171,11 @@ class _Builder:
         group_layers: bool,
         optimizer_states: int,
         zero: int = 0,
+        step_share: float = 1.0,
     ) -> None:
         self.og, self.mesh, self.cluster = og, mesh, cluster
         self.depth, self.optimizer_states, self.zero = depth, optimizer_states, zero
+        self.step_share = step_share
         graph = og.graph
         self.weight, self.decision = _classify(graph)
         self.source = _sources(graph, self.weight, self.decision)
@@ -290,7 +292,7 @@ class _Builder:
                     arg, whole, grad, self.zero, self.optimizer_states, self.cluster
                 )
                 mem += pricing.param_bytes(arg, whole, self.optimizer_states, zp)
-                seconds += pricing.param_time(arg, whole, self.cluster, zp)
+                seconds += self.step_share * pricing.param_time(arg, whole, self.cluster, zp)
             elif arg in self.weight and arg in self.const_layout:
                 seconds += pricing.move(arg, self.const_layout[arg], want, self.cluster)
             elif arg in self.weight:
@@ -298,6 +300,8 @@ class _Builder:
             in_line, in_bucket = pricing.grad_reduce_parts(
                 arg, grad, want, self.cluster, zp, arg in self.region.leading
             )
+            if arg.op == "placeholder":  # a parameter's sum: once a step, not a micro-batch
+                in_line, in_bucket = self.step_share * in_line, self.step_share * in_bucket
             seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
         return seconds, mem, bucketed
 
@@ -370,12 +374,15 @@ def build_cost_graph(
     group_layers: bool = True,
     optimizer_states: int = ADAM_STATES,
     zero: int = 0,
+    step_share: float = 1.0,
 ) -> CostGraph:
     """The cost graph of ``og`` on ``mesh``. ``depth`` prices a repeated block list as if it
     held more blocks than were captured (``{"layers": 80}`` with two blocks captured);
-    ``zero`` prices the parameters at that ZeRO stage (docs/zero.md)."""
+    ``zero`` prices the parameters at that ZeRO stage (docs/zero.md). ``step_share``: the
+    weight of what runs once a step (parameters' gradient sums, the optimizer) against what
+    runs once a batch: ``1 / microbatches`` for a pipeline stage's micro-batch."""
     start = time.perf_counter()
-    b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states, zero)
+    b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states, zero, step_share)
     const_time, const_memory, const_window = b.constants()
     total_flops = sum(b.decision_node(node) for node in b.order)
     b.tied_parameters()

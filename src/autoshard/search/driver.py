@@ -86,9 +86,10 @@ def run_search(
     depth: Mapping[str, int] | None = None,
     fixed: Mapping[str, Any] | None = None,
     zero: int | None = None,
+    step_share: float = 1.0,
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``) and ZeRO
-    stage (or the given ``zero``)."""
+    stage (or the given ``zero``); ``step_share``: see ``build_cost_graph``."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
@@ -97,7 +98,7 @@ def run_search(
     pricing.clear_caches()
     try:
         return _run_search(og, num_devices, cluster, search, mesh, memory_limit,
-                           tp_across_nodes, depth, fixed, zero)  # fmt: skip
+                           tp_across_nodes, depth, fixed, zero, step_share)  # fmt: skip
     finally:
         options.clear_caches()
         pricing.clear_caches()
@@ -114,13 +115,18 @@ def _run_search(
     depth: Mapping[str, int] | None,
     fixed: Mapping[str, Any] | None,
     zero: int | None,
+    step_share: float = 1.0,
 ) -> SearchResult:
     start = time.perf_counter()
     limit = cluster.memory_bytes if memory_limit is None else memory_limit
     shapes = [mesh] if mesh is not None else mesh_shapes(num_devices, cluster, tp_across_nodes)
     levels = ZERO_LEVELS if zero is None else (zero,)
     meshes = [m for m in shapes for _ in levels]
-    graphs = [build_cost_graph(og, m, cluster, depth=depth, zero=z) for m in shapes for z in levels]
+    graphs = [
+        build_cost_graph(og, m, cluster, depth=depth, zero=z, step_share=step_share)
+        for m in shapes
+        for z in levels
+    ]
     ranked = sorted(range(len(meshes)), key=lambda k: lower_bound(graphs[k]))
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []

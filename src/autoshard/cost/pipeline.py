@@ -1,0 +1,219 @@
+"""A pipeline plan's step and memory (docs/parallelism/pipeline.md).
+
+The stage sub-mesh's plan is priced over the whole model for one micro-batch (``estimate``,
+at full depth); its ops are then cut into what comes before the repeated blocks (the
+embedding), one block, and what comes after (the head and the loss). Stage ``s`` of ``S``
+gets its share of the blocks, the first the embedding, the last the head; each action of the
+schedule takes its stage's time (``F`` its forward, ``B`` its backward with what recompute
+runs again, ``W`` the weight half of a split backward: half of the matrix products'
+backward), each send the time of the stage's output over the link between the two pipeline
+ranks; the simulator plays the schedule (the runtime runs the same list). The step adds the
+stage's exposed gradient sums and its optimizer step. A stage's memory is its share of the
+parameters, gradients and optimizer state, and what it keeps for backward times the
+micro-batches it holds at once (``Timeline.in_flight``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoshard.cost.cluster import ClusterSpec
+from autoshard.cost.collectives import collective_time
+from autoshard.cost.estimate import MEMORY_KINDS, Estimate
+from autoshard.graph import OpGraph
+from autoshard.schedule import Action, Schedule, Timeline, simulate
+
+#: ops whose outputs selective recompute keeps, and whose backward is two products (one for
+#: the input's gradient, one for the weight's)
+PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "linear", "convolution", "matmul")
+
+
+@dataclass
+class Piece:
+    """Per micro-batch: seconds of forward and backward (compute and the communication they
+    wait for), the weight half of backward, what recompute runs again (full: the forward;
+    selective: the forward of everything but matrix products), bytes kept for backward
+    (without recompute, and under selective recompute), bytes of state by kind, and seconds
+    of gradient sums."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    weight: float = 0.0
+    again_selective: float = 0.0
+    kept: float = 0.0
+    kept_selective: float = 0.0
+    state: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0.0))
+    grad_sums: float = 0.0
+
+    def scaled(self, k: float) -> Piece:
+        return Piece(
+            self.forward * k, self.backward * k, self.weight * k, self.again_selective * k,
+            self.kept * k, self.kept_selective * k, {n: v * k for n, v in self.state.items()},
+            self.grad_sums * k,
+        )  # fmt: skip
+
+    def __add__(self, other: Piece) -> Piece:
+        return Piece(
+            self.forward + other.forward, self.backward + other.backward,
+            self.weight + other.weight, self.again_selective + other.again_selective,
+            self.kept + other.kept, self.kept_selective + other.kept_selective,
+            {n: self.state[n] + other.state[n] for n in self.state},
+            self.grad_sums + other.grad_sums,
+        )  # fmt: skip
+
+
+def _product(op: str) -> bool:
+    return op.split(".")[0] in PRODUCTS
+
+
+def model_pieces(est: Estimate, og: OpGraph) -> tuple[Piece, Piece, int, Piece]:
+    """(before the blocks, one block, the number of blocks, after the blocks) of the estimate
+    ``est`` of one micro-batch (at full depth: a captured block stands for its copies)."""
+    pre, blocks, post = Piece(), Piece(), Piece()
+    count, seen_block = 0, False
+    prefix = next(iter(og.repeated), None)
+    for node in og.graph.nodes:
+        if node.name not in est.by_node:
+            continue
+        terms, copies = est.by_node[node.name]
+        info = og[node]
+        in_block = info.block is not None and info.block[0] == prefix
+        seen_block |= in_block
+        piece = blocks if in_block else (post if seen_block else pre)
+        fwd = terms.compute_forward + terms.comm_forward
+        bwd = terms.compute_backward + terms.comm_backward
+        product = _product(str(info.op))
+        piece.forward += copies * fwd
+        piece.backward += copies * bwd
+        piece.weight += copies * (0.5 * terms.compute_backward if product and info.params else 0.0)
+        piece.again_selective += copies * (0.0 if product else fwd)
+        piece.kept += copies * terms.memory["activations"]
+        piece.kept_selective += copies * (terms.memory["activations"] if product else 0.0)
+    if prefix is not None:
+        count = len(og.repeated[prefix]) - 1 + max(
+            (est.by_node[n.name][1] for n in og.graph.nodes
+             if n.name in est.by_node and og[n].block and og[n].block[0] == prefix),
+            default=1,
+        )  # fmt: skip
+    _add_state(est, og, prefix, pre, blocks, post)
+    return pre, blocks.scaled(1 / max(count, 1)), max(count, 1), post
+
+
+def _add_state(est: Estimate, og: OpGraph, prefix: str | None, *pieces: Piece) -> None:
+    """Each piece's share of the state and of the gradient sums, by its parameters' bytes."""
+    pre, blocks, post = pieces
+    total = sum(m for m, _ in est.by_param.values()) or 1.0
+    seen_block, where = False, {}
+    for node in og.graph.nodes:
+        info = og[node]
+        in_block = info.block is not None and info.block[0] == prefix
+        seen_block |= in_block
+        for fqn in info.params:
+            where.setdefault(fqn, blocks if in_block else (post if seen_block else pre))
+    sums = est.grad_sync + sum(o.seconds for o in est.overlapped)
+    for fqn, (memory, _) in est.by_param.items():
+        piece = where.get(fqn, pre)
+        share = memory / total
+        for kind in ("parameters", "gradients", "optimizer"):
+            piece.state[kind] += share * est.memory[kind]
+        piece.grad_sums += share * sums
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """A pipeline plan's predicted step (seconds) and each stage's memory by kind (bytes)."""
+
+    timeline: Timeline
+    step_time: float
+    memory: tuple[dict[str, float], ...]
+    stage_seconds: tuple[tuple[float, float], ...]  # (forward, backward) per micro-batch
+
+    @property
+    def peak_memory(self) -> float:
+        return max(sum(m.values()) for m in self.memory)
+
+    @property
+    def bubble(self) -> float:
+        return self.timeline.bubble
+
+
+def price_pipeline(
+    est: Estimate,
+    og: OpGraph,
+    schedule: Schedule,
+    cluster: ClusterSpec,
+    recompute: str = "none",
+    boundary_bytes: float = 0.0,
+    stride: int = 1,
+) -> PipelineEstimate:
+    """The step and memory of ``schedule`` over the stages of the model ``est`` prices for
+    one micro-batch (on one stage's sub-mesh); ``boundary_bytes``: what a stage sends on per
+    micro-batch (per rank); ``stride``: ranks between two neighbouring pipeline ranks (the
+    link they use: inside a node or across)."""
+    pre, block, count, post = model_pieces(est, og)
+    stages = schedule.num_stages
+    shares = [count // stages + (1 if s >= stages - count % stages else 0) for s in range(stages)]
+    pieces = [
+        (pre if s == 0 else Piece()) + block.scaled(n) + (post if s == stages - 1 else Piece())
+        for s, n in enumerate(shares)
+    ]
+    again = [_again(p, block.scaled(n), recompute) for p, n in zip(pieces, shares, strict=True)]
+
+    def cost(a: Action) -> float:
+        p = pieces[a.stage]
+        if a.kind == "F":
+            return p.forward
+        if a.kind == "W":
+            return p.weight
+        backward = p.backward + again[a.stage]
+        return backward - p.weight if a.kind == "I" else backward
+
+    crosses = stride >= cluster.devices_per_node
+    hop = collective_time("send_recv", boundary_bytes, 2, 1 if crosses else 2, cluster)
+    timeline = simulate(schedule, cost, lambda send: hop)
+    state = sum(est.memory[k] for k in ("parameters", "gradients", "optimizer")) or 1.0
+    tail = 0.0
+    for p in pieces:  # the gradient sums overlap the last micro-batch's backward
+        waited = max(0.0, p.grad_sums - p.backward)
+        tail = max(tail, waited + sum(p.state.values()) / state * est.optimizer)
+    memory = []
+    for s, (p, n) in enumerate(zip(pieces, shares, strict=True)):
+        kept, working = _kept(p, block.scaled(n), recompute, boundary_bytes, n)
+        memory.append(p.state | {"activations": kept * timeline.in_flight[s] + working})
+    return PipelineEstimate(
+        timeline, timeline.step + tail, tuple(_per_rank(memory, schedule)),
+        tuple((p.forward, p.backward + a) for p, a in zip(pieces, again, strict=True)),
+    )  # fmt: skip
+
+
+def _again(piece: Piece, blocks: Piece, recompute: str) -> float:
+    """Seconds a backward runs forward again under ``recompute`` (its blocks only)."""
+    if recompute == "full":
+        return blocks.forward
+    if recompute == "selective":
+        return blocks.again_selective
+    return 0.0
+
+
+def _kept(
+    piece: Piece, blocks: Piece, recompute: str, boundary: float, n: int
+) -> tuple[float, float]:
+    """Bytes one micro-batch leaves on the stage for its backward, and the bytes a backward
+    holds at once besides (full recompute: one block's activations, run again)."""
+    if recompute == "full":  # each block's input is kept
+        return piece.kept - blocks.kept + n * boundary, blocks.kept / n if n else 0.0
+    if recompute == "selective":
+        return piece.kept - blocks.kept + blocks.kept_selective, 0.0
+    return piece.kept, 0.0
+
+
+def _per_rank(memory: list[dict[str, float]], schedule: Schedule) -> list[dict[str, float]]:
+    """Each pipeline rank's memory: the sum over the stages it holds."""
+    out = []
+    for r in range(schedule.num_ranks):
+        mine = [memory[s] for s in schedule.stages_of(r)]
+        out.append({k: sum(m[k] for m in mine) for k in mine[0]})
+    return out
+
+
+__all__ = ["PRODUCTS", "Piece", "PipelineEstimate", "model_pieces", "price_pipeline"]

@@ -1,0 +1,84 @@
+"""The pipeline's pricing (cost/pipeline.py) adds up to the stage plan's estimate, holds the
+micro-batches the schedule holds, and makes ``autoshard plan --pp`` fit models that do not
+fit without stages; no ranks needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autoshard.cost import cluster_spec
+from autoshard.cost.pipeline import model_pieces, price_pipeline
+from autoshard.graph import capture
+from autoshard.models import build, reference_config
+from autoshard.schedule import make_schedule
+from autoshard.search.pipelined import plan_stages
+
+LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def stage():
+    config = reference_config("gpt", layers=2, hidden=1024, heads=16, vocab=32000, seq=1024)
+    with torch.device("meta"):
+        model = build(config).to(torch.bfloat16)
+        example = config.example_batch(4)
+    og = capture(model, example, {}, train=True)
+    spec = cluster_spec("dgx-h100", 16)
+    return og, spec, plan_stages(og, 16, spec, 4, 8, depth={"layers": LAYERS})
+
+
+def test_the_pieces_add_up_to_the_estimate(stage) -> None:
+    og, spec, planned = stage
+    est = planned.stage.predicted
+    pre, block, count, post = model_pieces(est, og)
+    assert count == LAYERS
+    whole = pre + block.scaled(count) + post
+    assert whole.forward == pytest.approx(est.compute_forward + est.comm_forward)
+    assert whole.backward == pytest.approx(est.compute_backward + est.comm_backward)
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert whole.state[kind] == pytest.approx(est.memory[kind])
+    # every pipeline rank holds its share of the state: together, the whole model's once
+    p = planned.predicted
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert sum(m[kind] for m in p.memory) == pytest.approx(est.memory[kind])
+    assert sum(f for f, _ in p.stage_seconds) == pytest.approx(whole.forward)
+
+
+def test_1f1b_holds_less_than_gpipe_and_recompute_less_again(stage) -> None:
+    og, spec, planned = stage
+    est, boundary = planned.stage.predicted, planned.boundary_bytes
+    priced = {
+        (name, r): price_pipeline(est, og, make_schedule(name, 4, 8), spec, r, boundary)
+        for name in ("gpipe", "1f1b")
+        for r in ("none", "selective", "full")
+    }
+    first = {k: v.memory[0]["activations"] for k, v in priced.items()}
+    # GPipe's first stage holds 8 micro-batches, 1F1B's 4
+    assert first[("gpipe", "none")] == pytest.approx(2 * first[("1f1b", "none")])
+    assert first[("1f1b", "full")] < first[("1f1b", "selective")] < first[("1f1b", "none")]
+    steps = {k: v.step_time for k, v in priced.items()}
+    assert steps[("1f1b", "none")] < steps[("1f1b", "selective")] < steps[("1f1b", "full")]
+    # the bubble of balanced stages at nominal costs is (p-1)/(m+p-1); here the embedding,
+    # the head and the sends (of a small model: comparable to a stage's compute) add to it
+    assert 3 / 11 <= priced[("1f1b", "none")].bubble < 0.5
+
+
+def test_plan_with_stages_fits_what_does_not_fit_without() -> None:
+    args = [sys.executable, "-m", "autoshard.cli", "plan", "--model", "gpt", "--layers", "32",
+            "--hidden", "4096", "--heads", "32", "--seq", "2048", "--batch", "512", "--vocab",
+            "51200", "--cluster", "dgx-h100", "--nodes", "1"]  # fmt: skip
+    flat = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert flat.returncode == 3 and "no plan fits in 80.00 GiB" in flat.stderr
+    staged = subprocess.run(
+        [*args, "--pp", "4", "--microbatches", "64", "--recompute", "full"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert staged.returncode == 0, staged.stderr
+    assert "pipeline: pp(4) x" in staged.stdout and "1f1b, 64 micro-batches" in staged.stdout
+    bad = subprocess.run([*args, "--pp", "4", "--microbatches", "5"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "--microbatches 5 does not divide --batch 512" in bad.stderr
