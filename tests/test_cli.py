@@ -146,13 +146,13 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(capsys) ->
     from autoshard.cli.args import build_parser
     from autoshard.cost.cluster import PRESETS
 
-    commands = ("demo", "redistribute", "plan", "calibrate", "train")
+    commands = ("demo", "redistribute", "plan", "calibrate", "train", "simulate")
     parser = build_parser(dict.fromkeys(commands, print))
     options = list(_every_option(parser))
     assert len(options) > 25
     missing = [path for action, path in options if not action.help]
     assert not missing, f"options without help: {missing}"
-    for command in ("plan", "calibrate", "redistribute", "train", "demo"):
+    for command in ("plan", "calibrate", "redistribute", "train", "demo", "simulate"):
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())

@@ -383,12 +383,15 @@ def _kinds_on_ranks(_: object) -> dict:
 
 
 def test_calibration_times_every_other_collective_kind() -> None:
-    """On 2 gloo ranks: a positive time per kind and size, larger messages slower."""
+    """On 2 gloo ranks: a positive, finite time per kind and size. (Not that larger messages
+    take longer: each time is the difference of two bursts of about 10 ms of compute, and
+    another process on the host moves a 64 KiB call's share past a 4 MiB one's; timings are
+    bench/'s to judge, not a test's.)"""
     from autoshard.cost.calibrate import KIND_SIZES, OTHER_KINDS
     from autoshard.testing import run_ranks
 
     times = run_ranks(_kinds_on_ranks, 2, None, timeout=300)[0]
     assert set(times) == set(OTHER_KINDS)
     for kind, seconds in times.items():
-        assert len(seconds) == len(KIND_SIZES) and min(seconds) > 0, kind
-        assert seconds[-1] > seconds[0], kind  # 4 MiB takes longer than 64 KiB
+        assert len(seconds) == len(KIND_SIZES), kind
+        assert all(0 < s < 1 for s in seconds), (kind, seconds)

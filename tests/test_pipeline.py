@@ -18,6 +18,7 @@ from autoshard.graph import StageError, capture_modes, cut_at_modules, cut_balan
 from autoshard.mesh import mesh_info
 from autoshard.models import build, reference_config
 from autoshard.redistribution import shard_tensor
+from autoshard.runtime.microbatch_loss import CountedLoss
 from autoshard.runtime.pipeline import pipeline_groups
 from autoshard.testing import LiveBytes, run_ranks
 from tests.test_runtime import megatron
@@ -26,6 +27,19 @@ STEPS, BATCH, SEQ, VOCAB = 5, 8, 8, 64
 
 
 def _model(name: str, layers: int = 4) -> torch.nn.Module:
+    if name == "hf-llama":  # transformers' Llama, built from a config, its own loss
+        import transformers
+
+        from tests.test_hf_gpt2 import CausalLMLoss
+
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        return CausalLMLoss(transformers.LlamaForCausalLM(config)).to(torch.float64)
     torch.manual_seed(0)
     cfg = reference_config(name, layers=layers, hidden=32, heads=4, kv_heads=2, ffn=64,
                            vocab=VOCAB, seq=SEQ)  # fmt: skip
@@ -43,14 +57,42 @@ def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def _labels() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids and labels (the ids, a quarter of them ignored) for transformers' models."""
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        out.append((ids, ids.masked_fill(torch.rand(BATCH, SEQ, generator=gen) < 0.25, -100)))
+    return out
+
+
+def _uneven_ignores() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches whose first half ignores many more targets than the second (padding)."""
+    out = []
+    for ids, targets in _batches(seed=3):
+        targets = targets.clone()
+        targets[: BATCH // 2, 2:] = -100
+        targets[BATCH // 2 :, -1:] = -100
+        out.append((ids, targets))
+    return out
+
+
 def _against_pytorch(
-    name: str, mesh: dict, strategies: Any = None, clip: float | None = None, **pipeline: Any
+    name: str,
+    mesh: dict,
+    strategies: Any = None,
+    clip: float | None = None,
+    batches: list | None = None,
+    atol: float = 1e-8,
+    **pipeline: Any,
 ) -> str:
     """Train under the pipeline and eagerly (gradients clipped to ``clip`` both ways); ''
-    when every loss and parameter agree."""
+    when every loss and parameter agree (``allclose``'s tolerances; ``atol`` for a model whose
+    loss is float32 whatever its parameters, as transformers' upcast logits are)."""
     model = _model(name)
     ref = copy.deepcopy(model)
-    batches = _batches()
+    batches = batches or _batches()
     pm = parallelize(model, batches[0], mesh, strategies, **pipeline)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -68,13 +110,13 @@ def _against_pytorch(
         opt.zero_grad()
         opt_ref.step()
         opt_ref.zero_grad()
-        if not torch.allclose(loss.detach(), want.detach()):
+        if not torch.allclose(loss.detach(), want.detach(), atol=atol):
             return f"{name} {mesh} {pipeline}: step {step} loss {float(loss)} != {float(want)}"
     full, want = pm.full_state_dict(), ref.state_dict()
     if set(full) != set(want):
         return f"{name} {mesh} {pipeline}: state dict keys {sorted(set(full) ^ set(want))}"
     for key, value in want.items():
-        if not torch.allclose(full[key], value):
+        if not torch.allclose(full[key], value, atol=atol):
             return f"{name} {mesh} {pipeline}: {key} differs"
     return ""
 
@@ -213,6 +255,8 @@ def _cases_world2(path: str) -> list[str]:
         ),  # fmt: skip
         _against_pytorch("llama", {"dp": 2}, recompute={"layers.[02]": "full"}),
         _against_pytorch("llama", {"pp": 2}, schedule="zb-h1", microbatches=4),
+        _against_pytorch("gpt", {"pp": 2}, microbatches=2, batches=_uneven_ignores()),
+        _against_pytorch("hf-llama", {"pp": 2}, microbatches=4, batches=_labels(), atol=1e-6),
         _against_pytorch("gpt", {"pp": 2}, schedule="zbv", microbatches=2),
         _scaled_and_accumulated(),
         _saved_under_pp_loads_under_dp(path),
@@ -321,3 +365,23 @@ def test_recompute_keeps_less_for_backward_and_changes_no_gradient() -> None:
             torch.testing.assert_close(grads[mode][k], g)
     with pytest.raises(ValueError, match="recompute='some': expected one of none, full"):
         parallelize(_model("gpt"), batch, 1, recompute="some")
+
+
+def test_a_counted_loss_weighs_each_micro_batch_by_its_targets() -> None:
+    og = _captured("gpt")
+    counted = CountedLoss.of(og)
+    assert counted is not None and counted.ignore_index == -100
+    ids, targets = _uneven_ignores()[0]
+    halves = [[ids[:4], targets[:4]], [ids[4:], targets[4:]]]
+    assert counted.weights(halves) == pytest.approx([8 / 36, 28 / 36])
+
+    class Smoothed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.head(x), y, label_smoothing=0.1)
+
+    smoothed = capture_modes(Smoothed(), (torch.randn(4, 4), torch.tensor([0, 1, 2, 0])))[True]
+    assert CountedLoss.of(smoothed) is None  # not a mean over counted targets: plain mean

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from autoshard.cli.main import main
 from autoshard.cost import cluster_spec
 from autoshard.cost.pipeline import model_pieces, price_pipeline
 from autoshard.graph import capture
@@ -67,14 +68,15 @@ def test_1f1b_holds_less_than_gpipe_and_recompute_less_again(stage) -> None:
     assert 3 / 11 <= priced[("1f1b", "none")].bubble < 0.5
 
 
-def test_plan_with_stages_fits_what_does_not_fit_without() -> None:
+def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> None:
     args = [sys.executable, "-m", "autoshard.cli", "plan", "--model", "gpt", "--layers", "32",
             "--hidden", "4096", "--heads", "32", "--seq", "2048", "--batch", "512", "--vocab",
             "51200", "--cluster", "dgx-h100", "--nodes", "1"]  # fmt: skip
     flat = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert flat.returncode == 3 and "no plan fits in 80.00 GiB" in flat.stderr
     staged = subprocess.run(
-        [*args, "--pp", "4", "--microbatches", "64", "--recompute", "full"],
+        [*args, "--pp", "4", "--microbatches", "64", "--recompute", "full", "--json",
+         str(tmp_path / "plan.json")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert staged.returncode == 0, staged.stderr
@@ -82,3 +84,15 @@ def test_plan_with_stages_fits_what_does_not_fit_without() -> None:
     bad = subprocess.run([*args, "--pp", "4", "--microbatches", "5"], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and "--microbatches 5 does not divide --batch 512" in bad.stderr
+
+    # the plan's pipeline played again by autoshard simulate, and drawn
+    assert main(["simulate", str(tmp_path / "plan.json"), "--picture",
+                 str(tmp_path / "gantt.png")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "predicted: step" in out and (tmp_path / "gantt.png").stat().st_size > 0
+
+
+def test_simulate_a_named_schedule(capsys) -> None:
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 27.3%" in out and "in flight per stage [4, 3, 2, 1]" in out

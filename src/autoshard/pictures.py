@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from autoshard.layout import Layout
+from autoshard.schedule import parse_action
 
 DPI = 120
 #: the throughput field a metrics record carries, first found wins, with its axis label
@@ -267,7 +268,52 @@ def metrics_picture(metrics: str | Path | Sequence[Mapping[str, Any]], path: str
     return _save(fig, path)
 
 
+# -- pipeline schedules --------------------------------------------------------------------------
+
+#: a schedule action's colour by kind
+ACTION_COLOURS = {
+    "F": "#4c72b0",
+    "B": "#55a868",
+    "I": "#55a868",
+    "W": "#c4ad66",
+    "REDUCE_GRAD": "#8c8c8c",
+}
+
+
+def gantt_picture(
+    timelines: Sequence[tuple[str, Sequence[Sequence[tuple[str, float, float]]]]],
+    path: str | Path,
+    scale: float = 1e3,
+    unit: str = "ms",
+) -> Path:
+    """A Gantt chart per timeline, one above the other on one time axis (predicted beside
+    measured): each is (title, per rank its (action, start, end)), times drawn times
+    ``scale`` in ``unit``; a compute action is a bar in its kind's colour with its
+    micro-batch written in it."""
+    fig = _figure(figsize=(11, 1.2 + 0.45 * sum(len(t) for _, t in timelines)))
+    axes = fig.subplots(len(timelines), 1, squeeze=False, sharex=True)[:, 0]
+    for ax, (title, ranks) in zip(axes, timelines, strict=True):
+        for rank, events in enumerate(ranks):
+            for text, start, end in events:
+                action = parse_action(text)
+                if action.kind not in ACTION_COLOURS or end <= start:
+                    continue
+                ax.barh(rank, (end - start) * scale, left=start * scale, height=0.8,
+                        color=ACTION_COLOURS[action.kind], edgecolor="white",
+                        linewidth=0.3)  # fmt: skip
+                if action.microbatch >= 0:
+                    ax.text((start + end) / 2 * scale, rank, str(action.microbatch), ha="center",
+                            va="center", fontsize=6, color="white")  # fmt: skip
+        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9, loc="left")
+    axes[-1].set_xlabel(unit)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 __all__ = [
+    "gantt_picture",
     "DPI",
     "THROUGHPUT_FIELDS",
     "layout_picture",

@@ -70,6 +70,9 @@ def build_parser(
         help="draw both layouts' tiles by rank: STEM-src.png and STEM-dst.png (matplotlib)",
     )
     _plan_options(command("plan", "search the fastest plan of a model on a cluster"))
+    from autoshard.cli.simulate import add_options
+
+    add_options(command("simulate", "play a pipeline schedule: its timeline, bubble, memory"))
     _train_options(command("train", "plan and train your own model under torchrun"))
     cal = command("calibrate", "measure this machine into a cluster spec JSON")
     cal.add_argument("--out", default="cluster.json", help="where to write the cluster spec")

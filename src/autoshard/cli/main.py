@@ -450,6 +450,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (MeshError, LayoutError, PlanningError, CaptureError, ValueError, OSError, ImportError)
 
 
+def _simulate_command(args: argparse.Namespace) -> int:
+    from autoshard.cli.simulate import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     # torch's own deprecation notices (pytree's LeafSpec, from torch.export) are not the user's
     # to act on; they would open every command's output.
@@ -461,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": _plan_command,
             "calibrate": _calibrate_command,
             "train": _train_command,
+            "simulate": _simulate_command,
         }
     )
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ micro-batches it holds at once (``Timeline.in_flight``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autoshard.cost.cluster import ClusterSpec
@@ -127,6 +128,9 @@ class PipelineEstimate:
     step_time: float
     memory: tuple[dict[str, float], ...]
     stage_seconds: tuple[tuple[float, float], ...]  # (forward, backward) per micro-batch
+    #: each stage's weight half of a backward (``W``), and a send's seconds between stages
+    weight_seconds: tuple[float, ...] = ()
+    hop: float = 0.0
 
     @property
     def peak_memory(self) -> float:
@@ -183,7 +187,22 @@ def price_pipeline(
     return PipelineEstimate(
         timeline, timeline.step + tail, tuple(_per_rank(memory, schedule)),
         tuple((p.forward, p.backward + a) for p, a in zip(pieces, again, strict=True)),
+        tuple(p.weight for p in pieces), hop,
     )  # fmt: skip
+
+
+def stage_costs(
+    stage_seconds: Sequence[Sequence[float]], weight_seconds: Sequence[float]
+) -> Callable[[Action], float]:
+    """The simulator's cost of each action from a priced pipeline's per-stage seconds (as its
+    JSON stores them): F the forward, B the backward, I and W its two halves."""
+
+    def cost(a: Action) -> float:
+        forward, backward = stage_seconds[a.stage]
+        weight = weight_seconds[a.stage] if weight_seconds else 0.0
+        return {"F": forward, "B": backward, "I": backward - weight, "W": weight}.get(a.kind, 0.0)
+
+    return cost
 
 
 def _again(piece: Piece, blocks: Piece, recompute: str) -> float:
@@ -216,4 +235,11 @@ def _per_rank(memory: list[dict[str, float]], schedule: Schedule) -> list[dict[s
     return out
 
 
-__all__ = ["PRODUCTS", "Piece", "PipelineEstimate", "model_pieces", "price_pipeline"]
+__all__ = [
+    "PRODUCTS",
+    "Piece",
+    "PipelineEstimate",
+    "model_pieces",
+    "price_pipeline",
+    "stage_costs",
+]

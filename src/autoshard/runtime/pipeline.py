@@ -21,6 +21,7 @@ from autoshard.graph import OpGraph, StageCut, cut_at_modules, cut_balanced
 from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
 from autoshard.redistribution import gather_tensor
+from autoshard.runtime.microbatch_loss import CountedLoss
 from autoshard.runtime.parallel import ParallelModule, _local_input
 from autoshard.runtime.pipeline_step import SavedBytes, Step
 from autoshard.schedule import Action, Schedule
@@ -120,6 +121,8 @@ class PipelineModule(ParallelModule):
         #: in recorded steps: the bytes autograd keeps for backward, per stage (``.peak``)
         self.saved_bytes = SavedBytes()
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._counted = {mode: CountedLoss.of(og) for mode, og in self._captured.items()}
+        self._shares: list[float] = []
         # each weight reader's trainable tensors per stage (what a W of a split backward
         # reaches), in the order the stage's program returns the readers' outputs
         og, held = self._captured[True], self.local_tensors()
@@ -232,13 +235,15 @@ class PipelineModule(ParallelModule):
 
     def _split(self, args: tuple, kwargs: dict, mode: bool) -> list[list[Any]]:
         """Each micro-batch's local inputs: every tensor cut into ``microbatches`` along its
-        first dim, each part this rank's part of the plan's input layout."""
+        first dim, each part this rank's part of the plan's input layout. Sets ``_shares``:
+        each micro-batch's weight in the whole batch's loss (``microbatch_loss``)."""
         captured, plan = self._captured[mode], self._plans[mode]
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
             raise ValueError(f"inputs {spec} do not match the example inputs {captured.in_spec}")
         m = self._microbatches
         parts: list[list[Any]] = [[] for _ in range(m)]
+        whole: list[list[Any]] = [[] for _ in range(m)]
         cast = self.precision.compute is not None
         for x, name in zip(flat, captured.inputs, strict=True):
             layout = plan.inputs[name]
@@ -253,6 +258,10 @@ class PipelineModule(ParallelModule):
                 chunks = [x] * m
             for i in range(m):
                 parts[i].append(_local_input(chunks[i], layout, self._rank, name, cast))
+                whole[i].append(chunks[i])
+        counted = self._counted[mode]
+        shares = counted.weights(whole) if counted is not None else None
+        self._shares = shares or [1.0 / m] * m
         return parts
 
     def _sum_tied(self) -> None:

@@ -173,7 +173,7 @@ class Step:
         out = self.outs.pop((s, i))
         if s == self.last:
             loss = out[self.og.outputs[0]]
-            tensors, grads = [loss], [torch.full_like(loss, 1.0 / self.pm._microbatches)]
+            tensors, grads = [loss], [torch.full_like(loss, self.pm._shares[i])]
         else:
             names = self.cut.sends(s)
             wanted = [t for t, n in zip(out, names, strict=True) if self.needs_grad(n)]
@@ -257,13 +257,15 @@ class Step:
         self.sent = []
 
     def loss(self) -> torch.Tensor | None:
-        """The model's output over the whole batch: the mean of the micro-batches' losses
-        (each a mean over its part), or their outputs joined along the batch dim."""
+        """The model's output over the whole batch: the micro-batches' losses (each a mean
+        over its part) weighted by their shares of it, or their outputs joined along the
+        batch dim."""
         if not self.losses:
             return None
         parts = [x.detach() for x in self.losses]
         if parts[0].dim() == 0:
-            return torch.stack(parts).mean()
+            shares = torch.tensor(self.pm._shares, dtype=parts[0].dtype)
+            return (torch.stack(parts) * shares).sum()
         return torch.cat(parts)
 
 

@@ -118,6 +118,8 @@ def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
         "boundary_bytes": pp_plan.boundary_bytes,
         "memory_bytes": [dict(m) for m in p.memory],
         "stage_seconds": [list(x) for x in p.stage_seconds],
+        "stage_weight_seconds": list(p.weight_seconds),
+        "hop_s": p.hop,
     }
 
 
