@@ -148,7 +148,6 @@ def _user_model(target: str):
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    import json
     import time
 
     from autoshard.cost import cluster_spec
@@ -191,13 +190,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     data = built.json
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - start
-    if args.json:
-        text = json.dumps(data, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+    _write_json(args.json, data)
     if args.json != "-":
         print(format_search(data, result, built))
     if args.picture:
@@ -207,10 +200,23 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_json(where: str | None, data: dict) -> None:
+    """``--json``: the plan to a file, or to stdout for ``-``."""
+    import json
+
+    if not where:
+        return
+    text = json.dumps(data, indent=1)
+    if where == "-":
+        print(text)
+    else:
+        with open(where, "w") as f:
+            f.write(text + "\n")
+
+
 def _pipeline_plan(args, spec, model, example, depth, loss_fn, start) -> int:
     """``autoshard plan --pp``: the stage plan for one micro-batch, the stages and schedule
     priced together; the table adds the pipeline's step, bubble and each rank's memory."""
-    import json
     import time
 
     from autoshard.graph import capture
@@ -236,13 +242,7 @@ def _pipeline_plan(args, spec, model, example, depth, loss_fn, start) -> int:
     data["pipeline"] = pipeline_json(pp_plan, spec.num_devices)
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - start
-    if args.json:
-        text = json.dumps(data, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+    _write_json(args.json, data)
     if args.json != "-":
         print("\n".join(_pipeline_lines(data, spec)))
         print(format_search(data, pp_plan.result, pp_plan.stage))

@@ -161,17 +161,10 @@ def price_pipeline(
         (pre if s == 0 else Piece()) + block.scaled(n) + (post if s == stages - 1 else Piece())
         for s, n in enumerate(shares)
     ]
-    again = [_again(p, block.scaled(n), recompute) for p, n in zip(pieces, shares, strict=True)]
-
-    def cost(a: Action) -> float:
-        p = pieces[a.stage]
-        if a.kind == "F":
-            return p.forward
-        if a.kind == "W":
-            return p.weight
-        backward = p.backward + again[a.stage]
-        return backward - p.weight if a.kind == "I" else backward
-
+    again = [_again(block.scaled(n), recompute) for n in shares]
+    seconds = tuple((p.forward, p.backward + a) for p, a in zip(pieces, again, strict=True))
+    weights = tuple(p.weight for p in pieces)
+    cost = stage_costs(seconds, weights)  # what autoshard simulate replays from the JSON
     crosses = stride >= cluster.devices_per_node
     hop = collective_time("send_recv", boundary_bytes, 2, 1 if crosses else 2, cluster)
     timeline = simulate(schedule, cost, lambda send: hop)
@@ -185,10 +178,8 @@ def price_pipeline(
         kept, working = _kept(p, block.scaled(n), recompute, boundary_bytes, n)
         memory.append(p.state | {"activations": kept * timeline.in_flight[s] + working})
     return PipelineEstimate(
-        timeline, timeline.step + tail, tuple(_per_rank(memory, schedule)),
-        tuple((p.forward, p.backward + a) for p, a in zip(pieces, again, strict=True)),
-        tuple(p.weight for p in pieces), hop,
-    )  # fmt: skip
+        timeline, timeline.step + tail, tuple(_per_rank(memory, schedule)), seconds, weights, hop
+    )
 
 
 def stage_costs(
@@ -205,7 +196,7 @@ def stage_costs(
     return cost
 
 
-def _again(piece: Piece, blocks: Piece, recompute: str) -> float:
+def _again(blocks: Piece, recompute: str) -> float:
     """Seconds a backward runs forward again under ``recompute`` (its blocks only)."""
     if recompute == "full":
         return blocks.forward
