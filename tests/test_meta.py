@@ -112,7 +112,7 @@ def test_meta_model_errors_name_the_cause(tmp_path: Path) -> None:
 #: float64 Llama: 32 blocks of hidden 256 (23M parameters, 0.74 GB of training state)
 BIG = {"vocab_size": 64, "max_seq": 16, "num_layers": 32, "num_heads": 4, "num_kv_heads": 2,
        "hidden": 256, "ffn_hidden": 688}  # fmt: skip
-STEPS = 5
+STEPS = 3
 
 
 def _big_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -93,17 +93,17 @@ def test_a_target_that_cannot_train_is_one_line_before_any_rank_starts(tmp_path)
 
 
 def test_a_rank_that_hangs_in_its_data_loader_is_named_and_every_process_ends(tmp_path) -> None:
-    """Rank 1 sleeps for an hour reading a batch a few steps in; with ``--timeout 20`` rank 0 stops
-    waiting, names rank 1 and what it is doing, and every process is gone within 50 s of the
+    """Rank 1 sleeps for an hour reading a batch a few steps in; with ``--timeout 12`` rank 0 stops
+    waiting, names rank 1 and what it is doing, and every process is gone within 45 s of the
     hang; the launcher's last line is that message."""
     (tmp_path / "hangs.py").write_text(MODULE.format(failure=HANG))
-    out = _run(tmp_path, "hangs:make", "--steps", "1000", "--batch-size", "64", "--timeout", "20")
+    out = _run(tmp_path, "hangs:make", "--steps", "1000", "--batch-size", "64", "--timeout", "12")
     ended = time.time()
     hung = float((tmp_path / "hang").read_text())
-    assert ended - hung < 50, (ended - hung, out.stderr)
+    assert ended - hung < 45, (ended - hung, out.stderr)
     assert out.returncode != 0, out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("autoshard: error: rank 0 waited 20 s in "), out.stderr
+    assert last.startswith("autoshard: error: rank 0 waited 12 s in "), out.stderr
     assert re.search(r"rank 1 never arrived \(rank 1 is at step \d+, reading its batch for", last)
     for rank in ("0", "1"):
         pid = int((tmp_path / rank).read_text())

@@ -12,7 +12,7 @@ while no other rank can is a deadlock, reported with what each rank waits for.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -168,34 +168,36 @@ def simulate(
     events: list[list[Timed]] = [[] for _ in range(schedule.num_ranks)]
     total = sum(len(a) for a in schedule.actions)
     count = 0
-    while count < total:
-        moved = False
-        for rank, actions in enumerate(schedule.actions):
-            while position[rank] < len(actions):
-                a = actions[position[rank]]
-                inputs = _inputs_ready(schedule, rank, a, ends, arrivals, posted)
-                if inputs is None:
-                    break
-                start = max(clock[rank], inputs)
-                end = start + (cost(a) if a.is_compute or a.kind == "REDUCE_GRAD" else 0.0)
-                if a.kind.startswith("SEND"):
-                    arrivals[("RECV" + a.kind[4:], a.peer, a.microbatch)] = start + transfer(a)
-                elif a.kind.startswith("RECV"):
-                    posted.add((a.kind, a.stage, a.microbatch))
-                else:
-                    ends[(a.kind, a.stage, a.microbatch)] = end
-                clock[rank] = end
-                events[rank].append(Timed(rank, a, start, end))
-                position[rank] += 1
-                count += 1
-                moved = True
-        if not moved:
-            waiting = [
-                f"rank {r} at {schedule.actions[r][position[r]]}"
-                for r in range(schedule.num_ranks)
-                if position[r] < len(schedule.actions[r])
-            ]
-            raise ScheduleError(f"{schedule.name} deadlocks: " + "; ".join(waiting))
+    # a rank runs until an input it needs has not arrived; a send wakes the rank it goes to
+    ready = deque(range(schedule.num_ranks))
+    while ready:
+        rank = ready.popleft()
+        actions = schedule.actions[rank]
+        while position[rank] < len(actions):
+            a = actions[position[rank]]
+            inputs = _inputs_ready(schedule, rank, a, ends, arrivals, posted)
+            if inputs is None:
+                break
+            start = max(clock[rank], inputs)
+            end = start + (cost(a) if a.is_compute or a.kind == "REDUCE_GRAD" else 0.0)
+            if a.kind.startswith("SEND"):
+                arrivals[("RECV" + a.kind[4:], a.peer, a.microbatch)] = start + transfer(a)
+                ready.append(schedule.placement[a.peer])
+            elif a.kind.startswith("RECV"):
+                posted.add((a.kind, a.stage, a.microbatch))
+            else:
+                ends[(a.kind, a.stage, a.microbatch)] = end
+            clock[rank] = end
+            events[rank].append(Timed(rank, a, start, end))
+            position[rank] += 1
+            count += 1
+    if count < total:
+        waiting = [
+            f"rank {r} at {schedule.actions[r][position[r]]}"
+            for r in range(schedule.num_ranks)
+            if position[r] < len(schedule.actions[r])
+        ]
+        raise ScheduleError(f"{schedule.name} deadlocks: " + "; ".join(waiting))
     return _timeline(schedule, events, activation_bytes)
 
 
