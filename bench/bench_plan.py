@@ -38,6 +38,12 @@ SHAPES = {
         "--vocab 51200 --pp 16 --microbatches 96 --recompute full",
         "nodes": 128,
     },
+    "gpt3-175b-searched": {  # the same shape, the pipeline degree, micro-batches, schedule
+        # and recompute searched (nothing fits without stages)
+        "args": "--model gpt --layers 96 --hidden 12288 --heads 96 --seq 2048 --batch 1536 "
+        "--vocab 51200",
+        "nodes": 128,
+    },
     "gpt-1t": {  # Narayanan et al. 2021's 1T run: 3072 A100s, pp 64, batch 3072
         "args": "--model gpt --layers 128 --hidden 25600 --heads 160 --seq 2048 --batch 3072 "
         "--vocab 51200 --pp 64 --microbatches 512 --recompute full",
@@ -85,7 +91,9 @@ def _one(shape: str, search: str) -> dict:
         "step_ms": shown["step_time_s"] * 1e3,
         "mfu": shown["mfu"],
         "peak_gib": shown["peak_memory_bytes"] / 2**30,
-        "pipeline": {k: pipe[k] for k in ("schedule", "microbatches", "recompute", "bubble")}
+        "pipeline": {
+            k: pipe.get(k) for k in ("schedule", "microbatches", "recompute", "bubble", "search_s")
+        }
         if pipe
         else None,
         "command": "autoshard plan " + " ".join(cmd[4:-2]),
@@ -140,7 +148,8 @@ def summary(result: dict) -> str:
             lines.append(
                 f"- {r['shape']}: {p['schedule']}, {p['microbatches']} micro-batches, recompute "
                 f"{p['recompute']}: bubble {p['bubble'] * 100:.1f}%, peak {r['peak_gib']:.1f} "
-                f"GiB per device ({fits})."
+                f"GiB per device ({fits})"
+                + (f"; pipeline search {p['search_s']:.1f} s." if p.get("search_s") else ".")
             )
     lines.append("")
     lines.append("Commands: " + "; ".join(f"`{r['command']}`" for r in result["rows"]))

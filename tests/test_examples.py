@@ -204,6 +204,33 @@ def test_autoshard_train_killed_resumes_from_the_latest_checkpoint_as_if_never_s
     assert late == straight[step:]  # bitwise: parameters, optimizer state and data order
 
 
+def test_autoshard_train_in_pipeline_stages_trains_as_plain_pytorch(tmp_path):
+    """``autoshard train --pp 2 --microbatches 4`` (the schedule and recompute searched): the
+    loader hands every rank whole global batches, the pipeline cuts them, and each step's loss
+    is plain PyTorch's on the same batches (the loader's order) with the same AdamW."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from train_fn import make
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    from autoshard.data import ShardSampler
+
+    out, losses = _train(["--steps", "3", "--pp", "2", "--microbatches", "4"], tmp_path)
+    assert "plan over 2 rank(s): pp(2) x " in out and "4 micro-batches" in out, out
+    parts = make()
+    model, dataset = parts["model"], parts["dataset"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **parts["optimizer"])
+    order = list(ShardSampler(len(dataset), 8, 1, 0, seed=0))
+    expected = []
+    for step in range(3):
+        x, y = dataset[order[8 * step : 8 * step + 8]]
+        loss = model(x, y)
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5), (losses, expected)
+
+
 BRANCHY = """
 import torch
 

@@ -7,6 +7,8 @@ device's: ``loss = pm(*batch); loss.backward(); opt.step()``."""
 from __future__ import annotations
 
 import copy
+import json
+import math
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from autoshard.models import build, reference_config
 from autoshard.redistribution import shard_tensor
 from autoshard.runtime.microbatch_loss import CountedLoss
 from autoshard.runtime.pipeline import pipeline_groups
+from autoshard.schedule import ScheduleError
 from autoshard.testing import LiveBytes, run_ranks
 from tests.test_runtime import megatron
 
@@ -266,9 +269,21 @@ def _cases_world2(path: str) -> list[str]:
     return [o for o in out if o]
 
 
+def _planned(name: str, world: int, **given: Any) -> str:
+    """``autoshard.plan`` with pipeline stages (``given`` fixed, the rest searched for the
+    cpu preset), run from its JSON by ``parallelize(plan=...)``, against plain PyTorch."""
+    plan = autoshard.plan(_model(name), _batches()[0], "cpu", num_devices=world, **given)
+    pipe = plan.json["pipeline"]
+    if pipe["pp"] * math.prod(plan.json["mesh"].values()) != world or not pipe["tried"]:
+        return f"{name} {given}: a plan of {pipe['pp']} x {plan.json['mesh']}"
+    return _against_pytorch(name, None, plan=json.loads(json.dumps(plan.json)))
+
+
 def _cases_world4() -> list[str]:
     torch.set_num_threads(1)
     out = [
+        _planned("gpt", 4, pp=2),
+        _against_pytorch("llama", {"dp": 2, "pp": 2}, search="optimal", microbatches=2),
         _against_pytorch("llama", {"dp": 2, "pp": 2}, schedule="1f1b", microbatches=4),
         _against_pytorch("gpt", {"pp": 2, "tp": 2}, megatron("gpt"), microbatches=2),
         _against_pytorch("gpt", {"pp": 4}, schedule="1f1b", microbatches=4),
@@ -286,6 +301,29 @@ def test_pipelines_of_two_ranks_train_as_pytorch(tmp_path) -> None:
 
 def test_pipelines_with_data_and_tensor_parallel_train_as_pytorch() -> None:
     for problems in run_ranks(_cases_world4, 4, timeout=600):
+        assert problems == []
+
+
+def _cases_world8() -> list[str]:
+    torch.set_num_threads(1)
+    out = [
+        _against_pytorch(
+            "gpt",
+            {"dp": 2, "pp": 2, "tp": 2},
+            megatron("gpt"),
+            zero=1,
+            schedule="1f1b",
+            microbatches=2,
+            recompute="full",
+        ),  # fmt: skip
+    ]
+    return [o for o in out if o]
+
+
+def test_data_pipeline_and_tensor_parallel_on_8_ranks_train_as_pytorch() -> None:
+    """3D: dp 2 x pp 2 x tp 2 (Megatron's strategies inside each stage) under ZeRO 1 with
+    full recompute: losses and every tensor as plain PyTorch's."""
+    for problems in run_ranks(_cases_world8, 8, timeout=600):
         assert problems == []
 
 
@@ -337,6 +375,16 @@ def test_bad_pipeline_arguments_are_clear_errors() -> None:
         parallelize(model, batch, {"pp": 1}, microbatches=3)
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         parallelize(model, batch, {"pp": 1}, schedule="pipedream")
+    plain = autoshard.plan(model, batch, "cpu", num_devices=1)
+    with pytest.raises(ValueError, match="the plan given has no pipeline stages"):
+        parallelize(model, batch, None, plan=plain.json, schedule="1f1b")
+    staged = autoshard.plan(model, batch, "cpu", num_devices=2, pp=2, microbatches=2)
+    with pytest.raises(ValueError, match="microbatches=4, but the plan given has microbatches 2"):
+        parallelize(model, batch, None, plan=staged.json, microbatches=4)
+    with pytest.raises(ScheduleError, match="interleaved"):  # 3 is no multiple of 2 ranks
+        six = tuple(t[:6] for t in batch)
+        autoshard.plan(model, six, "cpu", num_devices=2, pp=2, microbatches=3,
+                       schedule="interleaved-1f1b")  # fmt: skip
 
 
 # -- recompute, on one process ------------------------------------------------------------------

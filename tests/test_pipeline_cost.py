@@ -72,11 +72,16 @@ def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> No
     args = [sys.executable, "-m", "autoshard.cli", "plan", "--model", "gpt", "--layers", "32",
             "--hidden", "4096", "--heads", "32", "--seq", "2048", "--batch", "512", "--vocab",
             "51200", "--cluster", "dgx-h100", "--nodes", "1"]  # fmt: skip
-    flat = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    flat = subprocess.run([*args, "--pp", "1"], capture_output=True, text=True, timeout=300)
     assert flat.returncode == 3 and "no plan fits in 80.00 GiB" in flat.stderr
+    # without --pp: nothing fits without stages, so the stages are searched
+    searched = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert searched.returncode == 0, searched.stderr
+    assert "no plan fits in 80.00 GiB" in searched.stderr and "pipeline: pp(" in searched.stdout
+    assert "(microbatches, pp, recompute, schedule searched)" in searched.stdout
     staged = subprocess.run(
-        [*args, "--pp", "4", "--microbatches", "64", "--recompute", "full", "--json",
-         str(tmp_path / "plan.json")],
+        [*args, "--pp", "4", "--microbatches", "64", "--recompute", "full", "--schedule",
+         "1f1b", "--json", str(tmp_path / "plan.json")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert staged.returncode == 0, staged.stderr

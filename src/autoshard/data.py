@@ -119,7 +119,8 @@ class ShardLoader:
         shards = {batch_shard(layout, rank) for layout in self.layouts}
         # Inputs that split their batch dim differently (a plan may cut the targets by the
         # sequence): every rank reads whole global batches and cuts each input by its layout.
-        self.whole = len(shards) > 1
+        # No layouts: whole global batches, uncut (a pipeline's).
+        self.whole = len(shards) != 1
         num_shards, shard_id = (1, 0) if self.whole else shards.pop()
         for layout in self.layouts:
             if layout.shape[0] != batch_size:
@@ -195,7 +196,7 @@ class _Inputs(Protocol):
 
 class Planned(Protocol):
     """What :func:`loader` reads of a ``runtime.ParallelModule``: its plan's input layouts,
-    its inputs' names and its rank."""
+    its inputs' names, its rank and whether it takes whole batches."""
 
     @property
     def plan(self) -> _Inputs: ...
@@ -206,13 +207,17 @@ class Planned(Protocol):
     @property
     def rank(self) -> int: ...
 
+    #: whether forward takes whole global batches (a pipeline cuts them itself)
+    whole_batch: bool
+
 
 def loader(dataset: Dataset, pm: Planned, batch_size: int, **kwargs: Any) -> ShardLoader:
     """This rank's loader of ``dataset`` for a ParallelModule: its shard of every global batch
-    of ``batch_size`` samples, cut to the plan's input layouts (``shuffle``, ``seed``,
-    ``end="drop"|"pad"`` and DataLoader options such as ``num_workers`` pass through)."""
+    of ``batch_size`` samples, cut to the plan's input layouts (a pipeline's: whole batches;
+    ``shuffle``, ``seed``, ``end="drop"|"pad"`` and DataLoader options such as
+    ``num_workers`` pass through)."""
     plan = pm.plan
-    layouts = [plan.inputs[name] for name in pm.input_names]
+    layouts = [] if pm.whole_batch else [plan.inputs[name] for name in pm.input_names]
     return ShardLoader(dataset, batch_size, layouts, pm.rank, **kwargs)
 
 

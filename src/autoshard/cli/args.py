@@ -107,6 +107,19 @@ def _demo_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _pp(text: str) -> int | str:
+    """``--pp``: a positive int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of stages or auto") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
+
+
 def _train_options(p: argparse.ArgumentParser) -> None:
     from autoshard.cli.train import TrainConfig
 
@@ -150,7 +163,42 @@ def _train_options(p: argparse.ArgumentParser) -> None:
         default=d.checkpoint_every,
         help="steps between checkpoints (0: none)",
     )
+    _pipeline_options(
+        p,
+        int,
+        "pipeline stages (left out: searched when another pipeline flag is given, else none)",
+    )
     _train_output_options(p, d)
+
+
+def _pipeline_options(p: argparse.ArgumentParser, pp_type: Any, pp_help: str) -> None:
+    """Pipeline stages, for ``autoshard plan`` and ``autoshard train``: any of them plans
+    stages; those left out are searched."""
+    p.add_argument("--pp", type=pp_type, default=None, help=pp_help)
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches a step (they divide the batch; left out: searched)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"],
+        help="pipeline schedule (left out: searched)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages a rank of interleaved-1f1b (left out: 2)",
+    )
+    p.add_argument(
+        "--recompute",
+        default=None,
+        choices=["none", "selective", "full"],
+        help="recompute of the repeated blocks in backward (left out: searched)",
+    )
 
 
 def _train_output_options(p: argparse.ArgumentParser, d: Any) -> None:
@@ -209,25 +257,11 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
 
 
 def _plan_pipeline_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (1: none)")
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="micro-batches a step with --pp (None: 4 x --pp); they divide --batch",
-    )
-    p.add_argument(
-        "--schedule",
-        default="1f1b",
-        choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"],
-        help="pipeline schedule with --pp",
-    )
-    p.add_argument("--virtual-stages", type=int, default=1, help="stages a rank (interleaved-1f1b)")
-    p.add_argument(
-        "--recompute",
-        default="none",
-        choices=["none", "selective", "full"],
-        help="recompute of the repeated blocks in backward",
+    _pipeline_options(
+        p,
+        _pp,
+        "pipeline stages (1: none; auto: search them beside the plan without; left out: "
+        "searched when another pipeline flag is given or nothing fits without stages)",
     )
 
 

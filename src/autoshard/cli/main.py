@@ -10,7 +10,7 @@ import torch
 
 from autoshard.cli.args import DTYPES as _DTYPES
 from autoshard.cli.args import build_parser
-from autoshard.cost.collectives import BUCKET_CAP_MB
+from autoshard.cli.plan_text import format_search, write_json
 from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshError, mesh_info
 from autoshard.redistribution import redistribution_plan
@@ -170,8 +170,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.dtype != "f32":
         model = model.to(_DTYPES[args.dtype])
         example = tuple(t.to(_DTYPES[args.dtype]) if t.is_floating_point() else t for t in example)
-    if args.pp > 1 or args.recompute != "none":
-        return _pipeline_plan(args, spec, model, example, depth, loss_fn, start)
+    from autoshard.cli.plan_pipeline import given_pipeline, pipeline_plan
+
+    staged = given_pipeline(args)
+    if args.pp != "auto" and (staged.get("pp", 1) > 1 or set(staged) - {"pp"}):
+        # a pipeline flag given: the other pipeline flags are searched
+        return pipeline_plan(args, spec, model, example, depth, loss_fn, start)
     captured = capture(model, example, {}, loss_fn=loss_fn, train=True)
     captured_s = time.perf_counter() - start
     try:
@@ -184,13 +188,31 @@ def _plan_command(args: argparse.Namespace) -> int:
             tp_across_nodes=args.tp_across_nodes,
         )
     except PlanningError as err:
-        print(f"autoshard: error: {err}", file=sys.stderr)
-        return 3
+        if args.pp is not None and args.pp != "auto":  # --pp 1: no stages
+            print(f"autoshard: error: {err}", file=sys.stderr)
+            return 3
+        print(f"without pipeline stages: {_one_line(err)}\nsearching pipeline stages",
+              file=sys.stderr)  # fmt: skip
+        return pipeline_plan(args, spec, model, example, depth, loss_fn, start)
     built = build_plan(captured, result, spec)
+
+    def show() -> int:
+        return _show_plan(args, built, result, captured_s, start)
+
+    if args.pp == "auto":  # the pipeline search's best against the plan without stages
+        return pipeline_plan(args, spec, model, example, depth, loss_fn, start,
+                             baseline=(built.predicted.step_time, show))  # fmt: skip
+    return show()
+
+
+def _show_plan(args: argparse.Namespace, built, result, captured_s: float, start: float) -> int:
+    """The plan without stages: its JSON (``--json``), its table and its picture."""
+    import time
+
     data = built.json
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - start
-    _write_json(args.json, data)
+    write_json(args.json, data)
     if args.json != "-":
         print(format_search(data, result, built))
     if args.picture:
@@ -198,210 +220,6 @@ def _plan_command(args: argparse.Namespace) -> int:
 
         print(f"picture: {plan_picture(data, args.picture)}")
     return 0
-
-
-def _write_json(where: str | None, data: dict) -> None:
-    """``--json``: the plan to a file, or to stdout for ``-``."""
-    import json
-
-    if not where:
-        return
-    text = json.dumps(data, indent=1)
-    if where == "-":
-        print(text)
-    else:
-        with open(where, "w") as f:
-            f.write(text + "\n")
-
-
-def _pipeline_plan(args, spec, model, example, depth, loss_fn, start) -> int:
-    """``autoshard plan --pp``: the stage plan for one micro-batch, the stages and schedule
-    priced together; the table adds the pipeline's step, bubble and each rank's memory."""
-    import time
-
-    from autoshard.graph import capture
-    from autoshard.search import PlanningError
-    from autoshard.search.pipelined import pipeline_json, plan_stages
-
-    m = args.microbatches or 4 * args.pp
-    if args.batch % m:
-        print(f"autoshard: error: --microbatches {m} does not divide --batch {args.batch}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    micro = tuple(t[: t.shape[0] // m] for t in example)
-    captured = capture(model, micro, {}, loss_fn=loss_fn, train=True)
-    captured_s = time.perf_counter() - start
-    try:
-        pp_plan = plan_stages(captured, spec.num_devices, spec, args.pp, m, args.schedule,
-                              args.virtual_stages, args.recompute, args.search, depth,
-                              args.tp_across_nodes)  # fmt: skip
-    except (PlanningError, ValueError) as err:
-        print(f"autoshard: error: {err}", file=sys.stderr)
-        return 3
-    data = dict(pp_plan.stage.json)
-    data["pipeline"] = pipeline_json(pp_plan, spec.num_devices)
-    data["predicted"]["capture_s"] = captured_s
-    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
-    _write_json(args.json, data)
-    if args.json != "-":
-        print("\n".join(_pipeline_lines(data, spec)))
-        print(format_search(data, pp_plan.result, pp_plan.stage))
-    return 0
-
-
-def _pipeline_lines(data: dict, spec) -> list[str]:
-    pipe = data["pipeline"]
-    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
-    lines = [
-        f"pipeline: pp({pipe['pp']}) x {mesh} on {spec.num_devices} devices, "
-        f"{pipe['schedule']}"
-        + (f" ({pipe['virtual_stages']} stages a rank)" if pipe["virtual_stages"] > 1 else "")
-        + f", {pipe['microbatches']} micro-batches, recompute {pipe['recompute']}",
-        f"predicted step {pipe['step_time_s'] * 1e3:.1f} ms, MFU {pipe['mfu'] * 100:.1f}%, "
-        f"bubble {pipe['bubble'] * 100:.1f}%, peak memory {_size(pipe['peak_memory_bytes'])} per "
-        f"device (of {_size(spec.memory_bytes)}); a stage sends {_size(pipe['boundary_bytes'])} "
-        "per micro-batch",
-        "pipeline rank  stages  forward ms  backward ms  parameters  gradients  optimizer  "
-        "activations",
-    ]
-    from autoshard.schedule import make_schedule
-
-    sched = make_schedule(
-        pipe["schedule"], pipe["pp"], pipe["microbatches"], pipe["virtual_stages"]
-    )
-    for r, mem in enumerate(pipe["memory_bytes"]):
-        stages = sched.stages_of(r)
-        fwd = sum(pipe["stage_seconds"][s][0] for s in stages) * 1e3
-        bwd = sum(pipe["stage_seconds"][s][1] for s in stages) * 1e3
-        lines.append(
-            f"{r:>13}  {','.join(map(str, stages)):>6}  {fwd:>10.2f}  {bwd:>11.2f}  "
-            + "  ".join(
-                f"{_size(mem[k]):>10}"
-                for k in ("parameters", "gradients", "optimizer", "activations")
-            )
-        )
-    lines.append("(the stage plan below is one micro-batch's on one stage's sub-mesh; its "
-                 "step and memory are the whole model's, for the search)")  # fmt: skip
-    return lines
-
-
-def _assumptions(data: dict) -> list[str]:
-    """What the prediction rests on: the precision planned in and the cluster's efficiencies."""
-    c = data["cluster"]
-    dtype = data["predicted"].get("dtype", "float32")
-    peak = c["flops"].get(dtype) or max(c["flops"].values())
-    shares = c.get("matmul_efficiency") or [[0, 1.0]]
-    attention = c.get("attention_efficiency", [1.0, 1.0])
-    return [
-        f"precision: {dtype} compute (--dtype); peak {peak / 1e12:.1f} TFLOP/s per device",
-        f"assumes: matrix products at {shares[0][1]:.0%}-{shares[-1][1]:.0%} of peak by size, "
-        f"attention {attention[0]:.0%} forward / {attention[1]:.0%} backward, memory "
-        f"{c['memory_bandwidth'] / 1e9:.0f} GB/s, {c['op_overhead'] * 1e6:.1f} us per op; links "
-        f"{c['intra_bandwidth'] / 1e9:.0f} GB/s in a node, {c['inter_bandwidth'] / 1e9:.0f} GB/s "
-        f"across; gradient sums in {BUCKET_CAP_MB:.0f} MiB buckets overlapping backward, other "
-        f"communication in line (docs/cost.md)",
-    ]
-
-
-def format_search(data: dict, result, built=None) -> str:
-    """The searched plan: mesh, predicted time, MFU and memory, the meshes tried, the time,
-    communication and memory layer by layer, and every op's layouts with named dims."""
-    pred = data["predicted"]
-    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
-    lines = [
-        f"mesh {mesh} on {data['cluster']['name']} "
-        f"({data['cluster']['nodes']} x {data['cluster']['devices_per_node']} devices)",
-        f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
-        f"peak memory {_size(pred['peak_memory_bytes'])} per device",
-        f"ZeRO stage {data.get('zero', 0)}; memory per device: "
-        + ", ".join(f"{k} {_size(v)}" for k, v in pred.get("memory_bytes", {}).items()),
-        f"search '{pred['search']}' {pred['search_s']:.2f} s "
-        f"(graph of {result.graph.size[0]} decision nodes)",
-    ]
-    lines += _assumptions(data)
-    if "end_to_end_s" in pred:
-        lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
-    lines += _meshes(data)
-    lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
-    if built is not None:
-        lines += _named_strategies(data, built)
-    return "\n".join(lines)
-
-
-def _size(nbytes: float) -> str:
-    """Bytes in the unit that shows them: GiB, MiB or KiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale or unit == "MiB" and nbytes >= 2**17:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
-
-
-def _meshes(data: dict) -> list[str]:
-    """The meshes tried: the estimate's step time where it priced them (the chosen one is
-    the headline's), else the search's objective."""
-    pred = data["predicted"]
-    lines = ["meshes tried (predicted step; ~ the search's objective where not predicted):"]
-    chosen = (data["mesh"], data.get("zero", 0))
-    for row in pred["meshes"]:
-        shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
-        if "step_s" not in row:
-            bound = f"{row['bound_s'] * 1e3:.2f} ms"
-            why = "not searched: its lower bound" if row.get("skipped") else "does not fit, bound"
-            lines.append(f"  {shape:>15}: {why} {bound}")
-            continue
-        mark = "*" if (row["mesh"], row.get("zero", 0)) == chosen else " "
-        seconds, memory = row.get("predicted_s"), row.get("predicted_memory")
-        if mark == "*":
-            seconds, memory = pred["step_time_s"], pred["peak_memory_bytes"]
-        step = f"{seconds * 1e3:.2f} ms" if seconds else f"~{row['step_s'] * 1e3:.2f} ms"
-        size = _size(memory) if memory else "~" + _size(row["memory"])
-        lines.append(f"{mark} {shape:>15}: {step}, {size}")
-    lines.append("  (* chosen)")
-    return lines
-
-
-def format_layers(rows: list[dict], step_s: float, peak_bytes: float) -> list[str]:
-    """The step layer by layer (a repeated block list once, per block, with its count); the
-    total counts every block and equals the headline."""
-    if not rows:
-        return []
-    width = max(len(r["layer"]) for r in rows)
-    head = f"  {'layer'.ljust(width)}  blocks  compute ms  comm ms  memory"
-    lines = ["per layer (a repeated block's values are one block's):", head]
-    for r in rows:
-        lines.append(
-            f"  {r['layer'].ljust(width)}  {r['blocks']:>6}  {r['compute_s'] * 1e3:>10.3f}  "
-            f"{r['comm_s'] * 1e3:>7.3f}  {_size(r['memory_bytes'])}"
-        )
-    compute = sum(r["blocks"] * r["compute_s"] for r in rows)
-    comm = sum(r["blocks"] * r["comm_s"] for r in rows)
-    memory = sum(r["blocks"] * r["memory_bytes"] for r in rows)
-    lines.append(
-        f"  {'total'.ljust(width)}  {'':>6}  {compute * 1e3:>10.3f}  {comm * 1e3:>7.3f}  "
-        f"{_size(memory)}  = step {(compute + comm) * 1e3:.2f} ms, peak {_size(peak_bytes)}"
-    )
-    return lines
-
-
-def _named_strategies(data: dict, built) -> list[str]:
-    """Each decision op's layouts with named dims (``x[b@dp, s, in] -> [b@dp, s, out]``)."""
-    from autoshard.search.describe import describe_input, describe_op, dim_names
-
-    og = built.graph
-    names = dim_names(og)
-    first = {}
-    for info in og.ops():
-        first.setdefault(og.key_pattern(info), info.node)
-    width = max((len(k) for k in data["strategies"]), default=10)
-    lines = ["layouts (dim@axis: split over that mesh axis; {sum:axis}: partial sums):"]
-    for key in data["strategies"]:
-        node = first.get(key)
-        if node is not None and node.name in built.nodes:
-            text = describe_op(og, node, built.nodes[node.name].strategy, names)
-            lines.append(f"  {key.ljust(width)}  {text}")
-    for name, layout in built.inputs.items():
-        lines.append(f"  input {name}: {describe_input(layout, og.by_name[name], names)}")
-    return lines
 
 
 def _train_command(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (float, int),
     "str | None": (str, type(None)),
+    "int | None": (int, type(None)),
     "float | None": (float, int, type(None)),
 }
 
@@ -56,6 +57,17 @@ class TrainConfig:
     cluster: str = "cpu"
     picture: str | None = None
     timeout: float = 600.0
+    pp: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
+
+    @property
+    def pipeline(self) -> dict[str, Any]:
+        """The pipeline settings given (any of them plans stages; the others are searched)."""
+        names = ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -68,10 +80,13 @@ class TrainConfig:
         bad = [f"{n} = {getattr(self, n)!r}" for n in positive if getattr(self, n) <= 0]
         bad += [f"zero = {self.zero!r}"] if self.zero not in (0, 1, 2, 3) else []
         bad += [f"checkpoint_every = {self.checkpoint_every}"] if self.checkpoint_every < 0 else []
+        staged = ("pp", "microbatches", "virtual_stages")
+        bad += [f"{n} = {getattr(self, n)}" for n in staged if (getattr(self, n) or 1) < 1]
         if bad:
             raise ValueError(
                 f"train settings out of range: {', '.join(bad)} (steps, batch_size, log_every, "
-                "timeout and lr are positive; zero is 0-3; checkpoint_every is 0 or more)"
+                "timeout and lr are positive; zero is 0-3; checkpoint_every is 0 or more; pp, "
+                "microbatches and virtual_stages are 1 or more)"
             )
 
     @classmethod
@@ -164,6 +179,12 @@ def _parallel(parts: dict[str, Any], example: tuple, cfg: TrainConfig) -> Any:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     given = {"plan": cfg.plan} if cfg.plan else {"search": cfg.search, "cluster": cfg.cluster}
+    if cfg.pipeline and not cfg.plan:  # stages planned as `autoshard plan --pp` would
+        from autoshard.search import plan
+
+        made = plan(parts["model"], example, cfg.cluster, search=cfg.search, num_devices=world,
+                    loss_fn=parts.get("loss_fn"), **cfg.pipeline)  # fmt: skip
+        given = {"plan": made.json}
     return parallelize(
         parts["model"], example, None if cfg.plan else world, parts.get("loss_fn"),
         precision=cfg.precision, zero=cfg.zero or None, seed=cfg.seed, timeout_s=cfg.timeout,
@@ -183,6 +204,17 @@ def check(cfg: TrainConfig) -> None:
         raise ValueError(f"search {cfg.search!r}: expected one of {', '.join(SEARCHES)}")
     if cfg.plan is not None and not Path(cfg.plan).is_file():
         raise ValueError(f"plan {cfg.plan!r}: no such file")
+    if cfg.plan is not None and cfg.pipeline:
+        raise ValueError(
+            f"--plan {cfg.plan} carries its own pipeline settings; leave out "
+            + ", ".join(f"--{k.replace('_', '-')}" for k in cfg.pipeline)
+        )
+    from autoshard.schedule import SCHEDULES
+
+    if cfg.schedule is not None and cfg.schedule not in SCHEDULES:
+        raise ValueError(f"schedule {cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if cfg.recompute not in (None, "none", "selective", "full"):
+        raise ValueError(f"recompute {cfg.recompute!r}: expected none, selective or full")
     if cfg.picture is not None:
         try:
             import matplotlib  # noqa: F401
@@ -275,7 +307,11 @@ def worker(cfg: TrainConfig) -> None:
     opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, **parts.get("optimizer", {}))
     feed, batches = _batches(parts, pm, cfg)
     log = _Log(cfg, pm.rank == 0)
-    log.say(f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {pm.plan.mesh.describe()}")
+    mesh = pm.plan.mesh.describe()
+    if pm.whole_batch:  # pipeline stages, each on the mesh above
+        s = pm.schedule
+        mesh = f"pp({s.num_ranks}) x {mesh}, {s.name}, {s.microbatches} micro-batches"
+    log.say(f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {mesh}")
     start = _resume(cfg, pm, opt, feed, log)
     flops, unit, per_step = _work(example, pm, cfg)
     peak = _peak_flops(cfg, pm) * int(os.environ.get("WORLD_SIZE", "1"))

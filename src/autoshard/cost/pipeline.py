@@ -154,15 +154,7 @@ def price_pipeline(
     one micro-batch (on one stage's sub-mesh); ``boundary_bytes``: what a stage sends on per
     micro-batch (per rank); ``stride``: ranks between two neighbouring pipeline ranks (the
     link they use: inside a node or across)."""
-    pre, block, count, post = model_pieces(est, og)
-    stages = schedule.num_stages
-    shares = [count // stages + (1 if s >= stages - count % stages else 0) for s in range(stages)]
-    pieces = [
-        (pre if s == 0 else Piece()) + block.scaled(n) + (post if s == stages - 1 else Piece())
-        for s, n in enumerate(shares)
-    ]
-    again = [_again(block.scaled(n), recompute) for n in shares]
-    seconds = tuple((p.forward, p.backward + a) for p, a in zip(pieces, again, strict=True))
+    block, shares, pieces, seconds = _stages(est, og, schedule.num_stages, recompute)
     weights = tuple(p.weight for p in pieces)
     cost = stage_costs(seconds, weights)  # what autoshard simulate replays from the JSON
     crosses = stride >= cluster.devices_per_node
@@ -180,6 +172,33 @@ def price_pipeline(
     return PipelineEstimate(
         timeline, timeline.step + tail, tuple(_per_rank(memory, schedule)), seconds, weights, hop
     )
+
+
+def _stages(est: Estimate, og: OpGraph, stages: int, recompute: str) -> tuple:
+    """One block, each stage's number of blocks, its piece, and its (forward, backward)
+    seconds per micro-batch with what ``recompute`` runs again."""
+    pre, block, count, post = model_pieces(est, og)
+    shares = [count // stages + (1 if s >= stages - count % stages else 0) for s in range(stages)]
+    pieces = [
+        (pre if s == 0 else Piece()) + block.scaled(n) + (post if s == stages - 1 else Piece())
+        for s, n in enumerate(shares)
+    ]
+    again = [_again(block.scaled(n), recompute) for n in shares]
+    seconds = tuple((p.forward, p.backward + a) for p, a in zip(pieces, again, strict=True))
+    return block, shares, pieces, seconds
+
+
+def busiest_rank_seconds(
+    est: Estimate, og: OpGraph, placement: Sequence[int], microbatches: int, recompute: str
+) -> float:
+    """The compute of the busiest pipeline rank over a step whose stage ``s`` runs on rank
+    ``placement[s]``: a lower bound of the step ``price_pipeline`` predicts (what the search
+    needs to skip a configuration without making its schedule)."""
+    seconds = _stages(est, og, len(placement), recompute)[3]
+    busy: dict[int, float] = {}
+    for s, rank in enumerate(placement):
+        busy[rank] = busy.get(rank, 0.0) + sum(seconds[s])
+    return microbatches * max(busy.values())
 
 
 def stage_costs(
@@ -227,6 +246,7 @@ def _per_rank(memory: list[dict[str, float]], schedule: Schedule) -> list[dict[s
 
 
 __all__ = [
+    "busiest_rank_seconds",
     "PRODUCTS",
     "Piece",
     "PipelineEstimate",

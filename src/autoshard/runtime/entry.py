@@ -26,6 +26,7 @@ from autoshard.runtime.planned import (
     _search,
     _zero_of,
 )
+from autoshard.search import Plan, load_plan
 
 
 def parallelize(
@@ -61,7 +62,9 @@ def parallelize(
     ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
     (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
     from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
-    sets the mesh. ``captured`` (``capture_modes``) skips the capture when planning again.
+    sets the mesh (and, with a ``pipeline`` section, the stages and their schedule). With a
+    ``pp`` axis, ``search`` plans one stage's sub-mesh. ``captured`` (``capture_modes``)
+    skips the capture when planning again.
     ``replicas``: "broadcast" the first rank's part of each parameter and buffer to the ranks
     that hold the same part, "check" that they are equal (naming the rank that differs), or
     "none". ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward
@@ -84,13 +87,13 @@ def parallelize(
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if search is not None and plan is not None:
         raise ValueError("parallelize: give search= or plan=, not both")
-    if _pipelined(mesh, schedule, microbatches, stages):
+    if _pipelined(mesh, schedule, microbatches, stages, plan):
         return parallelize_pipeline(
             model, example_inputs, mesh, strategies, loss_fn, example_kwargs, input_layouts,
             seed,
             (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute),
-            timeout_s, schedule or "1f1b", microbatches, stages, virtual_stages,
-            search is not None or plan is not None,
+            timeout_s, (schedule, microbatches, stages, virtual_stages),
+            (search, cluster, plan),
         )  # fmt: skip
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, init)
@@ -114,11 +117,14 @@ def parallelize(
     return ParallelModule(model, captured, plans, rank, seed, *options)
 
 
-def _pipelined(mesh: Any, schedule: Any, microbatches: Any, stages: Any) -> bool:
-    """Whether ``parallelize`` makes pipeline stages: a ``pp`` axis or a pipeline keyword (a
-    ``plan=`` sets the mesh, which is None here then)."""
+def _pipelined(mesh: Any, schedule: Any, microbatches: Any, stages: Any, plan: Any) -> bool:
+    """Whether ``parallelize`` makes pipeline stages: a ``pp`` axis, a pipeline keyword, or
+    a plan with a ``pipeline`` section (a ``plan=`` sets the mesh, which is None then)."""
     if schedule is not None or microbatches is not None or stages is not None:
         return True
+    if plan is not None:
+        data = plan.json if isinstance(plan, Plan) else load_plan(plan)
+        return bool(data) and "pipeline" in data
     return mesh is not None and "pp" in mesh_info(mesh).names
 
 

@@ -37,6 +37,9 @@ from autoshard.search import Plan, plan_graph
 class ParallelModule(nn.Module):
     """This rank's part of the model: parameter shards and the lowered programs (train, eval)."""
 
+    #: whether forward takes the whole global batch (a pipeline's) rather than this rank's part
+    whole_batch = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -418,7 +421,10 @@ def single_device(
 
 
 def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:
-    """This rank's part of a global batch, in the structure given (tensors in input order)."""
+    """This rank's part of a global batch, in the structure given (tensors in input order); a
+    pipeline (``whole_batch``) takes the whole batch and cuts it into micro-batches itself."""
+    if pm.whole_batch:
+        return batch
     mode = pm.training if train is None else train
     plan, captured = pm._plans[mode], pm._captured[mode]
     flat, spec = pytree.tree_flatten(batch)

@@ -109,6 +109,8 @@ class _Finished(torch.autograd.Function):
 class PipelineModule(ParallelModule):
     """This rank's stages of a pipeline-parallel model and the schedule that runs them."""
 
+    whole_batch = True  # forward cuts the global batch into micro-batches
+
     def __init__(self, *args: Any, pipe: Pipe, microbatches: int, **kwargs: Any) -> None:
         object.__setattr__(self, "_pipe", pipe)
         object.__setattr__(self, "_microbatches", microbatches)

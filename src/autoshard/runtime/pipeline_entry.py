@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ from autoshard.runtime.pipeline import (
     pipeline_plans,
     stage_mesh,
 )
-from autoshard.runtime.planned import _compare_plans, _plan_modes
+from autoshard.runtime.planned import _compare_plans, _inputs_of, _plan_modes, _search
 from autoshard.schedule import make_schedule, validate
+from autoshard.search import Plan, load_plan
 from autoshard.search.plans import check_zero
 
 
@@ -42,26 +44,27 @@ def parallelize_pipeline(
     seed: int,
     options: tuple,
     timeout_s: float | None,
-    schedule: str,
-    microbatches: int | None,
-    stages: Sequence[str] | None,
-    virtual_stages: int,
-    planned: bool,
+    pipeline: tuple,
+    planning: tuple,
 ) -> PipelineModule:
-    """``parallelize`` of a mesh with a ``pp`` axis (its arguments, in its order)."""
+    """``parallelize`` of a mesh with a ``pp`` axis (its arguments, in its order; ``pipeline``:
+    schedule, microbatches, stages, virtual_stages; ``planning``: search, cluster, plan)."""
+    # Whole: parallelize's steps in its order (plan, capture, check, cut, lower), for stages
     replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute = options
-    if planned:
-        raise ValueError(
-            "parallelize: search= and plan= do not take pipeline stages yet; give the stage's "
-            "strategies (or none: data parallel inside each stage)"
-        )
+    stages = pipeline[2]
+    search, cluster, plan = planning
+    data, source = _plan_data(plan)
+    if data is not None:
+        mesh, strategies = {"pp": data["pipeline"]["pp"], **data["mesh"]}, data["strategies"]
+        zero = data.get("zero", 0) if zero is None else zero
+    schedule, m, virtual_stages, recompute = _configuration(pipeline, recompute, data, source)
     one_line_on_rank_zero()
     check_init(model, init)
     info = mesh_info(mesh)
     pp = info.size_of(["pp"]) if "pp" in info.names else 1
-    m = pp if microbatches is None else microbatches
+    m = pp if m is None else m  # default: one micro-batch a pipeline rank
     if not isinstance(m, int) or m < 1:
-        raise ValueError(f"microbatches={microbatches!r}: expected a positive int")
+        raise ValueError(f"microbatches={m!r}: expected a positive int")
     plan_schedule = make_schedule(schedule, pp, m, virtual_stages)
     validate(plan_schedule)
     policy = precision_policy(precision)
@@ -72,8 +75,15 @@ def parallelize_pipeline(
             "pipeline stages: the model updates buffers in forward (batch norm's running "
             "statistics); that is not supported under a pp axis yet"
         )
-    rank = check_world(info, "", timeout_s)
-    plans = _plan_modes(captured, stage_mesh(info), None, strategies, input_layouts, "")
+    ready = None
+    if data is not None:
+        input_layouts = _inputs_of(captured[True], data, input_layouts, source)
+    elif search is not None:  # the stage's strategies searched for its sub-mesh
+        ready = _search(model, example, captured, stage_mesh(info).as_dict(), search, cluster,
+                        float("inf"), strategies if search == "propagate" else None, 0)  # fmt: skip
+        strategies = ready.strategies
+    rank = check_world(info, source, timeout_s)
+    plans = _plan_modes(captured, stage_mesh(info), ready, strategies, input_layouts, source)
     plans[True] = dataclasses.replace(plans[True], zero=check_zero(zero or 0))
     _compare_plans(plans[True], rank)
     cuts = cut_modes(captured, plan_schedule.num_stages, list(stages) if stages else None)
@@ -87,6 +97,42 @@ def parallelize_pipeline(
         model, captured, plans, rank, seed, replicas, bucket_cap_mb, policy,
         reshard_after_forward, init, recompute, pipe=pipe, microbatches=m,
     )  # fmt: skip
+
+
+def _plan_data(plan: Any) -> tuple[dict | None, str]:
+    """A ``plan=``'s JSON with its ``pipeline`` section, and how an error names it."""
+    if plan is None:
+        return None, ""
+    data = plan.json if isinstance(plan, Plan) else load_plan(plan)
+    source = f"plan {plan}" if isinstance(plan, str | Path) else "the plan given"
+    if not data or "pipeline" not in data:
+        raise ValueError(
+            f"{source} has no pipeline stages (no 'pipeline' section); make one with "
+            "`autoshard plan --pp N --json FILE` or autoshard.plan(..., pp=N), or leave out "
+            "schedule=, microbatches= and stages="
+        )
+    return data, source
+
+
+def _configuration(pipeline: tuple, recompute: Any, data: dict | None, source: str) -> tuple:
+    """(schedule, micro-batches, virtual stages, recompute): the keywords', else the plan's,
+    else the defaults (1F1B, one micro-batch a stage, no recompute); a keyword that differs
+    from the plan's is an error naming both."""
+    schedule, microbatches, _, virtual_stages = pipeline
+    given = {"schedule": schedule, "microbatches": microbatches,
+             "virtual_stages": virtual_stages if virtual_stages != 1 else None,
+             "recompute": recompute}  # fmt: skip
+    if data is not None:
+        planned = data["pipeline"]
+        for key, value in given.items():
+            if value is not None and value != planned[key]:
+                raise ValueError(
+                    f"parallelize: {key}={value!r}, but {source} has {key} "
+                    f"{planned[key]!r}; leave it out or plan again"
+                )
+            given[key] = planned[key]
+    return (given["schedule"] or "1f1b", given["microbatches"], given["virtual_stages"] or 1,
+            given["recompute"])  # fmt: skip
 
 
 def _check_split(og: Any, cut: Any, zero: Any, schedule: str) -> None:

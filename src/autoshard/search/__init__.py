@@ -1,15 +1,16 @@
 """Planning: the plan format (``plans``), semi-automatic planning (``semi``), strategy options
 (``options``), the cost graph and its pricing (``costgraph``, ``pricing``), the solvers
-(``solvers``) and the driver from a model to a plan (``driver``)."""
+(``solvers``), the driver from a graph to a plan (``driver``), pipeline stages
+(``pipelined``) and ``plan`` from a model (``planning``)."""
 
 from autoshard.search.driver import (
     SEARCHES,
     SearchResult,
     build_plan,
     mesh_shapes,
-    plan,
     run_search,
 )
+from autoshard.search.planning import plan
 from autoshard.search.plans import (
     FORMAT,
     ZERO_LEVELS,

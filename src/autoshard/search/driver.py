@@ -6,17 +6,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 
-from autoshard.cost import ClusterSpec, cluster_spec, estimate
+from autoshard.cost import ClusterSpec, estimate
 from autoshard.cost.breakdown import breakdown_rows
-from autoshard.graph import OpGraph, capture_modes
-from autoshard.mesh import MeshInfo, mesh_info
+from autoshard.graph import OpGraph
+from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
 from autoshard.search import options, pricing
 from autoshard.search.costgraph import CostGraph, build_cost_graph
@@ -25,7 +24,6 @@ from autoshard.search.plans import (
     ZERO_LEVELS,
     Plan,
     PlanningError,
-    check_zero,
     input_layouts,
 )
 from autoshard.search.semi import plan_graph
@@ -359,64 +357,10 @@ def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
     return cluster.peak_flops(getattr(torch, _compute_dtype(og)))
 
 
-def plan(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    cluster: str | ClusterSpec | dict | None = None,
-    *,
-    search: str = "optimal",
-    num_devices: int | None = None,
-    mesh: Any = None,
-    memory_limit: float | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    example_kwargs: dict[str, Any] | None = None,
-    strategies: Mapping[str, Any] | None = None,
-    tp_across_nodes: bool = False,
-    captured: dict[bool, OpGraph] | None = None,
-    zero: int | None = None,
-) -> Plan:
-    """Search the fastest plan of ``model`` that fits on ``cluster`` (a preset name, a JSON
-    file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
-    :class:`Plan` with ``plan.json`` (the JSON ``parallelize(plan=...)`` accepts) and
-    ``plan.predicted`` (the cost model's :class:`~autoshard.cost.Estimate` of it). The ZeRO
-    stage is searched with the strategies unless ``zero`` fixes it (docs/zero.md)."""
-    if zero is not None and not isinstance(check_zero(zero), int):
-        raise ValueError(
-            "plan: zero= is one stage for the search (0-3); give per-parameter "
-            "stages to parallelize"
-        )
-    spec = cluster_spec(cluster)
-    if num_devices is None:
-        num_devices = mesh_info(mesh).num_devices if mesh is not None else spec.num_devices
-    spec = cluster_spec(spec, num_devices)
-    if captured is None:
-        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
-    fixed_mesh = mesh_info(mesh) if mesh is not None else None
-    fixed = None
-    if strategies:
-        if fixed_mesh is None:
-            raise ValueError("search='propagate' with strategies needs the mesh they name")
-        base = plan_graph(captured[True], fixed_mesh, strategies)
-        fixed = {n.node: n.strategy for n in base.nodes.values() if n.configured}
-    result = run_search(
-        captured[True],
-        num_devices,
-        spec,
-        search=search,
-        mesh=fixed_mesh,
-        memory_limit=memory_limit,
-        tp_across_nodes=tp_across_nodes,
-        fixed=fixed,
-        zero=zero,
-    )
-    return build_plan(captured[True], result, spec)
-
-
 __all__ = [
     "SEARCHES",
     "SearchResult",
     "build_plan",
     "mesh_shapes",
-    "plan",
     "run_search",
 ]

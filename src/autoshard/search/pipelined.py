@@ -11,14 +11,17 @@ model's.
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from autoshard.cost import ClusterSpec, cluster_spec
-from autoshard.cost.pipeline import PipelineEstimate, price_pipeline
+from autoshard.cost.pipeline import PipelineEstimate, busiest_rank_seconds, price_pipeline
 from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
-from autoshard.schedule import Schedule, make_schedule, validate
+from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
 from autoshard.search.driver import SearchResult, build_plan, run_search
 from autoshard.search.plans import Plan, PlanningError
 
@@ -80,13 +83,9 @@ def plan_stages(
     result = run_search(og, devices, sub, search=search, depth=depth, memory_limit=float("inf"),
                         tp_across_nodes=tp_across_nodes, zero=0,
                         step_share=1 / microbatches)  # fmt: skip
-    stage = build_plan(og, result, sub)
-    crossing = boundary_bytes(og, stage)
-    mesh = stage.mesh
-    stride = mesh.num_devices // mesh.size_of([n for n in mesh.names if n.startswith("dp")])
-    predicted = price_pipeline(
-        stage.predicted, og, sched, cluster, recompute, crossing, stride=max(stride, 1)
-    )
+    plan = _priced(og, build_plan(og, result, sub), result, cluster, pp, microbatches, schedule,
+                   virtual_stages, recompute)  # fmt: skip
+    predicted = plan.predicted
     if predicted.peak_memory > cluster.memory_bytes:
         worst = max(range(len(predicted.memory)), key=lambda r: sum(predicted.memory[r].values()))
         parts = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in predicted.memory[worst].items())
@@ -96,7 +95,243 @@ def plan_stages(
             f"{cluster.memory_bytes / 2**30:.1f} GiB ({parts}); try more stages, more "
             "micro-batches, recompute or ZeRO"
         )
+    return plan
+
+
+#: the schedules and recompute modes tried where none is given (GPipe is 1F1B's bubble with
+#: more memory; interleaved-1f1b with 2 stages a rank)
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 1))
+SEARCHED_RECOMPUTE = ("full", "none", "selective")
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One configuration the pipeline search priced: its step and its peak memory per
+    device (``fits``: within the device's memory)."""
+
+    pp: int
+    microbatches: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    step_s: float
+    peak_bytes: float
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def search_pipeline(
+    capture: Callable[[int], OpGraph],
+    batch: int,
+    num_devices: int,
+    cluster: ClusterSpec,
+    given: Mapping[str, Any],
+    search: str = "optimal",
+    depth: Any = None,
+    tp_across_nodes: bool = False,
+) -> tuple[PipelinePlan, list[Tried], float]:
+    """The fastest pipeline configuration that fits: ``given`` fixes any of ``pp``,
+    ``microbatches``, ``schedule``, ``virtual_stages`` and ``recompute``; the others are
+    searched. ``capture(m)`` is the model's graph for one of ``m`` micro-batches of the
+    ``batch``. Returns the plan, every configuration priced and the seconds spent.
+
+    The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
+    recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
+    (about 4 a rank), then the other counts for the best degree (coarse to fine)."""
+    # Whole: the coarse-to-fine order and the pruning rules share the search's state
+    start = time.perf_counter()
+    graphs: dict[int, OpGraph] = {}
+
+    def graph(m: int) -> OpGraph:
+        if batch // m not in graphs:
+            graphs[batch // m] = capture(m)
+        return graphs[batch // m]
+
+    pps = [given["pp"]] if given.get("pp") else _degrees(num_devices, graph, depth, batch)
+    tried: list[Tried] = []
+    best: PipelinePlan | None = None
+    stage_plans: dict[tuple[int, int], tuple[Plan, SearchResult]] = {}
+
+    def price(pp: int, m: int) -> None:
+        nonlocal best
+        og = graph(m)
+        key = (num_devices // pp, batch // m)
+        if key not in stage_plans:
+            sub = cluster_spec(cluster, num_devices // pp)
+            result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
+                                memory_limit=float("inf"), tp_across_nodes=tp_across_nodes,
+                                zero=0, step_share=1 / m)  # fmt: skip
+            stage_plans[key] = (build_plan(og, result, sub), result)
+        stage, result = stage_plans[key]
+        closed: set[tuple[str, int]] = set()
+        for name, v, rc in _variants(given, pp, m, _blocks(og, depth)):
+            # full recompute first: where it does not fit, less recompute keeps more; then
+            # none, selective: once one fits, more recompute only adds time. Nor can a
+            # configuration be faster whose busiest rank computes longer than the best step.
+            placement = v_shape(pp) if name == "zbv" else looped(pp, v)
+            if (name, v) in closed:
+                continue
+            bound = busiest_rank_seconds(stage.predicted, og, placement, m, rc)
+            if best is not None and bound >= best.predicted.step_time:
+                continue
+            try:
+                plan = _priced(og, stage, result, cluster, pp, m, name, v, rc)
+            except ScheduleError:  # e.g. interleaved with micro-batches not a multiple of pp
+                if given.get("schedule"):
+                    raise
+                closed.add((name, v))
+                continue
+            fits = plan.predicted.peak_memory <= cluster.memory_bytes
+            tried.append(Tried(pp, m, name, v, rc, plan.predicted.step_time,
+                               plan.predicted.peak_memory, fits))  # fmt: skip
+            if fits != (rc == "full"):
+                closed.add((name, v))
+            if fits and (best is None or plan.predicted.step_time < best.predicted.step_time):
+                best = plan
+
+    for pp in pps:
+        counts = [given["microbatches"]] if given.get("microbatches") else _counts(batch, pp)
+        if counts:
+            price(pp, counts[0])
+    if best is not None and not given.get("microbatches"):
+        top = best.schedule.num_ranks
+        for m in _counts(batch, top)[1:]:
+            price(top, m)
+    if best is None:
+        raise PlanningError(_nothing_fits(tried, cluster, num_devices))
+    validate(best.schedule)
+    return best, tried, time.perf_counter() - start
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
+    """The named schedule, made once for every recompute mode priced on it (pricing plays
+    it, which finds a deadlock or a dependency out of order; the chosen one is validated)."""
+    return make_schedule(name, pp, m, v)
+
+
+def _priced(og, stage, result, cluster, pp, m, name, v, recompute) -> PipelinePlan:
+    """``stage``'s plan in ``pp`` stages under the schedule ``name`` and ``recompute``."""
+    sched = _schedule(name, pp, m, v)
+    crossing = boundary_bytes(og, stage)
+    mesh = stage.mesh
+    stride = mesh.num_devices // mesh.size_of([n for n in mesh.names if n.startswith("dp")])
+    predicted = price_pipeline(
+        stage.predicted, og, sched, cluster, recompute, crossing, stride=max(stride, 1)
+    )
     return PipelinePlan(stage, result, sched, recompute, predicted, crossing)
+
+
+def _blocks(og: OpGraph, depth: Any) -> int:
+    """The model's repeated blocks at full depth (``depth`` maps a block list to its real
+    count, as the search prices it)."""
+    prefix = next(iter(og.repeated), None)
+    if prefix is None:
+        return 1
+    return int((depth or {}).get(prefix, len(og.repeated[prefix])))
+
+
+def _degrees(num_devices: int, graph: Callable[[int], OpGraph], depth: Any, batch: int) -> list:
+    """Pipeline degrees to try: the device count's divisors from 2 up to the block count
+    (a stage holds a block at least) that leave a micro-batch count dividing the batch."""
+    first = _counts(batch, 2)
+    blocks = _blocks(graph(first[0] if first else 1), depth)
+    return [
+        d for d in range(2, min(num_devices, blocks) + 1)
+        if num_devices % d == 0 and _counts(batch, d)
+    ]  # fmt: skip
+
+
+def _counts(batch: int, pp: int) -> list[int]:
+    """Micro-batch counts for ``pp`` ranks: the smallest divisor of the batch from 4, 2 and
+    8 micro-batches a rank up (a bubble near 1/5, 1/3, 1/9 of 1F1B's step), the first
+    first."""
+    out = []
+    for k in (4, 2, 8):
+        m = next((d for d in range(k * pp, batch + 1) if batch % d == 0), None)
+        if m is not None and m not in out:
+            out.append(m)
+    return out
+
+
+def _variants(given: Mapping[str, Any], pp: int, m: int, blocks: int) -> list[tuple]:
+    """(schedule, virtual stages, recompute) to price for ``pp`` ranks and ``m`` micro-
+    batches: the given ones, else those the schedule can make with the model's blocks."""
+    v = given.get("virtual_stages")
+    if given.get("schedule"):
+        name = given["schedule"]
+        schedules = [(name, v or (2 if name == "interleaved-1f1b" else 1))]
+    elif v and v > 1:
+        schedules = [("interleaved-1f1b", v)]
+    else:
+        schedules = list(SEARCHED_SCHEDULES)
+    modes = [given["recompute"]] if given.get("recompute") else list(SEARCHED_RECOMPUTE)
+    out = []
+    for name, v in schedules:
+        stages = 2 * pp if name == "zbv" else v * pp
+        if stages > blocks and not given.get("schedule"):  # a stage holds a block at least
+            continue
+        out += [(name, v, rc) for rc in modes]
+    return out
+
+
+def _nothing_fits(tried: list[Tried], cluster: ClusterSpec, num_devices: int) -> str:
+    if not tried:
+        return (f"no pipeline configuration to try on {num_devices} devices (the pipeline "
+                "degree must divide the devices and the micro-batch count the batch)")  # fmt: skip
+    least = min(tried, key=lambda t: t.peak_bytes)
+    return (
+        f"no pipeline configuration fits {cluster.memory_bytes / 2**30:.1f} GiB per device "
+        f"({len(tried)} tried); the least memory: pp {least.pp}, {least.microbatches} "
+        f"micro-batches, {least.schedule}, recompute {least.recompute}: "
+        f"{least.peak_bytes / 2**30:.1f} GiB; try more devices or ZeRO"
+    )
+
+
+def plan_with_stages(
+    model: Any,
+    example_inputs: tuple,
+    cluster: ClusterSpec,
+    num_devices: int,
+    given: Mapping[str, Any],
+    search: str = "optimal",
+    loss_fn: Any = None,
+    example_kwargs: dict | None = None,
+    tp_across_nodes: bool = False,
+) -> Plan:
+    """``autoshard.plan`` with pipeline stages: the stage plan whose JSON has the
+    ``pipeline`` section ``parallelize(plan=...)`` runs (``given`` fixes any of ``pp``,
+    ``microbatches``, ``schedule``, ``virtual_stages``, ``recompute``; the rest searched)."""
+    import dataclasses
+
+    import torch
+    import torch.utils._pytree as pytree
+
+    from autoshard.graph import capture
+
+    tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    batch = tensors[0].shape[0]
+
+    def micro(m: int) -> OpGraph:
+        def first(x: Any) -> Any:
+            return x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.dim() else x
+
+        part, kwargs = pytree.tree_map(first, (tuple(example_inputs), example_kwargs))
+        return capture(model, part, kwargs, loss_fn=loss_fn, train=True)
+
+    if given.get("microbatches") and batch % given["microbatches"]:
+        raise ValueError(f"microbatches={given['microbatches']} does not divide the batch {batch}")
+    best, tried, seconds = search_pipeline(micro, batch, num_devices, cluster, given, search,
+                                           None, tp_across_nodes)  # fmt: skip
+    data = dict(best.stage.json)
+    data["pipeline"] = pipeline_json(best, num_devices) | {
+        "searched": sorted({"pp", "microbatches", "schedule", "recompute"} - set(given)),
+        "tried": [t.as_dict() for t in tried],
+        "search_s": seconds,
+    }
+    return dataclasses.replace(best.stage, json=data)
 
 
 def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
@@ -109,7 +344,8 @@ def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
         "pp": s.num_ranks,
         "microbatches": s.microbatches,
         "schedule": s.name,
-        "virtual_stages": s.num_stages // s.num_ranks,
+        # stages a rank of interleaved-1f1b (make_schedule's argument; zbv's V is its own)
+        "virtual_stages": s.num_stages // s.num_ranks if s.name == "interleaved-1f1b" else 1,
         "recompute": pp_plan.recompute,
         "bubble": p.bubble,
         "step_time_s": p.step_time,
@@ -123,4 +359,14 @@ def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
     }
 
 
-__all__ = ["PipelinePlan", "boundary_bytes", "pipeline_json", "plan_stages"]
+__all__ = [
+    "SEARCHED_RECOMPUTE",
+    "SEARCHED_SCHEDULES",
+    "PipelinePlan",
+    "Tried",
+    "boundary_bytes",
+    "pipeline_json",
+    "plan_stages",
+    "plan_with_stages",
+    "search_pipeline",
+]

@@ -1,0 +1,154 @@
+"""``autoshard plan`` with pipeline stages: the configuration given by ``--pp``,
+``--microbatches``, ``--schedule``, ``--virtual-stages`` and ``--recompute`` (any left out is
+searched), its table, and the plan without stages to compare with (``--pp auto``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from autoshard.cli.plan_text import format_search, write_json
+from autoshard.cli.plan_text import human_bytes as size
+
+
+def given_pipeline(args: Any) -> dict[str, Any]:
+    """The pipeline flags the user set (``--pp auto`` sets none)."""
+    given = {
+        "pp": args.pp if isinstance(args.pp, int) else None,
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "virtual_stages": args.virtual_stages,
+        "recompute": args.recompute,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def pipeline_plan(args, spec, model, example, depth, loss_fn, start, baseline=None) -> int:
+    """The fastest pipeline configuration that fits (the flags given fixed). ``baseline``
+    (``--pp auto``): the plan without stages, (its step, a function that shows it), shown
+    instead where it is faster or no pipeline fits."""
+    from autoshard.graph import capture
+    from autoshard.search import PlanningError
+    from autoshard.search.pipelined import pipeline_json, search_pipeline
+
+    given = given_pipeline(args)
+    batch = example[0].shape[0]
+    if given.get("microbatches") and batch % given["microbatches"]:
+        print(f"autoshard: error: --microbatches {given['microbatches']} does not divide "
+              f"--batch {batch}", file=sys.stderr)  # fmt: skip
+        return 2
+    graphs: dict[int, Any] = {}
+    captured_s = [0.0]
+
+    def micro(m: int) -> Any:
+        began = time.perf_counter()
+        part = tuple(t[: t.shape[0] // m] for t in example)
+        graphs[m] = capture(model, part, {}, loss_fn=loss_fn, train=True)
+        captured_s[0] += time.perf_counter() - began
+        return graphs[m]
+
+    try:
+        best, tried, search_s = search_pipeline(
+            micro, batch, spec.num_devices, spec, given, args.search, depth, args.tp_across_nodes
+        )
+    except (PlanningError, ValueError) as err:
+        if baseline is not None:
+            print(f"with pipeline stages: {err}; the plan without them:", file=sys.stderr)
+            return baseline[1]()
+        print(f"autoshard: error: {err}", file=sys.stderr)
+        return 3
+    if baseline is not None and baseline[0] <= best.predicted.step_time:
+        print(f"without pipeline stages {baseline[0] * 1e3:.1f} ms a step, with them (the best "
+              f"of {len(tried)} priced) {best.predicted.step_time * 1e3:.1f} ms: the plan "
+              "without them", file=sys.stderr)  # fmt: skip
+        return baseline[1]()
+    data = dict(best.stage.json)
+    data["pipeline"] = pipeline_json(best, spec.num_devices)
+    data["pipeline"]["searched"] = sorted(set(("pp", "microbatches", "schedule", "recompute"))
+                                          - set(given))  # fmt: skip
+    data["pipeline"]["tried"] = [t.as_dict() for t in tried]
+    data["pipeline"]["search_s"] = search_s
+    if baseline is not None:
+        data["pipeline"]["without_stages_step_s"] = baseline[0]
+    data["predicted"]["capture_s"] = captured_s[0]
+    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
+    write_json(args.json, data)
+    if args.json != "-":
+        print("\n".join(pipeline_lines(data, spec)))
+        print(format_search(data, best.result, best.stage))
+    return 0
+
+
+def pipeline_lines(data: dict, spec: Any) -> list[str]:
+    """The pipeline's headline, each pipeline rank's stages, times and memory, and the
+    configurations the search priced."""
+    from autoshard.schedule import make_schedule
+
+    pipe = data["pipeline"]
+    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
+    lines = [
+        f"pipeline: pp({pipe['pp']}) x {mesh} on {spec.num_devices} devices, "
+        f"{pipe['schedule']}"
+        + (f" ({pipe['virtual_stages']} stages a rank)" if pipe["virtual_stages"] > 1 else "")
+        + f", {pipe['microbatches']} micro-batches, recompute {pipe['recompute']}",
+        f"predicted step {pipe['step_time_s'] * 1e3:.1f} ms, MFU {pipe['mfu'] * 100:.1f}%, "
+        f"bubble {pipe['bubble'] * 100:.1f}%, peak memory {size(pipe['peak_memory_bytes'])} per "
+        f"device (of {size(spec.memory_bytes)}); a stage sends {size(pipe['boundary_bytes'])} "
+        "per micro-batch",
+    ]
+    if "without_stages_step_s" in pipe:
+        lines.append(f"without stages: {pipe['without_stages_step_s'] * 1e3:.1f} ms")
+    lines.append(
+        "pipeline rank  stages  forward ms  backward ms  parameters  gradients  optimizer  "
+        "activations"
+    )
+    sched = make_schedule(
+        pipe["schedule"], pipe["pp"], pipe["microbatches"], pipe["virtual_stages"]
+    )
+    for r, mem in enumerate(pipe["memory_bytes"]):
+        stages = sched.stages_of(r)
+        fwd = sum(pipe["stage_seconds"][s][0] for s in stages) * 1e3
+        bwd = sum(pipe["stage_seconds"][s][1] for s in stages) * 1e3
+        lines.append(
+            f"{r:>13}  {','.join(map(str, stages)):>6}  {fwd:>10.2f}  {bwd:>11.2f}  "
+            + "  ".join(
+                f"{size(mem[k]):>10}"
+                for k in ("parameters", "gradients", "optimizer", "activations")
+            )
+        )
+    lines += tried_lines(pipe)
+    lines.append("(the stage plan below is one micro-batch's on one stage's sub-mesh; its "
+                 "step and memory are the whole model's, for the search)")  # fmt: skip
+    return lines
+
+
+def tried_lines(pipe: dict, shown: int = 8) -> list[str]:
+    """The fastest configurations the search priced (those that fit first), with the
+    search's time."""
+    tried = pipe.get("tried", [])
+    if len(tried) < 2:
+        return []
+    searched = ", ".join(pipe.get("searched", [])) or "nothing"
+    lines = [
+        f"pipeline search ({searched} searched): {len(tried)} configurations priced in "
+        f"{pipe.get('search_s', 0.0):.2f} s; the fastest:"
+    ]
+    ranked = sorted(tried, key=lambda t: (not t["fits"], t["step_s"]))
+    for t in ranked[:shown]:
+        v = f" v{t['virtual_stages']}" if t["virtual_stages"] > 1 else ""
+        mark = "*" if _same(t, pipe) else " "
+        lines.append(
+            f"{mark} pp {t['pp']:>3}  m {t['microbatches']:>4}  {t['schedule'] + v:<19} "
+            f"recompute {t['recompute']:<9}  {t['step_s'] * 1e3:>9.1f} ms  "
+            f"{size(t['peak_bytes']):>10}{'' if t['fits'] else '  does not fit'}"
+        )
+    return lines
+
+
+def _same(t: dict, pipe: dict) -> bool:
+    keys = ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
+    return all(t[k] == pipe[k] for k in keys)
+
+
+__all__ = ["given_pipeline", "pipeline_lines", "pipeline_plan", "tried_lines"]

@@ -1,0 +1,143 @@
+"""The plan's table as ``autoshard plan`` prints it: the headline, the assumptions, the meshes
+tried, the step layer by layer and each op's layouts; and ``--json``."""
+
+from __future__ import annotations
+
+from autoshard.cost.collectives import BUCKET_CAP_MB
+
+
+def write_json(where: str | None, data: dict) -> None:
+    """``--json``: the plan to a file, or to stdout for ``-``."""
+    import json
+
+    if not where:
+        return
+    text = json.dumps(data, indent=1)
+    if where == "-":
+        print(text)
+    else:
+        with open(where, "w") as f:
+            f.write(text + "\n")
+
+
+def _assumptions(data: dict) -> list[str]:
+    """What the prediction rests on: the precision planned in and the cluster's efficiencies."""
+    c = data["cluster"]
+    dtype = data["predicted"].get("dtype", "float32")
+    peak = c["flops"].get(dtype) or max(c["flops"].values())
+    shares = c.get("matmul_efficiency") or [[0, 1.0]]
+    attention = c.get("attention_efficiency", [1.0, 1.0])
+    return [
+        f"precision: {dtype} compute (--dtype); peak {peak / 1e12:.1f} TFLOP/s per device",
+        f"assumes: matrix products at {shares[0][1]:.0%}-{shares[-1][1]:.0%} of peak by size, "
+        f"attention {attention[0]:.0%} forward / {attention[1]:.0%} backward, memory "
+        f"{c['memory_bandwidth'] / 1e9:.0f} GB/s, {c['op_overhead'] * 1e6:.1f} us per op; links "
+        f"{c['intra_bandwidth'] / 1e9:.0f} GB/s in a node, {c['inter_bandwidth'] / 1e9:.0f} GB/s "
+        f"across; gradient sums in {BUCKET_CAP_MB:.0f} MiB buckets overlapping backward, other "
+        f"communication in line (docs/cost.md)",
+    ]
+
+
+def format_search(data: dict, result, built=None) -> str:
+    """The searched plan: mesh, predicted time, MFU and memory, the meshes tried, the time,
+    communication and memory layer by layer, and every op's layouts with named dims."""
+    pred = data["predicted"]
+    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
+    lines = [
+        f"mesh {mesh} on {data['cluster']['name']} "
+        f"({data['cluster']['nodes']} x {data['cluster']['devices_per_node']} devices)",
+        f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
+        f"peak memory {human_bytes(pred['peak_memory_bytes'])} per device",
+        f"ZeRO stage {data.get('zero', 0)}; memory per device: "
+        + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("memory_bytes", {}).items()),
+        f"search '{pred['search']}' {pred['search_s']:.2f} s "
+        f"(graph of {result.graph.size[0]} decision nodes)",
+    ]
+    lines += _assumptions(data)
+    if "end_to_end_s" in pred:
+        lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
+    lines += _meshes(data)
+    lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
+    if built is not None:
+        lines += _named_strategies(data, built)
+    return "\n".join(lines)
+
+
+def human_bytes(nbytes: float) -> str:
+    """Bytes in the unit that shows them: GiB, MiB or KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale or unit == "MiB" and nbytes >= 2**17:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _meshes(data: dict) -> list[str]:
+    """The meshes tried: the estimate's step time where it priced them (the chosen one is
+    the headline's), else the search's objective."""
+    pred = data["predicted"]
+    lines = ["meshes tried (predicted step; ~ the search's objective where not predicted):"]
+    chosen = (data["mesh"], data.get("zero", 0))
+    for row in pred["meshes"]:
+        shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
+        if "step_s" not in row:
+            bound = f"{row['bound_s'] * 1e3:.2f} ms"
+            why = "not searched: its lower bound" if row.get("skipped") else "does not fit, bound"
+            lines.append(f"  {shape:>15}: {why} {bound}")
+            continue
+        mark = "*" if (row["mesh"], row.get("zero", 0)) == chosen else " "
+        seconds, memory = row.get("predicted_s"), row.get("predicted_memory")
+        if mark == "*":
+            seconds, memory = pred["step_time_s"], pred["peak_memory_bytes"]
+        step = f"{seconds * 1e3:.2f} ms" if seconds else f"~{row['step_s'] * 1e3:.2f} ms"
+        size = human_bytes(memory) if memory else "~" + human_bytes(row["memory"])
+        lines.append(f"{mark} {shape:>15}: {step}, {size}")
+    lines.append("  (* chosen)")
+    return lines
+
+
+def format_layers(rows: list[dict], step_s: float, peak_bytes: float) -> list[str]:
+    """The step layer by layer (a repeated block list once, per block, with its count); the
+    total counts every block and equals the headline."""
+    if not rows:
+        return []
+    width = max(len(r["layer"]) for r in rows)
+    head = f"  {'layer'.ljust(width)}  blocks  compute ms  comm ms  memory"
+    lines = ["per layer (a repeated block's values are one block's):", head]
+    for r in rows:
+        lines.append(
+            f"  {r['layer'].ljust(width)}  {r['blocks']:>6}  {r['compute_s'] * 1e3:>10.3f}  "
+            f"{r['comm_s'] * 1e3:>7.3f}  {human_bytes(r['memory_bytes'])}"
+        )
+    compute = sum(r["blocks"] * r["compute_s"] for r in rows)
+    comm = sum(r["blocks"] * r["comm_s"] for r in rows)
+    memory = sum(r["blocks"] * r["memory_bytes"] for r in rows)
+    lines.append(
+        f"  {'total'.ljust(width)}  {'':>6}  {compute * 1e3:>10.3f}  {comm * 1e3:>7.3f}  "
+        f"{human_bytes(memory)}  = step {(compute + comm) * 1e3:.2f} ms, "
+        f"peak {human_bytes(peak_bytes)}"
+    )
+    return lines
+
+
+def _named_strategies(data: dict, built) -> list[str]:
+    """Each decision op's layouts with named dims (``x[b@dp, s, in] -> [b@dp, s, out]``)."""
+    from autoshard.search.describe import describe_input, describe_op, dim_names
+
+    og = built.graph
+    names = dim_names(og)
+    first = {}
+    for info in og.ops():
+        first.setdefault(og.key_pattern(info), info.node)
+    width = max((len(k) for k in data["strategies"]), default=10)
+    lines = ["layouts (dim@axis: split over that mesh axis; {sum:axis}: partial sums):"]
+    for key in data["strategies"]:
+        node = first.get(key)
+        if node is not None and node.name in built.nodes:
+            text = describe_op(og, node, built.nodes[node.name].strategy, names)
+            lines.append(f"  {key.ljust(width)}  {text}")
+    for name, layout in built.inputs.items():
+        lines.append(f"  input {name}: {describe_input(layout, og.by_name[name], names)}")
+    return lines
+
+
+__all__ = ["format_layers", "format_search", "human_bytes", "write_json"]
