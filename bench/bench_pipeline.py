@@ -1,11 +1,12 @@
 """autoshard's pipeline against torch.distributed.pipelining, in the same run.
 
-The Llama reference model (4 layers, hidden 256, 8 heads, 4 kv heads, ffn 512, seq 64, vocab
-128, so the two stages' work is within 3%; global batch 16, float32, AdamW) on 2 CPU ranks
-of 1 thread (gloo), cut the same way both ways:
+The Llama reference model (4 layers, hidden 512, 8 heads, 4 kv heads, ffn 1024, seq 64,
+vocab 128, so the two stages' work is within a few percent; global batch 16, float32, AdamW)
+on 2 CPU ranks of 1 thread (gloo), cut the same way both ways:
 ``parallelize(model, batch, {"pp": 2}, schedule=..., microbatches=4, stages=[...])`` against
 ``PipelineStage`` modules holding the same layers, run by torch's schedule of the same
-name (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages a rank).
+name (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages a rank,
+``ScheduleInterleavedZeroBubble`` with one stage a rank: ZB-H1).
 A step is forward, backward and the optimizer step, one of each way a round, the order turning
 around every round; the ratio is the median over rounds of the two steps' ratio in each round,
 with a bootstrap interval.
@@ -13,7 +14,7 @@ with a bootstrap interval.
 Then autoshard's recorded timeline (``pm.recording``): the measured bubble (the share of the
 ranks' time, from the first compute to the last, that no compute runs) beside
 (p-1)/(m+p-1), and the simulator's step from the measured median time of each action beside
-the measured step.
+the measured step; and the first rank's peak tensor bytes under each recompute mode.
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ ROUNDS, WARMUP = 20, 3
 BATCH, MICRO = 16, 4
 CUTS = {1: ["layers.2"], 2: ["layers.1", "layers.2", "layers.3"]}  # stages a rank -> cuts
 SCHEDULES = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
-             ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2))  # fmt: skip
+             ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2),
+             ("zb-h1", "ScheduleInterleavedZeroBubble", 1))  # fmt: skip
+#: torch's schedules that take a list of stages (one a rank is ZB-H1 for the zero-bubble one)
+MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+HIDDEN, FFN = 512, 1024
 
 
 def _model():
     from autoshard.models import build, reference_config
 
     torch.manual_seed(0)
-    config = reference_config("llama", vocab=128, seq=64, layers=4, heads=8, hidden=256,
-                              kv_heads=4, ffn=512)  # fmt: skip
+    config = reference_config("llama", vocab=128, seq=64, layers=4, heads=8, hidden=HIDDEN,
+                              kv_heads=4, ffn=FFN)  # fmt: skip
     return build(config), config.example_batch(BATCH, torch.Generator().manual_seed(1))
 
 
@@ -84,7 +89,7 @@ def _torch_side(model: Any, virtual: int, schedule: str, rank: int, world: int):
         for s in mine
     ]
     cls = getattr(pipelining, schedule)
-    sched = cls(stages if virtual > 1 else stages[0], MICRO, loss_fn=_loss)
+    sched = cls(stages if schedule in MULTI else stages[0], MICRO, loss_fn=_loss)
     params = [p for s in stages for p in s.submod.parameters()]
     return sched, params
 
@@ -151,18 +156,31 @@ def _rank(rounds: int) -> list[dict]:
             "kept_first_stage": kept[0].get(0, 0),
             "schedule_json": pm.schedule.to_json(),
         })  # fmt: skip
-    for recompute in ("selective", "full"):  # memory only: what 1F1B keeps with recompute
-        model, batch = _model()
-        pm = parallelize(model, batch, {"pp": world}, schedule="1f1b", microbatches=MICRO,
-                         stages=CUTS[1], recompute=recompute)  # fmt: skip
-        pm.recording = True
-        pm(*batch).backward()
-        kept = [None] * world
-        dist.all_gather_object(kept, dict(pm.saved_bytes.peak))
-        rows.append(
-            {"schedule": f"1f1b, recompute {recompute}", "kept_first_stage": kept[0].get(0, 0)}
-        )
+    for recompute in ("none", "selective", "full"):  # memory only: 1F1B's peak with recompute
+        rows.append({"recompute": recompute, "peak_first_rank": _peak(recompute, world)})
     return rows
+
+
+def _peak(recompute: str, world: int) -> int:
+    """The first pipeline rank's most bytes of tensor storage above what it held before, over
+    a 1F1B step (forward and backward; ``LiveBytes``: every storage an operator makes,
+    recomputation's and ``torch.utils.checkpoint``'s included)."""
+    import torch.distributed as dist
+
+    from autoshard import parallelize
+    from autoshard.testing import LiveBytes
+
+    model, batch = _model()
+    pm = parallelize(model, batch, {"pp": world}, schedule="1f1b", microbatches=MICRO,
+                     stages=CUTS[1], recompute=recompute)  # fmt: skip
+    pm(*batch).backward()  # a first step: gradients exist, as in every later step
+    with LiveBytes() as live:
+        live.ignore(*pm.parameters(), *(p.grad for p in pm.parameters() if p.grad is not None))
+        live.ignore(*batch)
+        pm(*batch).backward()
+    peaks = [None] * world
+    dist.all_gather_object(peaks, live.peak)
+    return peaks[0]
 
 
 def _measured(row: dict) -> dict:
@@ -208,13 +226,30 @@ def run(quick: bool) -> dict:
             r["ratio"] = r["paired"]["median"]
             r |= _measured(r)
             del r["timelines"]
+    _predicted([r for r in rows if "paired" in r])
     return {"rounds": rounds, "rows": rows}
+
+
+def _predicted(rows: list[dict]) -> None:
+    """The planner's predicted step of each schedule (``autoshard.plan`` with the pipeline
+    given, for this machine as ``autoshard calibrate`` measures it) beside the measured one."""
+    import autoshard
+    from autoshard.cost.calibrate import calibrate
+
+    spec = calibrate(ranks=2, threads=1)
+    for r in rows:
+        model, batch = _model()
+        plan = autoshard.plan(model, batch, spec, num_devices=2, pp=2, microbatches=MICRO,
+                              schedule=r["schedule"], virtual_stages=r["virtual"],
+                              recompute="none")  # fmt: skip
+        r["predicted_ms"] = plan.json["pipeline"]["step_time_s"] * 1e3
+        r["predicted_error"] = r["predicted_ms"] / r["autoshard_ms"] - 1
 
 
 def summary(result: dict) -> str:
     lines = [
-        "Llama reference model (4 layers, hidden 256, 8 heads, 4 kv heads, ffn 512, seq 64, "
-        "vocab 128, "
+        f"Llama reference model (4 layers, hidden {HIDDEN}, 8 heads, 4 kv heads, ffn {FFN}, "
+        "seq 64, vocab 128, "
         f"global batch {BATCH}, {MICRO} micro-batches, float32, AdamW) on 2 CPU ranks of 1 "
         "thread (gloo), the same stages both ways: autoshard `parallelize(model, batch, "
         "{'pp': 2}, schedule=..., stages=[...])` against torch.distributed.pipelining "
@@ -223,7 +258,8 @@ def summary(result: dict) -> str:
         "slowest rank. Ratio: the median over rounds of autoshard's step / torch's, with its "
         "95% interval; below 1 autoshard is faster. Bubble: measured from autoshard's recorded "
         "timeline (the share of the two ranks' time from the first compute to the last with no "
-        "compute running; median of 5 steps) beside (p-1)/(m+p-1) = 1/5; simulated: "
+        "compute running; median of 5 steps) beside (p-1)/(m+p-1) = 1/5 (GPipe's and 1F1B's "
+        "at nominal costs; interleaved's and ZB-H1's are lower); simulated: "
         "`autoshard.schedule.simulate` of the same schedule from the measured median time of "
         "each action, beside the measured span.",
         "",
@@ -242,16 +278,45 @@ def summary(result: dict) -> str:
         )
     lines += [
         "",
+        "The planner's prediction (`autoshard.plan(model, batch, spec, num_devices=2, pp=2, "
+        "microbatches=4, schedule=...)` for this machine as `autoshard calibrate` measures it) "
+        "beside autoshard's measured step (forward, backward and the optimizer step):",
+        "",
+        "| schedule | measured ms | predicted ms | error |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in timed:
+        if "predicted_ms" in r:
+            lines.append(
+                f"| {r['schedule']} | {r['autoshard_ms']:.1f} | {r['predicted_ms']:.1f} | "
+                f"{r['predicted_error']:+.0%} |"
+            )
+    lines += [
+        "",
         "Kept for backward on the first stage (the most bytes of the tensors autograd saved, "
         "recorded with saved-tensor hooks in one step): GPipe holds all "
-        f"{MICRO} micro-batches, 1F1B p = 2 of them, recompute less.",
+        f"{MICRO} micro-batches, 1F1B p = 2 of them.",
         "",
         "| schedule | first stage kept MiB | of 1F1B's |",
         "|---|---:|---:|",
     ]
-    base = next((r["kept_first_stage"] for r in result["rows"] if r["schedule"] == "1f1b"), 0)
-    for r in result["rows"]:
+    base = next((r["kept_first_stage"] for r in timed if r["schedule"] == "1f1b"), 0)
+    for r in timed:
         kept = r.get("kept_first_stage", 0)
         share = f"{kept / base:.2f}" if base else "n/a"
         lines.append(f"| {r['schedule']} | {kept / 2**20:.2f} | {share} |")
+    peaks = [r for r in result["rows"] if "peak_first_rank" in r]
+    lines += [
+        "",
+        "Recompute under 1F1B: the first rank's most bytes of tensor storage above what it held "
+        "before a step (`autoshard.testing.LiveBytes`, every storage an operator makes, "
+        "recomputation's included; the step's second call, gradients already allocated).",
+        "",
+        "| recompute | first rank peak MiB | of none's |",
+        "|---|---:|---:|",
+    ]
+    none = next((r["peak_first_rank"] for r in peaks if r["recompute"] == "none"), 0)
+    for r in peaks:
+        share = f"{r['peak_first_rank'] / none:.2f}" if none else "n/a"
+        lines.append(f"| {r['recompute']} | {r['peak_first_rank'] / 2**20:.2f} | {share} |")
     return "\n".join(lines)

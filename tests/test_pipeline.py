@@ -287,6 +287,20 @@ def _cases_world4() -> list[str]:
         _against_pytorch("llama", {"dp": 2, "pp": 2}, schedule="1f1b", microbatches=4),
         _against_pytorch("gpt", {"pp": 2, "tp": 2}, megatron("gpt"), microbatches=2),
         _against_pytorch("gpt", {"pp": 4}, schedule="1f1b", microbatches=4),
+        _against_pytorch("llama", {"pp": 4}, schedule="gpipe", microbatches=4),
+        _against_pytorch("llama", {"pp": 4}, schedule="zb-h1", microbatches=4, recompute="full"),
+        _against_pytorch(
+            "gpt", {"pp": 2, "tp": 2}, megatron("gpt"), schedule="zbv", microbatches=2
+        ),  # fmt: skip
+        _against_pytorch(
+            "llama",
+            {"pp": 2, "tp": 2},
+            megatron("llama"),
+            schedule="interleaved-1f1b",
+            virtual_stages=2,
+            microbatches=2,
+            recompute="selective",
+        ),  # fmt: skip
         _against_pytorch("gpt", {"dp": 2, "pp": 2}, schedule="zbv", microbatches=2),
         _against_pytorch("llama", {"dp": 2, "pp": 2}, zero=1, microbatches=2, recompute="full"),
         _against_pytorch("gpt", {"dp": 2, "pp": 2}, zero=2, microbatches=2, clip=0.05),
