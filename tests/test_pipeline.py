@@ -293,6 +293,17 @@ def _cases_world4() -> list[str]:
             "gpt", {"pp": 2, "tp": 2}, megatron("gpt"), schedule="zbv", microbatches=2
         ),  # fmt: skip
         _against_pytorch(
+            "llama", {"pp": 2, "tp": 2}, megatron("llama"), schedule="zb-h1", microbatches=2
+        ),  # fmt: skip
+        _against_pytorch(
+            "gpt",
+            {"pp": 2, "tp": 2},
+            megatron("gpt"),
+            schedule="gpipe",
+            microbatches=2,
+            recompute="full",
+        ),  # fmt: skip
+        _against_pytorch(
             "llama",
             {"pp": 2, "tp": 2},
             megatron("llama"),
