@@ -260,6 +260,7 @@ def _cases_world2(path: str) -> list[str]:
         _against_pytorch("llama", {"pp": 2}, schedule="zb-h1", microbatches=4),
         _against_pytorch("gpt", {"pp": 2}, microbatches=2, batches=_uneven_ignores()),
         _against_pytorch("hf-llama", {"pp": 2}, microbatches=4, batches=_labels(), atol=1e-6),
+        _planned("hf-llama", 2, _labels(), pp=2),
         _against_pytorch("gpt", {"pp": 2}, schedule="zbv", microbatches=2),
         _scaled_and_accumulated(),
         _saved_under_pp_loads_under_dp(path),
@@ -269,14 +270,17 @@ def _cases_world2(path: str) -> list[str]:
     return [o for o in out if o]
 
 
-def _planned(name: str, world: int, **given: Any) -> str:
+def _planned(name: str, world: int, batches: list | None = None, **given: Any) -> str:
     """``autoshard.plan`` with pipeline stages (``given`` fixed, the rest searched for the
     cpu preset), run from its JSON by ``parallelize(plan=...)``, against plain PyTorch."""
-    plan = autoshard.plan(_model(name), _batches()[0], "cpu", num_devices=world, **given)
+    batches = batches or _batches()
+    plan = autoshard.plan(_model(name), batches[0], "cpu", num_devices=world, **given)
     pipe = plan.json["pipeline"]
     if pipe["pp"] * math.prod(plan.json["mesh"].values()) != world or not pipe["tried"]:
         return f"{name} {given}: a plan of {pipe['pp']} x {plan.json['mesh']}"
-    return _against_pytorch(name, None, plan=json.loads(json.dumps(plan.json)))
+    atol = 1e-6 if name == "hf-llama" else 1e-8  # transformers' upcast logits: float32 loss
+    plan_json = json.loads(json.dumps(plan.json))
+    return _against_pytorch(name, None, batches=batches, atol=atol, plan=plan_json)
 
 
 def _cases_world4() -> list[str]:
