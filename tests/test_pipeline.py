@@ -382,8 +382,14 @@ def test_cut_by_hand_and_its_errors() -> None:
     cut = cut_at_modules(og, ["layers.1", "layers.3"])
     assert cut.num_stages == 3
     assert any(f.startswith("layers.3.") for f in cut.params[2])
-    # the rotary tables made before the blocks reach every later stage
-    assert set(cut.receives[1]) <= set(cut.receives[1]) | set(cut.receives[2])
+    # only the residual stream crosses; the rotary tables (slices of buffers, made before
+    # the blocks) are made again on every stage that reads them, which holds the buffers
+    assert [len(r) for r in cut.receives] == [0, 1, 1]
+    for s in (1, 2):
+        assert cut.again[s] and all(cut.stage_of[n] == 0 for n in cut.again[s])
+        assert {"rope_cos", "rope_sin"} <= cut.params[s]
+        assert all(cut.runs(n, s) for n in cut.again[s])
+    assert not cut.again[0]
     with pytest.raises(StageError, match="no op of the model runs in module 'layers.9'"):
         cut_at_modules(og, ["layers.9"])
     with pytest.raises(StageError, match="in the order the model runs them"):

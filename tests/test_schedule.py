@@ -71,8 +71,11 @@ def test_zero_bubble_schedules_beat_1f1b_at_its_memory(p: int, m: int) -> None:
     zbv = validate(make_schedule("zbv", p, m))
     assert h1.bubble < one_f_one_b.bubble
     assert zbv.bubble < h1.bubble
-    # ZB-H1 keeps 1F1B's bound; ZB-V holds p micro-batches of two half-size stages a rank
-    assert all(h <= f for h, f in zip(h1.in_flight, one_f_one_b.in_flight, strict=True))
+    # ZB-H1 keeps 1F1B's peak (the first rank's p): past the first rank one more micro-batch
+    # waits for its weight half; ZB-V holds p micro-batches of two half-size stages a rank
+    assert h1.in_flight[0] == one_f_one_b.in_flight[0] == p
+    assert all(h <= f + 1 for h, f in zip(h1.in_flight, one_f_one_b.in_flight, strict=True))
+    assert max(h1.in_flight) == max(one_f_one_b.in_flight)
     per_rank = [sum(zbv.in_flight[s] for s in zbv.schedule.stages_of(r)) for r in range(p)]
     assert max(per_rank) <= 2 * p + 1
 

@@ -205,11 +205,15 @@ def stage_costs(
     stage_seconds: Sequence[Sequence[float]], weight_seconds: Sequence[float]
 ) -> Callable[[Action], float]:
     """The simulator's cost of each action from a priced pipeline's per-stage seconds (as its
-    JSON stores them): F the forward, B the backward, I and W its two halves."""
+    JSON stores them): F the forward, B the backward, I and W its two halves (the first
+    stage's inputs need no gradient: its I is empty and W the whole backward, as the runtime
+    runs it)."""
 
     def cost(a: Action) -> float:
         forward, backward = stage_seconds[a.stage]
         weight = weight_seconds[a.stage] if weight_seconds else 0.0
+        if a.stage == 0:
+            weight = backward
         return {"F": forward, "B": backward, "I": backward - weight, "W": weight}.get(a.kind, 0.0)
 
     return cost

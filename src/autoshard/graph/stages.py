@@ -7,12 +7,17 @@ so the stages' model FLOPs are as even as they can be (the first stage keeps wha
 before the blocks, the embedding; the last what comes after, the head and the loss). The
 model's inputs reach every stage (each rank is given the batch); parameters live on the
 stages that read them (a weight tied between the embedding and the head on both).
+
+A value made from the model's inputs, buffers and constants only (rotary tables, masks,
+positions: no gradient, no randomness, no parameter) is not sent: each stage that reads it
+computes it again (``again``), which is cheaper than a message per micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from autoshard.graph.opgraph import OpGraph
@@ -28,13 +33,20 @@ class StageCut:
     """``stage_of``: each op's (and getitem's) stage by node name; ``receives[s]`` the values
     made before stage ``s`` that it or a later stage reads, in graph order (what its program
     takes after the model's inputs); ``sends[s] == receives[s + 1]``; ``params[s]`` the
-    parameters and buffers its ops read; ``starts[s]`` the op it begins with."""
+    parameters and buffers its ops read; ``starts[s]`` the op it begins with; ``again[s]``
+    the ops (and getitems) of earlier stages it runs again itself instead of receiving their
+    values (made from inputs, buffers and constants only)."""
 
     num_stages: int
     stage_of: dict[str, int]
     receives: tuple[tuple[str, ...], ...]
     params: tuple[frozenset[str], ...]
     starts: tuple[str, ...]
+    again: tuple[frozenset[str], ...] = ()
+
+    def runs(self, name: str, stage: int) -> bool:
+        """Whether ``stage``'s program computes the op (or getitem) ``name``."""
+        return self.stage_of.get(name) == stage or (bool(self.again) and name in self.again[stage])
 
     def sends(self, stage: int) -> tuple[str, ...]:
         return self.receives[stage + 1] if stage + 1 < self.num_stages else ()
@@ -141,6 +153,8 @@ def _cut(og: OpGraph, ops: list[fx.Node], begin: list[int]) -> StageCut:
         elif info.kind == "getitem":  # with the op whose tuple it reads
             stage_of[n.name] = stage_of[n.args[0].name]
     num = len(begin)
+    free = _input_made(og)
+    again: list[set[str]] = [set() for _ in range(num)]
     last_use: dict[str, int] = {}
     params: list[set[str]] = [set() for _ in range(num)]
     for n in og.graph.nodes:
@@ -151,6 +165,8 @@ def _cut(og: OpGraph, ops: list[fx.Node], begin: list[int]) -> StageCut:
             info = og[arg]
             if arg.op == "placeholder" and info.kind != "input":  # parameter, buffer, constant
                 params[user_stage].add(info.fqn)
+            elif arg.name in free and stage_of[arg.name] < user_stage and n.op != "output":
+                _again(og, arg, free, again[user_stage], params[user_stage])
             elif arg.name in stage_of and stage_of[arg.name] < user_stage:
                 last_use[arg.name] = max(last_use.get(arg.name, 0), user_stage)
     receives = tuple(
@@ -162,7 +178,49 @@ def _cut(og: OpGraph, ops: list[fx.Node], begin: list[int]) -> StageCut:
         for s in range(num)
     )
     starts = tuple(ops[b].name for b in begin)
-    return StageCut(num, stage_of, receives, tuple(frozenset(p) for p in params), starts)
+    return StageCut(
+        num,
+        stage_of,
+        receives,
+        tuple(frozenset(p) for p in params),
+        starts,
+        tuple(frozenset(a) for a in again),
+    )
+
+
+def _input_made(og: OpGraph) -> set[str]:
+    """The ops and getitems whose values come from the model's inputs, buffers and constants
+    only, with no gradient and no randomness (any stage can make them again)."""
+    free: set[str] = set()
+    for n in og.graph.nodes:
+        info = og[n]
+        if info.kind not in ("op", "getitem") or info.requires_grad:
+            continue
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags:
+            continue
+        if all(
+            a.name in free or og[a].kind in ("input", "buffer") or og[a].constant is not None
+            for a in n.all_input_nodes
+        ):
+            free.add(n.name)
+    return free
+
+
+def _again(og: OpGraph, node: fx.Node, free: set[str], ops: set[str], params: set[str]) -> None:
+    """Add ``node`` and the free ops it is made from to ``ops``, the buffers and constants
+    they read to ``params``."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n.name in ops:
+            continue
+        ops.add(n.name)
+        for a in n.all_input_nodes:
+            if a.name in free:
+                todo.append(a)
+            elif og[a].kind != "input":
+                params.add(og[a].fqn)
 
 
 __all__ = ["StageCut", "StageError", "cut_at_modules", "cut_balanced"]

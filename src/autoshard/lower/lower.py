@@ -281,7 +281,7 @@ def _in_stage(og: OpGraph, node: fx.Node, cut: StageCut, s: int) -> bool:
         return True
     if node.op == "placeholder":
         return og[node].fqn in cut.params[s]
-    return cut.stage_of.get(node.name) == s
+    return cut.runs(node.name, s)
 
 
 def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:

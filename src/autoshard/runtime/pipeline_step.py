@@ -210,8 +210,12 @@ class Step:
 
     def _i(self, a: Action) -> None:
         """The backward for the stage's inputs only; the gradients at every weight reader's
-        output are kept for ``W``."""
+        output are kept for ``W``. A stage whose inputs need no gradient (the first) leaves
+        the whole backward to ``W``: nothing waits for this half, and one backward costs less
+        than the two."""
         s, i = a.stage, a.microbatch
+        if not any(self.needs_grad(n) for n in self.cut.receives[s]):
+            return  # no stage waits for this half (the first stage): all of it runs in W
         tensors, grads = self._targets(s, i)
         leaves = self._wanted_leaves(s, i)
         ys = [(k, y) for k, y in enumerate(self.ys.pop((s, i))) if y.requires_grad]
@@ -230,11 +234,20 @@ class Step:
 
     def _w(self, a: Action) -> None:
         """The backward for the stage's weights, reader by reader from the gradients ``I``
-        kept (each reaches only its own weights); summed over replicas by ``REDUCE_GRAD``."""
-        weights = self.pm._weights_of[a.stage]
+        kept (each reaches only its own weights), or the whole backward where ``I`` ran none;
+        summed over replicas by ``REDUCE_GRAD``."""
+        s, i = a.stage, a.microbatch
+        weights = self.pm._weights_of[s]
         self.pm._grad_sync.syncing = False
         try:
-            for k, y, g in self.weight_grads.pop((a.stage, a.microbatch)):
+            if (s, i) not in self.weight_grads:  # ``I`` left the whole backward to this half
+                self.ys.pop((s, i))
+                self.leaves.pop((s, i))
+                tensors, grads = self._targets(s, i)
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+                return
+            for k, y, g in self.weight_grads.pop((s, i)):
                 if weights[k]:
                     torch.autograd.backward([y], [g], inputs=weights[k], retain_graph=True)
         finally:

@@ -7,7 +7,7 @@ order over ``v`` looped stages). The zero-bubble schedules (``zb-h1``, ``zbv``) 
 their paper makes them: a list scheduler plays the pipeline with nominal costs (a forward, a
 backward for inputs and one for weights each one unit) and each rank, when it is free, runs the
 first ready action of: backward for inputs, forward (while the micro-batches it holds stay under
-the 1F1B memory bound), backward for weights. Weight gradients, which nothing waits for, fill
+a bound: 1F1B's peak), backward for weights. Weight gradients, which nothing waits for, fill
 what would be bubbles.
 """
 
@@ -100,8 +100,11 @@ def _interleaved(p: int, m: int, v: int) -> Schedule:
 
 
 def _zero_bubble(name: str, p: int, m: int, placement: tuple[int, ...]) -> Schedule:
-    # the 1F1B bound: rank r holds p - r micro-batches there; on a V every rank holds p
-    admit = [p] * p if name == "zbv" else [p - r for r in range(p)]
+    # 1F1B holds p - r micro-batches on rank r. ZB-H1 lets every rank but the first hold one
+    # more (a backward for inputs frees most of what a micro-batch keeps, and no rank holds
+    # more than the first's p, 1F1B's peak), so a weight half waits behind the next input
+    # half; on a V every rank holds p
+    admit = [p] * p if name == "zbv" else [p] + [p - r + 1 for r in range(1, p)]
     compute = list_schedule(p, m, placement, admit)
     return with_communication(name, m, placement, compute, True)
 
