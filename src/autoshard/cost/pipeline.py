@@ -209,12 +209,14 @@ def stage_costs(
     stage's inputs need no gradient: its I is empty and W the whole backward, as the runtime
     runs it)."""
 
+    table: dict[tuple[str, int], float] = {}
+    for s, (forward, backward) in enumerate(stage_seconds):
+        weight = backward if s == 0 else weight_seconds[s] if weight_seconds else 0.0
+        parts = {"F": forward, "B": backward, "I": backward - weight, "W": weight}
+        table.update({(kind, s): seconds for kind, seconds in parts.items()})
+
     def cost(a: Action) -> float:
-        forward, backward = stage_seconds[a.stage]
-        weight = weight_seconds[a.stage] if weight_seconds else 0.0
-        if a.stage == 0:
-            weight = backward
-        return {"F": forward, "B": backward, "I": backward - weight, "W": weight}.get(a.kind, 0.0)
+        return table.get((a.kind, a.stage), 0.0)
 
     return cost
 

@@ -161,16 +161,24 @@ def group_positions(grid: Grid, axes: tuple[int, ...], position: int) -> tuple[i
 def _groups(grid: Grid, axes: tuple[int, ...], ranks: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     """The groups of a step over grid ``axes``, each row-major over ``axes``, in the order of
     their first positions."""
+    return _groups_of(grid.axes, axes, tuple(ranks))
+
+
+@lru_cache(maxsize=4096)
+def _groups_of(
+    sizes: tuple[int, ...], axes: tuple[int, ...], ranks: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
+    # a search prices many steps over the same grid axes and ranks: made once each
     if not axes:
         return ()
-    strides = [math.prod(grid.axes[a + 1 :]) for a in range(len(grid.axes))]
+    strides = [math.prod(sizes[a + 1 :]) for a in range(len(sizes))]
     offsets = [0]
     for a in axes:
-        offsets = [o + c * strides[a] for o in offsets for c in range(grid.axes[a])]
+        offsets = [o + c * strides[a] for o in offsets for c in range(sizes[a])]
     bases = [0]
-    for a in range(len(grid.axes)):
+    for a in range(len(sizes)):
         if a not in axes:
-            bases = [b + c * strides[a] for b in bases for c in range(grid.axes[a])]
+            bases = [b + c * strides[a] for b in bases for c in range(sizes[a])]
     return tuple(tuple(ranks[b + o] for o in offsets) for b in sorted(bases))
 
 
@@ -182,6 +190,11 @@ def swap_partner(grid: Grid, axes: tuple[int, ...], position: int) -> int:
 
 
 def _swap_pairs(grid: Grid, axes: tuple[int, ...], ranks: Sequence[int]) -> tuple:
+    return _swap_pairs_of(Grid(grid.axes, ()), axes, tuple(ranks))
+
+
+@lru_cache(maxsize=4096)
+def _swap_pairs_of(grid: Grid, axes: tuple[int, ...], ranks: tuple[int, ...]) -> tuple:
     pairs = {
         tuple(sorted((ranks[p], ranks[swap_partner(grid, axes, p)]))) for p in range(len(ranks))
     }

@@ -12,17 +12,20 @@ while no other rank can is a deadlock, reported with what each rank waits for.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autoshard.schedule.actions import Action, Schedule, ScheduleError
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
 
-@dataclass(frozen=True)
-class Timed:
+class Timed(NamedTuple):
+    """One action's place on the timeline (a tuple: a schedule has many of them)."""
+
     rank: int
     action: Action
     start: float
@@ -158,16 +161,57 @@ def simulate(
     send's tensor arrives ``transfer(send)`` seconds after it is posted (default: at once);
     ``activation_bytes(stage)``: what one micro-batch's forward of a stage keeps for its
     backward."""
-    # Whole: one pass over the ranks' lists with the shared state of ends and arrivals
     transfer = transfer or (lambda a: 0.0)
-    ends: dict[Key, float] = {}
-    arrivals: dict[tuple[str, int, int], float] = {}  # (RECV kind, to stage, microbatch)
-    posted: set[tuple[str, int, int]] = set()
+    order = _played(schedule)
+    ends = [0.0] * len(order)
+    arrives = [0.0] * len(order)
     clock = [0.0] * schedule.num_ranks
-    position = [0] * schedule.num_ranks
     events: list[list[Timed]] = [[] for _ in range(schedule.num_ranks)]
+    for j, (rank, a, after, arrived, timed, sends) in enumerate(order):
+        start = clock[rank]
+        for k in after:
+            if ends[k] > start:
+                start = ends[k]
+        for k in arrived:
+            if arrives[k] > start:
+                start = arrives[k]
+        end = start + cost(a) if timed else start
+        if sends:
+            arrives[j] = start + transfer(a)
+        ends[j] = clock[rank] = end
+        events[rank].append(Timed(rank, a, start, end))
+    return _timeline(schedule, events, activation_bytes)
+
+
+#: one step of a played schedule: (rank, action, the steps whose ends it waits for, the sends
+#: whose arrivals it waits for, whether it takes its cost, whether it is a send)
+Played = tuple[int, Action, tuple[int, ...], tuple[int, ...], bool, bool]
+_PLAYED: dict[int, tuple[weakref.ref, tuple[Played, ...]]] = {}
+
+
+def _played(schedule: Schedule) -> tuple[Played, ...]:
+    """The order in which ranks can run the actions of ``schedule``, each with what it waits
+    for; ScheduleError for a dependency out of order or a deadlock. Whether an action can run
+    depends only on what ran before it, never on times, so the order is found once per
+    schedule and every pricing of it replays the order with its own costs."""
+    known = _PLAYED.get(id(schedule))
+    if known is not None and known[0]() is schedule:
+        return known[1]
+    order = _play(schedule)
+    for key in [k for k, (ref, _) in _PLAYED.items() if ref() is None]:
+        del _PLAYED[key]
+    _PLAYED[id(schedule)] = (weakref.ref(schedule), order)
+    return order
+
+
+def _play(schedule: Schedule) -> tuple[Played, ...]:
+    # Whole: one pass over the ranks' lists with the shared state of what ran and what arrived
+    ends: dict[Key, int] = {}
+    arrivals: dict[tuple[str, int, int], int] = {}  # (RECV kind, to stage, microbatch) -> send
+    posted: set[tuple[str, int, int]] = set()
+    position = [0] * schedule.num_ranks
+    order: list[Played] = []
     total = sum(len(a) for a in schedule.actions)
-    count = 0
     # a rank runs until an input it needs has not arrived; a send wakes the rank it goes to
     ready = deque(range(schedule.num_ranks))
     while ready:
@@ -178,40 +222,41 @@ def simulate(
             inputs = _inputs_ready(schedule, rank, a, ends, arrivals, posted)
             if inputs is None:
                 break
-            start = max(clock[rank], inputs)
-            end = start + (cost(a) if a.is_compute or a.kind == "REDUCE_GRAD" else 0.0)
+            j = len(order)
             if a.kind.startswith("SEND"):
-                arrivals[("RECV" + a.kind[4:], a.peer, a.microbatch)] = start + transfer(a)
+                arrivals[("RECV" + a.kind[4:], a.peer, a.microbatch)] = j
                 ready.append(schedule.placement[a.peer])
             elif a.kind.startswith("RECV"):
                 posted.add((a.kind, a.stage, a.microbatch))
             else:
-                ends[(a.kind, a.stage, a.microbatch)] = end
-            clock[rank] = end
-            events[rank].append(Timed(rank, a, start, end))
+                ends[(a.kind, a.stage, a.microbatch)] = j
+            timed = a.is_compute or a.kind == "REDUCE_GRAD"
+            own = tuple(k for kind, k in inputs if kind == "end")
+            sent = tuple(k for kind, k in inputs if kind == "arrival")
+            order.append((rank, a, own, sent, timed, a.kind.startswith("SEND")))
             position[rank] += 1
-            count += 1
-    if count < total:
+    if len(order) < total:
         waiting = [
             f"rank {r} at {schedule.actions[r][position[r]]}"
             for r in range(schedule.num_ranks)
             if position[r] < len(schedule.actions[r])
         ]
         raise ScheduleError(f"{schedule.name} deadlocks: " + "; ".join(waiting))
-    return _timeline(schedule, events, activation_bytes)
+    return tuple(order)
 
 
 def _inputs_ready(
     schedule: Schedule,
     rank: int,
     a: Action,
-    ends: dict[Key, float],
-    arrivals: dict[tuple[str, int, int], float],
+    ends: dict[Key, int],
+    arrivals: dict[tuple[str, int, int], int],
     posted: set[tuple[str, int, int]],
-) -> float | None:
-    """When ``a``'s inputs are there, or None while something it needs has not run. A
-    dependency that belongs earlier on this rank and is not done is a ScheduleError."""
-    needs: list[float | None] = []
+) -> list[tuple[str, int]] | None:
+    """What ``a`` waits for, ("end", step) or ("arrival", send step), or None while
+    something it needs has not run. A dependency that belongs earlier on this rank and is not
+    done is a ScheduleError."""
+    needs: list[tuple[str, int] | None] = []
     s, i, last = a.stage, a.microbatch, schedule.num_stages - 1
     if a.kind == "F" and s > 0:
         needs.append(_from(schedule, rank, "F", s - 1, i, "RECV_F", s, ends, arrivals, posted))
@@ -232,25 +277,26 @@ def _inputs_ready(
         needs += [_own(rank, a, (kind, s, j), ends) for j in range(schedule.microbatches)]
     if any(n is None for n in needs):
         return None
-    return max((n for n in needs if n is not None), default=0.0)
+    return [n for n in needs if n is not None]
 
 
-def _own(rank: int, a: Action, key: Key, ends: dict[Key, float]) -> float:
+def _own(rank: int, a: Action, key: Key, ends: dict[Key, int]) -> tuple[str, int]:
     if key not in ends:
         raise ScheduleError(f"rank {rank} runs {a} before {Action(*key)}, which it needs")
-    return ends[key]
+    return ("end", ends[key])
 
 
-def _from(schedule, rank, kind, stage, i, recv, to, ends, arrivals, posted) -> float | None:
+def _from(schedule, rank, kind, stage, i, recv, to, ends, arrivals, posted):
     """The input made by (kind, stage, i) for stage ``to`` on ``rank``: its end on this rank,
-    or its arrival, which a receive posted before must be waiting for."""
+    or its arrival, which a receive posted before must be waiting for (None: not sent yet)."""
     if schedule.placement[stage] == rank:
         return _own(rank, Action(kind, to, i), (kind, stage, i), ends)
     if (recv, to, i) not in posted:
         raise ScheduleError(
             f"rank {rank} runs {Action(kind, to, i)} before it posts {recv}{to}.{i}"
         )
-    return arrivals.get((recv, to, i))
+    sent = arrivals.get((recv, to, i))
+    return None if sent is None else ("arrival", sent)
 
 
 def _timeline(

@@ -326,7 +326,7 @@ class _Builder:
             self.memory[r][s] += k * mem
             self.overlap[r][s] += k * bucketed
             self.window[r][s] += k * backward
-            for value, layout in values.items():
+            for value, layout in values.items() if self.with_edges else ():
                 for user in value.users:
                     if user not in self.decision or user is node:
                         continue
@@ -375,17 +375,22 @@ def build_cost_graph(
     optimizer_states: int = ADAM_STATES,
     zero: int = 0,
     step_share: float = 1.0,
+    edges: bool = True,
 ) -> CostGraph:
     """The cost graph of ``og`` on ``mesh``. ``depth`` prices a repeated block list as if it
     held more blocks than were captured (``{"layers": 80}`` with two blocks captured);
     ``zero`` prices the parameters at that ZeRO stage (docs/zero.md). ``step_share``: the
     weight of what runs once a step (parameters' gradient sums, the optimizer) against what
-    runs once a batch: ``1 / microbatches`` for a pipeline stage's micro-batch."""
+    runs once a batch: ``1 / microbatches`` for a pipeline stage's micro-batch.
+    ``edges=False``: the options' own costs only, without the moves between them (most of
+    the pricing; a lower bound still holds, since moves cost nothing less than zero)."""
     start = time.perf_counter()
     b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states, zero, step_share)
+    b.with_edges = edges
     const_time, const_memory, const_window = b.constants()
     total_flops = sum(b.decision_node(node) for node in b.order)
-    b.tied_parameters()
+    if edges:
+        b.tied_parameters()
     # hidden = e * min(bucketed, backward) = min(e * bucketed, e * backward): the efficiency
     # scales both sides (docs/search.md)
     e = cluster.overlap_efficiency

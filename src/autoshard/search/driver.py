@@ -120,8 +120,10 @@ def _run_search(
     shapes = [mesh] if mesh is not None else mesh_shapes(num_devices, cluster, tp_across_nodes)
     levels = ZERO_LEVELS if zero is None else (zero,)
     meshes = [m for m in shapes for _ in levels]
+    # first each mesh's options without the moves between them (cheap): a lower bound that
+    # orders the meshes and skips those that cannot win before their moves are priced
     graphs = [
-        build_cost_graph(og, m, cluster, depth=depth, zero=z, step_share=step_share)
+        build_cost_graph(og, m, cluster, depth=depth, zero=z, step_share=step_share, edges=False)
         for m in shapes
         for z in levels
     ]
@@ -130,12 +132,19 @@ def _run_search(
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     tried: list[dict[str, Any]] = []
     for k in ranked:
-        graph = graphs[k]
         row: dict[str, Any] = {
-            "mesh": graph.mesh.as_dict(),
-            "zero": graph.zero,
-            "bound_s": lower_bound(graph),
+            "mesh": graphs[k].mesh.as_dict(),
+            "zero": graphs[k].zero,
+            "bound_s": lower_bound(graphs[k]),
         }
+        if best is not None and row["bound_s"] >= best[1].seconds * (1 + FINALIST_MARGIN):
+            row["skipped"] = "bound"
+            tried.append(row)
+            continue
+        graph = graphs[k] = build_cost_graph(
+            og, meshes[k], cluster, depth=depth, zero=graphs[k].zero, step_share=step_share
+        )
+        row["bound_s"] = max(row["bound_s"], lower_bound(graph))
         if best is not None and row["bound_s"] >= best[1].seconds * (1 + FINALIST_MARGIN):
             row["skipped"] = "bound"
             tried.append(row)
