@@ -88,12 +88,13 @@ def _against_pytorch(
     clip: float | None = None,
     batches: list | None = None,
     atol: float = 1e-8,
+    layers: int = 4,
     **pipeline: Any,
 ) -> str:
     """Train under the pipeline and eagerly (gradients clipped to ``clip`` both ways); ''
     when every loss and parameter agree (``allclose``'s tolerances; ``atol`` for a model whose
     loss is float32 whatever its parameters, as transformers' upcast logits are)."""
-    model = _model(name)
+    model = _model(name, layers)
     ref = copy.deepcopy(model)
     batches = batches or _batches()
     pm = parallelize(model, batches[0], mesh, strategies, **pipeline)
@@ -293,6 +294,10 @@ def _cases_world4() -> list[str]:
         _against_pytorch("gpt", {"pp": 4}, schedule="1f1b", microbatches=4),
         _against_pytorch("llama", {"pp": 4}, schedule="gpipe", microbatches=4),
         _against_pytorch("llama", {"pp": 4}, schedule="zb-h1", microbatches=4, recompute="full"),
+        # 8 stages on 4 ranks: looped (rank r holds r and r + 4) and a V (r and 7 - r)
+        _against_pytorch("gpt", {"pp": 4}, schedule="interleaved-1f1b", virtual_stages=2,
+                         microbatches=4, layers=8),  # fmt: skip
+        _against_pytorch("llama", {"pp": 4}, schedule="zbv", microbatches=4, layers=8),
         _against_pytorch(
             "gpt", {"pp": 2, "tp": 2}, megatron("gpt"), schedule="zbv", microbatches=2
         ),  # fmt: skip
