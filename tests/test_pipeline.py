@@ -295,8 +295,14 @@ def _cases_world4() -> list[str]:
         _against_pytorch("llama", {"pp": 4}, schedule="gpipe", microbatches=4),
         _against_pytorch("llama", {"pp": 4}, schedule="zb-h1", microbatches=4, recompute="full"),
         # 8 stages on 4 ranks: looped (rank r holds r and r + 4) and a V (r and 7 - r)
-        _against_pytorch("gpt", {"pp": 4}, schedule="interleaved-1f1b", virtual_stages=2,
-                         microbatches=4, layers=8),  # fmt: skip
+        _against_pytorch(
+            "gpt",
+            {"pp": 4},
+            schedule="interleaved-1f1b",
+            virtual_stages=2,
+            microbatches=4,
+            layers=8,
+        ),  # fmt: skip
         _against_pytorch("llama", {"pp": 4}, schedule="zbv", microbatches=4, layers=8),
         _against_pytorch(
             "gpt", {"pp": 2, "tp": 2}, megatron("gpt"), schedule="zbv", microbatches=2

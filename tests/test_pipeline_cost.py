@@ -16,7 +16,7 @@ from autoshard.cost.pipeline import model_pieces, price_pipeline
 from autoshard.graph import capture
 from autoshard.models import build, reference_config
 from autoshard.schedule import make_schedule
-from autoshard.search.pipelined import plan_stages
+from autoshard.search.pipelined import search_pipeline
 
 LAYERS = 8
 
@@ -29,7 +29,10 @@ def stage():
         example = config.example_batch(4)
     og = capture(model, example, {}, train=True)
     spec = cluster_spec("dgx-h100", 16)
-    return og, spec, plan_stages(og, 16, spec, 4, 8, depth={"layers": LAYERS})
+    given = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "recompute": "none"}
+    best, tried, _ = search_pipeline(lambda m: og, 4 * 8, 16, spec, given, depth={"layers": LAYERS})
+    assert len(tried) == 1  # all given: one configuration priced
+    return og, spec, best
 
 
 def test_the_pieces_add_up_to_the_estimate(stage) -> None:
@@ -101,3 +104,20 @@ def test_simulate_a_named_schedule(capsys) -> None:
     assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
     out = capsys.readouterr().out
     assert "bubble 27.3%" in out and "in flight per stage [4, 3, 2, 1]" in out
+
+
+def test_pp_auto_shows_the_faster_and_a_stage_that_does_not_fit_is_named(capsys) -> None:
+    small = ["plan", "--model", "gpt", "--layers", "8", "--hidden", "1024", "--heads", "16",
+             "--seq", "1024", "--batch", "32", "--vocab", "32000", "--cluster", "dgx-h100",
+             "--devices", "16"]  # fmt: skip
+    pipeline = ["--microbatches", "8", "--schedule", "1f1b", "--recompute", "full"]
+    # the model fits without stages, and runs faster so: --pp auto prices both, keeps that
+    assert main([*small, "--pp", "auto", *pipeline]) == 0
+    captured = capsys.readouterr()
+    assert "without pipeline stages" in captured.err and "the plan without them" in captured.err
+    assert "pipeline:" not in captured.out and "predicted step" in captured.out
+    # 0.1 GiB a device: no pipeline rank holds its share; the error names the rank and bytes
+    assert main([*small, "--pp", "4", *pipeline, "--memory-gib", "0.1"]) == 3
+    err = capsys.readouterr().err
+    assert "no pipeline configuration fits 0.1 GiB per device (1 tried)" in err
+    assert "pipeline rank" in err and "optimizer" in err and "try more stages" in err

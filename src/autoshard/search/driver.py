@@ -132,21 +132,12 @@ def _run_search(
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     tried: list[dict[str, Any]] = []
     for k in ranked:
-        row: dict[str, Any] = {
-            "mesh": graphs[k].mesh.as_dict(),
-            "zero": graphs[k].zero,
-            "bound_s": lower_bound(graphs[k]),
-        }
-        if best is not None and row["bound_s"] >= best[1].seconds * (1 + FINALIST_MARGIN):
-            row["skipped"] = "bound"
-            tried.append(row)
-            continue
-        graph = graphs[k] = build_cost_graph(
-            og, meshes[k], cluster, depth=depth, zero=graphs[k].zero, step_share=step_share
-        )
-        row["bound_s"] = max(row["bound_s"], lower_bound(graph))
-        if best is not None and row["bound_s"] >= best[1].seconds * (1 + FINALIST_MARGIN):
-            row["skipped"] = "bound"
+        row: dict[str, Any] = {"mesh": graphs[k].mesh.as_dict(), "zero": graphs[k].zero}
+        past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
+        graph = _whole_within(graphs, k, past, row, lambda g: build_cost_graph(
+            og, g.mesh, cluster, depth=depth, zero=g.zero, step_share=step_share
+        ))  # fmt: skip
+        if graph is None:
             tried.append(row)
             continue
         solve = _solver(search, graph, fixed)
@@ -163,6 +154,22 @@ def _run_search(
         raise PlanningError(_nothing_fits(og, graphs, meshes, cluster, limit, num_devices))
     k, sol = _final(og, found, best, meshes, graphs, cluster)
     return SearchResult(meshes[k], graphs[k], sol, tried, time.perf_counter() - start)
+
+
+def _whole_within(
+    graphs: list[CostGraph], k: int, past: float, row: dict[str, Any], build: Any
+) -> CostGraph | None:
+    """Mesh ``k``'s cost graph with its moves (``build`` of the one without, which
+    ``graphs[k]`` holds until then), or None when a lower bound shows no plan on it comes in
+    under ``past`` seconds (``row`` says so)."""
+    row["bound_s"] = lower_bound(graphs[k])
+    if row["bound_s"] < past:
+        graphs[k] = build(graphs[k])
+        row["bound_s"] = max(row["bound_s"], lower_bound(graphs[k]))
+    if row["bound_s"] >= past:
+        row["skipped"] = "bound"
+        return None
+    return graphs[k]
 
 
 #: a ratio: solutions whose search objective is within (1 + this) of the best one are the

@@ -57,47 +57,6 @@ def boundary_bytes(og: OpGraph, plan: Plan) -> float:
     return total
 
 
-def plan_stages(
-    og: OpGraph,
-    num_devices: int,
-    cluster: ClusterSpec,
-    pp: int,
-    microbatches: int,
-    schedule: str = "1f1b",
-    virtual_stages: int = 1,
-    recompute: str = "none",
-    search: str = "optimal",
-    depth: Any = None,
-    tp_across_nodes: bool = False,
-) -> PipelinePlan:
-    """The plan of ``og`` (captured with one micro-batch) on ``num_devices`` in ``pp``
-    pipeline stages; a PlanningError when a stage does not fit the device."""
-    if num_devices % pp:
-        raise PlanningError(f"--pp {pp} does not divide the {num_devices} devices")
-    sched = make_schedule(schedule, pp, microbatches, virtual_stages)
-    validate(sched)
-    devices = num_devices // pp
-    sub = cluster_spec(cluster, devices)
-    # the stage's memory is the pipeline's to judge (its share of the model, not all of it)
-    # gradient sums and the optimizer step run once for all the micro-batches
-    result = run_search(og, devices, sub, search=search, depth=depth, memory_limit=float("inf"),
-                        tp_across_nodes=tp_across_nodes, zero=0,
-                        step_share=1 / microbatches)  # fmt: skip
-    plan = _priced(og, build_plan(og, result, sub), result, cluster, pp, microbatches, schedule,
-                   virtual_stages, recompute)  # fmt: skip
-    predicted = plan.predicted
-    if predicted.peak_memory > cluster.memory_bytes:
-        worst = max(range(len(predicted.memory)), key=lambda r: sum(predicted.memory[r].values()))
-        parts = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in predicted.memory[worst].items())
-        raise PlanningError(
-            f"pp {pp}, {microbatches} micro-batches, {schedule}, recompute {recompute}: pipeline "
-            f"rank {worst} needs {predicted.peak_memory / 2**30:.1f} GiB of the device's "
-            f"{cluster.memory_bytes / 2**30:.1f} GiB ({parts}); try more stages, more "
-            "micro-batches, recompute or ZeRO"
-        )
-    return plan
-
-
 #: the schedules and recompute modes tried where none is given (GPipe is 1F1B's bubble with
 #: more memory; interleaved-1f1b with 2 stages a rank)
 SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 1))
@@ -154,8 +113,10 @@ def search_pipeline(
     best: PipelinePlan | None = None
     stage_plans: dict[tuple[int, int], tuple[Plan, SearchResult]] = {}
 
+    least: PipelinePlan | None = None  # the least memory priced (what an error shows)
+
     def price(pp: int, m: int) -> None:
-        nonlocal best
+        nonlocal best, least
         og = graph(m)
         key = (num_devices // pp, batch // m)
         if key not in stage_plans:
@@ -184,6 +145,8 @@ def search_pipeline(
                 closed.add((name, v))
                 continue
             fits = plan.predicted.peak_memory <= cluster.memory_bytes
+            if least is None or plan.predicted.peak_memory < least.predicted.peak_memory:
+                least = plan
             tried.append(Tried(pp, m, name, v, rc, plan.predicted.step_time,
                                plan.predicted.peak_memory, fits))  # fmt: skip
             if fits != (rc == "full"):
@@ -200,7 +163,7 @@ def search_pipeline(
         for m in _counts(batch, top)[1:]:
             price(top, m)
     if best is None:
-        raise PlanningError(_nothing_fits(tried, cluster, num_devices))
+        raise PlanningError(_nothing_fits(tried, least, cluster, num_devices))
     validate(best.schedule)
     return best, tried, time.perf_counter() - start
 
@@ -277,16 +240,21 @@ def _variants(given: Mapping[str, Any], pp: int, m: int, blocks: int) -> list[tu
     return out
 
 
-def _nothing_fits(tried: list[Tried], cluster: ClusterSpec, num_devices: int) -> str:
-    if not tried:
+def _nothing_fits(
+    tried: list[Tried], least: PipelinePlan | None, cluster: ClusterSpec, num_devices: int
+) -> str:
+    if not tried or least is None:
         return (f"no pipeline configuration to try on {num_devices} devices (the pipeline "
                 "degree must divide the devices and the micro-batch count the batch)")  # fmt: skip
-    least = min(tried, key=lambda t: t.peak_bytes)
+    p = least.predicted
+    worst = max(range(len(p.memory)), key=lambda r: sum(p.memory[r].values()))
+    parts = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in p.memory[worst].items())
     return (
         f"no pipeline configuration fits {cluster.memory_bytes / 2**30:.1f} GiB per device "
-        f"({len(tried)} tried); the least memory: pp {least.pp}, {least.microbatches} "
-        f"micro-batches, {least.schedule}, recompute {least.recompute}: "
-        f"{least.peak_bytes / 2**30:.1f} GiB; try more devices or ZeRO"
+        f"({len(tried)} tried); the least memory: pp {least.schedule.num_ranks}, "
+        f"{least.schedule.microbatches} micro-batches, {least.schedule.name}, recompute "
+        f"{least.recompute}: pipeline rank {worst} needs {p.peak_memory / 2**30:.1f} GiB "
+        f"({parts}); try more stages, more micro-batches, recompute, ZeRO or more devices"
     )
 
 
@@ -366,7 +334,6 @@ __all__ = [
     "Tried",
     "boundary_bytes",
     "pipeline_json",
-    "plan_stages",
     "plan_with_stages",
     "search_pipeline",
 ]
