@@ -275,6 +275,19 @@ def test_train_reads_a_toml_config_and_names_what_is_wrong_in_it(tmp_path) -> No
         TrainConfig.from_toml(str(path))
 
 
+def test_train_names_pipeline_settings_it_cannot_take(tmp_path) -> None:
+    from autoshard.cli.train import TrainConfig, check
+
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    with pytest.raises(ValueError, match=r"carries its own pipeline settings; leave out --pp"):
+        check(TrainConfig("m:f", plan=str(plan), pp=2))
+    with pytest.raises(ValueError, match=r"schedule 'pipedream': expected one of gpipe, 1f1b"):
+        check(TrainConfig("m:f", schedule="pipedream"))
+    with pytest.raises(ValueError, match=r"recompute 'some': expected none, selective or full"):
+        check(TrainConfig("m:f", recompute="some"))
+
+
 def test_train_names_a_target_that_gives_no_model(tmp_path, monkeypatch) -> None:
     from autoshard.cli.train import _parts, user_function
 
