@@ -289,7 +289,7 @@ def _cases_world4() -> list[str]:
     out = [
         _planned("gpt", 4, pp=2),
         _against_pytorch("llama", {"dp": 2, "pp": 2}, search="optimal", microbatches=2),
-        _against_pytorch("llama", {"dp": 2, "pp": 2}, schedule="1f1b", microbatches=4),
+        _against_pytorch("llama", {"dp": 2, "pp": 2}, schedule="1f1b", microbatches=4, zero=3),
         _against_pytorch("gpt", {"pp": 2, "tp": 2}, megatron("gpt"), microbatches=2),
         _against_pytorch("gpt", {"pp": 4}, schedule="1f1b", microbatches=4),
         _against_pytorch("llama", {"pp": 4}, schedule="gpipe", microbatches=4),
@@ -421,6 +421,8 @@ def test_bad_pipeline_arguments_are_clear_errors() -> None:
         parallelize(model, batch, {"pp": 1}, microbatches=3)
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         parallelize(model, batch, {"pp": 1}, schedule="pipedream")
+    with pytest.raises(ValueError, match="schedule='zb-h1' with zero=1 is not supported yet"):
+        parallelize(model, batch, {"pp": 1}, schedule="zb-h1", zero=1)
     plain = autoshard.plan(model, batch, "cpu", num_devices=1)
     with pytest.raises(ValueError, match="the plan given has no pipeline stages"):
         parallelize(model, batch, None, plan=plain.json, schedule="1f1b")

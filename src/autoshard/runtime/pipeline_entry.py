@@ -138,7 +138,11 @@ def _configuration(pipeline: tuple, recompute: Any, data: dict | None, source: s
 def _check_split(og: Any, cut: Any, zero: Any, schedule: str) -> None:
     """A backward split into I and W reaches each weight from its one reader in a stage."""
     if zero:
-        raise ValueError(f"schedule={schedule!r} with zero={zero} is not supported yet")
+        raise ValueError(
+            f"schedule={schedule!r} with zero={zero} is not supported yet: a split backward "
+            "sums weight gradients at REDUCE_GRAD, outside ZeRO's hooks; use gpipe, 1f1b or "
+            "interleaved-1f1b with ZeRO, or zero=0 with this schedule"
+        )
     for s in range(cut.num_stages):
         seen: dict[str, str] = {}
         for n in weight_readers(og, cut, s):
