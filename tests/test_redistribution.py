@@ -272,3 +272,23 @@ def _subset_body() -> None:
 
 def test_rank_subsets_and_pipeline_transfer():
     run_ranks(_subset_body, 4, timeout=120)
+
+
+def test_step_costs_are_the_plans_steps_as_pricing_sees_them() -> None:
+    """The search's pricing path (``step_costs``: no layouts made) gives what the plan the
+    runtime runs would: kind, bytes, input bytes and first group of every step."""
+    from autoshard.redistribution import StepCost, step_costs
+
+    for devices in (2, 4, 8, 16):
+        for seed in range(50):
+            src, dst = random_pair(seed, devices)
+            want = tuple(StepCost.of(s) for s in redistribution_plan(src, dst).steps)
+            assert step_costs(src, dst) == want, (src, dst)
+            # to other ranks (a pipeline's stage boundary), of the same count and of half
+            moved = dst.on_ranks([r + devices for r in dst.ranks])
+            want = tuple(StepCost.of(s) for s in redistribution_plan(src, moved).steps)
+            assert step_costs(src, moved) == want, (src, moved)
+    src = Layout.replicated((8, 4), [0, 1, 2, 3])
+    half = Layout.replicated((8, 4), [4, 5])
+    want = tuple(StepCost.of(s) for s in redistribution_plan(src, half).steps)
+    assert step_costs(src, half) == want and want

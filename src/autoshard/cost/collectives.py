@@ -15,9 +15,10 @@ from autoshard.layout import Layout
 from autoshard.redistribution import (
     RedistributionPlan,
     Step,
+    StepCost,
     gradient_sum,
-    redistribution_plan,
     replica_sum_groups,
+    step_costs,
 )
 
 
@@ -94,7 +95,8 @@ def transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 
 @lru_cache(maxsize=1 << 18)
 def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
-    return price_plan(redistribution_plan(src, dst), cluster)
+    # the plan's steps as pricing sees them (step_costs: the same plan, its layouts unmade)
+    return _price_steps(step_costs(src, dst), cluster)
 
 
 def gradient_transition(partial: Layout, full: Layout, cluster: ClusterSpec) -> Transfer:
@@ -112,12 +114,16 @@ def _gradient_transition(partial: Layout, full: Layout, cluster: ClusterSpec) ->
 
 def price_plan(plan: RedistributionPlan, cluster: ClusterSpec) -> Transfer:
     """Seconds and bytes per rank of a redistribution plan's steps, as they run."""
+    return _price_steps(tuple(StepCost.of(step) for step in plan.steps), cluster)
+
+
+def _price_steps(steps: tuple[StepCost, ...], cluster: ClusterSpec) -> Transfer:
     seconds = sent = 0.0
     kinds = []
-    for step in plan.steps:
+    for step in steps:
         if step.kind in ("split", "to_partial") or not step.bytes:
             continue
-        seconds += step_time(step, cluster.devices_per_node, cluster)
+        seconds += _step_seconds(step, cluster.devices_per_node, cluster)
         sent += step.bytes
         kinds.append(step.kind)
     return Transfer(seconds, sent, tuple(kinds))
@@ -129,16 +135,18 @@ def step_time(step: Step, devices_per_node: int, cluster: ClusterSpec) -> float:
     spans. ``step.bytes`` are the ring formula's bytes sent per rank; the time takes the
     collective's own size (the input of an all-reduce, reduce-scatter or all-to-all, the output
     of an all-gather)."""
-    local = step.src.local_numel * step.src.dtype.itemsize
+    return _step_seconds(StepCost.of(step), devices_per_node, cluster)
+
+
+def _step_seconds(step: StepCost, devices_per_node: int, cluster: ClusterSpec) -> float:
     if step.kind in ("permute", "send_recv"):
-        pair = step.groups[0] if step.groups else ()
-        crosses = len({r // devices_per_node for r in pair}) > 1
+        crosses = len({r // devices_per_node for r in step.group}) > 1
         bw, alpha = cluster.link(crosses)
         factor = cluster.collective_factors.get("send_recv", 1.0)
         return step.bytes / bw * factor + alpha
-    group = step.groups[0]
+    group = step.group
     _, per_node = group_size(group, devices_per_node)
-    nbytes = local * len(group) if step.kind == "all_gather" else local
+    nbytes = step.local_bytes * len(group) if step.kind == "all_gather" else step.local_bytes
     return collective_time(step.kind, nbytes, len(group), per_node, cluster)
 
 

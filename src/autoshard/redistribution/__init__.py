@@ -5,14 +5,17 @@ from autoshard.redistribution.execute import execute, gather_tensor, redistribut
 from autoshard.redistribution.planner import (
     RedistributionPlan,
     Step,
+    StepCost,
     gradient_sum,
     redistribution_plan,
     replica_sum_groups,
+    step_costs,
 )
 
 __all__ = [
     "RedistributionPlan",
     "Step",
+    "StepCost",
     "gradient_sum",
     "execute",
     "gather_tensor",
@@ -20,4 +23,5 @@ __all__ = [
     "redistribution_plan",
     "replica_sum_groups",
     "shard_tensor",
+    "step_costs",
 ]

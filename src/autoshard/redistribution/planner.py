@@ -46,6 +46,7 @@ from autoshard.redistribution.search import candidate_steps, local_numel, search
 __all__ = [
     "RedistributionPlan",
     "Step",
+    "StepCost",
     "candidate_steps",
     "gradient_sum",
     "grid_coords",
@@ -53,6 +54,7 @@ __all__ = [
     "redistribution_plan",
     "replica_sum_groups",
     "step_bytes",
+    "step_costs",
     "swap_partner",
 ]
 
@@ -260,15 +262,7 @@ def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPl
         return RedistributionPlan(
             src, dst, first + (move,) + _cached_plan(whole_dst, dst, exhaustive).steps
         )
-    grid = common_grid((src, dst))
-    if grid is not None and len(src.ranks) <= PRIME_GRID_MAX_RANKS:
-        grid = common_grid((src, dst), extra_mesh=prime_cuts(grid.axes)) or grid
-    if grid is not None:
-        finer = common_grid(
-            (src, dst), suffix_products(grid.axes), [chunk_cuts(d, grid.axes) for d in grid.dims]
-        )
-        if finer is not None and len(finer.axes) <= max(len(grid.axes), FINE_GRID_MAX_AXES):
-            grid = finer
+    grid = _grid_of(src, dst)
     steps = None if grid is None else _plan_on_grid(src, dst, grid, exhaustive)
     if steps is None:
         # No common refinement (e.g. device matrices (3,4) and (4,3)), or a search past its
@@ -279,6 +273,73 @@ def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPl
         first = _cached_plan(src, middle, exhaustive).steps
         return RedistributionPlan(src, dst, first + _cached_plan(middle, dst, exhaustive).steps)
     return RedistributionPlan(src, dst, tuple(steps))
+
+
+def _grid_of(src: Layout, dst: Layout) -> Grid | None:
+    """The common grid a plan between ``src`` and ``dst`` is searched on (None: none)."""
+    grid = common_grid((src, dst))
+    if grid is not None and len(src.ranks) <= PRIME_GRID_MAX_RANKS:
+        grid = common_grid((src, dst), extra_mesh=prime_cuts(grid.axes)) or grid
+    if grid is not None:
+        finer = common_grid(
+            (src, dst), suffix_products(grid.axes), [chunk_cuts(d, grid.axes) for d in grid.dims]
+        )
+        if finer is not None and len(finer.axes) <= max(len(grid.axes), FINE_GRID_MAX_AXES):
+            grid = finer
+    return grid
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What pricing a step needs: its kind, bytes per rank (``Step.bytes``), the bytes each
+    rank holds before it, and its first group (a permute's first pair; empty for none)."""
+
+    kind: str
+    bytes: int
+    local_bytes: int
+    group: tuple[int, ...]
+
+    @staticmethod
+    def of(step: Step) -> StepCost:
+        group = step.groups[0] if step.groups else ()
+        local = step.src.local_numel * step.src.dtype.itemsize
+        return StepCost(step.kind, step.bytes, local, group)
+
+
+@lru_cache(maxsize=1 << 16)
+def step_costs(src: Layout, dst: Layout) -> tuple[StepCost, ...]:
+    """``StepCost.of`` every step of ``redistribution_plan(src, dst)``, found by the same
+    search without making the steps' layouts and groups (what most of a plan costs to make
+    when only its price is wanted: the search's cost graphs price many thousands)."""
+    if src == dst:
+        return ()
+    grid = None if len(src.ranks) != len(dst.ranks) else _grid_of(src, dst)
+    start = None if grid is None else grid.encode(src)
+    path = None
+    if grid is not None and src.shape == dst.shape and src.dtype == dst.dtype:
+        goal = grid.encode(dst)
+        if tuple(src.ranks) != tuple(dst.ranks):
+            goal = GridState(goal.assign, goal.partial, 1)
+        path = search(grid, start, goal, False)
+    if grid is None or path is None:
+        return tuple(StepCost.of(step) for step in redistribution_plan(src, dst).steps)
+    frames = (tuple(src.ranks), tuple(dst.ranks))
+    itemsize = src.dtype.itemsize
+    out = []
+    for kind, axes, before, _ in path:
+        local = local_numel(grid, before) * itemsize
+        if kind == "send_recv":
+            nbytes, group = local, (frames[0][0], frames[1][0])
+        else:
+            nbytes = step_bytes(kind, grid, axes, before, itemsize)
+            groups = (
+                _swap_pairs(grid, axes, frames[before.frame])
+                if kind == "permute"
+                else _groups(grid, axes, frames[before.frame])
+            )
+            group = groups[0] if groups else ()
+        out.append(StepCost(kind, nbytes, local, group))
+    return tuple(out)
 
 
 def redistribution_plan(src: Layout, dst: Layout) -> RedistributionPlan:
