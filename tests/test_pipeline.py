@@ -327,7 +327,10 @@ def _cases_world4() -> list[str]:
             microbatches=2,
             recompute="selective",
         ),  # fmt: skip
-        _against_pytorch("gpt", {"dp": 2, "pp": 2}, schedule="zbv", microbatches=2),
+        _against_pytorch("gpt", {"dp": 2, "pp": 2}, schedule="zbv", microbatches=2, zero=2),
+        _against_pytorch(
+            "llama", {"dp": 2, "pp": 2}, schedule="zb-h1", microbatches=4, zero=1, clip=0.05
+        ),
         _against_pytorch("llama", {"dp": 2, "pp": 2}, zero=1, microbatches=2, recompute="full"),
         _against_pytorch("gpt", {"dp": 2, "pp": 2}, zero=2, microbatches=2, clip=0.05),
     ]
@@ -346,24 +349,33 @@ def test_pipelines_with_data_and_tensor_parallel_train_as_pytorch() -> None:
 
 def _cases_world8() -> list[str]:
     torch.set_num_threads(1)
+    mesh = {"dp": 2, "pp": 2, "tp": 2}
     out = [
         _against_pytorch(
-            "gpt",
-            {"dp": 2, "pp": 2, "tp": 2},
-            megatron("gpt"),
-            zero=1,
-            schedule="1f1b",
-            microbatches=2,
-            recompute="full",
-        ),  # fmt: skip
+            "gpt", mesh, megatron("gpt"), zero=1, schedule=name, microbatches=2, **options
+        )
+        for name, options in (
+            ("1f1b", {"recompute": "full"}),
+            ("gpipe", {}),
+            ("zbv", {"recompute": "full"}),
+        )
+    ] + [
+        _against_pytorch(
+            "llama", mesh, megatron("llama"), zero=1, schedule=name, microbatches=2, **options
+        )
+        for name, options in (
+            ("zb-h1", {}),
+            ("interleaved-1f1b", {"virtual_stages": 2, "recompute": "selective"}),
+        )
     ]
     return [o for o in out if o]
 
 
 def test_data_pipeline_and_tensor_parallel_on_8_ranks_train_as_pytorch() -> None:
-    """3D: dp 2 x pp 2 x tp 2 (Megatron's strategies inside each stage) under ZeRO 1 with
-    full recompute: losses and every tensor as plain PyTorch's."""
-    for problems in run_ranks(_cases_world8, 8, timeout=600):
+    """3D: dp 2 x pp 2 x tp 2 (Megatron's strategies inside each stage) under ZeRO 1, every
+    schedule, with recompute (full, selective) and without: losses and every tensor as plain
+    PyTorch's."""
+    for problems in run_ranks(_cases_world8, 8, timeout=900):
         assert problems == []
 
 
@@ -421,8 +433,8 @@ def test_bad_pipeline_arguments_are_clear_errors() -> None:
         parallelize(model, batch, {"pp": 1}, microbatches=3)
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         parallelize(model, batch, {"pp": 1}, schedule="pipedream")
-    with pytest.raises(ValueError, match="schedule='zb-h1' with zero=1 is not supported yet"):
-        parallelize(model, batch, {"pp": 1}, schedule="zb-h1", zero=1)
+    with pytest.raises(ValueError, match="schedule='zb-h1' with zero=3: a split backward"):
+        parallelize(model, batch, {"pp": 1}, schedule="zb-h1", zero=3)
     plain = autoshard.plan(model, batch, "cpu", num_devices=1)
     with pytest.raises(ValueError, match="the plan given has no pipeline stages"):
         parallelize(model, batch, None, plan=plain.json, schedule="1f1b")

@@ -137,11 +137,12 @@ def _configuration(pipeline: tuple, recompute: Any, data: dict | None, source: s
 
 def _check_split(og: Any, cut: Any, zero: Any, schedule: str) -> None:
     """A backward split into I and W reaches each weight from its one reader in a stage."""
-    if zero:
+    if zero == 3:
         raise ValueError(
-            f"schedule={schedule!r} with zero={zero} is not supported yet: a split backward "
-            "sums weight gradients at REDUCE_GRAD, outside ZeRO's hooks; use gpipe, 1f1b or "
-            "interleaved-1f1b with ZeRO, or zero=0 with this schedule"
+            f"schedule={schedule!r} with zero=3: a split backward runs each weight reader's "
+            "backward twice (I, then W), and ZeRO 3 frees a gathered weight after its last "
+            "use; use zero=1 or 2 with this schedule, or gpipe, 1f1b or interleaved-1f1b "
+            "with zero=3"
         )
     for s in range(cut.num_stages):
         seen: dict[str, str] = {}

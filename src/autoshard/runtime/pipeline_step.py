@@ -222,8 +222,9 @@ class Step:
         inputs = leaves + [y for _, y in ys]
         got: list[torch.Tensor | None] = [None] * len(inputs)
         if tensors and inputs:
-            got = list(torch.autograd.grad(tensors, inputs, grads, retain_graph=True,
-                                           allow_unused=True))  # fmt: skip
+            with self.pm._zero.paused():
+                got = list(torch.autograd.grad(tensors, inputs, grads, retain_graph=True,
+                                               allow_unused=True))  # fmt: skip
         self.grads_out[(s, i)] = [
             g if g is not None else torch.zeros_like(leaf)
             for g, leaf in zip(got[: len(leaves)], leaves, strict=True)
@@ -235,21 +236,23 @@ class Step:
     def _w(self, a: Action) -> None:
         """The backward for the stage's weights, reader by reader from the gradients ``I``
         kept (each reaches only its own weights), or the whole backward where ``I`` ran none;
-        summed over replicas by ``REDUCE_GRAD``."""
+        summed over replicas by ``REDUCE_GRAD`` (ZeRO's units add them into their buffers
+        meanwhile)."""
         s, i = a.stage, a.microbatch
         weights = self.pm._weights_of[s]
         self.pm._grad_sync.syncing = False
         try:
-            if (s, i) not in self.weight_grads:  # ``I`` left the whole backward to this half
-                self.ys.pop((s, i))
-                self.leaves.pop((s, i))
-                tensors, grads = self._targets(s, i)
-                if tensors:
-                    torch.autograd.backward(tensors, grads)
-                return
-            for k, y, g in self.weight_grads.pop((s, i)):
-                if weights[k]:
-                    torch.autograd.backward([y], [g], inputs=weights[k], retain_graph=True)
+            with self.pm._zero.paused():
+                if (s, i) not in self.weight_grads:  # ``I`` left the whole backward here
+                    self.ys.pop((s, i))
+                    self.leaves.pop((s, i))
+                    tensors, grads = self._targets(s, i)
+                    if tensors:
+                        torch.autograd.backward(tensors, grads)
+                    return
+                for k, y, g in self.weight_grads.pop((s, i)):
+                    if weights[k]:
+                        torch.autograd.backward([y], [g], inputs=weights[k], retain_graph=True)
         finally:
             self.pm._grad_sync.syncing = True
 
@@ -263,6 +266,7 @@ class Step:
         (a split backward) here, once for every micro-batch's weight gradients."""
         if self.split:
             self.pm._grad_sync.sum_accumulated(self.pm._reduce_at[a.stage])
+            self.pm._zero.sum_held(self.pm._reduce_at[a.stage])
 
     def finish(self) -> None:
         for posted in self.sent:

@@ -420,6 +420,20 @@ class Zero:
         grads = [u.staging for u in self.units if u.staging is not None]
         return {"parameters": full, "gradients": grads}
 
+    def sum_held(self, shards: Sequence[torch.Tensor]) -> None:
+        """Sum now the units holding ``shards`` (what backwards run while paused added into
+        their buffers: the weight halves of a split backward), every reduce-scatter started
+        before the first is waited for, in the units' order (the same on every rank)."""
+        wanted = {id(m.shard) for u, m in self._unit_of.values()} & {id(t) for t in shards}
+        units = [u for u in self.units if any(id(m.shard) in wanted for m in u.members)]
+        for unit in units:
+            unit.flush()
+            if unit.summing is None and unit.deposited:
+                unit.start_sum()
+        for unit in units:
+            if unit.summing is not None:
+                unit.finish_sum()
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         before = self.syncing
