@@ -29,7 +29,7 @@ from bench.timing import in_turns, paired_ratio
 
 NAME = "pipeline"
 
-ROUNDS, WARMUP = 20, 3
+ROUNDS, WARMUP = 30, 3
 BATCH, MICRO = 16, 4
 CUTS = {1: ["layers.2"], 2: ["layers.1", "layers.2", "layers.3"]}  # stages a rank -> cuts
 SCHEDULES = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
