@@ -94,6 +94,22 @@ def test_the_pipeline_example_under_torchrun_trains_as_plain_pytorch():
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_experts_example_under_torchrun_trains_as_plain_pytorch():
+    out, losses = _torchrun("experts", 3)
+    assert "experts per rank: 4 of 8" in out
+    example = _module("experts")
+    model, config = example.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    expected = []
+    for step in range(3):
+        loss = model(*example.batch_of(config, step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
 def _train_command(argv: list[str], log: Path) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-m", "autoshard.cli", "train", "train_fn:make", "--batch-size", "8"]
     command += ["--nproc-per-node", "2"]

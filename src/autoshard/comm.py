@@ -28,6 +28,7 @@ __all__ = [
     "all_reduce_",
     "all_reduce_async_",
     "all_to_all",
+    "all_to_all_v",
     "all_gather_object",
     "barrier",
     "broadcast_",
@@ -108,11 +109,13 @@ def recording() -> Iterator[list]:
         del _events[next(i for i, e in enumerate(_events) if e is events)]
 
 
-def _count(kind: str, ranks: Sequence[int], tensor: torch.Tensor) -> tuple:
-    """Count the bytes of a collective this rank issues on ``ranks``; returns what the
-    watchdog knows it by (:func:`watch.waiting` bounds the wait for it)."""
+def _count(kind: str, ranks: Sequence[int], tensor: torch.Tensor, sent: int | None = None) -> tuple:
+    """Count the bytes of a collective this rank issues on ``ranks`` (``sent``, else the ring
+    formula's for ``tensor``); returns what the watchdog knows it by (:func:`watch.waiting`
+    bounds the wait for it)."""
     group_size = len(ranks)
-    sent = collective_bytes(kind, group_size, tensor.numel() * tensor.element_size())
+    if sent is None:
+        sent = collective_bytes(kind, group_size, tensor.numel() * tensor.element_size())
     _calls[kind] += 1
     _bytes[kind] += sent
     for events in _events:
@@ -244,6 +247,26 @@ def all_to_all(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
         dist.all_to_all_single(out, x, group=group)
     back = _from_sorted(ranks)
     return out if back is None else out[back]
+
+
+def all_to_all_v(
+    x: torch.Tensor, send: Sequence[int], recv: Sequence[int], ranks: Sequence[int]
+) -> torch.Tensor:
+    """Uneven all-to-all along dim 0 over ``ranks`` (ascending): the first ``send[0]`` rows of
+    ``x`` go to ``ranks[0]``, the next ``send[1]`` to ``ranks[1]``...; the result holds
+    ``recv[j]`` rows from ``ranks[j]`` in that order. Counted as the bytes this rank sends to
+    the others (its own rows stay), which is what the ring formula gives for even parts."""
+    ranks = list(ranks)
+    assert ranks == sorted(ranks), "all_to_all_v takes its group in ascending rank order"
+    me = ranks.index(dist.get_rank())
+    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+    what = _count("all_to_all", ranks, x, (sum(send) - send[me]) * row)
+    out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if len(ranks) == 1:
+        return out.copy_(x)
+    with watch.waiting(what):
+        dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=_group(ranks))
+    return out
 
 
 def reduce_scatter(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:

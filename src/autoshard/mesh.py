@@ -42,8 +42,9 @@ class MeshError(ValueError):
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """Named axes over ranks ``0..N-1`` and which of them are data parallel (``dp`` or
-    ``dp_*``: an unconfigured op falls back to splitting its batch over those)."""
+    """Named axes over ranks ``0..N-1`` and which of them are data parallel (``dp``, ``dp_*``
+    and ``ep``, which outside the experts is data parallel: an unconfigured op falls back to
+    splitting its batch over those, and the experts op spreads its experts over ``ep``)."""
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
@@ -102,7 +103,7 @@ def mesh_info(mesh: Any) -> MeshInfo:
         raise MeshError(f"mesh axis sizes must be positive integers: {', '.join(bad)}")
     if len(set(names)) != len(names):
         raise MeshError(f"mesh {pairs}: axis names must be distinct")
-    dp = tuple(n for n in names if n == "dp" or n.startswith("dp_"))
+    dp = tuple(n for n in names if n in ("dp", "ep") or n.startswith(("dp_", "ep_")))
     return MeshInfo(names, tuple(int(s) for _, s in pairs), dp)
 
 

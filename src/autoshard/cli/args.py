@@ -226,8 +226,9 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="llama",
-        choices=["llama", "gpt", "mlp"],
-        help="reference model to plan (not with --model-fn)",
+        choices=["llama", "gpt", "mlp", "moe"],
+        help="reference model to plan (not with --model-fn); moe: llama with a mixture of "
+        "experts for its feed-forward",
     )
     p.add_argument(
         "--model-fn",
@@ -247,8 +248,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         "--ffn",
         type=int,
         default=None,
-        help="feed-forward width (None: the model's rule from --hidden)",
+        help="feed-forward width, each expert's for moe (None: the model's rule from --hidden)",
     )
+    p.add_argument("--experts", type=int, default=None, help="experts of each MoE layer (moe)")
+    p.add_argument("--top-k", type=int, default=None, help="experts each token goes to (moe)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")

@@ -123,6 +123,8 @@ def _reference_model(args: argparse.Namespace):
         ffn=args.ffn,
         vocab=args.vocab,
         seq=args.seq,
+        experts=args.experts,
+        top_k=args.top_k,
     )
     with torch.device("meta"):
         model = build(config)

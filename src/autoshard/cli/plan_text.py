@@ -53,6 +53,8 @@ def format_search(data: dict, result, built=None) -> str:
         f"search '{pred['search']}' {pred['search_s']:.2f} s "
         f"(graph of {result.graph.size[0]} decision nodes)",
     ]
+    if built is not None:
+        lines += _experts(data, built)
     lines += _assumptions(data)
     if "end_to_end_s" in pred:
         lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
@@ -116,6 +118,36 @@ def format_layers(rows: list[dict], step_s: float, peak_bytes: float) -> list[st
         f"{human_bytes(memory)}  = step {(compute + comm) * 1e3:.2f} ms, "
         f"peak {human_bytes(peak_bytes)}"
     )
+    return lines
+
+
+def _experts(data: dict, built) -> list[str]:
+    """One line per experts op of the plan: how its experts are spread and their tokens moved."""
+    import torch
+
+    from autoshard.ops.experts import axes_of, dispatch_group
+
+    lines = []
+    seen = set()
+    for info in built.graph.ops():
+        key = built.graph.key_pattern(info)
+        if info.node.target is not torch.ops.autoshard.experts.default or key in seen:
+            continue
+        seen.add(key)
+        strategy = built.nodes[info.node.name].strategy
+        weights = strategy.ins[3]
+        total, held = weights.shape[0], weights.local_shape()[0]
+        axes = axes_of(weights, 0)
+        group = dispatch_group(strategy, weights.ranks[0])
+        where = f"over {'*'.join(axes)}" if axes else "on every device"
+        how = (
+            f"tokens dispatched and combined by all-to-all in groups of {len(group)}"
+            if len(group) > 1
+            else "each device its experts' share of its tokens (summed)"
+            if axes
+            else "each device every expert on its tokens"
+        )
+        lines.append(f"experts {key}: {total} {where}, {held} a device; {how}")
     return lines
 
 

@@ -9,9 +9,11 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.layout import Layout
+from autoshard.ops import rule_for
 from autoshard.redistribution import (
     RedistributionPlan,
     Step,
@@ -72,6 +74,18 @@ def collective_time(kind: str, nbytes: float, g: int, per_node: int, cluster: Cl
     if nbytes <= 0:
         return 0.0
     return sum(collective_parts(kind, nbytes, g, per_node, cluster))
+
+
+def exchange_times(node: Any, strategy: Any, cluster: ClusterSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of the collectives an op runs itself (``OpRule.exchanges``),
+    each over the links its group spans."""
+    seconds = [0.0, 0.0]
+    for ex in rule_for(node).exchanges(node, strategy):
+        g, per_node = group_size(ex.group, cluster.devices_per_node)
+        # the op's bytes are what a rank sends; the collective's own size, what it holds
+        held = ex.bytes * g / (g - 1) if ex.kind == "all_to_all" and g > 1 else ex.bytes
+        seconds[ex.backward] += collective_time(ex.kind, held, g, per_node, cluster)
+    return seconds[0], seconds[1]
 
 
 @dataclass(frozen=True)
@@ -221,6 +235,7 @@ __all__ = [
     "bucket_latency",
     "collective_parts",
     "collective_time",
+    "exchange_times",
     "grad_sync",
     "gradient_transition",
     "group_size",

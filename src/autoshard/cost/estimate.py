@@ -20,6 +20,7 @@ from autoshard.cost.collectives import (
     BUCKET_CAP_MB,
     assign_buckets,
     bucket_latency,
+    exchange_times,
     grad_sync,
     group_size,
     transition,
@@ -228,6 +229,9 @@ def _price_node(
     fwd, bwd = op_time(node, strategy, cluster)
     est.compute_forward += fwd
     est.compute_backward += bwd
+    fwd, bwd = exchange_times(node, strategy, cluster)
+    est.comm_forward += fwd
+    est.comm_backward += bwd if og[node].requires_grad else 0.0
     est.model_flops += og[node].flops
     if saves_output(node):
         est.memory["activations"] += sum(local_bytes(o) for o in strategy.outs)

@@ -2,11 +2,13 @@
 carries what the later stages ask about it (``opgraph``)."""
 
 from autoshard.graph.capture import CaptureError, capture, capture_modes, tied_names
+from autoshard.graph.experts import ExpertsError, experts_activation, mark_experts
 from autoshard.graph.opgraph import NodeInfo, OpGraph, node_info
 from autoshard.graph.stages import StageCut, StageError, cut_at_modules, cut_balanced
 
 __all__ = [
     "CaptureError",
+    "ExpertsError",
     "NodeInfo",
     "OpGraph",
     "StageCut",
@@ -15,6 +17,8 @@ __all__ = [
     "capture_modes",
     "cut_at_modules",
     "cut_balanced",
+    "experts_activation",
+    "mark_experts",
     "node_info",
     "tied_names",
 ]

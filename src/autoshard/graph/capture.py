@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autoshard.graph.experts import ExpertsError, experts_as_ops
 from autoshard.graph.failure import (
     Held,
     describe_failure,
@@ -82,11 +83,13 @@ def capture(
     meta = dtype is not None or any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     held = Held()  # torch's log of the export: printed if it succeeds, filed if not
     try:
-        with _state_in(model, dtype, meta), torch_logs_held(held):
+        with experts_as_ops(model), _state_in(model, dtype, meta), torch_logs_held(held):
             if meta:
                 args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
             program = torch.export.export(root, args, kwargs, strict=False)
             program = program.run_decompositions({})
+    except ExpertsError:
+        raise
     except Exception as err:  # one line: the user's source line and the op; the rest filed
         one_line_on_rank_zero()
         raise CaptureError(describe_failure(model, err, held)) from None

@@ -16,6 +16,7 @@ from torch import nn
 from autoshard.models.gpt import GPT, GPTConfig
 from autoshard.models.llama import Llama, LlamaConfig
 from autoshard.models.mlp import MLP, MLPConfig
+from autoshard.models.moe import MoE, MoEConfig
 
 #: name -> (model class, config class, size name -> config field,
 #:          config field -> (the field it follows when not given, times what))
@@ -46,6 +47,22 @@ REFERENCE_MODELS: dict[str, tuple[type[nn.Module], type, dict[str, str], dict]] 
         },
         {"num_kv_heads": ("num_heads", 1), "ffn_hidden": ("hidden", 4)},
     ),
+    "moe": (
+        MoE,
+        MoEConfig,
+        {
+            "layers": "num_layers",
+            "hidden": "hidden",
+            "heads": "num_heads",
+            "kv_heads": "num_kv_heads",
+            "ffn": "ffn_hidden",
+            "vocab": "vocab_size",
+            "seq": "max_seq",
+            "experts": "num_experts",
+            "top_k": "top_k",
+        },
+        {"num_kv_heads": ("num_heads", 1), "ffn_hidden": ("hidden", 4)},
+    ),
     "mlp": (
         MLP,
         MLPConfig,
@@ -55,10 +72,15 @@ REFERENCE_MODELS: dict[str, tuple[type[nn.Module], type, dict[str, str], dict]] 
 }
 
 
+#: the sizes any reference model may be given (one it has no use for is ignored)
+SIZES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k")
+
+
 def reference_config(name: str, **sizes: Any) -> Any:
     """The config of reference model ``name`` with the given sizes (``layers``, ``hidden``,
-    ``heads``, ``kv_heads``, ``ffn``, ``vocab``, ``seq``; None keeps the default; a size the
-    model has no use for is ignored) or config fields given by their own names."""
+    ``heads``, ``kv_heads``, ``ffn``, ``vocab``, ``seq``, ``experts``, ``top_k``; None keeps the
+    default; a size the model has no use for is ignored) or config fields given by their own
+    names."""
     if name not in REFERENCE_MODELS:
         raise ValueError(f"unknown model {name!r}: expected one of {', '.join(REFERENCE_MODELS)}")
     _, config_cls, names, follows = REFERENCE_MODELS[name]
@@ -71,7 +93,7 @@ def reference_config(name: str, **sizes: Any) -> Any:
             kwargs[names[key]] = value
         elif key in own:
             kwargs[key] = value
-        elif key not in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
+        elif key not in SIZES:
             raise ValueError(f"{name}: unknown size {key!r}; sizes are {', '.join(names)}")
     for field, (other, times) in follows.items():
         if field not in kwargs and other in kwargs:
@@ -95,6 +117,8 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "MLPConfig",
+    "MoE",
+    "MoEConfig",
     "build",
     "reference_config",
 ]

@@ -21,7 +21,7 @@ from autoshard.layout import NOT_SPLIT, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops.local import bias_elsewhere
 from autoshard.ops.nodes import dtype_of, node_title, node_vals, shape_of, tensor_inputs
-from autoshard.ops.work import Contraction, Cost, product_size
+from autoshard.ops.work import Contraction, Cost, Exchange, product_size
 
 FREE, SUM, FIXED = "free", "sum", "fixed"
 
@@ -134,9 +134,28 @@ class OpRule:
     def enumerate(self, node: fx.Node, mesh: MeshInfo) -> list[Strategy]:
         return []
 
+    def from_space(self, node: fx.Node, spec: Sequence[Any], mesh: MeshInfo) -> Strategy:
+        """The strategy of a named space spec (one entry per iteration dim), as plans store
+        searched strategies."""
+        space = self.space(node)
+        if space is None:
+            raise StrategyError(f"{node_title(node)}: this op has no iteration space")
+        return self.layouts(node, Layout.from_named(space.sizes, spec, mesh.as_dict()))
+
+    def joint_options(self, node: fx.Node, mesh: MeshInfo) -> list[tuple[Any, Strategy]]:
+        """Strategies the search adds to the space's (each axis on one dim): ones that put an
+        axis on two dims at once (the experts op's dispatch), as (named space spec,
+        strategy)."""
+        return []
+
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
         """Emit the op on this rank's shards (``args`` already hold local values)."""
         return low.call(node.target, args, kwargs)
+
+    def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
+        """The collectives the op runs itself under ``strategy`` (not the moves the planner
+        inserts around it): none for almost every op."""
+        return ()
 
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         """This rank's work under ``strategy``; ``needs_grad[i]``: whether tensor input ``i``
@@ -459,6 +478,7 @@ __all__ = [
     "SUM",
     "Contraction",
     "Cost",
+    "Exchange",
     "OpRule",
     "Space",
     "SpaceRule",

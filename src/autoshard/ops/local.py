@@ -62,6 +62,20 @@ def mean_of_part(x: torch.Tensor, dims: list[int], keepdim: bool, count: int) ->
     return x.sum(dims, keepdim=keepdim) / count
 
 
+def cumsum_of_part(
+    x: torch.Tensor, dim: int, ranks: Sequence[int], before: Sequence[bool], dtype: Any = None
+) -> torch.Tensor:
+    """A cumulative sum along ``dim`` split over ``ranks`` (of integers, which need no
+    gradient): this part's own, plus the totals of the parts before it (``before[i]``: whether
+    ``ranks[i]``'s part comes before this one's)."""
+    out = torch.cumsum(x, dim, dtype=dtype)
+    totals = comm.all_gather(out.narrow(dim, out.shape[dim] - 1, 1), ranks)
+    earlier = [i for i, b in enumerate(before) if b]
+    if earlier:
+        out = out + totals[earlier].sum(0)
+    return out
+
+
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Lookup in rows ``start:start+len(weight)`` of a vocabulary; other ids give zeros, so the
     sum over the vocabulary axes is the full lookup."""

@@ -21,7 +21,7 @@ from autoshard.ops.base import (
     StrategyError,
     split_axes,
 )
-from autoshard.ops.nodes import node_title, node_vals, shape_of, tensor_inputs
+from autoshard.ops.nodes import node_arg, node_title, node_vals, shape_of, tensor_inputs
 
 aten = torch.ops.aten
 
@@ -72,6 +72,56 @@ class Softmax(SpaceRule):
         kinds = tuple(FIXED if d == dim else FREE for d in range(len(shape)))
         dims = tuple(range(len(shape)))
         return Space(shape, kinds, (dims,), (dims,))
+
+
+class Cumsum(SpaceRule):
+    """cumsum: the scanned dim whole for floating values; integers (counts, which need no
+    gradient) may be split along it, each part adding the totals of the parts before it."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        shape = shape_of(node.args[0])
+        dim = node.args[1] % max(len(shape), 1)
+        exact = not node.meta["val"].dtype.is_floating_point
+        kinds = tuple(FREE if d != dim or exact else FIXED for d in range(len(shape)))
+        dims = tuple(range(len(shape)))
+        return Space(shape, kinds, (dims,), (dims,))
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        dim = node.args[1] % max(len(shape_of(node.args[0])), 1)
+        space = strategy.space
+        if not split_axes(space, dim):
+            return low.call(node.target, args, kwargs)
+        ranks = low.group(space, [dim])
+        start = space.local_index(low.rank)[dim].start
+        before = [space.local_index(r)[dim].start < start for r in ranks]
+        dtype = kwargs.get("dtype")
+        return low.call(local.cumsum_of_part, (args[0], dim, ranks, before, dtype), {})
+
+
+class TopK(SpaceRule):
+    """topk (values and indices) and sort: the dim they order whole, the others free."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        shape = shape_of(node.args[0])
+        dim = node_arg(node, 2 if node.target == aten.topk.default else 1, "dim", -1)
+        dim %= max(len(shape), 1)
+        kinds = tuple(FIXED if d == dim else FREE for d in range(len(shape)))
+        dims = tuple(range(len(shape)))
+        return Space(shape, kinds, (dims,), (dims, dims))
+
+
+class Histc(SpaceRule):
+    """histc with a given range: counts per bin of the whole input, so a split input leaves
+    a partial sum (the same bins on every rank); with the range taken from the data (min ==
+    max), the input whole."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        shape = shape_of(node.args[0])
+        bins = node_arg(node, 1, "bins", 100)
+        low, high = node_arg(node, 2, "min", 0), node_arg(node, 3, "max", 0)
+        kind = SUM if low < high else FIXED
+        n = len(shape)
+        return Space((*shape, bins), (kind,) * n + (FIXED,), (tuple(range(n)),), ((n,),))
 
 
 class LayerNorm(SpaceRule):

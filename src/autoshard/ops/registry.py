@@ -11,11 +11,20 @@ import torch.fx as fx
 
 from autoshard.ops.base import OpRule
 from autoshard.ops.contraction import Attention, Conv2d, Embedding, Linear, Matmul
+from autoshard.ops.experts import EXPERTS_OP, ExpertsRule
 from autoshard.ops.fallback import Replicated
 from autoshard.ops.losses import CrossEntropy, MseLoss
 from autoshard.ops.nodes import node_vals
 from autoshard.ops.pointwise import Dropout, Pointwise
-from autoshard.ops.reduction import BatchNorm, LayerNorm, Reduction, Softmax
+from autoshard.ops.reduction import (
+    BatchNorm,
+    Cumsum,
+    Histc,
+    LayerNorm,
+    Reduction,
+    Softmax,
+    TopK,
+)
 from autoshard.ops.shape import Cat, Expand, Pad, Permute, Same, Slice, Split, View
 
 aten = torch.ops.aten
@@ -41,7 +50,10 @@ RULES: dict[Any, OpRule] = {
         [aten.softmax.int, aten.log_softmax.int, aten._softmax.default, aten._log_softmax.default],
         Softmax(),
     ),
-    aten.cumsum.default: Softmax(),  # the scanned dim whole, like the softmax dim
+    aten.cumsum.default: Cumsum(),
+    **dict.fromkeys([aten.topk.default, aten.sort.default, aten.sort.stable], TopK()),
+    aten.histc.default: Histc(),
+    EXPERTS_OP: ExpertsRule(),
     # Pointwise, but without torch's pointwise tag (transformers' attention masks use them).
     **dict.fromkeys(
         [

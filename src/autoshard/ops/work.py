@@ -37,6 +37,18 @@ class Cost:
     work: float = 1.0
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """A collective an op runs itself (the experts op's all-to-alls): its kind, one rank's
+    group (the others are translates of it), the bytes each rank sends as ``comm`` counts
+    them, and whether it runs in backward."""
+
+    kind: str
+    group: tuple[int, ...]
+    bytes: float
+    backward: bool = False
+
+
 def product_size(space: Any, product: Contraction, sizes: Sequence[int]) -> float:
     """A matrix product's size as its arithmetic intensity sees it: ``3 / (1/M + 1/N + 1/K)``,
     the side of the cube with the FLOPs per byte moved of this product (an n-cube is n; a
@@ -55,4 +67,4 @@ def product_size(space: Any, product: Contraction, sizes: Sequence[int]) -> floa
     return 3 * volume / moved
 
 
-__all__ = ["Contraction", "Cost", "product_size"]
+__all__ = ["Contraction", "Cost", "Exchange", "product_size"]

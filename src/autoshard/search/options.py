@@ -20,9 +20,10 @@ from autoshard.ops import FIXED, Strategy, StrategyError, rule_for
 
 @dataclass
 class Option:
-    """One strategy of a decision node: the axis -> iteration dim assignment it came from."""
+    """One strategy of a decision node: the axis -> iteration dim assignment it came from (a
+    tuple of dims for an axis a joint option puts on several)."""
 
-    assign: tuple[int | None, ...]
+    assign: tuple[Any, ...]
     spec: tuple[Any, ...]
     strategy: Strategy
 
@@ -88,10 +89,26 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
             continue
         seen.add(ident)
         out.append(Option(assign, spec, strategy))
+    for spec, strategy in rule.joint_options(node, mesh):
+        out.append(Option(_joint_assign(spec, mesh), spec, strategy))
     if key is not None:
         _STRATEGY_CACHE[key] = out
     _NODE_OPTIONS[(node, mesh)] = out
     return out
+
+
+def _joint_assign(spec: Sequence[Any], mesh: MeshInfo) -> tuple[Any, ...]:
+    """Per mesh axis (of size > 1) the iteration dim it splits, or a tuple of the dims it
+    splits together (an axis on two dims of a joint option), or None."""
+    out: list[Any] = []
+    for name, size in zip(mesh.names, mesh.sizes, strict=True):
+        if size == 1:
+            continue
+        dims = tuple(
+            d for d, e in enumerate(spec) if e == name or (isinstance(e, tuple) and name in e)
+        )
+        out.append(dims[0] if len(dims) == 1 else dims or None)
+    return tuple(out)
 
 
 def clear_caches() -> None:

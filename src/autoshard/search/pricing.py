@@ -11,7 +11,7 @@ import numpy as np
 import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
-from autoshard.cost.collectives import gradient_transition
+from autoshard.cost.collectives import exchange_times, gradient_transition
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
 from autoshard.cost.zero import ZeroParam, zero_param
 from autoshard.graph import node_info
@@ -162,6 +162,12 @@ def _grad_reduce_parts(
     return parts
 
 
+def own_exchanges(node: fx.Node, strategy: Strategy, cluster: ClusterSpec) -> float:
+    """Seconds of the collectives the op runs itself, as ``estimate`` prices them."""
+    fwd, bwd = exchange_times(node, strategy, cluster)
+    return fwd + (bwd if node_info(node).requires_grad else 0.0)
+
+
 def replicated(node: fx.Node, mesh: MeshInfo) -> Strategy:
     ins = [None for _ in tensor_inputs(node)]
     return rule_for(node).follow(node, ins, mesh)
@@ -232,6 +238,7 @@ class Region:
         else:
             fwd, bwd = op_time(node, strategy, self.cluster)
             seconds, backward = seconds + fwd + bwd, backward + bwd
+            seconds += own_exchanges(node, strategy, self.cluster)
             if saves_output(node):
                 memory += sum(local_bytes(o) for o in strategy.outs)
             _set_outputs(node, strategy, values)
@@ -265,6 +272,7 @@ class Region:
         strategy = follow(f, ins, self.mesh)
         fwd, bwd = op_time(f, strategy, self.cluster)
         seconds, memory, bucketed = fwd + bwd, 0.0, 0.0
+        seconds += own_exchanges(f, strategy, self.cluster)
         for a, have, want, grad in zip(args, ins, strategy.ins, strategy.grads, strict=True):
             if have is None:
                 if a.op == "placeholder":

@@ -95,7 +95,7 @@ def _configured(node: fx.Node, value: Any, mesh: MeshInfo) -> Strategy:
                 f"{node_title(node)}: space strategy {spec} has {len(spec)} entries but the "
                 f"op's iteration space has {len(space.sizes)} dims {space.sizes}"
             )
-        return rule.layouts(node, Layout.from_named(space.sizes, spec, mesh.as_dict()))
+        return rule.from_space(node, spec, mesh)
     if not isinstance(value, tuple | list):
         raise StrategyError(f"{node_title(node)}: strategy {value!r} is not a tuple of tuples")
     if _is_tuple_form(value):

@@ -1,0 +1,371 @@
+"""A mixture-of-experts layer as one op, ``autoshard::experts`` (docs/parallelism/expert.md).
+
+``experts(x, index, weight, gate_up, down, activation)``: each token ``x[t]`` goes through the
+experts ``index[t, :]`` picked for it and their outputs are summed with ``weight[t, :]``. Expert
+``e`` is the gated feed-forward ``down[e] @ (act(gate) * up)`` with ``(gate; up) = gate_up[e] @
+x[t]`` (transformers' experts layout: ``gate_up [E, 2F, H]``, ``down [E, H, F]``). Capture puts
+this op where a model has an experts module, so the routing, data-dependent as it is, is one
+node whose rule knows what a split of its experts means.
+
+The rule (``ExpertsRule``) splits the tokens ``t`` like any free dim and the experts ``e`` like a
+contracted one: experts split over axes that do not split the tokens leave each rank its experts'
+share of every token's output (a partial sum). Experts split over axes that also split the
+tokens are expert parallelism proper: each rank's tokens go to the ranks of their experts by an
+all-to-all whose counts are exchanged first, each rank computes its experts on the tokens it
+received, and a second all-to-all brings the outputs back in token order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard import comm
+from autoshard.layout import Layout
+from autoshard.mesh import MeshInfo
+from autoshard.ops.base import FIXED, FREE, SUM, Space, SpaceRule, Strategy, StrategyError
+from autoshard.ops.nodes import dtype_of, node_title, shape_of, tensor_inputs
+from autoshard.ops.work import Cost, Exchange
+
+#: the experts' activations by the names transformers' configs give them
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
+def expert_ffn(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
+) -> torch.Tensor:
+    """One expert on rows ``x [n, H]``: ``gate_up [2F, H]`` (gate rows first), ``down [H, F]``."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(ACTIVATIONS[act](gate) * up, down)
+
+
+def experts_math(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    first: int = 0,
+) -> torch.Tensor:
+    """The experts ``first .. first + len(gate_up)`` on every token that picked them, weighted
+    and summed per token (the other experts' share is left out: a partial sum)."""
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        rows, slots = torch.nonzero(index == first + e, as_tuple=True)
+        y = expert_ffn(x[rows], gate_up[e], down[e], activation) * weight[rows, slots, None]
+        out = out.index_add(0, rows, y.to(x.dtype))
+    return out
+
+
+@torch.library.custom_op("autoshard::experts", mutates_args=())
+def experts(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """Every token through its experts, weighted and summed (see the module's docstring)."""
+    return experts_math(x, index, weight, gate_up, down, activation)
+
+
+@experts.register_fake
+def _(x, index, weight, gate_up, down, activation):  # noqa: ANN001, ANN202
+    return torch.empty_like(x)
+
+
+def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs[:5])
+    ctx.activation = inputs[5]
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    # the op's math again under autograd: the op is run eagerly only outside autoshard's
+    # programs (which call the rule's local form instead)
+    x, index, weight, gate_up, down = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (x, weight, gate_up, down)]
+        out = experts_math(leaves[0], index, leaves[1], leaves[2], leaves[3], ctx.activation)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return grads[0], None, grads[1], grads[2], grads[3], None
+
+
+experts.register_autograd(_backward, setup_context=_setup)
+
+EXPERTS_OP = torch.ops.autoshard.experts.default
+
+
+# -- the exchange ------------------------------------------------------------------------------
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Rows to the group's ranks by counts; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: list[int]):
+        ctx.plan = (send, recv, group)
+        return comm.all_to_all_v(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        send, recv, group = ctx.plan
+        return comm.all_to_all_v(grad.contiguous(), recv, send, group), None, None, None
+
+
+def dispatched(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    group: list[int],
+    blocks: list[int],
+) -> torch.Tensor:
+    """Expert parallelism on this rank's tokens: ``group`` (ascending) holds the experts in
+    blocks of ``len(gate_up)``, member ``i`` block ``blocks[i]``. The assignments go, sorted
+    by expert, to their experts' ranks (the counts per rank and expert exchanged first), each
+    rank runs its experts on what it received, and the outputs come back in the same order."""
+    per, size = gate_up.shape[0], len(group)
+    top_k = index.shape[1]
+    flat = index.reshape(-1)
+    member = torch.empty(size, dtype=torch.long)
+    member[torch.tensor(blocks)] = torch.arange(size)
+    key = member[flat // per] * per + flat % per  # (the member holding it, its expert there)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=per * size).view(size, per)  # [member, expert]
+    got = comm.all_to_all_v(counts, [1] * size, [1] * size, group)  # [source, my expert]
+    send, recv = counts.sum(1).tolist(), got.sum(1).tolist()
+    rows = _AllToAllV.apply(x[order // top_k], send, recv, group)
+    expert_of = torch.repeat_interleave(torch.arange(per).repeat(size), got.reshape(-1))
+    y = torch.zeros_like(rows)
+    for e in range(per):
+        mine = torch.nonzero(expert_of == e).reshape(-1)
+        y = y.index_copy(0, mine, expert_ffn(rows[mine], gate_up[e], down[e], activation))
+    back = _AllToAllV.apply(y, recv, send, group)
+    weighted = back * weight.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add(0, order // top_k, weighted.to(x.dtype))
+
+
+class LocalExperts(nn.Module):
+    """What a rank's program runs for the experts op: its experts on its tokens (a partial sum
+    over the ranks holding the other experts), or, dispatching, the exchange with ``group``."""
+
+    def __init__(self, activation: str, first: int, group: list[int], blocks: list[int]):
+        super().__init__()
+        self.activation, self.first, self.group, self.blocks = activation, first, group, blocks
+
+    def forward(self, x, index, weight, gate_up, down) -> torch.Tensor:  # noqa: ANN001
+        if len(self.group) > 1:
+            return dispatched(x, index, weight, gate_up, down, self.activation, self.group,
+                              self.blocks)  # fmt: skip
+        return experts_math(x, index, weight, gate_up, down, self.activation, self.first)
+
+    def extra_repr(self) -> str:
+        if len(self.group) > 1:
+            return f"{self.activation}, dispatched over ranks {self.group}"
+        return f"{self.activation}, experts from {self.first}"
+
+
+# -- the rule ----------------------------------------------------------------------------------
+
+T, K, E, H, FF = range(5)  # the iteration dims: tokens, top-k slots, experts, hidden, ffn
+
+
+def axes_of(layout: Layout, dim: int) -> tuple[str, ...]:
+    """The mesh axis names splitting ``dim`` of ``layout``, major first (a merged axis is its
+    names joined by ``*``)."""
+    out: list[str] = []
+    for _, a in layout.factors[dim]:
+        if a >= 0:
+            out.extend(layout.axis_names[a].split("*"))
+    return tuple(out)
+
+
+class ExpertsRule(SpaceRule):
+    """``autoshard::experts``: tokens free, experts summed over (or dispatched to, see the
+    module's docstring), the top-k slots, hidden and ffn dims whole."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        x, index, _, gate_up, down = tensor_inputs(node)
+        (num_tokens, hidden), top_k = shape_of(x), shape_of(index)[1]
+        num_experts, ffn = shape_of(gate_up)[0], shape_of(down)[2]
+        return Space(
+            (num_tokens, top_k, num_experts, hidden, ffn),
+            (FREE, FIXED, SUM, FIXED, FIXED),
+            ((T, H), (T, K), (T, K), (E, None, H), (E, H, FF)),
+            ((T, H),),
+            ("t", "k", "e", "h", "f"),
+        )
+
+    def from_space(self, node: fx.Node, spec: Sequence[Any], mesh: MeshInfo) -> Strategy:
+        """A named space strategy; experts over axes that also split the tokens dispatch."""
+        token_axes = _names(spec[T])
+        expert_axes = _names(spec[E])
+        if not expert_axes or not set(expert_axes) <= set(token_axes):
+            if set(expert_axes) & set(token_axes):
+                raise StrategyError(
+                    f"{node_title(node)}: experts split over {expert_axes} and tokens over "
+                    f"{token_axes}: the experts' axes must all split the tokens (expert "
+                    "parallelism) or none of them (a sum over the experts)"
+                )
+            return super().from_space(node, spec, mesh)
+        return self.dispatching(node, spec, expert_axes, mesh)
+
+    def dispatching(
+        self, node: fx.Node, spec: Sequence[Any], expert_axes: tuple[str, ...], mesh: MeshInfo
+    ) -> Strategy:
+        """Tokens as ``spec`` says, experts over ``expert_axes`` (axes of the tokens' split)."""
+        base_spec = list(spec)
+        base_spec[E] = None
+        space = self.space(node)
+        axes = mesh.as_dict()
+        base = self.layouts(node, Layout.from_named(space.sizes, base_spec, axes))
+        inputs = tensor_inputs(node)
+        others = tuple(a for a in _names(spec[T]) if a not in expert_axes)
+        ins, grads = list(base.ins), list(base.grads)
+        for i in (3, 4):
+            shape, dtype = shape_of(inputs[i]), dtype_of(inputs[i])
+            if shape[0] % math.prod(mesh.sizes[mesh.names.index(a)] for a in expert_axes):
+                raise StrategyError(
+                    f"{node_title(node)}: {shape[0]} experts do not split over {expert_axes}"
+                )
+            named = (expert_axes if len(expert_axes) > 1 else expert_axes[0],) + (None,) * (
+                len(shape) - 1
+            )
+            ins[i] = Layout.from_named(shape, named, axes, dtype=dtype)
+            grads[i] = Layout.from_named(shape, named, axes, partial=others, dtype=dtype)
+        return Strategy(tuple(ins), base.outs, tuple(grads), base.space)
+
+    def joint_options(self, node: fx.Node, mesh: MeshInfo) -> list[tuple[Any, Strategy]]:
+        """The dispatching strategies (an axis on both the tokens and the experts), for the
+        search: tokens over any set of axes, experts over a non-empty subset of them, as
+        (named space spec, strategy)."""
+        space = self.space(node)
+        names = [n for n, s in zip(mesh.names, mesh.sizes, strict=True) if s > 1]
+        out = []
+        for mask in range(1, 2 ** len(names)):
+            tokens = tuple(n for i, n in enumerate(names) if mask >> i & 1)
+            if space.sizes[T] % mesh.size_of(tokens):
+                continue
+            for sub in range(1, 2 ** len(tokens)):
+                experts = tuple(n for i, n in enumerate(tokens) if sub >> i & 1)
+                if space.sizes[E] % mesh.size_of(experts):
+                    continue
+                spec = [None] * len(space.sizes)
+                spec[T] = tokens if len(tokens) > 1 else tokens[0]
+                spec[E] = experts if len(experts) > 1 else experts[0]
+                try:
+                    out.append((tuple(spec), self.dispatching(node, spec, experts, mesh)))
+                except StrategyError:
+                    continue
+        return out
+
+    def follow(self, node: fx.Node, ins: Sequence[Layout | None], mesh: MeshInfo) -> Strategy:
+        """The tokens as they come; the experts over the mesh's ``ep`` axes where those split
+        the tokens (expert parallelism), else on every rank."""
+        base = super().follow(node, ins, mesh)
+        token_axes = axes_of(base.space, T)
+        expert_axes = tuple(a for a in token_axes if a == "ep" or a.startswith("ep_"))
+        if not expert_axes:
+            return base
+        spec: list[Any] = [None] * 5
+        spec[T] = token_axes if len(token_axes) > 1 else token_axes[0]
+        return self.dispatching(node, spec, expert_axes, mesh)
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        weights = strategy.ins[3]
+        group = dispatch_group(strategy, low.rank)
+        blocks = [weights.local_index(r)[0].start // weights.local_shape()[0] for r in group]
+        first = weights.local_index(low.rank)[0].start
+        module = LocalExperts(args[5], first, list(group), blocks)
+        return low.module(module, tuple(args[:5]), "experts")
+
+    def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
+        """Dispatching: the counts (an int64 a rank and expert), then in forward the rows out
+        and back, in backward their gradients the other way; each rank's assignments spread
+        evenly over the experts (what the balance loss drives routing to), so ``(g - 1) / g``
+        of its rows leave it and as many arrive."""
+        group = dispatch_group(strategy, strategy.ins[0].ranks[0])
+        if len(group) < 2:
+            return ()
+        x, weights, g = strategy.ins[0], strategy.ins[3], len(group)
+        rows = x.local_shape()[0] * strategy.ins[1].shape[1] * (g - 1) / g
+        moved = rows * x.shape[1] * x.dtype.itemsize
+        counts = (g - 1) * weights.local_shape()[0] * 8
+        return (
+            Exchange("all_to_all", group, counts),
+            Exchange("all_to_all", group, moved),
+            Exchange("all_to_all", group, moved),
+            Exchange("all_to_all", group, moved, backward=True),
+            Exchange("all_to_all", group, moved, backward=True),
+        )
+
+    def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
+        """Each token's top-k experts: three products of ``H x F`` per assignment, on the
+        rank's tokens (dispatching: the same number, on average, from every rank), over the
+        share of the experts this rank holds when they are summed over."""
+        x, index, weights = strategy.ins[0], strategy.ins[1], strategy.ins[3]
+        num_tokens, top_k = x.local_shape()[0], index.shape[1]
+        hidden, ffn = x.shape[1], strategy.ins[4].shape[2]
+        share = weights.local_shape()[0] / weights.shape[0]
+        if set(axes_of(weights, 0)) <= set(axes_of(x, 0)):
+            share = 1.0  # dispatched: every assignment is computed once, somewhere
+        forward = 2.0 * 3 * num_tokens * top_k * share * hidden * ffn
+        needs = tuple(needs_grad) or (True,) * 5
+        backward = forward * (int(needs[0]) + int(needs[3] or needs[4]))
+        base = super(SpaceRule, self).cost(node, strategy, needs_grad)
+        rows = num_tokens * top_k * share
+        return Cost(forward, base.bytes, backward, base.backward_bytes, "matmul",
+                    3 / (1 / rows + 1 / hidden + 1 / ffn) if rows else 0.0)  # fmt: skip
+
+
+def dispatch_group(strategy: Strategy, rank: int) -> tuple[int, ...]:
+    """The ranks ``rank`` exchanges tokens with (ascending): those that differ from it only on
+    the axes splitting the experts, when those axes also split the tokens; else itself."""
+    x, weights = strategy.ins[0], strategy.ins[3]
+    expert_axes = axes_of(weights, 0)
+    if not expert_axes or not set(expert_axes) <= set(axes_of(x, 0)):
+        return (rank,)
+    split = {a for _, a in weights.factors[0] if a >= 0}
+    mine = weights.coordinates(rank)
+
+    def same_replica(r: int) -> bool:
+        theirs = weights.coordinates(r)
+        return all(theirs[a] == mine[a] for a in range(len(mine)) if a not in split)
+
+    return tuple(sorted(r for r in weights.ranks if same_replica(r)))
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "EXPERTS_OP",
+    "ExpertsRule",
+    "LocalExperts",
+    "dispatch_group",
+    "dispatched",
+    "expert_ffn",
+    "experts",
+    "experts_math",
+]
