@@ -1,7 +1,8 @@
 """Planning speed: ``autoshard plan`` from process start to the JSON file, capture included, and
 the search alone, for the Llama-3-8B shape on 64 devices and a Llama-70B shape on 512 (8-device
 H100 nodes), with each search; the recursive search's plan against the optimal one's; GPT-3
-175B on 128 H100 nodes and a 1T GPT on 384 A100 nodes in pipeline stages (``--pp``). And the
+175B on 128 H100 nodes and a 1T GPT on 384 A100 nodes in pipeline stages (``--pp``); the MoE
+shapes of Mixtral-8x7B on 64 H100s and DeepSeek-V3 on 1024, their experts' layout. And the
 presets' predicted MFU for shapes published runs trained: Megatron-LM's GPT-1.7B on 32 A100s
 (2021: 44% of peak) and Llama-3-8B at a larger batch."""
 
@@ -50,6 +51,17 @@ SHAPES = {
         "nodes": 384,
         "cluster": "dgx-a100",
     },
+    "mixtral-8x7b": {  # Jiang et al. 2024's shape: 8 experts of ffn 14336, top 2
+        "args": "--model moe --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 "
+        "--experts 8 --top-k 2 --seq 4096 --batch 256 --vocab 32000",
+        "nodes": 8,
+    },
+    "deepseek-v3-like": {  # DeepSeek-V3's MoE shape (256 experts of ffn 2048, top 8) on a
+        # Llama block (GQA attention in place of MLA, every layer MoE)
+        "args": "--model moe --layers 61 --hidden 7168 --heads 128 --kv-heads 8 --ffn 2048 "
+        "--experts 256 --top-k 8 --seq 4096 --batch 1024 --vocab 129280",
+        "nodes": 128,
+    },
     "llama3-8b-bs256": {
         "args": "--model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 "
         "--seq 2048 --batch 256 --vocab 128256",
@@ -71,7 +83,7 @@ def _one(shape: str, search: str) -> dict:
         cmd += ["--cluster", cluster, "--nodes", str(spec["nodes"]), "--search", search]
         cmd += ["--json", str(out)]
         start = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
         wall = time.perf_counter() - start
         data = json.loads(out.read_text())
     pred = data["predicted"]
@@ -97,6 +109,7 @@ def _one(shape: str, search: str) -> dict:
         if pipe
         else None,
         "command": "autoshard plan " + " ".join(cmd[4:-2]),
+        "experts": [line for line in done.stdout.splitlines() if line.startswith("experts ")],
     }
 
 
@@ -151,6 +164,9 @@ def summary(result: dict) -> str:
                 f"GiB per device ({fits})"
                 + (f"; pipeline search {p['search_s']:.1f} s." if p.get("search_s") else ".")
             )
+    for r in result["rows"]:
+        for line in r.get("experts") or ():
+            lines.append(f"- {r['shape']}: {line}.")
     lines.append("")
     lines.append("Commands: " + "; ".join(f"`{r['command']}`" for r in result["rows"]))
     return "\n".join(lines)

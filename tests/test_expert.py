@@ -16,7 +16,7 @@ import torch
 
 import autoshard
 from autoshard import comm, parallelize, shard_inputs
-from autoshard.graph import ExpertsError, capture, mark_experts
+from autoshard.graph import ExpertsError, capture, capture_modes, mark_experts
 from autoshard.mesh import mesh_info
 from autoshard.models import build, reference_config
 from autoshard.ops import rule_for
@@ -71,15 +71,29 @@ def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+_CAPTURED: dict[str, Any] = {}
+
+
+def _capture_of(key: str | None, model: torch.nn.Module) -> Any:
+    """``model``'s capture, made once per rank process for the cases of the same model."""
+    if key is None:
+        return None
+    if key not in _CAPTURED:
+        _CAPTURED[key] = capture_modes(model, _batches()[0])
+    return _CAPTURED[key]
+
+
 def _against_pytorch(
     model: torch.nn.Module, mesh: Any, strategies: Any = None, rtol: float = 1.3e-6,
-    atol: float = 1e-8, **options: Any,
+    atol: float = 1e-8, key: str | None = None, **options: Any,
 ) -> str:  # fmt: skip
     """Train ``model`` under autoshard and eagerly; '' when every loss and parameter agree
-    and each rank holds 1/ep of every expert weight."""
+    and each rank holds 1/ep of every expert weight. ``key`` names the model for reusing
+    its capture."""
     ref = copy.deepcopy(model)
     batches = _batches()
-    pm = parallelize(model, batches[0], mesh, strategies, **options)
+    captured = _capture_of(key, model)
+    pm = parallelize(model, batches[0], mesh, strategies, captured=captured, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     name = f"{type(model).__name__} {mesh} {options}"
@@ -127,7 +141,7 @@ def _bytes_are_the_routed_rows() -> str:
     ranks' experts and the rows other ranks send to its expert, times hidden times 8."""
     model = _moe()
     batch = _batches()[0]
-    pm = parallelize(copy.deepcopy(model), batch, {"ep": 4})
+    pm = parallelize(copy.deepcopy(model), batch, {"ep": 4}, captured=_capture_of("moe", model))
     rank, size = torch.distributed.get_rank(), 4
     with comm.counting() as counted:
         pm(*shard_inputs(batch, pm)).backward()
@@ -156,7 +170,7 @@ def _saved_under_ep4_loads_under_ep2(path: str) -> str:
         opt_ref.step()
         opt_ref.zero_grad()
         want.append(float(loss))
-    pm = parallelize(model, batches[0], {"ep": 4})
+    pm = parallelize(model, batches[0], {"ep": 4}, captured=_capture_of("moe", model))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     for batch in batches[:2]:
         pm(*shard_inputs(batch, pm)).backward()
@@ -167,7 +181,7 @@ def _saved_under_ep4_loads_under_ep2(path: str) -> str:
     with torch.no_grad():
         for p in other.parameters():
             p.normal_()
-    two = parallelize(other, batches[0], {"dp": 2, "ep": 2})
+    two = parallelize(other, batches[0], {"dp": 2, "ep": 2}, captured=_capture_of("moe", other))
     opt_two = torch.optim.AdamW(two.parameters(), lr=1e-2)
     autoshard.load(path, two, opt_two)
     for step, batch in enumerate(batches[2:], start=2):
@@ -191,20 +205,20 @@ def _planned() -> dict:
 def _cases(path: str, planned: dict) -> list[str]:
     torch.set_num_threads(1)
     out = [
-        _against_pytorch(_moe(), {"ep": 4}),
-        _against_pytorch(_moe(), {"dp": 2, "ep": 2}, zero=1),
-        _against_pytorch(_moe(), {"ep": 2, "tp": 2}, MEGATRON),
+        _against_pytorch(_moe(), {"ep": 4}, key="moe"),
+        _against_pytorch(_moe(), {"dp": 2, "ep": 2}, zero=1, key="moe"),
+        _against_pytorch(_moe(), {"ep": 2, "tp": 2}, MEGATRON, key="moe"),
         # the same drop rule as one device: each expert's first C assignments of the batch
         _against_pytorch(_moe(capacity=1.0), {"dp": 2, "ep": 2}),
         _against_pytorch(_moe(aux=0.0), {"pp": 2, "ep": 2}, microbatches=2),
-        _against_pytorch(_mixtral(), {"ep": 4}),
-        _against_pytorch(_mixtral(), {"dp": 2, "ep": 2}),
-        _against_pytorch(_mixtral(), {"ep": 2, "tp": 2}, HF_MEGATRON),
+        _against_pytorch(_mixtral(), {"ep": 4}, key="mixtral"),
+        _against_pytorch(_mixtral(), {"dp": 2, "ep": 2}, key="mixtral"),
+        _against_pytorch(_mixtral(), {"ep": 2, "tp": 2}, HF_MEGATRON, key="mixtral"),
         # transformers' default: torch's grouped matrix product, float32 within rounding
         _against_pytorch(_mixtral("grouped_mm", torch.float32), {"ep": 4}, rtol=1e-4, atol=1e-5),
         _bytes_are_the_routed_rows(),
         _saved_under_ep4_loads_under_ep2(path),
-        _against_pytorch(_moe(), None, plan=planned),
+        _against_pytorch(_moe(), None, plan=planned, key="moe"),
     ]
     return [o for o in out if o]
 

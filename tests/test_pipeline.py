@@ -21,7 +21,7 @@ from autoshard.mesh import mesh_info
 from autoshard.models import build, reference_config
 from autoshard.redistribution import shard_tensor
 from autoshard.runtime.microbatch_loss import CountedLoss
-from autoshard.runtime.pipeline import pipeline_groups
+from autoshard.runtime.pipeline import microbatch_example, pipeline_groups
 from autoshard.schedule import ScheduleError
 from autoshard.testing import LiveBytes, run_ranks
 from tests.test_runtime import megatron
@@ -97,7 +97,8 @@ def _against_pytorch(
     model = _model(name, layers)
     ref = copy.deepcopy(model)
     batches = batches or _batches()
-    pm = parallelize(model, batches[0], mesh, strategies, **pipeline)
+    captured = _capture_of(name, layers, model, batches[0], mesh, pipeline)
+    pm = parallelize(model, batches[0], mesh, strategies, captured=captured, **pipeline)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step, batch in enumerate(batches):
@@ -123,6 +124,24 @@ def _against_pytorch(
         if not torch.allclose(full[key], value, atol=atol):
             return f"{name} {mesh} {pipeline}: {key} differs"
     return ""
+
+
+_CAPTURED: dict[tuple, Any] = {}
+
+
+def _capture_of(name: str, layers: int, model: Any, batch: tuple, mesh: Any, given: dict) -> Any:
+    """The model's capture (of one micro-batch under a ``pp`` axis), made once per rank
+    process for every case of the same model and micro-batch size: the same graph whatever
+    the mesh, schedule or recompute (a plan given brings its own micro-batches: captured anew)."""
+    if given.get("plan") is not None:
+        return None
+    staged = mesh is not None and "pp" in mesh
+    m = (given.get("microbatches") or mesh["pp"]) if staged else 1
+    key = (name, layers, m)
+    if key not in _CAPTURED:
+        example = microbatch_example(batch, None, m)[0] if staged else batch
+        _CAPTURED[key] = capture_modes(model, example)
+    return _CAPTURED[key]
 
 
 def _scaled_and_accumulated() -> str:

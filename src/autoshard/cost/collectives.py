@@ -84,7 +84,7 @@ def exchange_times(node: Any, strategy: Any, cluster: ClusterSpec) -> tuple[floa
         g, per_node = group_size(ex.group, cluster.devices_per_node)
         # the op's bytes are what a rank sends; the collective's own size, what it holds
         held = ex.bytes * g / (g - 1) if ex.kind == "all_to_all" and g > 1 else ex.bytes
-        seconds[ex.backward] += collective_time(ex.kind, held, g, per_node, cluster)
+        seconds[ex.backward] += collective_time(ex.kind, held * ex.skew, g, per_node, cluster)
     return seconds[0], seconds[1]
 
 

@@ -186,6 +186,11 @@ class LocalExperts(nn.Module):
 
 T, K, E, H, FF = range(5)  # the iteration dims: tokens, top-k slots, experts, hidden, ffn
 
+#: expert parallelism's load imbalance as the cost model states it: the busiest rank of a
+#: dispatch group receives this many times the mean of the rows (routing a balance loss keeps
+#: near even still leaves some experts busier), and every rank waits for it
+IMBALANCE = 1.1
+
 
 def axes_of(layout: Layout, dim: int) -> tuple[str, ...]:
     """The mesh axis names splitting ``dim`` of ``layout``, major first (a merged axis is its
@@ -298,9 +303,9 @@ class ExpertsRule(SpaceRule):
 
     def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
         """Dispatching: the counts (an int64 a rank and expert), then in forward the rows out
-        and back, in backward their gradients the other way; each rank's assignments spread
-        evenly over the experts (what the balance loss drives routing to), so ``(g - 1) / g``
-        of its rows leave it and as many arrive."""
+        and back, in backward their gradients the other way; on average ``(g - 1) / g`` of a
+        rank's rows leave it and as many arrive (the assignments spread over the experts, as
+        the balance loss drives routing to), the busiest rank ``IMBALANCE`` times that."""
         group = dispatch_group(strategy, strategy.ins[0].ranks[0])
         if len(group) < 2:
             return ()
@@ -308,24 +313,25 @@ class ExpertsRule(SpaceRule):
         rows = x.local_shape()[0] * strategy.ins[1].shape[1] * (g - 1) / g
         moved = rows * x.shape[1] * x.dtype.itemsize
         counts = (g - 1) * weights.local_shape()[0] * 8
+        skew = IMBALANCE
         return (
             Exchange("all_to_all", group, counts),
-            Exchange("all_to_all", group, moved),
-            Exchange("all_to_all", group, moved),
-            Exchange("all_to_all", group, moved, backward=True),
-            Exchange("all_to_all", group, moved, backward=True),
+            Exchange("all_to_all", group, moved, skew=skew),
+            Exchange("all_to_all", group, moved, skew=skew),
+            Exchange("all_to_all", group, moved, backward=True, skew=skew),
+            Exchange("all_to_all", group, moved, backward=True, skew=skew),
         )
 
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         """Each token's top-k experts: three products of ``H x F`` per assignment, on the
-        rank's tokens (dispatching: the same number, on average, from every rank), over the
+        rank's tokens (dispatching: the busiest rank's, ``IMBALANCE`` times the mean), over the
         share of the experts this rank holds when they are summed over."""
         x, index, weights = strategy.ins[0], strategy.ins[1], strategy.ins[3]
         num_tokens, top_k = x.local_shape()[0], index.shape[1]
         hidden, ffn = x.shape[1], strategy.ins[4].shape[2]
         share = weights.local_shape()[0] / weights.shape[0]
         if set(axes_of(weights, 0)) <= set(axes_of(x, 0)):
-            share = 1.0  # dispatched: every assignment is computed once, somewhere
+            share = IMBALANCE  # dispatched: the busiest rank's experts, which all wait for
         forward = 2.0 * 3 * num_tokens * top_k * share * hidden * ffn
         needs = tuple(needs_grad) or (True,) * 5
         backward = forward * (int(needs[0]) + int(needs[3] or needs[4]))
@@ -360,6 +366,7 @@ def _names(entry: Any) -> tuple[str, ...]:
 
 __all__ = [
     "ACTIVATIONS",
+    "IMBALANCE",
     "EXPERTS_OP",
     "ExpertsRule",
     "LocalExperts",

@@ -41,12 +41,14 @@ class Cost:
 class Exchange:
     """A collective an op runs itself (the experts op's all-to-alls): its kind, one rank's
     group (the others are translates of it), the bytes each rank sends as ``comm`` counts
-    them, and whether it runs in backward."""
+    them on average, whether it runs in backward, and ``skew``: the busiest rank's bytes over
+    the average (every rank waits for it)."""
 
     kind: str
     group: tuple[int, ...]
     bytes: float
     backward: bool = False
+    skew: float = 1.0
 
 
 def product_size(space: Any, product: Contraction, sizes: Sequence[int]) -> float:

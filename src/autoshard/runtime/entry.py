@@ -64,7 +64,7 @@ def parallelize(
     from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
     sets the mesh (and, with a ``pipeline`` section, the stages and their schedule). With a
     ``pp`` axis, ``search`` plans one stage's sub-mesh. ``captured`` (``capture_modes``)
-    skips the capture when planning again.
+    skips the capture when planning again (with pipeline stages: of one micro-batch).
     ``replicas``: "broadcast" the first rank's part of each parameter and buffer to the ranks
     that hold the same part, "check" that they are equal (naming the rank that differs), or
     "none". ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward
@@ -93,7 +93,7 @@ def parallelize(
             seed,
             (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute),
             timeout_s, (schedule, microbatches, stages, virtual_stages),
-            (search, cluster, plan),
+            (search, cluster, plan, captured),
         )  # fmt: skip
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, init)

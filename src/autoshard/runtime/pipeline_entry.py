@@ -48,11 +48,12 @@ def parallelize_pipeline(
     planning: tuple,
 ) -> PipelineModule:
     """``parallelize`` of a mesh with a ``pp`` axis (its arguments, in its order; ``pipeline``:
-    schedule, microbatches, stages, virtual_stages; ``planning``: search, cluster, plan)."""
+    schedule, microbatches, stages, virtual_stages; ``planning``: search, cluster, plan and
+    the capture of one micro-batch, if made already)."""
     # Whole: parallelize's steps in its order (plan, capture, check, cut, lower), for stages
     replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute = options
     stages = pipeline[2]
-    search, cluster, plan = planning
+    search, cluster, plan, captured = planning
     data, source = _plan_data(plan)
     if data is not None:
         mesh, strategies = {"pp": data["pipeline"]["pp"], **data["mesh"]}, data["strategies"]
@@ -69,7 +70,8 @@ def parallelize_pipeline(
     validate(plan_schedule)
     policy = precision_policy(precision)
     example, kwargs = microbatch_example(tuple(example_inputs), example_kwargs, m)
-    captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=policy.compute)
+    if captured is None:
+        captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=policy.compute)
     if any(og.mutations for og in captured.values()):
         raise ValueError(
             "pipeline stages: the model updates buffers in forward (batch norm's running "
