@@ -27,6 +27,7 @@ STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K = 5, 8, 8, 64, 32, 4, 2
 COL = (("ep", None, None), ("tp", None))  # Megatron's attention, the batch over ep
 ROW = (("ep", None, "tp"), (None, "tp"))
 MEGATRON = {"layers.*.attention.w[qkv]": COL, "layers.*.attention.wo": ROW}
+EXPERT_TP = {"layers.*.feed_forward.experts": {"space": ("ep", None, "ep", None, "tp")}}
 HF_MEGATRON = {
     "model.model.layers.*.self_attn.[qkv]_proj": COL,
     "model.model.layers.*.self_attn.o_proj": ROW,
@@ -207,7 +208,8 @@ def _cases(path: str, planned: dict) -> list[str]:
     out = [
         _against_pytorch(_moe(), {"ep": 4}, key="moe"),
         _against_pytorch(_moe(), {"dp": 2, "ep": 2}, zero=1, key="moe"),
-        _against_pytorch(_moe(), {"ep": 2, "tp": 2}, MEGATRON, key="moe"),
+        # expert tensor parallelism: each expert's ffn split over tp, its output a partial sum
+        _against_pytorch(_moe(), {"ep": 2, "tp": 2}, MEGATRON | EXPERT_TP, key="moe"),
         # the same drop rule as one device: each expert's first C assignments of the batch
         _against_pytorch(_moe(capacity=1.0), {"dp": 2, "ep": 2}),
         _against_pytorch(_moe(aux=0.0), {"pp": 2, "ep": 2}, microbatches=2),
@@ -305,6 +307,10 @@ def test_a_dispatching_strategy_exchanges_the_rows_it_routes() -> None:
     summed = rule_for(node).from_space(node, ("dp", None, "ep", None, None), mesh)
     assert dispatch_group(summed, 1) == (1,) and not rule_for(node).exchanges(node, summed)
     assert summed.outs[0].partial  # each rank's experts' share of every token
+    tp = rule_for(node).from_space(node, ("dp", None, "dp", None, "ep"), mesh)
+    assert tp.ins[4].local_shape() == (EXPERTS // 2, HIDDEN, 8)  # ffn 16 over ep
+    assert tp.ins[3].local_shape() == (EXPERTS // 2, 16, HIDDEN)  # gate and up rows alike
+    assert tp.outs[0].partial and tp.grads[0].partial  # summed over the ffn's axis
     with pytest.raises(ValueError, match="the experts' axes must all split the tokens"):
         rule_for(node).from_space(node, ("dp", None, ("dp", "ep"), None, None), mesh)
 

@@ -18,7 +18,6 @@ received, and a second all-to-all brings the outputs back in token order.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoshard import comm
-from autoshard.layout import Layout
+from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops.base import FIXED, FREE, SUM, Space, SpaceRule, Strategy, StrategyError
 from autoshard.ops.nodes import dtype_of, node_title, shape_of, tensor_inputs
@@ -219,43 +218,62 @@ class ExpertsRule(SpaceRule):
         )
 
     def from_space(self, node: fx.Node, spec: Sequence[Any], mesh: MeshInfo) -> Strategy:
-        """A named space strategy; experts over axes that also split the tokens dispatch."""
-        token_axes = _names(spec[T])
-        expert_axes = _names(spec[E])
-        if not expert_axes or not set(expert_axes) <= set(token_axes):
-            if set(expert_axes) & set(token_axes):
-                raise StrategyError(
-                    f"{node_title(node)}: experts split over {expert_axes} and tokens over "
-                    f"{token_axes}: the experts' axes must all split the tokens (expert "
-                    "parallelism) or none of them (a sum over the experts)"
-                )
-            return super().from_space(node, spec, mesh)
-        return self.dispatching(node, spec, expert_axes, mesh)
-
-    def dispatching(
-        self, node: fx.Node, spec: Sequence[Any], expert_axes: tuple[str, ...], mesh: MeshInfo
-    ) -> Strategy:
-        """Tokens as ``spec`` says, experts over ``expert_axes`` (axes of the tokens' split)."""
-        base_spec = list(spec)
-        base_spec[E] = None
-        space = self.space(node)
-        axes = mesh.as_dict()
-        base = self.layouts(node, Layout.from_named(space.sizes, base_spec, axes))
-        inputs = tensor_inputs(node)
-        others = tuple(a for a in _names(spec[T]) if a not in expert_axes)
-        ins, grads = list(base.ins), list(base.grads)
-        for i in (3, 4):
-            shape, dtype = shape_of(inputs[i]), dtype_of(inputs[i])
-            if shape[0] % math.prod(mesh.sizes[mesh.names.index(a)] for a in expert_axes):
-                raise StrategyError(
-                    f"{node_title(node)}: {shape[0]} experts do not split over {expert_axes}"
-                )
-            named = (expert_axes if len(expert_axes) > 1 else expert_axes[0],) + (None,) * (
-                len(shape) - 1
+        """A named space strategy: experts over axes that also split the tokens dispatch, an
+        ffn split is expert tensor parallelism (both built by :meth:`by_hand`)."""
+        token_axes, expert_axes = _names(spec[T]), _names(spec[E])
+        if spec[FF] is not None or (expert_axes and set(expert_axes) <= set(token_axes)):
+            return self.by_hand(node, spec, mesh)
+        if set(expert_axes) & set(token_axes):
+            raise StrategyError(
+                f"{node_title(node)}: experts split over {expert_axes} and tokens over "
+                f"{token_axes}: the experts' axes must all split the tokens (expert "
+                "parallelism) or none of them (a sum over the experts)"
             )
-            ins[i] = Layout.from_named(shape, named, axes, dtype=dtype)
-            grads[i] = Layout.from_named(shape, named, axes, partial=others, dtype=dtype)
-        return Strategy(tuple(ins), base.outs, tuple(grads), base.space)
+        return super().from_space(node, spec, mesh)
+
+    def by_hand(self, node: fx.Node, spec: Sequence[Any], mesh: MeshInfo) -> Strategy:
+        """Tokens over ``spec[t]``, experts over ``spec[e]`` (all of them axes of the tokens:
+        dispatched; none: summed over), each expert's ffn over ``spec[f]`` (expert tensor
+        parallelism: ``gate_up``'s gate and up rows split alike, the output a partial sum)."""
+        tokens, experts, ffn = _names(spec[T]), _names(spec[E]), _names(spec[FF])
+        where = node_title(node)
+        if spec[K] is not None or spec[H] is not None:
+            raise StrategyError(f"{where}: the top-k slots and the hidden dim stay whole")
+        if set(ffn) & set(tokens + experts):
+            raise StrategyError(f"{where}: the ffn's axes {ffn} also split tokens or experts")
+        if set(experts) & set(tokens) and not set(experts) <= set(tokens):
+            raise StrategyError(
+                f"{where}: experts split over {experts} and tokens over {tokens}: the experts' "
+                "axes must all split the tokens (expert parallelism) or none of them"
+            )
+        summed = () if set(experts) <= set(tokens) else experts
+        replicas = tuple(a for a in tokens if a not in experts)
+        x, index, weight, gate_up, down = tensor_inputs(node)
+        axes = mesh.as_dict()
+        t, e, f = _entry(tokens), _entry(experts), _entry(ffn)
+        num_ffn = shape_of(down)[2]
+        halves = Factored((2, num_ffn), (None, f)) if ffn else None
+
+        def layout(inp: fx.Node, named: tuple, partial: tuple = ()) -> Layout:
+            try:
+                return Layout.from_named(
+                    shape_of(inp), named, axes, partial=partial, dtype=dtype_of(inp)
+                )
+            except LayoutError as err:
+                raise StrategyError(f"{where}: {err}") from None
+
+        rows = (t, None)
+        ins = (
+            layout(x, rows), layout(index, rows), layout(weight, rows),
+            layout(gate_up, (e, halves, None)), layout(down, (e, None, f)),
+        )  # fmt: skip
+        out = Layout.from_named(shape_of(x), rows, axes, partial=ffn + summed,
+                                dtype=node.meta["val"].dtype)  # fmt: skip
+        grads = (
+            layout(x, rows, ffn + summed), ins[1], layout(weight, rows, ffn + summed),
+            layout(gate_up, (e, halves, None), replicas), layout(down, (e, None, f), replicas),
+        )  # fmt: skip
+        return Strategy(ins, (out,), grads)
 
     def joint_options(self, node: fx.Node, mesh: MeshInfo) -> list[tuple[Any, Strategy]]:
         """The dispatching strategies (an axis on both the tokens and the experts), for the
@@ -276,7 +294,7 @@ class ExpertsRule(SpaceRule):
                 spec[T] = tokens if len(tokens) > 1 else tokens[0]
                 spec[E] = experts if len(experts) > 1 else experts[0]
                 try:
-                    out.append((tuple(spec), self.dispatching(node, spec, experts, mesh)))
+                    out.append((tuple(spec), self.by_hand(node, spec, mesh)))
                 except StrategyError:
                     continue
         return out
@@ -290,8 +308,8 @@ class ExpertsRule(SpaceRule):
         if not expert_axes:
             return base
         spec: list[Any] = [None] * 5
-        spec[T] = token_axes if len(token_axes) > 1 else token_axes[0]
-        return self.dispatching(node, spec, expert_axes, mesh)
+        spec[T], spec[E] = _entry(token_axes), _entry(expert_axes)
+        return self.by_hand(node, spec, mesh)
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
         weights = strategy.ins[3]
@@ -322,21 +340,34 @@ class ExpertsRule(SpaceRule):
             Exchange("all_to_all", group, moved, backward=True, skew=skew),
         )
 
+    def flops(
+        self, node: fx.Node, sizes: Sequence[int], needs_grad: Sequence[bool]
+    ) -> tuple[float, float]:
+        """Model FLOPs: each of the ``t k`` assignments through one expert's three ``h x f``
+        products; backward one product per operand needing a gradient (tokens, weights)."""
+        num_tokens, top_k, _, hidden, ffn = sizes
+        forward = 2.0 * 3 * num_tokens * top_k * hidden * ffn
+        needs = tuple(needs_grad) or (True,) * 5
+        return forward, forward * (int(needs[0]) + int(needs[3] or needs[4]))
+
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         """Each token's top-k experts: three products of ``H x F`` per assignment, on the
         rank's tokens (dispatching: the busiest rank's, ``IMBALANCE`` times the mean), over the
-        share of the experts this rank holds when they are summed over."""
+        share of the experts this rank holds when they are summed over; at the efficiency of
+        one expert's product (the rank runs its experts one by one)."""
         x, index, weights = strategy.ins[0], strategy.ins[1], strategy.ins[3]
         num_tokens, top_k = x.local_shape()[0], index.shape[1]
-        hidden, ffn = x.shape[1], strategy.ins[4].shape[2]
-        share = weights.local_shape()[0] / weights.shape[0]
-        if set(axes_of(weights, 0)) <= set(axes_of(x, 0)):
+        hidden, ffn = x.shape[1], strategy.ins[4].local_shape()[2]
+        held = weights.local_shape()[0]
+        share = held / weights.shape[0]
+        expert_axes = axes_of(weights, 0)
+        if expert_axes and set(expert_axes) <= set(axes_of(x, 0)):
             share = IMBALANCE  # dispatched: the busiest rank's experts, which all wait for
-        forward = 2.0 * 3 * num_tokens * top_k * share * hidden * ffn
-        needs = tuple(needs_grad) or (True,) * 5
-        backward = forward * (int(needs[0]) + int(needs[3] or needs[4]))
+        forward, backward = self.flops(
+            node, (num_tokens * share, top_k, 1, hidden, ffn), needs_grad
+        )
         base = super(SpaceRule, self).cost(node, strategy, needs_grad)
-        rows = num_tokens * top_k * share
+        rows = num_tokens * top_k * share / held  # one expert's product, as each is run
         return Cost(forward, base.bytes, backward, base.backward_bytes, "matmul",
                     3 / (1 / rows + 1 / hidden + 1 / ffn) if rows else 0.0)  # fmt: skip
 
@@ -356,6 +387,11 @@ def dispatch_group(strategy: Strategy, rank: int) -> tuple[int, ...]:
         return all(theirs[a] == mine[a] for a in range(len(mine)) if a not in split)
 
     return tuple(sorted(r for r in weights.ranks if same_replica(r)))
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    """The named form's entry for ``axes``: None, one name, or a tuple of names."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _names(entry: Any) -> tuple[str, ...]:
