@@ -243,7 +243,7 @@ def _first_stage_holds() -> str:
     for name, options in (("gpipe", {}), ("1f1b", {}), ("1f1b", {"recompute": "full"})):
         pm = parallelize(_model("llama"), batch, {"pp": 2}, schedule=name, microbatches=4,
                          **options)  # fmt: skip
-        pm.recording = True
+        pm.counting_saved = True
         pm(*batch).backward()
         peak[(name, bool(options))] = pm.saved_bytes.peak.get(0, 0)
     if torch.distributed.get_rank() != 0:

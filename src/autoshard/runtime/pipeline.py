@@ -120,7 +120,11 @@ class PipelineModule(ParallelModule):
         self.recording = False
         #: the last recorded step of this rank: (action, start s, end s) from the step's start
         self.timeline: list[tuple[str, float, float]] = []
-        #: in recorded steps: the bytes autograd keeps for backward, per stage (``.peak``)
+        #: count the bytes autograd keeps for backward in the steps that follow (``saved_bytes``;
+        #: not with ``recording``: the hooks keep every saved tensor alive as long as autograd
+        #: does, which slows a split backward's retained graphs, and so the timeline)
+        self.counting_saved = False
+        #: in counted steps: the bytes autograd keeps for backward, per stage (``.peak``)
         self.saved_bytes = SavedBytes()
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._counted = {mode: CountedLoss.of(og) for mode, og in self._captured.items()}
@@ -185,7 +189,7 @@ class PipelineModule(ParallelModule):
         stash = {id(p): p.grad for p in params}
         for p in params:
             p.grad = None
-        if self.recording:
+        if self.counting_saved:
             self.saved_bytes.reset()
         run = Step(self, True, self._split(args, kwargs, True))
         for action in self._pipe.schedule.actions[self._pipe.coordinate]:

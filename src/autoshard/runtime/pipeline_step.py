@@ -81,7 +81,7 @@ class Step:
         #: (action, start, end) in seconds from the step's start, when the module records
         self.record: list[tuple[str, float, float]] | None = [] if pm.recording else None
         self.t0 = time.perf_counter()
-        self.saved = pm.saved_bytes
+        self.saved = pm.saved_bytes if pm.counting_saved else None
         self.ready: float | None = None
 
     def needs_grad(self, name: str) -> bool:
@@ -142,7 +142,7 @@ class Step:
             t.detach().requires_grad_(self.needs_grad(n) and torch.is_grad_enabled())
             for t, n in zip(received, names, strict=True)
         ]
-        if self.record is not None and torch.is_grad_enabled():
+        if self.saved is not None and torch.is_grad_enabled():
             with torch.autograd.graph.saved_tensors_hooks(*self.saved.hooks(s)):
                 out = tuple(self.programs[s](*self.inputs[i], *leaves))
         else:
