@@ -17,7 +17,6 @@ exchanges in a step (every ``comm.all_to_all_v`` call timed), beside the cost mo
 from __future__ import annotations
 
 import copy
-import gc
 import statistics
 import time
 import warnings
@@ -25,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from bench.memory import LiveBytes
-from bench.timing import in_turns, paired_ratio
+from bench.memory import step_peak
+from bench.timing import adamw, in_turns, paired_ratio, train_step
 
 NAME = "expert"
 
@@ -56,40 +55,15 @@ def _builders(model: torch.nn.Module, batch: tuple) -> dict[str, Callable[[], tu
     def ours(axis: str) -> Callable[[], tuple]:
         def build() -> tuple:
             pm = parallelize(copy.deepcopy(model), batch, {axis: world})
-            return pm, _adamw(pm), shard_inputs(batch, pm)
+            return pm, adamw(pm), shard_inputs(batch, pm)
 
         return build
 
     def ddp() -> tuple:
         m = DDP(copy.deepcopy(model))
-        return m, _adamw(m), tuple(t.chunk(world)[rank] for t in batch)
+        return m, adamw(m), tuple(t.chunk(world)[rank] for t in batch)
 
     return {"ep": ours("ep"), "dp": ours("dp"), "ddp": ddp}
-
-
-def _adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-
-def _step(m: torch.nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> float:
-    loss = m(*inputs)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss)
-
-
-def _peak(build: Callable[[], tuple], outside: list[torch.Tensor]) -> int:
-    gc.collect()
-    with LiveBytes() as count:
-        count.ignore(*outside)
-        state = build()
-        for _ in range(2):
-            _step(*state)
-        count.reset_peak()
-        for _ in range(3):
-            _step(*state)
-    return count.peak
 
 
 def _exchange_seconds(state: tuple, steps: int) -> float:
@@ -110,7 +84,7 @@ def _exchange_seconds(state: tuple, steps: int) -> float:
     try:
         for _ in range(steps):
             spent.clear()
-            _step(*state)
+            train_step(*state)
             per_step.append(sum(spent))
     finally:
         comm.all_to_all_v = original
@@ -127,13 +101,13 @@ def _rank(rounds: int) -> dict:
     outside = [*model.parameters(), *model.buffers(), *batch]
     peaks = {}
     for way in WAYS:
-        t = torch.tensor([_peak(builders[way], outside)], dtype=torch.int64)
+        t = torch.tensor([step_peak(builders[way], outside)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         peaks[way] = int(t)
     states = {way: builders[way]() for way in WAYS}
     losses: dict[str, list[float]] = {way: [] for way in WAYS}
     times = in_turns(
-        {way: lambda way=way: losses[way].append(_step(*states[way])) for way in WAYS},
+        {way: lambda way=way: losses[way].append(train_step(*states[way])) for way in WAYS},
         rounds,
         WARMUP,
     )

@@ -16,7 +16,6 @@ library), the state held between steps included. Bytes sent per rank: autoshard'
 from __future__ import annotations
 
 import copy
-import gc
 import statistics
 import warnings
 from collections.abc import Callable
@@ -24,8 +23,8 @@ from typing import Any
 
 import torch
 
-from bench.memory import LiveBytes
-from bench.timing import in_turns, paired_ratio, timed
+from bench.memory import step_peak
+from bench.timing import adamw, in_turns, paired_ratio, timed, train_step
 
 NAME = "zero"
 
@@ -60,7 +59,7 @@ def _builders(model: torch.nn.Module, batch: tuple) -> dict[str, Callable[[], tu
     def ours(stage: int) -> Callable[[], tuple]:
         def build() -> tuple:
             pm = parallelize(model, batch, {"dp": world}, zero=stage)
-            return pm, _adamw(pm), shard_inputs(batch, pm)
+            return pm, adamw(pm), shard_inputs(batch, pm)
 
         return build
 
@@ -70,40 +69,13 @@ def _builders(model: torch.nn.Module, batch: tuple) -> dict[str, Callable[[], tu
         for block in m.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(m, mesh=mesh)
-        return m, _adamw(m), mine
+        return m, adamw(m), mine
 
     def ddp() -> tuple:
         m = DDP(copy.deepcopy(model))
-        return m, _adamw(m), mine
+        return m, adamw(m), mine
 
     return {"zero1": ours(1), "zero2": ours(2), "zero3": ours(3), "fsdp2": fsdp2, "ddp": ddp}
-
-
-def _adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-
-def _step(m: torch.nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> float:
-    loss = m(*inputs)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss)
-
-
-def _peak(build: Callable[[], tuple], outside: list[torch.Tensor]) -> int:
-    """The most storage alive in three steps after two warm-up ones, on this rank (several, as
-    when asynchronous collectives end moves the moment of the peak a little)."""
-    gc.collect()
-    with LiveBytes() as count:
-        count.ignore(*outside)
-        state = build()
-        for _ in range(2):
-            _step(*state)
-        count.reset_peak()
-        for _ in range(3):
-            _step(*state)
-    return count.peak
 
 
 def _max_over_ranks(n: int) -> int:
@@ -126,12 +98,12 @@ def _rank(steps: int, depths: tuple[int, ...]) -> list[dict]:
         model, batch = _model(name, layers)
         builders = _builders(model, batch)
         outside = [*model.parameters(), *model.buffers(), *batch]
-        peaks = {way: _max_over_ranks(_peak(builders[way], outside)) for way in WAYS}
+        peaks = {way: _max_over_ranks(step_peak(builders[way], outside)) for way in WAYS}
         states = {way: builders[way]() for way in WAYS}
         losses: dict[str, list[float]] = {way: [] for way in WAYS}
 
         def one(way: str, states: dict = states, losses: dict = losses) -> None:
-            losses[way].append(_step(*states[way]))
+            losses[way].append(train_step(*states[way]))
 
         times = in_turns({way: lambda way=way: one(way) for way in WAYS}, steps, WARMUP)
         sent: dict[str, int] = {}
@@ -139,7 +111,7 @@ def _rank(steps: int, depths: tuple[int, ...]) -> list[dict]:
             if way not in states:
                 continue
             with comm.counting() as counted:
-                _step(*states[way])
+                train_step(*states[way])
             sent[way] = sum(c["bytes"] for c in counted.values())
         _check_losses(name, losses)
         collectives = _collectives(sum(p.numel() for p in model.parameters()))

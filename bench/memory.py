@@ -9,6 +9,30 @@ reference model's, told with ``ignore``) count nothing, so build the measured th
 DTensor operators are left to DTensor, whose local operators the mode then sees.
 """
 
-from autoshard.testing import LiveBytes
+from collections.abc import Callable
 
-__all__ = ["LiveBytes"]
+import torch
+
+from autoshard.testing import LiveBytes
+from bench.timing import train_step
+
+
+def step_peak(build: Callable[[], tuple], outside: list[torch.Tensor]) -> int:
+    """The most storage alive on this rank in three steps after two warm-up ones of what
+    ``build()`` makes (module, optimizer, inputs), ``outside``'s storages not counted
+    (several steps: asynchronous collectives move the moment of the peak a little)."""
+    import gc
+
+    gc.collect()
+    with LiveBytes() as count:
+        count.ignore(*outside)
+        state = build()
+        for _ in range(2):
+            train_step(*state)
+        count.reset_peak()
+        for _ in range(3):
+            train_step(*state)
+    return count.peak
+
+
+__all__ = ["LiveBytes", "step_peak"]

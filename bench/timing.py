@@ -51,3 +51,17 @@ def paired_ratio(ours: list[float], theirs: list[float], seed: int = 0) -> dict[
         "low": medians[int(0.025 * len(medians))],
         "high": medians[int(0.975 * len(medians)) - 1],
     }
+
+
+def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer every way of a comparison steps with."""
+    return torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+
+def train_step(m: torch.nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> float:
+    """One training step of ``m``: forward, backward, the optimizer; the loss."""
+    loss = m(*inputs)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss)

@@ -79,35 +79,30 @@ def test_the_transformers_example_under_torchrun_matches_one_device():
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
-def test_the_pipeline_example_under_torchrun_trains_as_plain_pytorch():
-    _, losses = _torchrun("pipeline", 4)
-    example = _module("pipeline")
+def _plain_pytorch(name: str, steps: int) -> list[float]:
+    """The example's model stepped eagerly by torch.optim on its global batches."""
+    example = _module(name)
     model, config = example.make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     expected = []
-    for step in range(4):
+    for step in range(steps):
         loss = model(*example.batch_of(config, step))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         expected.append(loss.item())
-    assert losses == pytest.approx(expected, rel=1e-5)
+    return expected
+
+
+def test_the_pipeline_example_under_torchrun_trains_as_plain_pytorch():
+    _, losses = _torchrun("pipeline", 4)
+    assert losses == pytest.approx(_plain_pytorch("pipeline", 4), rel=1e-5)
 
 
 def test_the_experts_example_under_torchrun_trains_as_plain_pytorch():
     out, losses = _torchrun("experts", 3)
     assert "experts per rank: 4 of 8" in out
-    example = _module("experts")
-    model, config = example.make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    expected = []
-    for step in range(3):
-        loss = model(*example.batch_of(config, step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        expected.append(loss.item())
-    assert losses == pytest.approx(expected, rel=1e-5)
+    assert losses == pytest.approx(_plain_pytorch("experts", 3), rel=1e-5)
 
 
 def _train_command(argv: list[str], log: Path) -> tuple[list[str], dict[str, str]]:
