@@ -89,17 +89,20 @@ def _check_weights(module: nn.Module, where: str) -> None:
 def experts_as_ops(model: nn.Module) -> Iterator[list[str]]:
     """For the block, every experts module of ``model`` runs as the experts op; yields their
     module paths."""
-    found: list[tuple[nn.Module, str]] = []
+    found: list[tuple[nn.Module, str, object]] = []
     for path, module in model.named_modules():
         activation = experts_activation(module, path)
         if activation is not None:
-            found.append((module, path))
+            found.append((module, path, module.__dict__.get("forward")))
             module.forward = _as_op(module, activation)
     try:
-        yield [path for _, path in found]
+        yield [path for _, path, _ in found]
     finally:
-        for module, _ in found:
-            del module.forward
+        for module, _, own in found:  # the module's own forward back, as it was
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
 
 
 def _as_op(module: nn.Module, activation: str):  # noqa: ANN202

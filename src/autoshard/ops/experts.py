@@ -143,15 +143,17 @@ def dispatched(
     per, size = gate_up.shape[0], len(group)
     top_k = index.shape[1]
     flat = index.reshape(-1)
-    member = torch.empty(size, dtype=torch.long)
-    member[torch.tensor(blocks)] = torch.arange(size)
+    device = index.device
+    member = torch.empty(size, dtype=torch.long, device=device)
+    member[torch.tensor(blocks, device=device)] = torch.arange(size, device=device)
     key = member[flat // per] * per + flat % per  # (the member holding it, its expert there)
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=per * size).view(size, per)  # [member, expert]
     got = comm.all_to_all_v(counts, [1] * size, [1] * size, group)  # [source, my expert]
     send, recv = counts.sum(1).tolist(), got.sum(1).tolist()
     rows = _AllToAllV.apply(x[order // top_k], send, recv, group)
-    expert_of = torch.repeat_interleave(torch.arange(per).repeat(size), got.reshape(-1))
+    expert_of = torch.repeat_interleave(torch.arange(per, device=device).repeat(size),
+                                        got.reshape(-1))  # fmt: skip
     y = torch.zeros_like(rows)
     for e in range(per):
         mine = torch.nonzero(expert_of == e).reshape(-1)
