@@ -28,6 +28,7 @@ COL = (("ep", None, None), ("tp", None))  # Megatron's attention, the batch over
 ROW = (("ep", None, "tp"), (None, "tp"))
 MEGATRON = {"layers.*.attention.w[qkv]": COL, "layers.*.attention.wo": ROW}
 EXPERT_TP = {"layers.*.feed_forward.experts": {"space": ("ep", None, "ep", None, "tp")}}
+SUMMED = {"layers.*.feed_forward.experts": {"space": ("ep", None, "tp", None, None)}}
 HF_MEGATRON = {
     "model.model.layers.*.self_attn.[qkv]_proj": COL,
     "model.model.layers.*.self_attn.o_proj": ROW,
@@ -210,6 +211,8 @@ def _cases(path: str, planned: dict) -> list[str]:
         _against_pytorch(_moe(), {"dp": 2, "ep": 2}, zero=1, key="moe"),
         # expert tensor parallelism: each expert's ffn split over tp, its output a partial sum
         _against_pytorch(_moe(), {"ep": 2, "tp": 2}, MEGATRON | EXPERT_TP, key="moe"),
+        # experts summed over tp (which keeps the tokens whole): each rank its experts' share
+        _against_pytorch(_moe(), {"ep": 2, "tp": 2}, MEGATRON | SUMMED, key="moe"),
         # the same drop rule as one device: each expert's first C assignments of the batch
         _against_pytorch(_moe(capacity=1.0), {"dp": 2, "ep": 2}),
         _against_pytorch(_moe(aux=0.0), {"pp": 2, "ep": 2}, microbatches=2),

@@ -269,8 +269,7 @@ class ExpertsRule(SpaceRule):
             layout(x, rows), layout(index, rows), layout(weight, rows),
             layout(gate_up, (e, halves, None)), layout(down, (e, None, f)),
         )  # fmt: skip
-        out = Layout.from_named(shape_of(x), rows, axes, partial=ffn + summed,
-                                dtype=node.meta["val"].dtype)  # fmt: skip
+        out = layout(node, rows, ffn + summed)
         grads = (
             layout(x, rows, ffn + summed), ins[1], layout(weight, rows, ffn + summed),
             layout(gate_up, (e, halves, None), replicas), layout(down, (e, None, f), replicas),
@@ -293,8 +292,7 @@ class ExpertsRule(SpaceRule):
                 if space.sizes[E] % mesh.size_of(experts):
                     continue
                 spec = [None] * len(space.sizes)
-                spec[T] = tokens if len(tokens) > 1 else tokens[0]
-                spec[E] = experts if len(experts) > 1 else experts[0]
+                spec[T], spec[E] = _entry(tokens), _entry(experts)
                 try:
                     out.append((tuple(spec), self.by_hand(node, spec, mesh)))
                 except StrategyError:
