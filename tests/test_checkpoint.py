@@ -19,7 +19,7 @@ from test_runtime import batches, build, mixed
 import autoshard
 from autoshard import parallelize, shard_inputs
 from autoshard.graph.capture import capture_modes
-from autoshard.runtime import checkpoint
+from autoshard.runtime import checkpoint, dcp_io
 from autoshard.testing import run_ranks
 
 
@@ -354,7 +354,7 @@ def test_an_interrupted_save_never_loads_as_complete(tmp_path, monkeypatch) -> N
     _train(pm, opt, data, range(1, 2))
     calls = {"n": 0, "stop": 0}
     targets = [
-        (checkpoint._SavePlanner, "resolve_data"),
+        (dcp_io.SavePlanner, "resolve_data"),
         (dcp.FileSystemWriter, "write_data"),
         (dcp.FileSystemWriter, "finish"),
         (Path, "write_text"),

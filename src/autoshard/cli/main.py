@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import warnings
 
@@ -150,6 +151,13 @@ def _user_model(target: str):
 
 
 def _plan_command(args: argparse.Namespace) -> int:
+    from autoshard.search.driver import paused_gc
+
+    with paused_gc():  # capture too makes many objects (docs/search.md)
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     import time
 
     from autoshard.cost import cluster_spec
@@ -305,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
             f"autoshard: internal error: {type(err).__name__}: {_one_line(err)} "
             "(--debug shows where)\n",
         )
+    finally:
+        if argv is None:
+            # the process's command (not a call from Python): it ends next, and the
+            # interpreter's last collection would walk everything the command made (3 s
+            # after planning a large model) only to free memory the process gives back
+            gc.freeze()
 
 
 def _one_line(err: BaseException) -> str:

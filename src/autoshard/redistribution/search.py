@@ -276,32 +276,41 @@ def _roles(state: GridState) -> dict[int, Any]:
 
 
 def _still_to_pay(grid: Grid, state: GridState, goal: GridState, goal_roles: dict) -> int:
-    """A lower bound of the bytes (in :func:`_units`) from ``state`` to ``goal``. The local
-    size is at least the grid's product P (every axis split). An axis that must stop being
-    partial or split (into replicated) leaves it in a step whose bigger side holds it whole:
-    an all-reduce, reduce-scatter or permute of it partial, an all-gather's output, costs
-    (g-1)/g of a local of at least P * size; with g >= size that is P * (size - 1), and axes
-    sharing a step only raise it (P*(ab-1) >= P*(a-1) + P*(b-1)). An axis that must move to
-    another factor pays at least (1 - 1/size) * P in an all-to-all or permute; those can share
-    one step, so only the largest counts. A change of ranks is a send of at least P.
+    """A lower bound of the bytes (in :func:`_units`) from ``state`` to ``goal``, the sum of
+    three kinds of work no step shares (P is the grid's product, the least local size):
 
-    When the goal holds no pending sum, nothing grows the local size but an all-gather, whose
-    bytes are exactly its growth ((g-1) * input): so the goal's local size less the state's is
-    a bound too, and the larger of the two is taken."""
+    - Pending sums to reduce, of product G: the partial axes are unsplit, so the local size is
+      at least P times the product R of those still pending; reducing a set of size g of them
+      (reduce-scatter, all-reduce or a permute) costs at least (g-1)/g of it, P * (R - R/g),
+      and these telescope to P * (G - 1) however they are grouped.
+    - Split axes to gather (into replicated), of product G: an all-gather from a local of at
+      least P times the product R of those already whole costs P * R * (g - 1), R's growth; a
+      split that shrinks R again must be gathered again, so the gathers cost P * (G - 1).
+    - Split axes to move to another factor, of product G: each moves in an all-to-all or
+      permute (or a gather), of (1 - 1/g) * P or more for its group of size g; as
+      (1 - 1/a) + (1 - 1/b) >= 1 - 1/(ab), one step over all of them is the least,
+      (1 - 1/G) * P.
+
+    A change of ranks is a send of at least P. When the goal holds no pending sum, nothing grows
+    the local size but an all-gather, whose bytes are exactly its growth ((g-1) * input): so the
+    goal's local size less the state's is a bound too, and the larger of the two is taken. (A
+    search with no bound finds paths of the same bytes on every pattern GPT-3 175B's plan
+    prices.)"""
     total = math.prod(grid.axes)
-    whole = 0
-    move = 0.0
+    pending = gathered = moving = 1
     for axis, role in _roles(state).items():
         size = grid.axes[axis]
         want = goal_roles.get(axis, "replicated")
         if role == want or want == "partial":
             continue
-        if role == "partial" or want == "replicated":
-            whole += size - 1
+        if role == "partial":
+            pending *= size
+        elif want == "replicated":
+            gathered *= size
         else:
-            move = max(move, 1 - 1 / size)
+            moving *= size
     frame = 1 if state.frame != goal.frame else 0
-    bound = math.floor(total * (whole + move + frame))
+    bound = math.floor(total * (pending + gathered - 1 - 1 / moving + frame))
     if not goal.partial:
         bound = max(bound, _units(grid, goal) - _units(grid, state))
     return bound

@@ -19,179 +19,31 @@ whose files are all there at their sizes, and :func:`load` checks the sums befor
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import (
-    TensorProperties,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from autoshard import comm
+from autoshard.runtime.chunks import Chunks, chunks_of
 from autoshard.runtime.manifest import (
     FORMAT,
     INCOMPLETE,
     MANIFEST,
     CheckpointDamaged,
     CheckpointError,
-    Writer,
     _distributed,
     _rank,
     file_record,
     latest,
     verified,
 )
-
-
-@dataclass
-class Chunks:
-    """The boxes of a global tensor of ``shape`` this rank holds: (global offsets, sizes, the
-    local tensor's view of that box)."""
-
-    shape: tuple[int, ...]
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]
-
-    def find(self, offsets: Any) -> torch.Tensor:
-        key = tuple(offsets)
-        for start, _, view in self.boxes:
-            if start == key:
-                return view
-        raise KeyError(f"no chunk at {key}")
-
-
-def _runs(index: slice | torch.Tensor, rows: tuple[int, int] | None) -> list[tuple[int, int, int]]:
-    """(global start, local start, length) of the contiguous runs of one dim's global indices,
-    the local positions cut to ``rows`` when given (a ZeRO shard's rows of dim 0, which become
-    local positions from 0)."""
-    if isinstance(index, slice):
-        runs = [(index.start, 0, index.stop - index.start)]
-    else:
-        values = index.tolist()
-        runs, k = [], 0
-        while k < len(values):
-            j = k
-            while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-                j += 1
-            runs.append((values[k], k, j - k + 1))
-            k = j + 1
-    if rows is None:
-        return [r for r in runs if r[2] > 0]
-    lo, hi = rows
-    cut = []
-    for g, loc, n in runs:
-        a, b = max(loc, lo), min(loc + n, hi)
-        if a < b:
-            cut.append((g + a - loc, a - lo, b - a))
-    return cut
-
-
-def chunks_of(
-    tensor: torch.Tensor, index: tuple[Any, ...], shape: tuple[int, ...], rows: Any = None
-) -> Chunks:
-    """The boxes of ``tensor``, which holds the elements ``index`` (per dim a slice or global
-    indices, as ``Layout.local_index`` gives) of a global tensor of ``shape``; ``rows``: only
-    those local rows of dim 0 (a ZeRO shard, ``tensor`` being the rows themselves)."""
-    if not shape:
-        return Chunks((), [((), (), tensor.reshape(()))] if tensor.numel() else [])
-    per_dim = [_runs(ix, rows if d == 0 else None) for d, ix in enumerate(index)]
-    boxes = []
-    for combo in itertools.product(*per_dim):
-        box = tensor
-        for d, (_, loc, n) in enumerate(combo):
-            box = box.narrow(d, loc, n)
-        boxes.append((tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo), box))
-    return Chunks(tuple(shape), boxes)
-
-
-class _SavePlanner(dcp.DefaultSavePlanner):
-    """DCP's planner with :class:`Chunks` values written as their boxes."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(
-        self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False
-    ) -> None:
-        self.chunked = {k: v for k, v in state_dict.items() if isinstance(v, Chunks)}
-        rest = {k: v for k, v in state_dict.items() if not isinstance(v, Chunks)}
-        super().set_up_planner(rest, storage_meta, is_coordinator)
-
-    def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
-        items = list(plan.items)
-        for fqn, chunks in self.chunked.items():
-            for start, sizes, view in chunks.boxes:
-                items.append(
-                    WriteItem(
-                        index=MetadataIndex(fqn, torch.Size(start)),
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(torch.Size(start), torch.Size(sizes)),
-                            properties=TensorProperties.create_from_tensor(view),
-                            size=torch.Size(chunks.shape),
-                        ),
-                    )
-                )
-        self.plan = type(plan)(items, planner_data=plan.planner_data, usable=plan.usable)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        chunks = self.chunked.get(write_item.index.fqn)
-        if chunks is None:
-            return super().resolve_data(write_item)
-        return chunks.find(write_item.index.offset).contiguous()
-
-
-class _LoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP's planner with :class:`Chunks` values read into their boxes."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict: dict, metadata: Any = None, *args: Any, **kw: Any):
-        self.chunked = {k: v for k, v in state_dict.items() if isinstance(v, Chunks)}
-        rest = {k: v for k, v in state_dict.items() if not isinstance(v, Chunks)}
-        missing = [k for k in self.chunked if k not in metadata.state_dict_metadata]
-        if missing:
-            raise CheckpointError(f"the checkpoint has no {missing[0]!r}")
-        super().set_up_planner(rest, metadata, *args, **kw)
-
-    def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
-        items = list(plan.items)
-        for fqn, chunks in self.chunked.items():
-            saved = self.metadata.state_dict_metadata[fqn]
-            if tuple(saved.size) != chunks.shape:
-                raise CheckpointError(
-                    f"{fqn} is {tuple(saved.size)} in the checkpoint, {chunks.shape} here"
-                )
-            local = [ChunkStorageMetadata(torch.Size(s), torch.Size(n)) for s, n, _ in chunks.boxes]
-            items += create_read_items_for_chunk_list(fqn, saved, local)
-        return type(plan)(items, planner_data=plan.planner_data)
-
-    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
-        chunks = self.chunked.get(read_item.dest_index.fqn)
-        if chunks is None:
-            return super().resolve_tensor(read_item)
-        box = chunks.find(read_item.dest_index.offset)
-        for d, (start, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            box = box.narrow(d, start, n)
-        return box
-
 
 # -- what is saved ---------------------------------------------------------------------------------
 
@@ -321,8 +173,12 @@ def save(
     if loader is not None:
         state["autoshard.loader"] = loader.state_dict()
     state["autoshard.extra"] = extra
+    import torch.distributed.checkpoint as dcp
+
+    from autoshard.runtime.dcp_io import SavePlanner, Writer
+
     writer = Writer(staging)
-    dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=not _distributed())
+    dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=not _distributed())
     mine = {name: file_record(staging / name) for name in writer.names()}
     files = comm.all_gather_object(mine) if _distributed() else [mine]
     if _rank() == 0:
@@ -380,6 +236,8 @@ def load(
     for key in objects:
         state[key] = None
     rng = f"autoshard.rng.{_rank()}"
+    import torch.distributed.checkpoint as dcp
+
     reader = dcp.FileSystemReader(path)
     if rng in reader.read_metadata().state_dict_metadata:
         state[rng] = torch.get_rng_state()
@@ -398,7 +256,11 @@ def load(
 
 def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     """Read ``state``'s tensors in place; returns the objects read."""
-    planner = _LoadPlanner()
+    import torch.distributed.checkpoint as dcp
+
+    from autoshard.runtime.dcp_io import LoadPlanner
+
+    planner = LoadPlanner()
     try:
         with torch.no_grad():
             dcp.load(state, checkpoint_id=path, planner=planner, no_dist=not _distributed())

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from autoshard import comm
 
@@ -32,20 +31,6 @@ class CheckpointError(ValueError):
 class CheckpointDamaged(CheckpointError):
     """A checkpoint whose files are not what its manifest recorded: missing, of another
     size or with another checksum (names the checkpoint and the file)."""
-
-
-class Writer(dcp.FileSystemWriter):
-    """DCP's file writer, keeping the names of the files this rank wrote."""
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        self.written = super().write_data(plan, planner)
-        return self.written
-
-    def names(self) -> set[str]:
-        written = getattr(self, "written", None)
-        if written is None:  # this rank had nothing to write
-            return set()
-        return {result.storage_data.relative_path for result in written.wait()}
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -187,7 +172,6 @@ __all__ = [
     "MANIFEST",
     "CheckpointDamaged",
     "CheckpointError",
-    "Writer",
     "file_record",
     "latest",
     "read_manifest",

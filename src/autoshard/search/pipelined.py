@@ -22,7 +22,7 @@ from autoshard.cost.pipeline import PipelineEstimate, busiest_rank_seconds, pric
 from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
-from autoshard.search.driver import SearchResult, build_plan, run_search
+from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search
 from autoshard.search.plans import Plan, PlanningError
 
 
@@ -99,6 +99,21 @@ def search_pipeline(
     The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
     recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
     (about 4 a rank), then the other counts for the best degree (coarse to fine)."""
+    with paused_gc():
+        return _search_pipeline(capture, batch, num_devices, cluster, given, search, depth,
+                                tp_across_nodes)  # fmt: skip
+
+
+def _search_pipeline(
+    capture: Callable[[int], OpGraph],
+    batch: int,
+    num_devices: int,
+    cluster: ClusterSpec,
+    given: Mapping[str, Any],
+    search: str,
+    depth: Any,
+    tp_across_nodes: bool,
+) -> tuple[PipelinePlan, list[Tried], float]:
     # Whole: the coarse-to-fine order and the pruning rules share the search's state
     start = time.perf_counter()
     graphs: dict[int, OpGraph] = {}
