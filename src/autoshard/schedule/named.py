@@ -8,7 +8,8 @@ their paper makes them: a list scheduler plays the pipeline with nominal costs (
 backward for inputs and one for weights each one unit) and each rank, when it is free, runs the
 first ready action of: backward for inputs, forward (while the micro-batches it holds stay under
 a bound: 1F1B's peak), backward for weights. Weight gradients, which nothing waits for, fill
-what would be bubbles.
+what would be bubbles. Under ZB-H1 the first stage's backward runs whole at the weights' turn
+(nothing waits for its inputs' half), which gives torch's ZB-H1 order.
 """
 
 from __future__ import annotations
@@ -105,16 +106,22 @@ def _zero_bubble(name: str, p: int, m: int, placement: tuple[int, ...]) -> Sched
     # more than the first's p, 1F1B's peak), so a weight half waits behind the next input
     # half; on a V every rank holds p
     admit = [p] * p if name == "zbv" else [p] + [p - r + 1 for r in range(1, p)]
-    compute = list_schedule(p, m, placement, admit)
+    # on a V the first stage's rank also receives the last stage's forwards from rank 1:
+    # moving its backward there would cross them on that link
+    compute = list_schedule(p, m, placement, admit, first_whole=name == "zb-h1")
     return with_communication(name, m, placement, compute, True)
 
 
 def list_schedule(
-    p: int, m: int, placement: tuple[int, ...], admit: list[int]
+    p: int, m: int, placement: tuple[int, ...], admit: list[int], first_whole: bool = False
 ) -> list[list[Action]]:
     """Each rank's order of F, I and W when the pipeline is played with unit costs and every
     free rank takes the first ready of: I, F (the latest stage first; a new micro-batch
-    enters the rank only while fewer than ``admit[r]`` are in it), W."""
+    enters the rank only while fewer than ``admit[r]`` are in it), W. ``first_whole``: the
+    first stage's inputs need no gradient, so nothing waits for its I (the runtime leaves it
+    empty and runs the whole backward in W): its I and W run together, two units, with W's
+    rank, and the rank runs a forward meanwhile rather than wait for the gradient that
+    backward needs (torch's ZB-H1 order)."""
     # Whole: one event loop; its state (clock, what is done, what each rank holds) is shared
     stages = len(placement)
     last = stages - 1
@@ -145,17 +152,18 @@ def list_schedule(
         for r in range(p):
             if busy_until[r] > tick:
                 continue
-            choice = _choose(r, tick, own[r], held[r], admit[r], ready)
+            choice = _choose(r, tick, own[r], held[r], admit[r], ready, first_whole)
             if choice is None:
                 continue
-            kind, s, i = choice
-            done[(kind, s, i)] = tick + 1
-            next_mb[(kind, s)] += 1
-            busy_until[r] = tick + 1
-            orders[r].append(Action(kind, s, i))
-            if kind == "F" and s == own[r][0]:
+            kinds, s, i = choice
+            for kind in kinds:
+                busy_until[r] = tick + 1 if kind == kinds[0] else busy_until[r] + 1
+                done[(kind, s, i)] = busy_until[r]
+                next_mb[(kind, s)] += 1
+                orders[r].append(Action(kind, s, i))
+            if kinds == "F" and s == own[r][0]:
                 held[r].add(i)
-            if kind == "W" and s == own[r][0]:  # its backward is through the rank
+            if kinds[-1] == "W" and s == own[r][0]:  # its backward is through the rank
                 held[r].discard(i)
         tick += 1
         if tick > 4 * total + 4 * stages:
@@ -170,17 +178,19 @@ def _choose(
     held: set[int],
     admit: int,
     ready: Callable[[str, int, int], int | None],
+    first_whole: bool,
 ) -> tuple[str, int, int] | None:
     for s in reversed(own):
         i = ready("I", s, tick)
-        if i is not None:
+        if i is not None and not (first_whole and s == 0):
             return "I", s, i
     for s in reversed(own):
         i = ready("F", s, tick)
         if i is not None and (s != own[0] or len(held) < admit):
             return "F", s, i
     for s in reversed(own):
-        i = ready("W", s, tick)
+        kind = "IW" if first_whole and s == 0 else "W"  # the first stage's whole backward
+        i = ready(kind[0], s, tick)
         if i is not None:
-            return "W", s, i
+            return kind, s, i
     return None
