@@ -413,8 +413,9 @@ def _megatron_layer_volume() -> None:
         torch.testing.assert_close(value.full_tensor(), full_sd[name])
     # Sequence parallel (dropout 0: no dropout op to name): forward all-gathers the sequence
     # before each column-split linear and reduce-scatters each row-split output into its add;
-    # backward runs the all-gather's transpose as an all-reduce of the whole activation (then
-    # a slice), twice the bytes of Megatron's reduce-scatter, and sums the norms' gradients.
+    # backward runs their transposes (the all-gather's: a reduce-scatter of the column-split
+    # linear's partial gradient, Megatron's, not an all-reduce then a slice) and sums the
+    # norms' gradients. Activations move exactly plain tensor parallelism's bytes.
     sp = {k.removeprefix("layers.*"): v for k, v in sequence_parallel().items() if "*" in k}
     sp = {k.removeprefix("."): v for k, v in sp.items() if "dropout" not in k}
     pm = parallelize(block, (x, target), {"tp": 2}, sp, loss_fn=lambda y, t: (y * t).sum())
@@ -425,8 +426,9 @@ def _megatron_layer_volume() -> None:
     half, norms = activation // 2, 4 * h * 8  # ln_1 and ln_2, weight and bias
     gather_scatter = [("all_gather", 2, half), ("reduce_scatter", 2, half)]
     assert forward == gather_scatter * 2 + [("all_reduce", 2, 8)], forward  # 8: the loss
-    transposed = [("all_gather", 2, half), ("all_reduce", 2, activation)]
-    assert backward == transposed * 2 + [("all_reduce", 2, norms)], backward
+    assert backward == gather_scatter * 2 + [("all_reduce", 2, norms)], backward
+    moved = sum(n for kind, _, n in forward + backward if kind != "all_reduce")
+    assert moved == 4 * activation  # tensor parallelism's four all-reduces
 
 
 def _llama_block_inputs_summed_once() -> dict:

@@ -38,6 +38,7 @@ from autoshard.cost.zero import (
 )
 from autoshard.graph import OpGraph
 from autoshard.ops import tensor_inputs
+from autoshard.redistribution import backward_source
 
 #: optimizer state values per parameter element (Adam's two moments)
 ADAM_STATES = 2
@@ -238,10 +239,13 @@ def _price_node(
     args = tensor_inputs(node)
     for i, (src, dst) in node_plan.moves.items():
         est.comm_forward += transition(src, dst, cluster).seconds
-        if og[args[i]].requires_grad:
-            back = transition(dst.without_partial(), src.without_partial(), cluster)
+        if og[args[i]].requires_grad:  # the reader's pending sums with it (backward_plan)
+            grad = node_plan.grad_reduce[i][0] if i in node_plan.grad_reduce else None
+            back = transition(backward_source(dst, grad), src.without_partial(), cluster)
             est.comm_backward += back.seconds
     for i, (grad, want) in node_plan.grad_reduce.items():
+        if i in node_plan.moves:
+            continue
         seconds = transition(grad, want, cluster).seconds
         if args[i].op == "placeholder":
             est.grad_sync += seconds

@@ -21,7 +21,7 @@ from autoshard.graph import OpGraph, StageCut
 from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.lower.recompute import TAG, with_recompute
 from autoshard.ops import local, rule_for, tensor_inputs
-from autoshard.redistribution import execute, redistribute, redistribution_plan
+from autoshard.redistribution import backward_plan, execute, redistribute, redistribution_plan
 from autoshard.search import Plan
 
 
@@ -36,15 +36,20 @@ class RunState:
 
 
 class Redistribute(nn.Module):
-    def __init__(self, src: Layout, dst: Layout) -> None:
+    """A move; ``grad``: the reader's partial gradient, summed by the move's backward."""
+
+    def __init__(self, src: Layout, dst: Layout, grad: Layout | None = None) -> None:
         super().__init__()
-        self.src, self.dst = src, dst
+        self.src, self.dst, self.grad = src, dst, grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return redistribute(x, self.src, self.dst)
+        return redistribute(x, self.src, self.dst, self.grad)
 
     def extra_repr(self) -> str:
-        return f"{self.src} -> {self.dst}: {redistribution_plan(self.src, self.dst)}"
+        text = f"{self.src} -> {self.dst}: {redistribution_plan(self.src, self.dst)}"
+        if self.grad is not None:
+            text += f"; backward from {self.grad}: {backward_plan(self.src, self.dst, self.grad)}"
+        return text
 
 
 class _ReduceGrad(torch.autograd.Function):
@@ -289,9 +294,10 @@ def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
     values = []
     for i, arg in enumerate(tensor_inputs(node)):
         v = low.value(arg)
-        if i in node_plan.moves:
-            v = low.module(Redistribute(*node_plan.moves[i]), (v,), "redistribute")
-        if i in node_plan.grad_reduce:
+        if i in node_plan.moves:  # its backward sums the gradient too (NodePlan.grad_source)
+            move = Redistribute(*node_plan.moves[i], node_plan.grad_source(i))
+            v = low.module(move, (v,), "redistribute")
+        elif i in node_plan.grad_reduce:
             v = low.module(ReduceGrad(*node_plan.grad_reduce[i]), (v,), "reduce_grad")
         values.append(v)
     if _needless_copy(node):

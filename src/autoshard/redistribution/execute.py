@@ -19,6 +19,7 @@ from autoshard.layout import NOT_SPLIT, Grid, GridState, Layout, LayoutError
 from autoshard.redistribution.planner import (
     RedistributionPlan,
     Step,
+    backward_plan,
     grid_coords,
     group_positions,
     redistribution_plan,
@@ -130,23 +131,32 @@ def _my_rank() -> int:
 
 
 class _Redistribute(torch.autograd.Function):
-    """Forward runs plan(src -> dst); backward runs plan(grad(dst) -> grad(src)), gradients
-    having their tensor's layout with partial axes replicated (DESIGN.md)."""
+    """Forward runs plan(src -> dst); backward runs ``backward_plan``: from the gradient at
+    ``dst`` (whole, or in ``grad`` with its reader's pending sums) to the gradient at ``src``,
+    with partial axes replicated (DESIGN.md)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
-        ctx.layouts = (src, dst)
+    def forward(
+        ctx: Any, x: torch.Tensor, src: Layout, dst: Layout, grad: Layout | None
+    ) -> torch.Tensor:
+        ctx.layouts = (src, dst, grad)
         return execute(x, redistribution_plan(src, dst), _my_rank())
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        src, dst = ctx.layouts
-        plan = redistribution_plan(dst.without_partial(), src.without_partial())
-        return execute(grad, plan, _my_rank()), None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        src, dst, grad = ctx.layouts
+        if grad is not None:
+            grad = grad.with_dtype(g.dtype)
+        plan = backward_plan(src.with_dtype(g.dtype), dst.with_dtype(g.dtype), grad)
+        return execute(g, plan, _my_rank()), None, None, None
 
 
-def redistribute(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+def redistribute(
+    local: torch.Tensor, src: Layout, dst: Layout, grad: Layout | None = None
+) -> torch.Tensor:
     """This rank's part of the tensor in ``dst``, from its part in ``src`` (differentiable).
+    ``grad``: the layout of the gradient the reader leaves at ``dst`` when it has pending sums
+    (partial axes), which the backward sums on its way to ``src`` (``backward_plan``).
 
     A rank outside ``dst.ranks`` gets an empty tensor (its part of the autograd graph, so a
     pipeline stage that only sends still runs the backward receive)."""
@@ -158,7 +168,7 @@ def redistribute(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
         )
     if local.dtype != src.dtype:
         src, dst = src.with_dtype(local.dtype), dst.with_dtype(local.dtype)
-    return _Redistribute.apply(local, src, dst)
+    return _Redistribute.apply(local, src, dst, grad)
 
 
 def shard_tensor(full: torch.Tensor, layout: Layout, rank: int | None = None) -> torch.Tensor:

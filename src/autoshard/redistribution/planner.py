@@ -47,6 +47,8 @@ __all__ = [
     "RedistributionPlan",
     "Step",
     "StepCost",
+    "backward_plan",
+    "backward_source",
     "candidate_steps",
     "gradient_sum",
     "grid_coords",
@@ -345,6 +347,20 @@ def step_costs(src: Layout, dst: Layout) -> tuple[StepCost, ...]:
 def redistribution_plan(src: Layout, dst: Layout) -> RedistributionPlan:
     """The least-bytes-per-rank sequence of steps taking a tensor from ``src`` to ``dst``."""
     return _cached_plan(src, dst, False)
+
+
+def backward_source(dst: Layout, grad: Layout | None = None) -> Layout:
+    """Where the backward of a move to ``dst`` starts: the gradient as its reader leaves it,
+    ``grad`` (``dst`` with the pending sums of a partial gradient), or else ``dst`` whole."""
+    return dst.without_partial() if grad is None else grad
+
+
+def backward_plan(src: Layout, dst: Layout, grad: Layout | None = None) -> RedistributionPlan:
+    """The backward of a move ``src -> dst``, from :func:`backward_source` to ``src`` with its
+    pending sums done. A reader's partial gradient is summed by the same plan: before the
+    all-gather of Megatron's sequence parallelism that is one reduce-scatter, where summing
+    first (an all-reduce) and then taking this rank's part would send twice the bytes."""
+    return redistribution_plan(backward_source(dst, grad), src.without_partial())
 
 
 @lru_cache(maxsize=65536)

@@ -294,7 +294,11 @@ class _Builder:
                 mem += pricing.param_bytes(arg, whole, self.optimizer_states, zp)
                 seconds += self.step_share * pricing.param_time(arg, whole, self.cluster, zp)
             elif arg in self.weight and arg in self.const_layout:
-                seconds += pricing.move(arg, self.const_layout[arg], want, self.cluster)
+                have = self.const_layout[arg]
+                if have != want:  # the move's backward sums the gradient too (backward_plan)
+                    pending = None if grad == want.without_partial() else grad
+                    seconds += pricing.move(arg, have, want, self.cluster, pending)
+                    continue
             elif arg in self.weight:
                 continue  # a parameter owned by another decision node
             in_line, in_bucket = pricing.grad_reduce_parts(

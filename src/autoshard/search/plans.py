@@ -23,7 +23,7 @@ from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
 from autoshard.precision import Precision
-from autoshard.redistribution import gradient_sum, redistribution_plan
+from autoshard.redistribution import backward_plan, gradient_sum, redistribution_plan
 
 FORMAT = "autoshard-plan/1"
 
@@ -66,12 +66,20 @@ class NodePlan:
     def forward_bytes(self) -> int:
         return sum(redistribution_plan(s, d).bytes for s, d in self.moves.values())
 
+    def grad_source(self, i: int) -> Layout | None:
+        """The partial gradient input ``i``'s move sums in its backward (``backward_plan``),
+        or None: a moved input's pending sums are done by its move's backward, in one plan."""
+        return self.grad_reduce[i][0] if i in self.moves and i in self.grad_reduce else None
+
     def backward_bytes(self) -> int:
         total = sum(
-            redistribution_plan(d.without_partial(), s.without_partial()).bytes
-            for s, d in self.moves.values()
+            backward_plan(s, d, self.grad_source(i)).bytes for i, (s, d) in self.moves.items()
         )
-        return total + sum(redistribution_plan(p, f).bytes for p, f in self.grad_reduce.values())
+        return total + sum(
+            redistribution_plan(p, f).bytes
+            for i, (p, f) in self.grad_reduce.items()
+            if i not in self.moves
+        )
 
 
 @dataclass

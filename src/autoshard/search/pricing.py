@@ -18,6 +18,7 @@ from autoshard.graph import node_info
 from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy, rule_for, tensor_inputs
+from autoshard.redistribution import backward_source
 from autoshard.search.options import options
 
 _ROWS: dict[tuple, np.ndarray] = {}
@@ -29,26 +30,42 @@ _WANTS: dict[tuple, tuple[list[Layout], np.ndarray]] = {}
 def edge_row(
     value: fx.Node, layout: Layout, user: fx.Node, i: int, mesh: MeshInfo, cluster: ClusterSpec
 ) -> np.ndarray:
-    """Seconds of moving ``value`` in ``layout`` to what each option of ``user`` wants."""
+    """Seconds of moving ``value`` in ``layout`` to what each option of ``user`` wants. A
+    move's backward also sums the option's partial gradient (``backward_plan``): what summing
+    it alone costs, which the option's own price holds (``CostGraph.own_inputs``), is taken
+    off where there is a move to do it."""
     backward = node_info(value).requires_grad
     key = (layout, user, i, mesh, id(cluster), backward)
     row = _ROWS.get(key)
     if row is None:
         wants, where = _wants(user, i, mesh)
-        row = np.array([move_cost(layout, w, backward, cluster) for w in wants])[where]
+        row = np.array([
+            move_cost(layout, w, backward, cluster, g)
+            - (transition(g, w.without_partial(), cluster).seconds
+               if backward and g is not None and layout != w else 0.0)
+            for w, g in wants
+        ])[where]  # fmt: skip
         _ROWS[key] = row
     return row
 
 
-def _wants(user: fx.Node, i: int, mesh: MeshInfo) -> tuple[list[Layout], np.ndarray]:
-    """The distinct layouts ``user``'s options want for input ``i``, and which each wants."""
+def _wants(
+    user: fx.Node, i: int, mesh: MeshInfo
+) -> tuple[list[tuple[Layout, Layout | None]], np.ndarray]:
+    """The distinct (layout, partial gradient or None) ``user``'s options want for input ``i``,
+    and which each wants."""
     key = (user, i, mesh)
     found = _WANTS.get(key)
     if found is None:
-        index: dict[Layout, int] = {}
-        where = [index.setdefault(o.strategy.ins[i], len(index)) for o in options(user, mesh)]
+        index: dict[tuple[Layout, Layout | None], int] = {}
+        where = [index.setdefault(_want(o.strategy, i), len(index)) for o in options(user, mesh)]
         found = _WANTS[key] = (list(index), np.array(where, dtype=np.intp))
     return found
+
+
+def _want(strategy: Strategy, i: int) -> tuple[Layout, Layout | None]:
+    want, grad = strategy.ins[i], strategy.grads[i]
+    return want, (None if grad == want.without_partial() else grad)
 
 
 _ZERO: dict[tuple, ZeroParam | None] = {}
@@ -93,22 +110,28 @@ def param_time(
 _MOVES: dict[tuple, float] = {}
 
 
-def move(value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec) -> float:
-    """Forward redistribution and, for a value that needs a gradient, its mirror in backward."""
+def move(
+    value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec, grad: Layout | None = None
+) -> float:
+    """Forward redistribution and, for a value that needs a gradient, its mirror in backward
+    (which sums ``grad``, the reader's partial gradient, when given)."""
     if src == want:
         return 0.0
-    return move_cost(src, want, node_info(value).requires_grad, cluster)
+    return move_cost(src, want, node_info(value).requires_grad, cluster, grad)
 
 
-def move_cost(src: Layout, want: Layout, backward: bool, cluster: ClusterSpec) -> float:
+def move_cost(
+    src: Layout, want: Layout, backward: bool, cluster: ClusterSpec, grad: Layout | None = None
+) -> float:
     if src == want:
         return 0.0
-    key = (src, want, backward, id(cluster))
+    key = (src, want, backward, grad, id(cluster))
     seconds = _MOVES.get(key)
     if seconds is None:
         seconds = transition(src, want, cluster).seconds
         if backward:
-            seconds += transition(want.without_partial(), src.without_partial(), cluster).seconds
+            back = transition(backward_source(want, grad), src.without_partial(), cluster)
+            seconds += back.seconds
         _MOVES[key] = seconds
     return seconds
 
@@ -286,7 +309,10 @@ class Region:
                     )
                     seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
                 continue
-            seconds += move(a, have, want, self.cluster)
+            if have != want:  # the move's backward sums the gradient too (backward_plan)
+                pending = None if grad == want.without_partial() else grad
+                seconds += move(a, have, want, self.cluster, pending)
+                continue
             in_line, in_bucket = grad_reduce_parts(
                 a, grad, want, self.cluster, leading=a in self.leading
             )
