@@ -158,6 +158,22 @@ def sequence_parallel(tp: str = "tp") -> dict[str, Any]:
     }
 
 
+def attention_rows(axis: str = "tp") -> dict[str, Any]:
+    """GPT with every activation split by sequence over ``axis`` and its causal attention's
+    query rows too, the keys and values gathered (context parallelism's all-gather method):
+    each rank masks from its rows' offset; the gathers' backward reduce-scatters."""
+    seq, whole = (None, axis, None), (None, None)
+    rows, kv = (None, None, axis, None), (None, None, None, None)
+    linears = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    return {f"layers.*.{m}": (seq, whole) for m in linears} | {
+        "/add.0": (seq, (axis, None)),
+        "layers.*/add.0": (seq, seq),
+        "layers.*/add.1": (seq, seq),
+        "layers.*.ln_[12]": (seq, (None,), (None,)),
+        "layers.*.attn/scaled_dot_product_attention.0": (rows, kv, kv),
+    }
+
+
 def mixed(name: str, dp: int, tp: int) -> dict[str, Any]:
     """MindSpore's tuple form: batch split dp ways and the weight's output dim tp ways."""
     if name == "mlp":
@@ -340,6 +356,7 @@ def cases_world2() -> list[tuple]:
     out.append(("gpt", {"dp": 2}, None, torch.float64, None, PYTORCH))
     out.append(("llama", {"tp": 2}, megatron("llama"), torch.float64, None, PYTORCH))
     out.append(("gpt", {"tp": 2}, sequence, torch.float64, None, PYTORCH))
+    out.append(("gpt", {"tp": 2}, attention_rows(), torch.float64, None, PYTORCH))
     return out
 
 

@@ -88,9 +88,11 @@ class Matmul(SpaceRule):
 
 
 class Attention(SpaceRule):
-    """scaled_dot_product_attention: batch and heads free; query length free unless causal;
-    key length and head dims whole. Two products: scores from query and key, then the output
-    from the probabilities (made from query and key) and the value."""
+    """scaled_dot_product_attention: batch, heads and query length free; key length and head
+    dims whole. Two products: scores from query and key, then the output from the
+    probabilities (made from query and key) and the value. A causal attention with its query
+    length split sees all the keys (gathered: context parallelism's all-gather method) and
+    masks from its rows' offset (``local.causal_attention_rows``)."""
 
     #: a fused kernel works on square tiles of this many rows; a causal one skips the tiles
     #: above the diagonal
@@ -108,10 +110,27 @@ class Attention(SpaceRule):
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         base = super().cost(node, strategy, needs_grad)
         work = 1.0
-        if node_arg(node, 5, "is_causal", False):
+        if node_arg(node, 5, "is_causal", False) and not self._rows_split(node, strategy):
             k_len = self.space(node).sizes[-3]
             work = min(1.0, 0.5 + self.TILE / (2 * k_len))
+        # split rows run with an explicit mask: every tile computed
         return replace(base, kind="attention", work=work)
+
+    def _rows_split(self, node: fx.Node, strategy: Strategy) -> bool:
+        if strategy.space is None:
+            return False
+        sq = len(self.space(node).sizes) - 4
+        return strategy.space.local_shape()[sq] < self.space(node).sizes[sq]
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        if not (node_arg(node, 5, "is_causal", False) and self._rows_split(node, strategy)):
+            return low.call(node.target, args, kwargs)
+        q = strategy.ins[0]
+        rows = q.local_index(low.rank)[len(q.shape) - 2]
+        if not isinstance(rows, slice):
+            raise StrategyError(f"{node_title(node)}: the query rows' split must be contiguous")
+        scale, gqa = kwargs.get("scale"), kwargs.get("enable_gqa", False)
+        return low.call(local.causal_attention_rows, (*args[:3], rows.start, scale, gqa), {})
 
     def make_space(self, node: fx.Node) -> Space:
         q, k, v = (shape_of(n) for n in node.args[:3])
@@ -122,11 +141,10 @@ class Attention(SpaceRule):
                 f"{node_title(node)}: attention dropout has no split-invariant form; use "
                 f"dropout_p=0 and an nn.Dropout on the output"
             )
-        causal = bool(node_arg(node, 5, "is_causal", False))
         nb = len(q) - 2
         sq, sk, d, dv = nb, nb + 1, nb + 2, nb + 3
         sizes = q[:-2] + (q[-2], k[-2], q[-1], v[-1])
-        kinds = (FREE,) * nb + ((FIXED if causal else FREE), FIXED, FIXED, FIXED)
+        kinds = (FREE,) * nb + (FREE, FIXED, FIXED, FIXED)
         batch = tuple(range(nb))
         ins = [batch + (sq, d), batch + (sk, d), batch + (sk, dv)]
         mask = node_arg(node, 3, "attn_mask", None)

@@ -263,8 +263,13 @@ def format_plan(plan: Plan) -> str:
             f"in{i}: " + "+".join(s.kind for s in redistribution_plan(a, b).steps)
             for i, (a, b) in n.moves.items()
         ]
-        comm += [
-            f"in{i} grad: " + _kinds(redistribution_plan(g, w).steps)
+        comm += [  # a moved input's sum runs in its move's backward (NodePlan.grad_source)
+            f"in{i} grad: "
+            + _kinds(
+                backward_plan(*n.moves[i], g).steps
+                if i in n.moves
+                else redistribution_plan(g, w).steps
+            )
             for i, (g, w) in n.grad_reduce.items()
         ]
         if og is not None and n.node in og.by_name:
