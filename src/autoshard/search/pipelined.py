@@ -81,6 +81,7 @@ class Tried:
         return dict(self.__dict__)
 
 
+@paused_gc()
 def search_pipeline(
     capture: Callable[[int], OpGraph],
     batch: int,
@@ -99,21 +100,6 @@ def search_pipeline(
     The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
     recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
     (about 4 a rank), then the other counts for the best degree (coarse to fine)."""
-    with paused_gc():
-        return _search_pipeline(capture, batch, num_devices, cluster, given, search, depth,
-                                tp_across_nodes)  # fmt: skip
-
-
-def _search_pipeline(
-    capture: Callable[[int], OpGraph],
-    batch: int,
-    num_devices: int,
-    cluster: ClusterSpec,
-    given: Mapping[str, Any],
-    search: str,
-    depth: Any,
-    tp_across_nodes: bool,
-) -> tuple[PipelinePlan, list[Tried], float]:
     # Whole: the coarse-to-fine order and the pruning rules share the search's state
     start = time.perf_counter()
     graphs: dict[int, OpGraph] = {}
