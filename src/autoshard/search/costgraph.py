@@ -296,7 +296,7 @@ class _Builder:
             elif arg in self.weight and arg in self.const_layout:
                 have = self.const_layout[arg]
                 if have != want:  # the move's backward sums the gradient too (backward_plan)
-                    pending = None if grad == want.without_partial() else grad
+                    pending = pricing.pending_sum(want, grad)
                     seconds += pricing.move(arg, have, want, self.cluster, pending)
                     continue
             elif arg in self.weight:

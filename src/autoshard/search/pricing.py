@@ -64,8 +64,13 @@ def _wants(
 
 
 def _want(strategy: Strategy, i: int) -> tuple[Layout, Layout | None]:
-    want, grad = strategy.ins[i], strategy.grads[i]
-    return want, (None if grad == want.without_partial() else grad)
+    return strategy.ins[i], pending_sum(strategy.ins[i], strategy.grads[i])
+
+
+def pending_sum(want: Layout, grad: Layout) -> Layout | None:
+    """The reader's gradient when it leaves sums pending (what a move's backward sums with it,
+    ``backward_plan``), or None."""
+    return None if grad == want.without_partial() else grad
 
 
 _ZERO: dict[tuple, ZeroParam | None] = {}
@@ -310,8 +315,7 @@ class Region:
                     seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
                 continue
             if have != want:  # the move's backward sums the gradient too (backward_plan)
-                pending = None if grad == want.without_partial() else grad
-                seconds += move(a, have, want, self.cluster, pending)
+                seconds += move(a, have, want, self.cluster, pending_sum(want, grad))
                 continue
             in_line, in_bucket = grad_reduce_parts(
                 a, grad, want, self.cluster, leading=a in self.leading
