@@ -42,13 +42,16 @@ class MeshError(ValueError):
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """Named axes over ranks ``0..N-1`` and which of them are data parallel (``dp``, ``dp_*``
+    """Named axes over ranks ``0..N-1``, which of them are data parallel (``dp``, ``dp_*``
     and ``ep``, which outside the experts is data parallel: an unconfigured op falls back to
-    splitting its batch over those, and the experts op spreads its experts over ``ep``)."""
+    splitting its batch over those, and the experts op spreads its experts over ``ep``) and
+    which are context parallel (``cp``, ``cp_*``: the inputs' sequence dim is split over
+    those, docs/parallelism/sequence.md)."""
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     dp: tuple[str, ...] = ()
+    cp: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -104,7 +107,8 @@ def mesh_info(mesh: Any) -> MeshInfo:
     if len(set(names)) != len(names):
         raise MeshError(f"mesh {pairs}: axis names must be distinct")
     dp = tuple(n for n in names if n in ("dp", "ep") or n.startswith(("dp_", "ep_")))
-    return MeshInfo(names, tuple(int(s) for _, s in pairs), dp)
+    cp = tuple(n for n in names if n == "cp" or n.startswith("cp_"))
+    return MeshInfo(names, tuple(int(s) for _, s in pairs), dp, cp)
 
 
 def mesh_axes(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:

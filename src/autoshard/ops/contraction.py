@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.layout import NOT_SPLIT
-from autoshard.ops import local
+from autoshard.layout import NOT_SPLIT, Layout
+from autoshard.ops import local, ring
 from autoshard.ops.base import (
     FIXED,
     FREE,
@@ -25,10 +25,22 @@ from autoshard.ops.base import (
     StrategyError,
     batch_names,
     right_aligned,
+    split_axes,
 )
-from autoshard.ops.nodes import node_arg, node_title, node_vals, shape_of, tensor_inputs
+from autoshard.ops.nodes import (
+    node_arg,
+    node_title,
+    node_vals,
+    shape_of,
+    tensor_inputs,
+)
+from autoshard.ops.work import Exchange
 
 aten = torch.ops.aten
+
+#: how an attention whose query rows are split computes them (docs/parallelism/sequence.md):
+#: every key gathered, heads split by an all-to-all, or key/value blocks passed in a ring
+ATTENTION_METHODS = ("allgather", "ulysses", "ring")
 
 
 class Linear(SpaceRule):
@@ -107,23 +119,108 @@ class Attention(SpaceRule):
             Contraction(batch + (sq, sk, dv), ((0, 1), (2,))),
         )
 
+    def method(self, node: fx.Node, strategy: Strategy) -> str:
+        """How the strategy computes attention over a split sequence: ``ring`` (the keys and
+        values split as the query rows, their blocks passed around the ranks splitting them
+        inside the op), ``allgather`` (query rows split, every key here), else ``local``
+        (split by batch or heads, or whole: Ulysses' heads split is this). A ring's space is
+        the all-gather's: each rank computes its rows against every key, one block a step."""
+        if strategy.space is None:
+            return "local"
+        nb = len(self.space(node).sizes) - 4
+        if not split_axes(strategy.space, nb):
+            return "local"
+        k = strategy.ins[1]
+        return "ring" if any(a != NOT_SPLIT for _, a in k.factors[-2]) else "allgather"
+
+    def as_method(self, node: fx.Node, strategy: Strategy, method: str) -> tuple[Strategy, Any]:
+        """``strategy`` with its split query rows computed by ``method`` (``ATTENTION_METHODS``),
+        and the layout its consumers should take its output in (the rows split again, after
+        Ulysses' heads split), or None. A strategy whose rows are not split is kept."""
+        if method not in ATTENTION_METHODS:
+            raise StrategyError(
+                f"attention={method!r}: expected one of {', '.join(ATTENTION_METHODS)}"
+            )
+        if self.method(node, strategy) != "allgather" or method == "allgather":
+            return strategy, None
+        space, layout = self.space(node), strategy.space
+        nb = len(space.sizes) - 4
+        sq, sk = nb, nb + 1
+        factors = list(layout.factors)
+        if method == "ring":
+            if space.sizes[sq] != space.sizes[sk]:
+                raise StrategyError(
+                    f"{node_title(node)}: ring attention needs as many keys as queries "
+                    f"({space.sizes[sk]} keys, {space.sizes[sq]} queries)"
+                )
+            return _ring(strategy), None
+        if nb < 2:  # ulysses: the rows' split moves to the heads, and back after
+            raise StrategyError(f"{node_title(node)}: Ulysses needs a heads dim")
+        heads = nb - 1
+        split = [f for f in factors[heads] + factors[sq] if f[1] != NOT_SPLIT]
+        n = math.prod(size for size, _ in split)
+        if space.sizes[heads] % n:
+            raise StrategyError(
+                f"{node_title(node)}: Ulysses splits the {space.sizes[heads]} heads "
+                f"{n} ways, which does not divide them"
+            )
+        factors[heads] = (*split, (space.sizes[heads] // n, NOT_SPLIT))
+        factors[sq] = ((space.sizes[sq], NOT_SPLIT),)
+        moved = Layout.from_factors(
+            layout.shape, layout.mesh, factors, layout.partial, layout.ranks, layout.dtype,
+            layout.axis_names,
+        )  # fmt: skip
+        return self.layouts(node, moved), strategy.outs[0]
+
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         base = super().cost(node, strategy, needs_grad)
         work = 1.0
-        if node_arg(node, 5, "is_causal", False) and not self._rows_split(node, strategy):
+        method = self.method(node, strategy)
+        if node_arg(node, 5, "is_causal", False) and method != "allgather":
+            # tiles above the diagonal skipped; a ring deals each rank an early and a late
+            # chunk, so every rank skips as many
             k_len = self.space(node).sizes[-3]
             work = min(1.0, 0.5 + self.TILE / (2 * k_len))
-        # split rows run with an explicit mask: every tile computed
+        # split rows see every key through an explicit mask: every tile computed
         return replace(base, kind="attention", work=work)
 
+    def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
+        """Ring attention's sends: forward a key/value block to the next rank at each of
+        ``n - 1`` steps; backward the blocks again and ``n`` blocks of their gradients; a
+        balanced causal ring moves half of the queries, keys, values and output (and their
+        gradients) to their dealt places and back."""
+        if self.method(node, strategy) != "ring":
+            return ()
+        q, k, v = strategy.ins[:3]
+        n = q.shape[-2] // q.local_shape()[-2]
+        if n < 2:
+            return ()
+        group = tuple(ring_ranks(strategy, q.ranks[0]))
+        kv = (k.local_numel + v.local_numel) * k.dtype.itemsize
+        grad = kv * max(4, k.dtype.itemsize) / k.dtype.itemsize
+        out = q.local_numel // q.local_shape()[-1] * v.local_shape()[-1] * q.dtype.itemsize
+        out_ex = [Exchange("send_recv", group, kv, False)] * (n - 1)
+        out_ex += [Exchange("send_recv", group, kv, True)] * (n - 1)
+        out_ex += [Exchange("send_recv", group, grad, True)] * n
+        if node_arg(node, 5, "is_causal", False) and q.local_shape()[-2] % 2 == 0:
+            moved = (q.local_numel * q.dtype.itemsize + kv + out) / 2
+            out_ex += [Exchange("send_recv", group, moved, False)]
+            out_ex += [Exchange("send_recv", group, moved, True)]
+        return tuple(out_ex)
+
     def _rows_split(self, node: fx.Node, strategy: Strategy) -> bool:
-        if strategy.space is None:
-            return False
-        sq = len(self.space(node).sizes) - 4
-        return strategy.space.local_shape()[sq] < self.space(node).sizes[sq]
+        return self.method(node, strategy) == "allgather"
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        if not (node_arg(node, 5, "is_causal", False) and self._rows_split(node, strategy)):
+        method = self.method(node, strategy)
+        causal = node_arg(node, 5, "is_causal", False)
+        if method == "ring":
+            ranks = ring_ranks(strategy, low.rank)
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            scale = args[6] if len(args) > 6 else kwargs.get("scale")
+            call = (*args[:3], mask, ranks, ranks.index(low.rank), scale, causal)
+            return low.call(ring.ring_attention, call, {})
+        if not (causal and method == "allgather"):
             return low.call(node.target, args, kwargs)
         q = strategy.ins[0]
         rows = q.local_index(low.rank)[len(q.shape) - 2]
@@ -152,6 +249,42 @@ class Attention(SpaceRule):
             ins.append(right_aligned(shape_of(mask), nb + 2)[:-2] + (sq, sk))
         names = batch_names(nb, "heads") + ("q_len", "k_len", "head", "v_head")
         return Space(sizes, kinds, tuple(ins), (batch + (sq, dv),), names)
+
+
+def _ring(strategy: Strategy) -> Strategy:
+    """The all-gather strategy ``strategy`` as ring attention: the keys and values (and their
+    gradients, each block's whole) split along the sequence as the query rows are."""
+    q = strategy.ins[0]
+    ins, grads = list(strategy.ins), list(strategy.grads)
+    for i in (1, 2):
+        t = strategy.ins[i]
+        factors = list(t.factors)
+        factors[-2] = q.factors[-2]
+        ins[i] = grads[i] = Layout.from_factors(
+            t.shape, t.mesh, factors, (), t.ranks, t.dtype, t.axis_names
+        )
+    return replace(strategy, ins=tuple(ins), grads=tuple(grads))
+
+
+def ring_ranks(strategy: Strategy, rank: int) -> list[int]:
+    """The ranks of ``rank``'s attention ring, in the order of the query blocks they hold."""
+    q = strategy.ins[0]
+    dim = len(q.shape) - 2
+    coords = q.coordinates(rank)
+    axes = {a for _, a in q.factors[dim] if a != NOT_SPLIT}
+
+    def same_ring(r: int) -> bool:
+        theirs = q.coordinates(r)
+        return all(theirs[a] == coords[a] for a in range(len(coords)) if a not in axes)
+
+    members = [r for r in q.ranks if same_ring(r)]
+    starts = {}
+    for r in members:
+        rows = q.local_index(r)[dim]
+        if not isinstance(rows, slice):
+            raise StrategyError("ring attention needs the sequence split into contiguous blocks")
+        starts[r] = rows.start
+    return sorted(members, key=starts.__getitem__)
 
 
 class Conv2d(SpaceRule):

@@ -231,7 +231,9 @@ class Slice(ShapeRule):
 
 class Cat(OpRule):
     """cat: every input in the first input's layout, the cat dim unsplit. A 1-d empty input
-    (an empty KV cache), which torch.cat skips, stays whole."""
+    (an empty KV cache), which torch.cat skips, stays whole; a cat of one tensor and such
+    empties copies that tensor, so its cat dim keeps its split (a sequence split of the keys
+    stays split through transformers' cache)."""
 
     is_shape_op = True
 
@@ -244,7 +246,8 @@ class Cat(OpRule):
 
     def strategy_for(self, node: fx.Node, layout: Layout) -> Strategy:
         dim = self._dim(node)
-        if _is_split(layout.factors[dim]):
+        kept = [i for i in tensor_inputs(node) if not self._skipped(node, i)]
+        if _is_split(layout.factors[dim]) and len(kept) > 1:
             layout = _unsplit(layout, dim)
         ins = tuple(
             Layout.replicated((0,), layout.ranks, dtype=i.meta["val"].dtype)

@@ -56,6 +56,7 @@ def parallelize(
     stages: Sequence[str] | None = None,
     virtual_stages: int = 1,
     recompute: str | Mapping[str, str] | None = None,
+    attention: str | None = None,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -83,7 +84,10 @@ def parallelize(
     cut between repeated blocks by FLOPs), ``virtual_stages`` (stages per rank of
     ``interleaved-1f1b``). ``recompute`` (``"none"``, ``"full"``, ``"selective"`` or
     ``{module glob: mode}``): which repeated blocks backward runs again instead of keeping
-    their activations (docs/parallelism/pipeline.md)."""
+    their activations (docs/parallelism/pipeline.md). A mesh axis ``cp`` splits the inputs'
+    sequence dim (dim 1) and every activation after them (docs/parallelism/sequence.md);
+    ``attention`` (``"allgather"``, the default, ``"ulysses"`` or ``"ring"``) is how an
+    attention computes its query rows split by sequence."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if search is not None and plan is not None:
         raise ValueError("parallelize: give search= or plan=, not both")
@@ -93,7 +97,7 @@ def parallelize(
             seed,
             (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute),
             timeout_s, (schedule, microbatches, stages, virtual_stages),
-            (search, cluster, plan, captured),
+            (search, cluster, plan, captured), attention,
         )  # fmt: skip
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, init)
@@ -110,7 +114,7 @@ def parallelize(
     )
     info = mesh_info(mesh)
     rank = check_world(info, source, timeout_s)
-    plans = _plan_modes(captured, info, ready, strategies, input_layouts, source)
+    plans = _plan_modes(captured, info, ready, strategies, input_layouts, source, attention)
     plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
     _compare_plans(plans[True], rank)
     options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init, recompute)

@@ -66,7 +66,7 @@ def stage_mesh(info: MeshInfo) -> MeshInfo:
     keep = [i for i, n in enumerate(info.names) if n != "pp"]
     names = tuple(info.names[i] for i in keep) or ("dp",)
     sizes = tuple(info.sizes[i] for i in keep) or (1,)
-    return MeshInfo(names, sizes, tuple(n for n in info.dp if n != "pp"))
+    return MeshInfo(names, sizes, tuple(n for n in info.dp if n != "pp"), info.cp)
 
 
 def cut_modes(

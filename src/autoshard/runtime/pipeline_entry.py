@@ -46,6 +46,7 @@ def parallelize_pipeline(
     timeout_s: float | None,
     pipeline: tuple,
     planning: tuple,
+    attention: str | None = None,
 ) -> PipelineModule:
     """``parallelize`` of a mesh with a ``pp`` axis (its arguments, in its order; ``pipeline``:
     schedule, microbatches, stages, virtual_stages; ``planning``: search, cluster, plan and
@@ -85,7 +86,9 @@ def parallelize_pipeline(
                         float("inf"), strategies if search == "propagate" else None, 0)  # fmt: skip
         strategies = ready.strategies
     rank = check_world(info, source, timeout_s)
-    plans = _plan_modes(captured, stage_mesh(info), ready, strategies, input_layouts, source)
+    plans = _plan_modes(
+        captured, stage_mesh(info), ready, strategies, input_layouts, source, attention
+    )
     plans[True] = dataclasses.replace(plans[True], zero=check_zero(zero or 0))
     _compare_plans(plans[True], rank)
     cuts = cut_modes(captured, plan_schedule.num_stages, list(stages) if stages else None)

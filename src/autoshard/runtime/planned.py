@@ -64,12 +64,15 @@ def _plan_modes(
     strategies: Any,
     input_layouts: Any,
     source: str = "",
+    attention: str | None = None,
 ) -> dict[bool, Plan]:
     """The train graph's plan (``ready`` when given) and the eval graph's, which keeps the
     train graph's parameter layouts. ``source``: the plan the strategies came from, named in
     an error when they do not fit the model."""
     try:
-        train = ready or plan_graph(captured[True], info, strategies, input_layouts=input_layouts)
+        train = ready or plan_graph(
+            captured[True], info, strategies, input_layouts=input_layouts, attention=attention
+        )
     except StrategyError as err:
         if not source:
             raise
@@ -82,6 +85,7 @@ def _plan_modes(
         input_layouts=input_layouts,
         param_layouts=param_layouts,
         strict=False,  # dropout nodes exist in the train graph only
+        attention=attention,
     )
     return {True: train, False: evaluate}
 

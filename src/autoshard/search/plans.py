@@ -13,7 +13,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 from autoshard.graph import OpGraph
 from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
-from autoshard.ops import Strategy
+from autoshard.ops import Strategy, tensor_inputs
 from autoshard.precision import Precision
 from autoshard.redistribution import backward_plan, gradient_sum, redistribution_plan
 
@@ -71,9 +71,13 @@ class NodePlan:
         or None: a moved input's pending sums are done by its move's backward, in one plan."""
         return self.grad_reduce[i][0] if i in self.moves and i in self.grad_reduce else None
 
-    def backward_bytes(self) -> int:
+    def backward_bytes(self, no_grad: Container[int] = ()) -> int:
+        """The bytes backward moves for this op; ``no_grad``: the inputs that need no gradient,
+        whose moves have no backward."""
         total = sum(
-            backward_plan(s, d, self.grad_source(i)).bytes for i, (s, d) in self.moves.items()
+            backward_plan(s, d, self.grad_source(i)).bytes
+            for i, (s, d) in self.moves.items()
+            if i not in no_grad
         )
         return total + sum(
             redistribution_plan(p, f).bytes
@@ -272,8 +276,12 @@ def format_plan(plan: Plan) -> str:
             )
             for i, (g, w) in n.grad_reduce.items()
         ]
+        no_grad: set[int] = set()
         if og is not None and n.node in og.by_name:
-            layouts = describe_op(og, og.by_name[n.node], n.strategy, names)
+            node = og.by_name[n.node]
+            layouts = describe_op(og, node, n.strategy, names)
+            args = tensor_inputs(node)
+            no_grad = {i for i in n.moves if not og[args[i]].requires_grad}
         else:
             ins = ",".join(str(x) for x in n.strategy.ins)
             layouts = f"{ins} -> " + ",".join(str(x) for x in n.strategy.outs if x is not None)
@@ -285,7 +293,7 @@ def format_plan(plan: Plan) -> str:
                 n.strategy.describe(),
                 layouts,
                 "; ".join(comm) or "-",
-                f"{n.forward_bytes()}+{n.backward_bytes()}",
+                f"{n.forward_bytes()}+{n.backward_bytes(no_grad)}",
             )
         )
     widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(rows[0]))]

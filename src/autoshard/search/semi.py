@@ -21,6 +21,7 @@ from autoshard.graph import OpGraph
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy, StrategyError, node_title, rule_for, tensor_inputs
+from autoshard.ops.contraction import Attention
 from autoshard.search.plans import NodePlan, ParamPlan, Plan
 
 # -- strategy lookup -------------------------------------------------------------------------------
@@ -107,19 +108,30 @@ def _configured(node: fx.Node, value: Any, mesh: MeshInfo) -> Strategy:
 
 
 def _default_input(og: OpGraph, node: fx.Node, mesh: MeshInfo) -> Layout:
+    """An input's batch dim (0) split over the data-parallel axes and its sequence dim (1)
+    over the context-parallel ones, where they divide it."""
     shape, dtype = og[node].shape, og[node].dtype
+    spec: list[Any] = [None] * len(shape)
     if mesh.dp and shape and shape[0] % mesh.size_of(mesh.dp) == 0:
-        spec = [mesh.dp] + [None] * (len(shape) - 1)
-        return Layout.from_named(shape, spec, mesh.as_dict(), dtype=dtype)
-    return Layout.replicated(shape, mesh.num_devices, dtype=dtype)
+        spec[0] = mesh.dp
+    if mesh.cp and len(shape) >= 2 and shape[1] % mesh.size_of(mesh.cp) == 0:
+        spec[1] = mesh.cp
+    if all(s is None for s in spec):
+        return Layout.replicated(shape, mesh.num_devices, dtype=dtype)
+    return Layout.from_named(shape, spec, mesh.as_dict(), dtype=dtype)
 
 
 class _Walk:
     """The state of one pass over the graph: every value's layouts, the parameters' stored
     layouts, and the parameter uses whose gradient sum may be deferred to one per parameter."""
 
-    def __init__(self, og: OpGraph, mesh: MeshInfo, configured: dict[str, Any]) -> None:
+    def __init__(
+        self, og: OpGraph, mesh: MeshInfo, configured: dict[str, Any], attention: str | None
+    ) -> None:
         self.og, self.mesh, self.configured = og, mesh, configured
+        self.attention = attention
+        #: the layout an op's readers take its value in when not its own (after Ulysses)
+        self.preferred: dict[fx.Node, Layout] = {}
         self.layouts: dict[fx.Node, list[Layout | None]] = {}
         self.stored: dict[fx.Node, Layout] = {}
         self.nodes: dict[str, NodePlan] = {}
@@ -141,13 +153,21 @@ class _Walk:
 
     def op(self, node: fx.Node) -> None:
         args = tensor_inputs(node)
-        ins = [self.layouts[a][0] if a in self.layouts else None for a in args]
+        ins = [
+            self.preferred.get(a) or (self.layouts[a][0] if a in self.layouts else None)
+            for a in args
+        ]
         configured = node.name in self.configured
+        rule = rule_for(node)
         try:
             if configured:
                 strategy = _configured(node, self.configured[node.name], self.mesh)
             else:
-                strategy = rule_for(node).follow(node, ins, self.mesh)
+                strategy = rule.follow(node, ins, self.mesh)
+                if self.attention is not None and isinstance(rule, Attention):
+                    strategy, hint = rule.as_method(node, strategy, self.attention)
+                    if hint is not None:
+                        self.preferred[node] = hint
         except LayoutError as err:
             raise StrategyError(f"{node_title(node)}: {err}") from None
         plan = NodePlan(node.name, str(node.target), self.og[node].where, strategy, configured)
@@ -275,10 +295,13 @@ def plan_graph(
     input_layouts: Mapping[str, Layout] | None = None,
     param_layouts: Mapping[str, Layout] | None = None,
     strict: bool = True,
+    attention: str | None = None,
 ) -> Plan:
     """Plan every node of ``og`` on ``mesh`` (``param_layouts`` pins stored layouts, as the eval
-    graph must share the train graph's parameters)."""
-    walk = _Walk(og, mesh, match_strategies(og, strategies or {}, strict))
+    graph must share the train graph's parameters). ``attention``: how an attention not
+    configured computes query rows split by sequence (``ATTENTION_METHODS``; default every
+    key gathered)."""
+    walk = _Walk(og, mesh, match_strategies(og, strategies or {}, strict), attention)
     out_node = None
     for node in og.graph.nodes:
         if node.op == "placeholder":

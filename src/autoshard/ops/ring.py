@@ -1,0 +1,273 @@
+"""Ring attention: attention over a sequence split across ranks, exact, without gathering it.
+
+Each rank of a ring holds a block of the queries, keys and values. The key/value blocks pass
+around the ring, one step per rank; every rank folds each block it sees into its rows' output by
+the online softmax (a running row max and sum, rescaled as blocks arrive), and keeps the rows'
+log-sum-exp for backward. The next block's send and receive are posted before the current block
+is computed, so they overlap it. Backward passes the blocks around again, each with the key and
+value gradients accumulated for it so far, which end on the block's owner.
+
+Under a causal mask a plain split leaves the last rank the most work (its rows see every key).
+``balanced`` rings give each rank two half-blocks of the sequence, chunk ``i`` and chunk
+``2n-1-i`` of ``2n``, so every rank does the same work: the op moves the halves there on entry
+and back on exit, so the layouts outside the op stay a contiguous split (docs/parallelism/
+sequence.md). Chunks of keys wholly after a chunk of queries are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoshard import comm
+
+__all__ = ["Ring", "ring_attention"]
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The ranks holding the sequence's blocks, in sequence order; this rank's place in it;
+    the rows a rank holds; whether chunks are dealt for a causal balance."""
+
+    ranks: tuple[int, ...]
+    index: int
+    rows: int
+    balanced: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def chunks(self, block: int) -> list[tuple[int, int, int]]:
+        """(local row offset, global position, length) of the chunks ring position ``block``
+        holds inside the op."""
+        if not self.balanced:
+            return [(0, block * self.rows, self.rows)]
+        half = self.rows // 2
+        return [(0, block * half, half), (half, (2 * self.size - 1 - block) * half, half)]
+
+    def next(self) -> int:
+        return self.ranks[(self.index + 1) % self.size]
+
+    def prev(self) -> int:
+        return self.ranks[(self.index - 1) % self.size]
+
+
+# -- moving the halves for balance ----------------------------------------------------------------
+
+
+def _deal(x: torch.Tensor, ring: Ring, inverse: bool) -> torch.Tensor:
+    """Move the half-blocks of dim -2 from the contiguous split (rank ``i`` holds chunks ``2i``,
+    ``2i+1``) to the balanced one (chunks ``i``, ``2n-1-i``), or back when ``inverse``."""
+    n = ring.size
+
+    def contiguous(block: int) -> list[int]:
+        return [2 * block, 2 * block + 1]
+
+    def balanced(block: int) -> list[int]:
+        return [block, 2 * n - 1 - block]
+
+    have_of, want_of = (balanced, contiguous) if inverse else (contiguous, balanced)
+    half = x.shape[-2] // 2
+    parts = dict(zip(have_of(ring.index), x.split(half, dim=-2), strict=True))
+    owner = {c: b for b in range(n) for c in have_of(b)}
+    taker = {c: b for b in range(n) for c in want_of(b)}
+    out: dict[int, torch.Tensor] = {}
+    sends, recvs = [], []
+    for c in sorted(parts):  # both sides list a pair's chunks in ascending order
+        if taker[c] == ring.index:
+            out[c] = parts[c]
+        else:
+            sends.append((parts[c], ring.ranks[taker[c]]))
+    for c in sorted(want_of(ring.index)):
+        if c not in out:
+            out[c] = torch.empty_like(parts[next(iter(parts))])
+            recvs.append((out[c], ring.ranks[owner[c]]))
+    comm.post_p2p(sends, recvs).wait()
+    return torch.cat([out[c] for c in want_of(ring.index)], dim=-2)
+
+
+class _Deal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ring: Ring, inverse: bool) -> torch.Tensor:
+        ctx.ring, ctx.inverse = ring, inverse
+        return _deal(x, ring, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _deal(grad.contiguous(), ctx.ring, not ctx.inverse), None, None
+
+
+# -- one block ------------------------------------------------------------------------------------
+
+
+def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, Any, int]]:
+    """The products of this rank's rows against ``block``'s keys, as (query rows, key rows,
+    causal mask, key position): the mask ``None`` where every key is seen, else the global
+    query and key positions to mask from; key chunks wholly after the query chunk are left
+    out."""
+    out = []
+    for q_off, q_pos, q_len in ring.chunks(ring.index):
+        for k_off, k_pos, k_len in ring.chunks(block):
+            rows, keys = slice(q_off, q_off + q_len), slice(k_off, k_off + k_len)
+            if causal and k_pos > q_pos + q_len - 1:
+                continue
+            partial = causal and k_pos + k_len - 1 > q_pos
+            out.append((rows, keys, (q_pos, k_pos) if partial else None, k_pos))
+    return out
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    causal_at: tuple[int, int] | None,
+    mask: torch.Tensor | None,
+    k_pos: int,
+    rows: slice,
+) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal_at is not None:
+        q_pos, k_at = causal_at
+        qi = torch.arange(q_pos, q_pos + q.shape[-2], device=q.device)
+        ki = torch.arange(k_at, k_at + k.shape[-2], device=q.device)
+        s = s.masked_fill(ki[None, :] > qi[:, None], float("-inf"))
+    if mask is not None:
+        m = mask[..., rows, k_pos : k_pos + k.shape[-2]]
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
+    return s
+
+
+def _exchange(
+    ring: Ring, tensors: Sequence[torch.Tensor]
+) -> tuple[comm.Posted, list[torch.Tensor]]:
+    """Post sending ``tensors`` to the next rank and receiving their like from the previous."""
+    got = [torch.empty_like(t) for t in tensors]
+    posted = comm.post_p2p([(t, ring.next()) for t in tensors], [(g, ring.prev()) for g in got])
+    return posted, got
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        ring: Ring,
+        scale: float,
+        causal: bool,
+    ) -> torch.Tensor:
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        lead, rows = q.shape[:-2], q.shape[-2]
+        run_max = q.new_full((*lead, rows), float("-inf"), dtype=acc_dtype)
+        run_sum = q.new_zeros((*lead, rows), dtype=acc_dtype)
+        acc = q.new_zeros((*lead, rows, v.shape[-1]), dtype=acc_dtype)
+        qa = q.to(acc_dtype)
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        d = k.shape[-1]
+        for step in range(ring.size):
+            block = (ring.index - step) % ring.size
+            posted = got = None
+            if step < ring.size - 1:
+                posted, got = _exchange(ring, [kv])
+            kb, vb = kv[..., :d].to(acc_dtype), kv[..., d:].to(acc_dtype)
+            for r, c, causal_at, k_pos in _pairs(ring, block, causal):
+                s = _scores(qa[..., r, :], kb[..., c, :], scale, causal_at, mask, k_pos, r)
+                new_max = torch.maximum(run_max[..., r], s.amax(dim=-1))
+                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+                p = torch.exp(s - safe.unsqueeze(-1))
+                fix = torch.exp(run_max[..., r] - safe)
+                run_sum[..., r] = run_sum[..., r] * fix + p.sum(dim=-1)
+                acc[..., r, :] = acc[..., r, :] * fix.unsqueeze(-1) + torch.matmul(p, vb[..., c, :])
+                run_max[..., r] = new_max
+            if posted is not None:
+                posted.wait()
+                kv = got[0]
+        out = acc / run_sum.unsqueeze(-1)
+        safe = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max)
+        lse = safe + torch.log(run_sum)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, result, lse)
+        ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        ring, scale, causal = ctx.ring, ctx.scale, ctx.causal
+        acc_dtype = lse.dtype
+        qa, go = q.to(acc_dtype), grad.to(acc_dtype)
+        delta = (go * out.to(acc_dtype)).sum(dim=-1)
+        dq = torch.zeros_like(qa)
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        d = k.shape[-1]
+        carried: torch.Tensor | None = None  # the gradient of the block held, from before
+        for step in range(ring.size):
+            block = (ring.index - step) % ring.size
+            sends = [kv] if step < ring.size - 1 else []
+            if carried is not None:
+                sends.append(carried)
+            posted, got = _exchange(ring, sends) if sends else (None, [])
+            kb, vb = kv[..., :d].to(acc_dtype), kv[..., d:].to(acc_dtype)
+            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
+            for r, c, causal_at, k_pos in _pairs(ring, block, causal):
+                s = _scores(qa[..., r, :], kb[..., c, :], scale, causal_at, mask, k_pos, r)
+                p = torch.exp(s - lse[..., r].unsqueeze(-1))
+                g = go[..., r, :]
+                dkv[..., c, d:] += torch.matmul(p.transpose(-2, -1), g)
+                dp = torch.matmul(g, vb[..., c, :].transpose(-2, -1))
+                ds = p * (dp - delta[..., r].unsqueeze(-1)) * scale
+                dq[..., r, :] += torch.matmul(ds, kb[..., c, :])
+                dkv[..., c, :d] += torch.matmul(ds.transpose(-2, -1), qa[..., r, :])
+            if posted is not None:
+                posted.wait()
+            if step < ring.size - 1:
+                kv = got[0]
+            if carried is not None:
+                dkv += got[-1]  # this block's gradient from the ranks before
+            carried = dkv
+        # the last block's gradient goes on to its owner; this rank's own arrives
+        mine = carried
+        if ring.size > 1:
+            posted, got = _exchange(ring, [carried])
+            posted.wait()
+            mine = got[0]
+        return (
+            dq.to(q.dtype),
+            mine[..., :d].to(k.dtype),
+            mine[..., d:].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    ranks: Sequence[int],
+    index: int,
+    scale: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """This rank's rows of attention over the whole sequence, whose blocks (in sequence order)
+    ``ranks`` hold, this one at ``index``: ``mask`` (rows this rank's, keys all) or ``causal``
+    as ``scaled_dot_product_attention`` takes them. A causal ring of even blocks is balanced."""
+    rows = query.shape[-2]
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    balanced = causal and mask is None and len(ranks) > 1 and rows % 2 == 0
+    ring = Ring(tuple(ranks), index, rows, balanced)
+    if len(ranks) == 1:
+        return _RingAttention.apply(query, key, value, mask, ring, scale, causal)
+    if balanced:
+        query, key, value = (_Deal.apply(t.contiguous(), ring, False) for t in (query, key, value))
+    out = _RingAttention.apply(query, key, value, mask, ring, scale, causal)
+    return _Deal.apply(out, ring, True) if balanced else out

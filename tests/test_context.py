@@ -1,0 +1,158 @@
+"""Context parallelism equals plain PyTorch: a ``cp`` mesh axis feeds each rank its part of
+every sequence, and causal attention over the whole sequence is computed by each method
+(``attention="allgather"``, ``"ulysses"``, ``"ring"``). The GPT and Llama reference models and
+transformers' Llama (explicit masks, labels shifted across the split) train 5 AdamW steps in
+float64 beside the eager model stepped by ``torch.optim``: every step's loss and every
+parameter compared (docs/parallelism/sequence.md)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from autoshard import parallelize, shard_inputs, single_device
+from autoshard.graph import capture_modes
+from autoshard.ops import StrategyError
+from autoshard.ops.contraction import ATTENTION_METHODS
+from autoshard.testing import run_ranks
+from tests.test_pipeline import _batches, _labels, _model
+
+LAYERS = 2
+_CAPTURED: dict[str, Any] = {}
+
+
+def _megatron(name: str) -> dict[str, tuple]:
+    """Megatron's tensor parallel over ``tp`` with the sequence dim of every activation the
+    linears read over ``cp``."""
+    seq = (None, "cp", None)
+    col, row = (seq, ("tp", None)), ((None, "cp", "tp"), (None, "tp"))
+    if name == "gpt":
+        from autoshard import Factored
+
+        qkv = Factored((3, 4, 8), (None, "tp", None))
+        return {
+            "layers.*.attn.c_attn": (seq, (qkv, None)),
+            "layers.*.attn.c_proj": row,
+            "layers.*.mlp.c_fc": col,
+            "layers.*.mlp.c_proj": row,
+        }
+    if name == "llama":
+        return {
+            "layers.*.attention.w[qkv]": col,
+            "layers.*.attention.wo": row,
+            "layers.*.feed_forward.w[13]": col,
+            "layers.*.feed_forward.w2": row,
+        }
+    layer = "model.model.layers.*"
+    return {
+        f"{layer}.self_attn.[qkv]_proj": col,
+        f"{layer}.self_attn.o_proj": row,
+        f"{layer}.mlp.gate_proj": col,
+        f"{layer}.mlp.up_proj": col,
+        f"{layer}.mlp.down_proj": row,
+    }
+
+
+def _against_pytorch(name: str, mesh: dict, attention: str) -> str:
+    """Train under ``mesh`` fed each rank's part of the batch and eagerly; '' when every loss
+    and parameter agree and each rank was fed ``1/cp`` of every sequence."""
+    model = _model(name, LAYERS)
+    ref = copy.deepcopy(model)
+    batches = _labels() if name == "hf-llama" else _batches()
+    atol = 1e-6 if name == "hf-llama" else 1e-8  # transformers' upcast logits: float32 loss
+    if name not in _CAPTURED:
+        _CAPTURED[name] = capture_modes(model, batches[0])
+    strategies = _megatron(name) if "tp" in mesh else None
+    pm = parallelize(
+        model, batches[0], mesh, strategies, captured=_CAPTURED[name], attention=attention
+    )
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    where = f"{name} {mesh} {attention}"
+    for step, batch in enumerate(batches):
+        mine = shard_inputs(batch, pm)
+        fed = [tuple(t.shape) for t in mine]
+        want = [(t.shape[0] // mesh.get("dp", 1), t.shape[1] // mesh["cp"]) for t in batch]
+        if fed != want:
+            return f"{where}: fed {fed}, expected {want}"
+        loss = pm(*mine)
+        loss.backward()
+        expected = ref(*batch)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        if not torch.allclose(loss.detach(), expected.detach(), atol=atol):
+            return f"{where}: step {step} loss {float(loss)} != {float(expected)}"
+    full, want_state = pm.full_state_dict(), ref.state_dict()
+    for key, value in want_state.items():
+        if not torch.allclose(full[key], value, atol=atol):
+            return f"{where}: {key} differs"
+    return ""
+
+
+def _cases(meshes: list[dict]) -> list[str]:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    return [
+        _against_pytorch(name, mesh, attention)
+        for mesh in meshes
+        for name in ("gpt", "llama", "hf-llama")
+        for attention in ATTENTION_METHODS
+    ]
+
+
+def _with_dropout() -> str:
+    """GPT with dropout on under a ring over ``cp``: the masks any split draws are one
+    device's (``single_device``: autoshard's program on one device, the same masks)."""
+    from tests.test_runtime import batches, build
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model, config = build("gpt", 0.1)
+    model = model.to(torch.float64)
+    data = batches(config, torch.float64)
+    captured = capture_modes(model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], {"cp": 2}, captured=captured, attention="ring")
+    opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, ref))
+    for step, batch in enumerate(data):
+        loss, want = pm(*shard_inputs(batch, pm)), ref(*batch)
+        loss.backward()
+        want.backward()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        if not torch.allclose(loss, want):
+            return f"dropout: step {step} loss {float(loss)} != {float(want)}"
+    full, want_state = pm.full_state_dict(), ref.full_state_dict()
+    bad = [k for k in want_state if not torch.allclose(full[k], want_state[k])]
+    return f"dropout: {bad} differ" if bad else ""
+
+
+def _world2() -> list[str]:
+    return _cases([{"cp": 2}]) + [_with_dropout()]
+
+
+def test_context_parallel_on_2_ranks_trains_as_pytorch() -> None:
+    for failures in run_ranks(_world2, 2, timeout=600):
+        assert not [f for f in failures if f], failures
+
+
+def test_context_parallel_on_4_ranks_trains_as_pytorch() -> None:
+    meshes = [{"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}]
+    for failures in run_ranks(_cases, 4, meshes, timeout=900):
+        assert not [f for f in failures if f], failures
+
+
+def test_an_unknown_attention_method_is_an_error() -> None:
+    model = _model("gpt", 1)
+    batch = _batches()[0]
+    with pytest.raises(StrategyError, match="attention='flash'.*allgather, ulysses, ring"):
+        parallelize(model, batch, {"cp": 1}, attention="flash")
