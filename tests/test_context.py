@@ -136,19 +136,118 @@ def _with_dropout() -> str:
     return f"dropout: {bad} differ" if bad else ""
 
 
-def _world2() -> list[str]:
-    return _cases([{"cp": 2}]) + [_with_dropout()]
+# -- activation memory ----------------------------------------------------------------------------
+
+SEQ, HIDDEN = 128, 32
+
+
+def _saved_for_backward(run: Any, params: Any) -> int:
+    """The bytes of the distinct storages a forward saves for backward, parameters left out
+    (saved-tensor hooks see every tensor autograd keeps)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def _long_gpt(dropout: float = 0.0) -> tuple[torch.nn.Module, tuple]:
+    from autoshard.models import build, reference_config
+
+    torch.manual_seed(0)
+    config = reference_config("gpt", layers=2, hidden=HIDDEN, heads=4, ffn=128, vocab=64,
+                              seq=SEQ, dropout=dropout)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    batch = tuple(torch.randint(0, 64, (2, SEQ), generator=gen) for _ in range(2))
+    return build(config), batch
+
+
+def _memory(mesh: dict, attention: str | None, strategies: Any = None, dropout: float = 0.0):
+    """(measured, predicted) bytes one rank keeps for backward: saved-tensor hooks, and the
+    cost model's activation memory of the same plan."""
+    from autoshard.cost import cluster_spec, estimate
+
+    model, batch = _long_gpt(dropout)
+    pm = parallelize(model, batch, mesh, strategies, attention=attention)
+    mine = shard_inputs(batch, pm)
+    measured = _saved_for_backward(lambda: pm(*mine), pm.local_tensors().values())
+    predicted = estimate(pm.plan, pm.plan.graph, cluster_spec("dgx-h100"))
+    return measured, predicted.memory["activations"]
+
+
+def _memories(cp: int) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    out = {a: _memory({"cp": cp}, a) for a in ATTENTION_METHODS}
+    if cp == 2:
+        from tests.test_runtime import megatron, sequence_parallel
+
+        out["tp"] = _memory({"tp": 2}, None, megatron("gpt"), dropout=0.1)
+        out["tp+sp"] = _memory({"tp": 2}, None, sequence_parallel(), dropout=0.1)
+    return out
+
+
+def _check_memory(per_rank: list[dict], cp: int) -> None:
+    """Ring and Ulysses keep ``1/cp`` of one device's activations, but for the few replicated
+    values (the loss's); all-gather keeps the gathered keys and values besides. The cost
+    model's prediction of each falls as the measured bytes do."""
+    from autoshard.cost import cluster_spec, estimate
+    from autoshard.runtime.entry import parallelize as plan_one
+
+    model, batch = _long_gpt()
+    one = _saved_for_backward(lambda: model(*batch), model.parameters())
+    one_predicted = estimate(
+        plan_one(model, batch, 1).plan, plan_one(model, batch, 1).plan.graph,
+        cluster_spec("dgx-h100"),
+    ).memory["activations"]  # fmt: skip
+    for mine in per_rank:
+        for method in ("ring", "ulysses"):
+            measured, predicted = mine[method]
+            assert measured <= one / cp * 1.06, (method, measured, one)
+            assert one_predicted / predicted == pytest.approx(one / measured, rel=0.1)
+        gathered, predicted = mine["allgather"]
+        kv = 2 * 2 * SEQ * HIDDEN * 4  # a layer's whole keys and values (batch 2, float32)
+        assert gathered >= mine["ring"][0] + 2 * kv, (gathered, mine["ring"])
+        assert one_predicted / predicted == pytest.approx(one / gathered, rel=0.1)
+
+
+def _world2() -> tuple[list[str], dict]:
+    return _cases([{"cp": 2}]) + [_with_dropout()], _memories(2)
 
 
 def test_context_parallel_on_2_ranks_trains_as_pytorch() -> None:
-    for failures in run_ranks(_world2, 2, timeout=600):
+    """And keeps a cp-th of the activations (docs/parallelism/sequence.md): sequence
+    parallelism's regions (norm inputs, dropout masks) a t-th."""
+    per_rank = run_ranks(_world2, 2, timeout=600)
+    for failures, _ in per_rank:
         assert not [f for f in failures if f], failures
+    memories = [m for _, m in per_rank]
+    _check_memory(memories, 2)
+    for mine in memories:
+        (tp, _), (sp, _) = mine["tp"], mine["tp+sp"]
+        # Korthikanti et al.'s regions a tp rank splits under sequence parallelism: each
+        # layer's two norm inputs (float32) and two dropout masks (bool), sbh each, halved
+        regions = 2 * (2 * 4 + 2 * 1) * 2 * SEQ * HIDDEN * (1 - 1 / 2)
+        assert tp - sp >= regions, (tp, sp, regions)
+
+
+def _world4(meshes: list[dict]) -> tuple[list[str], dict]:
+    return _cases(meshes), _memories(4)
 
 
 def test_context_parallel_on_4_ranks_trains_as_pytorch() -> None:
     meshes = [{"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}]
-    for failures in run_ranks(_cases, 4, meshes, timeout=900):
+    per_rank = run_ranks(_world4, 4, meshes, timeout=900)
+    for failures, _ in per_rank:
         assert not [f for f in failures if f], failures
+    _check_memory([m for _, m in per_rank], 4)
 
 
 def test_an_unknown_attention_method_is_an_error() -> None:

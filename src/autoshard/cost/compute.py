@@ -61,6 +61,16 @@ def saves_output(node: fx.Node) -> bool:
     return not rule_for(node).is_shape_op
 
 
+def saved_bytes(node: fx.Node, strategy: Strategy) -> float:
+    """The bytes of activations ``node`` keeps for backward on a rank under ``strategy``: its
+    outputs (``saves_output``) and the copies of its inputs that only it holds
+    (``OpRule.held_inputs``: an attention's gathered keys and values)."""
+    held = float(rule_for(node).held_inputs(node, strategy)) if node_info(node).kind == "op" else 0
+    if saves_output(node):
+        held += sum(local_bytes(o) for o in strategy.outs)
+    return held
+
+
 def optimizer_time(layout: Layout, cluster: ClusterSpec, share: float = 1.0) -> float:
     """One AdamW step on a parameter shard (``share`` of it under ZeRO): about ten elementwise
     ops over it (torch.optim's per-parameter loop), ``optimizer_passes`` times its bytes of
@@ -69,4 +79,4 @@ def optimizer_time(layout: Layout, cluster: ClusterSpec, share: float = 1.0) -> 
     return 10 * cluster.op_overhead + traffic / cluster.memory_bandwidth
 
 
-__all__ = ["local_bytes", "op_time", "optimizer_time", "saves_output"]
+__all__ = ["local_bytes", "op_time", "optimizer_time", "saved_bytes", "saves_output"]

@@ -25,7 +25,7 @@ from autoshard.cost.collectives import (
     group_size,
     transition,
 )
-from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saved_bytes
 from autoshard.cost.decisions import OpDecisions, ParamDecisions, PlanDecisions
 from autoshard.cost.timeline import Overlapped, exposed
 from autoshard.cost.zero import (
@@ -234,8 +234,7 @@ def _price_node(
     est.comm_forward += fwd
     est.comm_backward += bwd if og[node].requires_grad else 0.0
     est.model_flops += og[node].flops
-    if saves_output(node):
-        est.memory["activations"] += sum(local_bytes(o) for o in strategy.outs)
+    est.memory["activations"] += saved_bytes(node, strategy)
     args = tensor_inputs(node)
     for i, (src, dst) in node_plan.moves.items():
         est.comm_forward += transition(src, dst, cluster).seconds

@@ -157,6 +157,11 @@ class OpRule:
         inserts around it): none for almost every op."""
         return ()
 
+    def held_inputs(self, node: fx.Node, strategy: Strategy) -> float:
+        """Bytes of input copies the op keeps for backward that no other op holds (a moved
+        input the op saves, beyond its producer's share): none for most ops."""
+        return 0.0
+
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         """This rank's work under ``strategy``; ``needs_grad[i]``: whether tensor input ``i``
         needs a gradient. A memory-bound op reads its inputs and writes its outputs; its

@@ -104,7 +104,7 @@ class Attention(SpaceRule):
     dims whole. Two products: scores from query and key, then the output from the
     probabilities (made from query and key) and the value. A causal attention with its query
     length split sees all the keys (gathered: context parallelism's all-gather method) and
-    masks from its rows' offset (``local.causal_attention_rows``)."""
+    masks from its rows' offset (``ring.causal_rows_attention``)."""
 
     #: a fused kernel works on square tiles of this many rows; a causal one skips the tiles
     #: above the diagonal
@@ -172,16 +172,28 @@ class Attention(SpaceRule):
         )  # fmt: skip
         return self.layouts(node, moved), strategy.outs[0]
 
+    def held_inputs(self, node: fx.Node, strategy: Strategy) -> float:
+        """The all-gather method keeps the gathered keys and values for backward, held by
+        this op alone."""
+        if self.method(node, strategy) != "allgather":
+            return 0.0
+        return float(sum(t.local_numel * t.dtype.itemsize for t in strategy.ins[1:3]))
+
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         base = super().cost(node, strategy, needs_grad)
         work = 1.0
         method = self.method(node, strategy)
-        if node_arg(node, 5, "is_causal", False) and method != "allgather":
+        causal = node_arg(node, 5, "is_causal", False)
+        if causal and method == "allgather":
+            # rows i of n see the keys up to their own: the last rows the most
+            q = strategy.ins[0]
+            n = q.shape[-2] // q.local_shape()[-2]
+            work = 1 - 1 / (2 * n)
+        elif causal:
             # tiles above the diagonal skipped; a ring deals each rank an early and a late
             # chunk, so every rank skips as many
             k_len = self.space(node).sizes[-3]
             work = min(1.0, 0.5 + self.TILE / (2 * k_len))
-        # split rows see every key through an explicit mask: every tile computed
         return replace(base, kind="attention", work=work)
 
     def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
@@ -227,7 +239,7 @@ class Attention(SpaceRule):
         if not isinstance(rows, slice):
             raise StrategyError(f"{node_title(node)}: the query rows' split must be contiguous")
         scale, gqa = kwargs.get("scale"), kwargs.get("enable_gqa", False)
-        return low.call(local.causal_attention_rows, (*args[:3], rows.start, scale, gqa), {})
+        return low.call(ring.causal_rows_attention, (*args[:3], rows.start, scale, gqa), {})
 
     def make_space(self, node: fx.Node) -> Space:
         q, k, v = (shape_of(n) for n in node.args[:3])

@@ -84,23 +84,6 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torc
     return out * mine.unsqueeze(-1).to(out.dtype)
 
 
-def causal_attention_rows(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    start: int,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """Query rows ``start:start+L`` of a causal attention whose keys are all here: key ``j`` is
-    seen by row ``i`` when ``j <= start + i`` (``is_causal`` would align the mask to row 0)."""
-    rows = torch.arange(start, start + query.shape[-2], device=query.device)
-    mask = torch.arange(key.shape[-2], device=query.device) <= rows[:, None]
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-    )
-
-
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,

@@ -24,30 +24,43 @@ import torch
 
 from autoshard import comm
 
-__all__ = ["Ring", "ring_attention"]
+__all__ = ["Ring", "causal_rows_attention", "ring_attention"]
 
 
 @dataclass(frozen=True)
 class Ring:
     """The ranks holding the sequence's blocks, in sequence order; this rank's place in it;
-    the rows a rank holds; whether chunks are dealt for a causal balance."""
+    the rows a rank holds; whether chunks are dealt for a causal balance. A ring of one rank
+    with ``start`` and ``keys`` set is a rank's rows from ``start`` against all ``keys``
+    keys held here (the all-gather method)."""
 
     ranks: tuple[int, ...]
     index: int
     rows: int
     balanced: bool
+    start: int = 0
+    keys: int | None = None
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     def chunks(self, block: int) -> list[tuple[int, int, int]]:
-        """(local row offset, global position, length) of the chunks ring position ``block``
-        holds inside the op."""
+        """(local row offset, global position, length) of the chunks of keys ring position
+        ``block`` holds inside the op."""
+        if self.keys is not None:  # before the rows, beside them (causal), after them
+            cuts = [0, self.start, self.start + self.rows, self.keys]
+            return [(a, a, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
         if not self.balanced:
             return [(0, block * self.rows, self.rows)]
         half = self.rows // 2
         return [(0, block * half, half), (half, (2 * self.size - 1 - block) * half, half)]
+
+    def query_chunks(self) -> list[tuple[int, int, int]]:
+        """The chunks of this rank's query rows, as :meth:`chunks` gives them."""
+        if self.keys is not None:
+            return [(0, self.start, self.rows)]
+        return self.chunks(self.index)
 
     def next(self) -> int:
         return self.ranks[(self.index + 1) % self.size]
@@ -110,7 +123,7 @@ def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, Any
     query and key positions to mask from; key chunks wholly after the query chunk are left
     out."""
     out = []
-    for q_off, q_pos, q_len in ring.chunks(ring.index):
+    for q_off, q_pos, q_len in ring.query_chunks():
         for k_off, k_pos, k_len in ring.chunks(block):
             rows, keys = slice(q_off, q_off + q_len), slice(k_off, k_off + k_len)
             if causal and k_pos > q_pos + q_len - 1:
@@ -271,3 +284,22 @@ def ring_attention(
         query, key, value = (_Deal.apply(t.contiguous(), ring, False) for t in (query, key, value))
     out = _RingAttention.apply(query, key, value, mask, ring, scale, causal)
     return _Deal.apply(out, ring, True) if balanced else out
+
+
+def causal_rows_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: int,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Query rows ``start:start+L`` of a causal attention whose keys are all here (key ``j``
+    seen by row ``i`` when ``j <= start + i``), by the ring's online softmax on one rank:
+    backward keeps the rows' log-sum-exp, never an ``L x S`` mask or probabilities."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    ring = Ring((-1,), 0, query.shape[-2], False, start, key.shape[-2])
+    return _RingAttention.apply(query, key, value, None, ring, scale, True)

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
 from autoshard.cost.collectives import exchange_times, gradient_transition
-from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saves_output
+from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saved_bytes
 from autoshard.cost.zero import ZeroParam, zero_param
 from autoshard.graph import node_info
 from autoshard.layout import Layout
@@ -267,8 +267,7 @@ class Region:
             fwd, bwd = op_time(node, strategy, self.cluster)
             seconds, backward = seconds + fwd + bwd, backward + bwd
             seconds += own_exchanges(node, strategy, self.cluster)
-            if saves_output(node):
-                memory += sum(local_bytes(o) for o in strategy.outs)
+            memory += saved_bytes(node, strategy)
             _set_outputs(node, strategy, values)
         for f in self.followers[node]:
             if node_info(f).kind == "getitem":
@@ -321,8 +320,7 @@ class Region:
                 a, grad, want, self.cluster, leading=a in self.leading
             )
             seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
-        if saves_output(f):
-            memory += sum(local_bytes(o) for o in strategy.outs)
+        memory += saved_bytes(f, strategy)
         _set_outputs(f, strategy, values)
         return seconds, memory, (bucketed, bwd)
 
