@@ -218,8 +218,64 @@ def _check_memory(per_rank: list[dict], cp: int) -> None:
         assert one_predicted / predicted == pytest.approx(one / gathered, rel=0.1)
 
 
+def _tensor_parallel(name: str) -> dict[str, tuple]:
+    from tests.test_checkpoint import _megatron_hf_llama
+    from tests.test_runtime import megatron
+
+    return _megatron_hf_llama() if name == "hf-llama" else megatron(name)
+
+
+def _sequence_parallel(name: str) -> str:
+    """Megatron's tensor parallel strategies alone, with ``sequence_parallel=True``: trains
+    as PyTorch, and its activations move what plain tensor parallelism's do (all-gathers and
+    reduce-scatters for all-reduces)."""
+    from autoshard import comm
+    from autoshard.redistribution import gradient_sum
+
+    moved = {}
+    for sp in (False, True):
+        model = _model(name, LAYERS)
+        ref = copy.deepcopy(model)
+        batches = _labels() if name == "hf-llama" else _batches()
+        atol = 1e-6 if name == "hf-llama" else 1e-8
+        pm = parallelize(model, batches[0], {"tp": 2}, _tensor_parallel(name),
+                         captured=_CAPTURED.get(name), sequence_parallel=sp)  # fmt: skip
+        opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, ref))
+        for step, batch in enumerate(batches):
+            with comm.counting() as counted:
+                loss = pm(*shard_inputs(batch, pm))
+                loss.backward()
+            want = ref(*batch)
+            want.backward()
+            for o in (opt, opt_ref):
+                o.step()
+                o.zero_grad()
+            if not torch.allclose(loss.detach(), want.detach(), atol=atol):
+                return f"{name} sequence_parallel={sp}: step {step} loss {loss} != {want}"
+        # a step's bytes, measured, less the parameters' gradient sums (under sequence
+        # parallelism the replicated embedding's and norms' gradients are partial too)
+        sums = sum(
+            gradient_sum(p.grad_partial, p.layout.with_dtype(p.grad_partial.dtype)).bytes
+            for p in pm.plan.params.values()
+            if p.grad_partial is not None
+        )
+        moved[sp] = sum(c["bytes"] for c in counted.values()) - sums
+        kinds = set(counted)
+        if sp and not {"all_gather", "reduce_scatter"} <= kinds:
+            return f"{name}: sequence parallel ran {kinds}"
+        full = pm.full_state_dict()
+        bad = [k for k, v in ref.state_dict().items() if not torch.allclose(full[k], v, atol=atol)]
+        if bad:
+            return f"{name} sequence_parallel={sp}: {bad} differ"
+    if moved[True] > moved[False] * 1.01:  # the labels' shift gathers a few ids besides
+        return f"{name}: sequence parallel moves {moved[True]} bytes, tensor {moved[False]}"
+    return ""
+
+
 def _world2() -> tuple[list[str], dict]:
-    return _cases([{"cp": 2}]) + [_with_dropout()], _memories(2)
+    failures = _cases([{"cp": 2}]) + [_with_dropout()]
+    failures += [_sequence_parallel(name) for name in ("gpt", "llama", "hf-llama")]
+    return failures, _memories(2)
 
 
 def test_context_parallel_on_2_ranks_trains_as_pytorch() -> None:

@@ -15,8 +15,9 @@ from autoshard.precision import Precision
 
 
 class OpDecisions(Protocol):
-    """One op's: its strategy, the moves of its inputs (index -> (from, to)) and the sums of
-    its inputs' gradients it runs (index -> (partial, whole))."""
+    """One op's: its strategy, the moves of its inputs (index -> (from, to)), the sums of
+    its inputs' gradients it runs (index -> (partial, whole)) and the moves it takes from an
+    earlier reader of the same value (index -> that reader), which cost it nothing."""
 
     @property
     def strategy(self) -> Strategy: ...
@@ -26,6 +27,9 @@ class OpDecisions(Protocol):
 
     @property
     def grad_reduce(self) -> Mapping[int, tuple[Layout, Layout]]: ...
+
+    @property
+    def reuses(self) -> Mapping[int, str]: ...
 
 
 class ParamDecisions(Protocol):

@@ -237,6 +237,8 @@ def _price_node(
     est.memory["activations"] += saved_bytes(node, strategy)
     args = tensor_inputs(node)
     for i, (src, dst) in node_plan.moves.items():
+        if i in node_plan.reuses:  # an earlier reader moved it (and sums its gradient)
+            continue
         est.comm_forward += transition(src, dst, cluster).seconds
         if og[args[i]].requires_grad:  # the reader's pending sums with it (backward_plan)
             grad = node_plan.grad_reduce[i][0] if i in node_plan.grad_reduce else None

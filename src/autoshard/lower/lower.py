@@ -120,6 +120,9 @@ class _Lowerer:
         self.root = nn.Module()
         self._count = itertools.count()
         self.env: dict[fx.Node, Any] = {}
+        #: moved values by (value, source, target, gradient summed): a later reader's move of
+        #: the same value alike (``NodePlan.reuses``) takes the first one's
+        self.moved: dict[tuple, fx.Node] = {}
 
     def value(self, node: fx.Node) -> Any:
         """What the program holds for ``node``; a parameter read through a module (a ZeRO
@@ -295,8 +298,11 @@ def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
     for i, arg in enumerate(tensor_inputs(node)):
         v = low.value(arg)
         if i in node_plan.moves:  # its backward sums the gradient too (NodePlan.grad_source)
-            move = Redistribute(*node_plan.moves[i], node_plan.grad_source(i))
-            v = low.module(move, (v,), "redistribute")
+            key = (arg, *node_plan.moves[i], node_plan.grad_source(i))
+            if key not in low.moved:
+                move = Redistribute(*node_plan.moves[i], node_plan.grad_source(i))
+                low.moved[key] = low.module(move, (v,), "redistribute")
+            v = low.moved[key]
         elif i in node_plan.grad_reduce:
             v = low.module(ReduceGrad(*node_plan.grad_reduce[i]), (v,), "reduce_grad")
         values.append(v)

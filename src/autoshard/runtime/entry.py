@@ -57,6 +57,7 @@ def parallelize(
     virtual_stages: int = 1,
     recompute: str | Mapping[str, str] | None = None,
     attention: str | None = None,
+    sequence_parallel: bool = False,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies, check every rank planned the same, and lower this rank's part.
@@ -87,7 +88,10 @@ def parallelize(
     their activations (docs/parallelism/pipeline.md). A mesh axis ``cp`` splits the inputs'
     sequence dim (dim 1) and every activation after them (docs/parallelism/sequence.md);
     ``attention`` (``"allgather"``, the default, ``"ulysses"`` or ``"ring"``) is how an
-    attention computes its query rows split by sequence."""
+    attention computes its query rows split by sequence. ``sequence_parallel``: the values
+    pending a sum over tensor-parallel axes (row-split linears' outputs) are reduce-scattered
+    by sequence, so the norms, dropouts and residual adds between the tensor-parallel linears
+    run on a block of the sequence (Megatron's sequence parallelism)."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if search is not None and plan is not None:
         raise ValueError("parallelize: give search= or plan=, not both")
@@ -97,7 +101,7 @@ def parallelize(
             seed,
             (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute),
             timeout_s, (schedule, microbatches, stages, virtual_stages),
-            (search, cluster, plan, captured), attention,
+            (search, cluster, plan, captured), (attention, sequence_parallel),
         )  # fmt: skip
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, init)
@@ -114,7 +118,9 @@ def parallelize(
     )
     info = mesh_info(mesh)
     rank = check_world(info, source, timeout_s)
-    plans = _plan_modes(captured, info, ready, strategies, input_layouts, source, attention)
+    plans = _plan_modes(
+        captured, info, ready, strategies, input_layouts, source, attention, sequence_parallel
+    )
     plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
     _compare_plans(plans[True], rank)
     options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init, recompute)

@@ -46,11 +46,12 @@ def parallelize_pipeline(
     timeout_s: float | None,
     pipeline: tuple,
     planning: tuple,
-    attention: str | None = None,
+    sequence: tuple = (None, False),
 ) -> PipelineModule:
     """``parallelize`` of a mesh with a ``pp`` axis (its arguments, in its order; ``pipeline``:
     schedule, microbatches, stages, virtual_stages; ``planning``: search, cluster, plan and
-    the capture of one micro-batch, if made already)."""
+    the capture of one micro-batch, if made already; ``sequence``: attention and
+    sequence_parallel)."""
     # Whole: parallelize's steps in its order (plan, capture, check, cut, lower), for stages
     replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute = options
     stages = pipeline[2]
@@ -87,7 +88,7 @@ def parallelize_pipeline(
         strategies = ready.strategies
     rank = check_world(info, source, timeout_s)
     plans = _plan_modes(
-        captured, stage_mesh(info), ready, strategies, input_layouts, source, attention
+        captured, stage_mesh(info), ready, strategies, input_layouts, source, *sequence
     )
     plans[True] = dataclasses.replace(plans[True], zero=check_zero(zero or 0))
     _compare_plans(plans[True], rank)

@@ -65,14 +65,16 @@ def _plan_modes(
     input_layouts: Any,
     source: str = "",
     attention: str | None = None,
+    sequence_parallel: bool = False,
 ) -> dict[bool, Plan]:
     """The train graph's plan (``ready`` when given) and the eval graph's, which keeps the
     train graph's parameter layouts. ``source``: the plan the strategies came from, named in
     an error when they do not fit the model."""
     try:
         train = ready or plan_graph(
-            captured[True], info, strategies, input_layouts=input_layouts, attention=attention
-        )
+            captured[True], info, strategies, input_layouts=input_layouts, attention=attention,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
     except StrategyError as err:
         if not source:
             raise
@@ -86,6 +88,7 @@ def _plan_modes(
         param_layouts=param_layouts,
         strict=False,  # dropout nodes exist in the train graph only
         attention=attention,
+        sequence_parallel=sequence_parallel,
     )
     return {True: train, False: evaluate}
 

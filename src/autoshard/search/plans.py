@@ -62,9 +62,16 @@ class NodePlan:
     configured: bool
     moves: dict[int, tuple[Layout, Layout]] = field(default_factory=dict)
     grad_reduce: dict[int, tuple[Layout, Layout]] = field(default_factory=dict)
+    #: moved inputs whose move an earlier reader of the same value made (the same layouts and
+    #: gradient sum): the program runs it once, and its backward sums every reader's part
+    reuses: dict[int, str] = field(default_factory=dict)
 
     def forward_bytes(self) -> int:
-        return sum(redistribution_plan(s, d).bytes for s, d in self.moves.values())
+        return sum(
+            redistribution_plan(s, d).bytes
+            for i, (s, d) in self.moves.items()
+            if i not in self.reuses
+        )
 
     def grad_source(self, i: int) -> Layout | None:
         """The partial gradient input ``i``'s move sums in its backward (``backward_plan``),
@@ -77,7 +84,7 @@ class NodePlan:
         total = sum(
             backward_plan(s, d, self.grad_source(i)).bytes
             for i, (s, d) in self.moves.items()
-            if i not in no_grad
+            if i not in no_grad and i not in self.reuses
         )
         return total + sum(
             redistribution_plan(p, f).bytes
@@ -264,7 +271,9 @@ def format_plan(plan: Plan) -> str:
         if not (n.configured or n.moves or n.grad_reduce or n.strategy.replicated_fallback):
             continue
         comm = [
-            f"in{i}: " + "+".join(s.kind for s in redistribution_plan(a, b).steps)
+            f"in{i}: {n.reuses[i]}'s"
+            if i in n.reuses
+            else f"in{i}: " + "+".join(s.kind for s in redistribution_plan(a, b).steps)
             for i, (a, b) in n.moves.items()
         ]
         comm += [  # a moved input's sum runs in its move's backward (NodePlan.grad_source)
@@ -275,6 +284,7 @@ def format_plan(plan: Plan) -> str:
                 else redistribution_plan(g, w).steps
             )
             for i, (g, w) in n.grad_reduce.items()
+            if i not in n.reuses
         ]
         no_grad: set[int] = set()
         if og is not None and n.node in og.by_name:

@@ -10,6 +10,7 @@ parameter is used in its stored layout).
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.graph import OpGraph
-from autoshard.layout import Factored, Layout, LayoutError
+from autoshard.layout import NOT_SPLIT, Factored, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy, StrategyError, node_title, rule_for, tensor_inputs
 from autoshard.ops.contraction import Attention
@@ -107,18 +108,28 @@ def _configured(node: fx.Node, value: Any, mesh: MeshInfo) -> Strategy:
 # -- the walk --------------------------------------------------------------------------------------
 
 
-def _default_input(og: OpGraph, node: fx.Node, mesh: MeshInfo) -> Layout:
+def _default_input(
+    og: OpGraph, node: fx.Node, mesh: MeshInfo, sequence_parallel: bool = False
+) -> Layout:
     """An input's batch dim (0) split over the data-parallel axes and its sequence dim (1)
-    over the context-parallel ones, where they divide it."""
+    over the context-parallel ones (and, under sequence parallelism, the tensor-parallel
+    ones), where they divide it."""
     shape, dtype = og[node].shape, og[node].dtype
     spec: list[Any] = [None] * len(shape)
     if mesh.dp and shape and shape[0] % mesh.size_of(mesh.dp) == 0:
         spec[0] = mesh.dp
-    if mesh.cp and len(shape) >= 2 and shape[1] % mesh.size_of(mesh.cp) == 0:
-        spec[1] = mesh.cp
+    seq = mesh.cp + (tensor_axes(mesh) if sequence_parallel else ())
+    if seq and len(shape) >= 2 and shape[1] % mesh.size_of(seq) == 0:
+        spec[1] = seq
     if all(s is None for s in spec):
         return Layout.replicated(shape, mesh.num_devices, dtype=dtype)
     return Layout.from_named(shape, spec, mesh.as_dict(), dtype=dtype)
+
+
+def tensor_axes(mesh: MeshInfo) -> tuple[str, ...]:
+    """The mesh's tensor-parallel axes (``tp``, ``tp_*``): what sequence parallelism splits
+    the sequence over between them."""
+    return tuple(n for n in mesh.names if n == "tp" or n.startswith("tp_"))
 
 
 class _Walk:
@@ -126,10 +137,15 @@ class _Walk:
     layouts, and the parameter uses whose gradient sum may be deferred to one per parameter."""
 
     def __init__(
-        self, og: OpGraph, mesh: MeshInfo, configured: dict[str, Any], attention: str | None
+        self,
+        og: OpGraph,
+        mesh: MeshInfo,
+        configured: dict[str, Any],
+        attention: str | None,
+        sequence_parallel: bool = False,
     ) -> None:
         self.og, self.mesh, self.configured = og, mesh, configured
-        self.attention = attention
+        self.attention, self.sequence_parallel = attention, sequence_parallel
         #: the layout an op's readers take its value in when not its own (after Ulysses)
         self.preferred: dict[fx.Node, Layout] = {}
         self.layouts: dict[fx.Node, list[Layout | None]] = {}
@@ -143,7 +159,9 @@ class _Walk:
     def placeholder(self, node: fx.Node, input_layouts: Mapping, param_layouts: Mapping) -> None:
         info = self.og[node]
         if info.kind == "input":
-            layout = input_layouts.get(node.name) or _default_input(self.og, node, self.mesh)
+            layout = input_layouts.get(node.name) or _default_input(
+                self.og, node, self.mesh, self.sequence_parallel
+            )
             self.inputs[node.name] = layout
             self.layouts[node] = [layout]
             return
@@ -158,6 +176,8 @@ class _Walk:
             for a in args
         ]
         configured = node.name in self.configured
+        if self.sequence_parallel and not configured:
+            ins = [self._scattered(a, layout) for a, layout in zip(args, ins, strict=True)]
         rule = rule_for(node)
         try:
             if configured:
@@ -177,6 +197,24 @@ class _Walk:
             self._input(plan, i, arg, want, strategy.grads[i])
         self.layouts[node] = list(strategy.outs)
         self.nodes[node.name] = plan
+
+    def _scattered(self, arg: fx.Node, layout: Layout | None) -> Layout | None:
+        """Sequence parallelism: an activation pending a sum (a row-split linear's output, a
+        split vocabulary's lookup) is taken summed and split by sequence (dim 1) over the
+        axes it is pending on, one reduce-scatter, where it would be all-reduced; the ops
+        after it follow the split until a linear configured to read it whole gathers it."""
+        if layout is None or not layout.partial or self.og[arg].is_state:
+            return layout
+        shape = layout.shape
+        axes = sorted(layout.partial)
+        n = math.prod(layout.mesh[a] for a in axes)
+        if len(shape) < 3 or shape[1] % n or any(a != NOT_SPLIT for _, a in layout.factors[1]):
+            return layout
+        factors = list(layout.factors)
+        factors[1] = (*((layout.mesh[a], a) for a in axes), (shape[1] // n, NOT_SPLIT))
+        return Layout.from_factors(
+            shape, layout.mesh, factors, (), layout.ranks, layout.dtype, layout.axis_names
+        )
 
     def _input(self, plan: NodePlan, i: int, arg: fx.Node, want: Layout, grad: Layout) -> None:
         info = self.og[arg]
@@ -247,6 +285,22 @@ class _Walk:
             params[info.fqn] = plan
         return params
 
+    def share_moves(self) -> None:
+        """A value several readers move alike (the same layouts and gradient sum: a norm's
+        output gathered for column-split q, k and v under sequence parallelism) is moved once:
+        the later readers take the first one's result (``NodePlan.reuses``), and its backward
+        sums all their gradient parts at once."""
+        first: dict[tuple, str] = {}
+        for plan in self.nodes.values():
+            node = self.og.by_name[plan.node]
+            args = tensor_inputs(node)
+            for i, (src, dst) in plan.moves.items():
+                key = (args[i], src, dst, plan.grad_source(i))
+                if key in first:
+                    plan.reuses[i] = first[key]
+                else:
+                    first[key] = plan.node
+
     def share_reductions(self) -> dict[str, tuple[Layout, Layout]]:
         """Values every reader of which needs the same sum of its gradient part, with no move
         in between: one sum, once autograd has added the parts (the input of column-split q, k
@@ -296,12 +350,16 @@ def plan_graph(
     param_layouts: Mapping[str, Layout] | None = None,
     strict: bool = True,
     attention: str | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Plan every node of ``og`` on ``mesh`` (``param_layouts`` pins stored layouts, as the eval
     graph must share the train graph's parameters). ``attention``: how an attention not
     configured computes query rows split by sequence (``ATTENTION_METHODS``; default every
-    key gathered)."""
-    walk = _Walk(og, mesh, match_strategies(og, strategies or {}, strict), attention)
+    key gathered). ``sequence_parallel``: the values pending a sum over tensor-parallel axes
+    are reduce-scattered by sequence and stay split until a configured op reads them
+    (Megatron's sequence parallelism; docs/parallelism/sequence.md)."""
+    configured = match_strategies(og, strategies or {}, strict)
+    walk = _Walk(og, mesh, configured, attention, sequence_parallel)
     out_node = None
     for node in og.graph.nodes:
         if node.op == "placeholder":
@@ -314,6 +372,7 @@ def plan_graph(
             walk.op(node)
     params = walk.params()
     outputs = walk.outputs(out_node)
+    walk.share_moves()
     shared = walk.share_reductions()
     nodes, inputs = walk.nodes, walk.inputs
     return Plan(
