@@ -163,6 +163,56 @@ def _exchange(
     return posted, got
 
 
+def _fused(q: torch.Tensor, causal_at: Any, mask: torch.Tensor | None) -> bool:
+    """Whether a pair runs the fused CPU kernel (which returns the rows' log-sum-exp): no
+    explicit mask, and a causal pair on the diagonal (query and key chunk alike)."""
+    if q.device.type != "cpu" or mask is not None:
+        return False
+    return causal_at is None or causal_at[0] == causal_at[1]
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _pair_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_at: Any,
+    mask: torch.Tensor | None, k_pos: int, rows: slice, acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One product's (output, log-sum-exp), in ``acc``."""
+    if _fused(q, causal_at, mask):
+        out, lse = _FLASH_CPU(q, k, v, 0.0, causal_at is not None, scale=scale)
+        return out.to(acc), lse.to(acc)
+    s = _scores(q.to(acc), k.to(acc), scale, causal_at, mask, k_pos, rows)
+    top = s.amax(dim=-1)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    p = torch.exp(s - top.unsqueeze(-1))
+    total = p.sum(dim=-1)
+    out = torch.matmul(p, v.to(acc)) / total.clamp_min(torch.finfo(acc).tiny).unsqueeze(-1)
+    return out, top + torch.log(total)
+
+
+def _pair_backward(
+    g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, scale: float, causal_at: Any, mask: torch.Tensor | None, k_pos: int,
+    rows: slice, acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One product's (dq, dk, dv) in ``acc``, from the whole rows' output and log-sum-exp."""
+    if _fused(q, causal_at, mask):
+        grads = _FLASH_CPU_BACKWARD(
+            g, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), 0.0,
+            causal_at is not None, scale=scale,
+        )  # fmt: skip
+        return tuple(t.to(acc) for t in grads)  # type: ignore[return-value]
+    qa, ka, va, ga = (t.to(acc) for t in (q, k, v, g))
+    s = _scores(qa, ka, scale, causal_at, mask, k_pos, rows)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    delta = (ga * out.to(acc)).sum(dim=-1, keepdim=True)
+    dv = torch.matmul(p.transpose(-2, -1), ga)
+    ds = p * (torch.matmul(ga, va.transpose(-2, -1)) - delta) * scale
+    return torch.matmul(ds, ka), torch.matmul(ds.transpose(-2, -1), qa), dv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -175,12 +225,10 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         causal: bool,
     ) -> torch.Tensor:
-        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        acc = torch.promote_types(q.dtype, torch.float32)
         lead, rows = q.shape[:-2], q.shape[-2]
-        run_max = q.new_full((*lead, rows), float("-inf"), dtype=acc_dtype)
-        run_sum = q.new_zeros((*lead, rows), dtype=acc_dtype)
-        acc = q.new_zeros((*lead, rows, v.shape[-1]), dtype=acc_dtype)
-        qa = q.to(acc_dtype)
+        lse = q.new_full((*lead, rows), float("-inf"), dtype=acc)
+        total = q.new_zeros((*lead, rows, v.shape[-1]), dtype=acc)
         kv = torch.cat([k, v], dim=-1).contiguous()
         d = k.shape[-1]
         for step in range(ring.size):
@@ -188,23 +236,22 @@ class _RingAttention(torch.autograd.Function):
             posted = got = None
             if step < ring.size - 1:
                 posted, got = _exchange(ring, [kv])
-            kb, vb = kv[..., :d].to(acc_dtype), kv[..., d:].to(acc_dtype)
+            kb, vb = kv[..., :d], kv[..., d:]
             for r, c, causal_at, k_pos in _pairs(ring, block, causal):
-                s = _scores(qa[..., r, :], kb[..., c, :], scale, causal_at, mask, k_pos, r)
-                new_max = torch.maximum(run_max[..., r], s.amax(dim=-1))
-                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-                p = torch.exp(s - safe.unsqueeze(-1))
-                fix = torch.exp(run_max[..., r] - safe)
-                run_sum[..., r] = run_sum[..., r] * fix + p.sum(dim=-1)
-                acc[..., r, :] = acc[..., r, :] * fix.unsqueeze(-1) + torch.matmul(p, vb[..., c, :])
-                run_max[..., r] = new_max
+                part, part_lse = _pair_forward(
+                    q[..., r, :].contiguous(), kb[..., c, :].contiguous(),
+                    vb[..., c, :].contiguous(), scale, causal_at, mask, k_pos, r, acc,
+                )  # fmt: skip
+                new = torch.logaddexp(lse[..., r], part_lse)
+                safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+                total[..., r, :] = total[..., r, :] * torch.exp(lse[..., r] - safe).unsqueeze(
+                    -1
+                ) + part * torch.exp(part_lse - safe).unsqueeze(-1)
+                lse[..., r] = new
             if posted is not None:
                 posted.wait()
                 kv = got[0]
-        out = acc / run_sum.unsqueeze(-1)
-        safe = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max)
-        lse = safe + torch.log(run_sum)
-        result = out.to(q.dtype)
+        result = total.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, result, lse)
         ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
         return result
@@ -213,10 +260,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, mask, out, lse = ctx.saved_tensors
         ring, scale, causal = ctx.ring, ctx.scale, ctx.causal
-        acc_dtype = lse.dtype
-        qa, go = q.to(acc_dtype), grad.to(acc_dtype)
-        delta = (go * out.to(acc_dtype)).sum(dim=-1)
-        dq = torch.zeros_like(qa)
+        acc = lse.dtype
+        grad = grad.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.cat([k, v], dim=-1).contiguous()
         d = k.shape[-1]
         carried: torch.Tensor | None = None  # the gradient of the block held, from before
@@ -226,17 +272,18 @@ class _RingAttention(torch.autograd.Function):
             if carried is not None:
                 sends.append(carried)
             posted, got = _exchange(ring, sends) if sends else (None, [])
-            kb, vb = kv[..., :d].to(acc_dtype), kv[..., d:].to(acc_dtype)
-            dkv = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
+            kb, vb = kv[..., :d], kv[..., d:]
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             for r, c, causal_at, k_pos in _pairs(ring, block, causal):
-                s = _scores(qa[..., r, :], kb[..., c, :], scale, causal_at, mask, k_pos, r)
-                p = torch.exp(s - lse[..., r].unsqueeze(-1))
-                g = go[..., r, :]
-                dkv[..., c, d:] += torch.matmul(p.transpose(-2, -1), g)
-                dp = torch.matmul(g, vb[..., c, :].transpose(-2, -1))
-                ds = p * (dp - delta[..., r].unsqueeze(-1)) * scale
-                dq[..., r, :] += torch.matmul(ds, kb[..., c, :])
-                dkv[..., c, :d] += torch.matmul(ds.transpose(-2, -1), qa[..., r, :])
+                gq, gk, gv = _pair_backward(
+                    grad[..., r, :].contiguous(), q[..., r, :].contiguous(),
+                    kb[..., c, :].contiguous(), vb[..., c, :].contiguous(),
+                    out[..., r, :].contiguous(), lse[..., r].contiguous(), scale, causal_at,
+                    mask, k_pos, r, acc,
+                )  # fmt: skip
+                dq[..., r, :] += gq
+                dkv[..., c, :d] += gk
+                dkv[..., c, d:] += gv
             if posted is not None:
                 posted.wait()
             if step < ring.size - 1:
