@@ -173,35 +173,33 @@ class Attention(SpaceRule):
         return self.layouts(node, moved), strategy.outs[0]
 
     def held_inputs(self, node: fx.Node, strategy: Strategy) -> float:
-        """The all-gather method keeps the gathered keys and values for backward, held by
-        this op alone."""
+        """The all-gather method keeps the gathered keys and values for backward: beyond the
+        rank's own part of them, which its producers' outputs hold, this op alone holds them."""
         if self.method(node, strategy) != "allgather":
             return 0.0
-        return float(sum(t.local_numel * t.dtype.itemsize for t in strategy.ins[1:3]))
+        q = strategy.ins[0]
+        n = q.shape[-2] // q.local_shape()[-2]
+        kv = sum(t.local_numel * t.dtype.itemsize for t in strategy.ins[1:3])
+        return kv * (1 - 1 / n)
 
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         base = super().cost(node, strategy, needs_grad)
         work = 1.0
-        method = self.method(node, strategy)
-        causal = node_arg(node, 5, "is_causal", False)
-        if causal and method == "allgather":
-            # rows i of n see the keys up to their own: the last rows the most
-            q = strategy.ins[0]
-            n = q.shape[-2] // q.local_shape()[-2]
-            work = 1 - 1 / (2 * n)
-        elif causal:
-            # tiles above the diagonal skipped; a ring deals each rank an early and a late
-            # chunk, so every rank skips as many
+        if node_arg(node, 5, "is_causal", False):
+            # tiles above the diagonal skipped; split rows are dealt an early and a late chunk
+            # each (ring and all-gather alike), so every rank skips as many
             k_len = self.space(node).sizes[-3]
             work = min(1.0, 0.5 + self.TILE / (2 * k_len))
         return replace(base, kind="attention", work=work)
 
     def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
         """Ring attention's sends: forward a key/value block to the next rank at each of
-        ``n - 1`` steps; backward the blocks again and ``n`` blocks of their gradients; a
-        balanced causal ring moves half of the queries, keys, values and output (and their
-        gradients) to their dealt places and back."""
-        if self.method(node, strategy) != "ring":
+        ``n - 1`` steps; backward the blocks again and ``n`` blocks of their gradients. Rows
+        split under a causal mask are dealt for balance (ring and all-gather): half of the
+        rank's inputs that are split by rows (the ring's q, k, v; the all-gather's q) and of
+        its output move to their dealt places and back, and their gradients in backward."""
+        method = self.method(node, strategy)
+        if method == "local":
             return ()
         q, k, v = strategy.ins[:3]
         n = q.shape[-2] // q.local_shape()[-2]
@@ -209,16 +207,18 @@ class Attention(SpaceRule):
             return ()
         group = tuple(ring_ranks(strategy, q.ranks[0]))
         kv = (k.local_numel + v.local_numel) * k.dtype.itemsize
-        grad = kv * max(4, k.dtype.itemsize) / k.dtype.itemsize
         out = q.local_numel // q.local_shape()[-1] * v.local_shape()[-1] * q.dtype.itemsize
-        out_ex = [Exchange("send_recv", group, kv, False)] * (n - 1)
-        out_ex += [Exchange("send_recv", group, kv, True)] * (n - 1)
-        out_ex += [Exchange("send_recv", group, grad, True)] * n
+        sends = []
+        if method == "ring":
+            grad = kv * max(4, k.dtype.itemsize) / k.dtype.itemsize
+            sends += [Exchange("send_recv", group, kv, False)] * (n - 1)
+            sends += [Exchange("send_recv", group, kv, True)] * (n - 1)
+            sends += [Exchange("send_recv", group, grad, True)] * n
         if node_arg(node, 5, "is_causal", False) and q.local_shape()[-2] % 2 == 0:
-            moved = (q.local_numel * q.dtype.itemsize + kv + out) / 2
-            out_ex += [Exchange("send_recv", group, moved, False)]
-            out_ex += [Exchange("send_recv", group, moved, True)]
-        return tuple(out_ex)
+            split = q.local_numel * q.dtype.itemsize + (kv if method == "ring" else 0)
+            sends += [Exchange("send_recv", group, (split + out) / 2, False)]
+            sends += [Exchange("send_recv", group, (split + out) / 2, True)]
+        return tuple(sends)
 
     def _rows_split(self, node: fx.Node, strategy: Strategy) -> bool:
         return self.method(node, strategy) == "allgather"
@@ -234,12 +234,10 @@ class Attention(SpaceRule):
             return low.call(ring.ring_attention, call, {})
         if not (causal and method == "allgather"):
             return low.call(node.target, args, kwargs)
-        q = strategy.ins[0]
-        rows = q.local_index(low.rank)[len(q.shape) - 2]
-        if not isinstance(rows, slice):
-            raise StrategyError(f"{node_title(node)}: the query rows' split must be contiguous")
+        ranks = ring_ranks(strategy, low.rank)
         scale, gqa = kwargs.get("scale"), kwargs.get("enable_gqa", False)
-        return low.call(ring.causal_rows_attention, (*args[:3], rows.start, scale, gqa), {})
+        call = (*args[:3], ranks, ranks.index(low.rank), scale, gqa)
+        return low.call(ring.causal_rows_attention, call, {})
 
     def make_space(self, node: fx.Node) -> Space:
         q, k, v = (shape_of(n) for n in node.args[:3])

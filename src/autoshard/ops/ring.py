@@ -45,22 +45,33 @@ class Ring:
     def size(self) -> int:
         return len(self.ranks)
 
-    def chunks(self, block: int) -> list[tuple[int, int, int]]:
-        """(local row offset, global position, length) of the chunks of keys ring position
-        ``block`` holds inside the op."""
-        if self.keys is not None:  # before the rows, beside them (causal), after them
-            cuts = [0, self.start, self.start + self.rows, self.keys]
-            return [(a, a, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    @property
+    def steps(self) -> int:
+        """Blocks of keys a rank folds in: one per ring position, or one when all are here."""
+        return 1 if self.keys is not None else self.size
+
+    def _dealt(self, block: int, rows: int) -> list[tuple[int, int, int]]:
         if not self.balanced:
-            return [(0, block * self.rows, self.rows)]
-        half = self.rows // 2
+            return [(0, block * rows, rows)]
+        half = rows // 2
         return [(0, block * half, half), (half, (2 * self.size - 1 - block) * half, half)]
 
     def query_chunks(self) -> list[tuple[int, int, int]]:
-        """The chunks of this rank's query rows, as :meth:`chunks` gives them."""
-        if self.keys is not None:
+        """(local row offset, global position, length) of this rank's query rows inside the
+        op: its contiguous block, or its two dealt chunks when balanced."""
+        if self.keys is not None and not self.balanced:
             return [(0, self.start, self.rows)]
-        return self.chunks(self.index)
+        return self._dealt(self.index, self.rows)
+
+    def chunks(self, block: int) -> list[tuple[int, int, int]]:
+        """The chunks of keys ring position ``block`` holds inside the op; all keys here are
+        cut where the query chunks begin and end (before them all seen, beside them causal,
+        after them skipped)."""
+        if self.keys is None:
+            return self._dealt(block, self.rows)
+        ends = {p for _, pos, n in self.query_chunks() for p in (pos, pos + n)}
+        cuts = sorted({0, self.keys} | ends)
+        return [(a, a, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
     def next(self) -> int:
         return self.ranks[(self.index + 1) % self.size]
@@ -231,10 +242,10 @@ class _RingAttention(torch.autograd.Function):
         total = q.new_zeros((*lead, rows, v.shape[-1]), dtype=acc)
         kv = torch.cat([k, v], dim=-1).contiguous()
         d = k.shape[-1]
-        for step in range(ring.size):
+        for step in range(ring.steps):
             block = (ring.index - step) % ring.size
             posted = got = None
-            if step < ring.size - 1:
+            if step < ring.steps - 1:
                 posted, got = _exchange(ring, [kv])
             kb, vb = kv[..., :d], kv[..., d:]
             for r, c, causal_at, k_pos in _pairs(ring, block, causal):
@@ -266,9 +277,9 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=-1).contiguous()
         d = k.shape[-1]
         carried: torch.Tensor | None = None  # the gradient of the block held, from before
-        for step in range(ring.size):
+        for step in range(ring.steps):
             block = (ring.index - step) % ring.size
-            sends = [kv] if step < ring.size - 1 else []
+            sends = [kv] if step < ring.steps - 1 else []
             if carried is not None:
                 sends.append(carried)
             posted, got = _exchange(ring, sends) if sends else (None, [])
@@ -286,14 +297,14 @@ class _RingAttention(torch.autograd.Function):
                 dkv[..., c, d:] += gv
             if posted is not None:
                 posted.wait()
-            if step < ring.size - 1:
+            if step < ring.steps - 1:
                 kv = got[0]
             if carried is not None:
                 dkv += got[-1]  # this block's gradient from the ranks before
             carried = dkv
         # the last block's gradient goes on to its owner; this rank's own arrives
         mine = carried
-        if ring.size > 1:
+        if ring.steps > 1:
             posted, got = _exchange(ring, [carried])
             posted.wait()
             mine = got[0]
@@ -327,8 +338,10 @@ def ring_attention(
     ring = Ring(tuple(ranks), index, rows, balanced)
     if len(ranks) == 1:
         return _RingAttention.apply(query, key, value, mask, ring, scale, causal)
-    if balanced:
-        query, key, value = (_Deal.apply(t.contiguous(), ring, False) for t in (query, key, value))
+    if balanced:  # one exchange for the three
+        sizes = [t.shape[-1] for t in (query, key, value)]
+        dealt = _Deal.apply(torch.cat([query, key, value], dim=-1), ring, False)
+        query, key, value = (t.contiguous() for t in dealt.split(sizes, dim=-1))
     out = _RingAttention.apply(query, key, value, mask, ring, scale, causal)
     return _Deal.apply(out, ring, True) if balanced else out
 
@@ -337,16 +350,23 @@ def causal_rows_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    start: int,
+    ranks: Sequence[int],
+    index: int,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Query rows ``start:start+L`` of a causal attention whose keys are all here (key ``j``
-    seen by row ``i`` when ``j <= start + i``), by the ring's online softmax on one rank:
-    backward keeps the rows' log-sum-exp, never an ``L x S`` mask or probabilities."""
+    """This rank's block of query rows (``index`` of the blocks ``ranks`` hold, in order) of a
+    causal attention whose keys are all here, by the ring's online softmax on one rank:
+    backward keeps the rows' log-sum-exp, never an ``L x S`` mask or probabilities. The rows
+    are dealt as a balanced ring deals them, so every rank computes as many products."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    ring = Ring((-1,), 0, query.shape[-2], False, start, key.shape[-2])
-    return _RingAttention.apply(query, key, value, None, ring, scale, True)
+    rows = query.shape[-2]
+    balanced = len(ranks) > 1 and rows % 2 == 0
+    ring = Ring(tuple(ranks), index, rows, balanced, index * rows, key.shape[-2])
+    if balanced:
+        query = _Deal.apply(query.contiguous(), ring, False)
+    out = _RingAttention.apply(query, key, value, None, ring, scale, True)
+    return _Deal.apply(out, ring, True) if balanced else out
