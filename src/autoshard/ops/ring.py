@@ -128,19 +128,31 @@ class _Deal(torch.autograd.Function):
 # -- one block ------------------------------------------------------------------------------------
 
 
-def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, Any, int]]:
+def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, bool, int]]:
     """The products of this rank's rows against ``block``'s keys, as (query rows, key rows,
-    causal mask, key position): the mask ``None`` where every key is seen, else the global
-    query and key positions to mask from; key chunks wholly after the query chunk are left
-    out."""
+    diagonal, key position): ``diagonal`` when a causal mask cuts the product, aligned to its
+    first row and key (its rows and keys are the same positions); key chunks wholly after
+    the query chunk are left out. A balanced ring's products are merged where one kernel
+    computes them: its own dealt block is causal as it stands (the early chunk, then the
+    late one), an earlier block's first chunk is seen by all its rows, a later block whole
+    by its late chunk."""
+    if causal and ring.balanced and ring.keys is None:
+        rows, half = ring.rows, ring.rows // 2
+        if block == ring.index:
+            return [(slice(0, rows), slice(0, rows), True, 0)]
+        if block < ring.index:
+            return [(slice(0, rows), slice(0, half), False, 0)]
+        return [(slice(half, rows), slice(0, rows), False, 0)]
     out = []
     for q_off, q_pos, q_len in ring.query_chunks():
         for k_off, k_pos, k_len in ring.chunks(block):
             rows, keys = slice(q_off, q_off + q_len), slice(k_off, k_off + k_len)
             if causal and k_pos > q_pos + q_len - 1:
                 continue
-            partial = causal and k_pos + k_len - 1 > q_pos
-            out.append((rows, keys, (q_pos, k_pos) if partial else None, k_pos))
+            diagonal = causal and k_pos + k_len - 1 > q_pos
+            if diagonal and (k_pos, k_len) != (q_pos, q_len):
+                raise AssertionError("a causal product cut off its diagonal")
+            out.append((rows, keys, diagonal, k_pos))
     return out
 
 
@@ -148,17 +160,15 @@ def _scores(
     q: torch.Tensor,
     k: torch.Tensor,
     scale: float,
-    causal_at: tuple[int, int] | None,
+    diagonal: bool,
     mask: torch.Tensor | None,
     k_pos: int,
     rows: slice,
 ) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal_at is not None:
-        q_pos, k_at = causal_at
-        qi = torch.arange(q_pos, q_pos + q.shape[-2], device=q.device)
-        ki = torch.arange(k_at, k_at + k.shape[-2], device=q.device)
-        s = s.masked_fill(ki[None, :] > qi[:, None], float("-inf"))
+    if diagonal:
+        above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(above, float("-inf"))
     if mask is not None:
         m = mask[..., rows, k_pos : k_pos + k.shape[-2]]
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
@@ -174,12 +184,10 @@ def _exchange(
     return posted, got
 
 
-def _fused(q: torch.Tensor, causal_at: Any, mask: torch.Tensor | None) -> bool:
-    """Whether a pair runs the fused CPU kernel (which returns the rows' log-sum-exp): no
-    explicit mask, and a causal pair on the diagonal (query and key chunk alike)."""
-    if q.device.type != "cpu" or mask is not None:
-        return False
-    return causal_at is None or causal_at[0] == causal_at[1]
+def _fused(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a product runs the fused CPU kernel (which returns the rows' log-sum-exp): on
+    CPU, with no explicit mask."""
+    return q.device.type == "cpu" and mask is None
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -187,14 +195,14 @@ _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _pair_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_at: Any,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool,
     mask: torch.Tensor | None, k_pos: int, rows: slice, acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One product's (output, log-sum-exp), in ``acc``."""
-    if _fused(q, causal_at, mask):
-        out, lse = _FLASH_CPU(q, k, v, 0.0, causal_at is not None, scale=scale)
+    if _fused(q, mask):
+        out, lse = _FLASH_CPU(q, k, v, 0.0, diagonal, scale=scale)
         return out.to(acc), lse.to(acc)
-    s = _scores(q.to(acc), k.to(acc), scale, causal_at, mask, k_pos, rows)
+    s = _scores(q.to(acc), k.to(acc), scale, diagonal, mask, k_pos, rows)
     top = s.amax(dim=-1)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     p = torch.exp(s - top.unsqueeze(-1))
@@ -205,18 +213,18 @@ def _pair_forward(
 
 def _pair_backward(
     g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, scale: float, causal_at: Any, mask: torch.Tensor | None, k_pos: int,
+    lse: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None, k_pos: int,
     rows: slice, acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One product's (dq, dk, dv) in ``acc``, from the whole rows' output and log-sum-exp."""
-    if _fused(q, causal_at, mask):
+    if _fused(q, mask):
         grads = _FLASH_CPU_BACKWARD(
             g, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), 0.0,
-            causal_at is not None, scale=scale,
+            diagonal, scale=scale,
         )  # fmt: skip
         return tuple(t.to(acc) for t in grads)  # type: ignore[return-value]
     qa, ka, va, ga = (t.to(acc) for t in (q, k, v, g))
-    s = _scores(qa, ka, scale, causal_at, mask, k_pos, rows)
+    s = _scores(qa, ka, scale, diagonal, mask, k_pos, rows)
     p = torch.exp(s - lse.unsqueeze(-1))
     delta = (ga * out.to(acc)).sum(dim=-1, keepdim=True)
     dv = torch.matmul(p.transpose(-2, -1), ga)
@@ -248,10 +256,10 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.steps - 1:
                 posted, got = _exchange(ring, [kv])
             kb, vb = kv[..., :d], kv[..., d:]
-            for r, c, causal_at, k_pos in _pairs(ring, block, causal):
+            for r, c, diagonal, k_pos in _pairs(ring, block, causal):
                 part, part_lse = _pair_forward(
                     q[..., r, :].contiguous(), kb[..., c, :].contiguous(),
-                    vb[..., c, :].contiguous(), scale, causal_at, mask, k_pos, r, acc,
+                    vb[..., c, :].contiguous(), scale, diagonal, mask, k_pos, r, acc,
                 )  # fmt: skip
                 new = torch.logaddexp(lse[..., r], part_lse)
                 safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
@@ -285,11 +293,11 @@ class _RingAttention(torch.autograd.Function):
             posted, got = _exchange(ring, sends) if sends else (None, [])
             kb, vb = kv[..., :d], kv[..., d:]
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            for r, c, causal_at, k_pos in _pairs(ring, block, causal):
+            for r, c, diagonal, k_pos in _pairs(ring, block, causal):
                 gq, gk, gv = _pair_backward(
                     grad[..., r, :].contiguous(), q[..., r, :].contiguous(),
                     kb[..., c, :].contiguous(), vb[..., c, :].contiguous(),
-                    out[..., r, :].contiguous(), lse[..., r].contiguous(), scale, causal_at,
+                    out[..., r, :].contiguous(), lse[..., r].contiguous(), scale, diagonal,
                     mask, k_pos, r, acc,
                 )  # fmt: skip
                 dq[..., r, :] += gq
