@@ -312,3 +312,34 @@ def test_an_unknown_attention_method_is_an_error() -> None:
     batch = _batches()[0]
     with pytest.raises(StrategyError, match="attention='flash'.*allgather, ulysses, ring"):
         parallelize(model, batch, {"cp": 1}, attention="flash")
+
+
+def _splits_sequence(layout: Any) -> int:
+    """How many ways an input's sequence dim (1) is split."""
+    return layout.shape[1] // layout.local_shape()[1]
+
+
+def test_the_search_splits_the_sequence_where_nothing_else_fits_and_not_where_batch_does() -> None:
+    """A known answer: one sequence of 1024 tokens on 4 devices with memory for 30% of one
+    device's peak can only fit by splitting the sequence 4 ways (its batch is 1; splitting
+    weights leaves the residual stream whole); 16 short sequences split by batch instead."""
+    import autoshard
+    from autoshard.models import build, reference_config
+
+    def model_and_batch(batch: int, seq: int) -> tuple[torch.nn.Module, tuple]:
+        torch.manual_seed(0)
+        config = reference_config("llama", layers=2, hidden=64, heads=8, kv_heads=8, ffn=128,
+                                  vocab=64, seq=seq)  # fmt: skip
+        ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(0))
+        return build(config), (ids, ids)
+
+    model, batch = model_and_batch(1, 1024)
+    one = autoshard.plan(model, batch, "dgx-h100", num_devices=1)
+    limit = 0.3 * one.predicted.peak_memory
+    tight = autoshard.plan(model, batch, "dgx-h100", num_devices=4, memory_limit=limit)
+    assert tight.predicted.peak_memory <= limit
+    assert all(_splits_sequence(layout) == 4 for layout in tight.inputs.values()), tight.inputs
+    assert "attention over a split sequence" in str(tight)
+    model, batch = model_and_batch(16, 64)
+    short = autoshard.plan(model, batch, "dgx-h100", num_devices=4)
+    assert all(_splits_sequence(layout) == 1 for layout in short.inputs.values()), short.inputs

@@ -55,6 +55,7 @@ def format_search(data: dict, result, built=None) -> str:
     ]
     if built is not None:
         lines += _experts(data, built)
+        lines += _sequence(built)
     lines += _assumptions(data)
     if "end_to_end_s" in pred:
         lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
@@ -149,6 +150,23 @@ def _experts(data: dict, built) -> list[str]:
         )
         lines.append(f"experts {key}: {total} {where}, {held} a device; {how}")
     return lines
+
+
+def _sequence(built) -> list[str]:
+    """How the plan splits the inputs' sequence (context parallelism) and computes attention
+    over it."""
+    from autoshard.search.plans import attention_methods
+
+    lines = []
+    for name, layout in built.inputs.items():
+        if len(layout.shape) >= 2:
+            axes = [a for _, a in layout.factors[1] if a >= 0]
+            if axes:
+                ways = layout.shape[1] // layout.local_shape()[1]
+                named = " x ".join(layout.axis_names[a] if layout.axis_names else str(a)
+                                   for a in axes)  # fmt: skip
+                lines.append(f"sequence of input {name}: split {ways} ways over {named}")
+    return lines + attention_methods(built)
 
 
 def _named_strategies(data: dict, built) -> list[str]:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.graph import OpGraph
-from autoshard.layout import Layout
+from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.mesh import MeshInfo
-from autoshard.ops import Strategy, tensor_inputs
+from autoshard.ops import Strategy, rule_for, tensor_inputs
 from autoshard.precision import Precision
 from autoshard.redistribution import backward_plan, gradient_sum, redistribution_plan
 
@@ -259,6 +259,39 @@ def _param_sums(plan: Plan) -> list[str]:
     return [f"gradient reduction: {len(deferred)} parameters: {kinds}, {sent} bytes/rank"]
 
 
+def attention_methods(plan: Plan) -> list[str]:
+    """One line naming how the attention ops compute a split sequence (ring, all-gather,
+    Ulysses: the rows' split moved to the heads by all-to-alls), when any does."""
+    from autoshard.ops.contraction import Attention
+
+    og = plan.graph
+    if og is None:
+        return []
+    counts: dict[str, int] = {}
+    for n in plan.nodes.values():
+        node = og.by_name.get(n.node)
+        rule = rule_for(node) if node is not None else None
+        if not isinstance(rule, Attention):
+            continue
+        method = rule.method(node, n.strategy)
+        if method == "local" and any(
+            _splits(src, -2) and not _splits(dst, -2) and _splits(dst, -3)
+            for i, (src, dst) in n.moves.items()
+            if i < 3
+        ):
+            method = "ulysses"
+        if method != "local":
+            counts[method] = counts.get(method, 0) + 1
+    if not counts:
+        return []
+    methods = ", ".join(f"{m} ({k} ops)" for m, k in counts.items())
+    return [f"attention over a split sequence: {methods}"]
+
+
+def _splits(layout: Layout, dim: int) -> bool:
+    return any(a != NOT_SPLIT for _, a in layout.factors[dim])
+
+
 def format_plan(plan: Plan) -> str:
     """One row per op a strategy was given for, or that moves data: its layouts with named
     dims (``x[b@dp, s, in] weight[out@tp, in] -> [b@dp, s, out@tp]``) and communication."""
@@ -310,6 +343,7 @@ def format_plan(plan: Plan) -> str:
     lines = [f"plan on mesh {plan.mesh.describe(' x ')} ({plan.mesh.num_devices} devices)"]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    lines += attention_methods(plan)
     lines += _param_sums(plan)
     for value, (grad, whole) in plan.shared_reduce.items():
         run = redistribution_plan(grad, whole)
