@@ -158,8 +158,7 @@ class OpRule:
         return ()
 
     def held_inputs(self, node: fx.Node, strategy: Strategy) -> float:
-        """Bytes of input copies the op keeps for backward that no other op holds (a moved
-        input the op saves, beyond its producer's share): none for most ops."""
+        """Bytes of moved inputs the op alone keeps for backward: none for most ops."""
         return 0.0
 
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:

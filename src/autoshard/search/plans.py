@@ -292,6 +292,25 @@ def _splits(layout: Layout, dim: int) -> bool:
     return any(a != NOT_SPLIT for _, a in layout.factors[dim])
 
 
+def _communication(n: NodePlan) -> list[str]:
+    """The communication column of an op's row: each input's move (or the earlier reader's
+    it reuses), each gradient sum."""
+    comm = [
+        f"in{i}: {n.reuses[i]}'s"
+        if i in n.reuses
+        else f"in{i}: " + "+".join(s.kind for s in redistribution_plan(a, b).steps)
+        for i, (a, b) in n.moves.items()
+    ]
+    return comm + [  # a moved input's sum runs in its move's backward (NodePlan.grad_source)
+        f"in{i} grad: "
+        + _kinds(
+            backward_plan(*n.moves[i], g).steps if i in n.moves else redistribution_plan(g, w).steps
+        )
+        for i, (g, w) in n.grad_reduce.items()
+        if i not in n.reuses
+    ]
+
+
 def format_plan(plan: Plan) -> str:
     """One row per op a strategy was given for, or that moves data: its layouts with named
     dims (``x[b@dp, s, in] weight[out@tp, in] -> [b@dp, s, out@tp]``) and communication."""
@@ -303,22 +322,7 @@ def format_plan(plan: Plan) -> str:
     for n in plan.nodes.values():
         if not (n.configured or n.moves or n.grad_reduce or n.strategy.replicated_fallback):
             continue
-        comm = [
-            f"in{i}: {n.reuses[i]}'s"
-            if i in n.reuses
-            else f"in{i}: " + "+".join(s.kind for s in redistribution_plan(a, b).steps)
-            for i, (a, b) in n.moves.items()
-        ]
-        comm += [  # a moved input's sum runs in its move's backward (NodePlan.grad_source)
-            f"in{i} grad: "
-            + _kinds(
-                backward_plan(*n.moves[i], g).steps
-                if i in n.moves
-                else redistribution_plan(g, w).steps
-            )
-            for i, (g, w) in n.grad_reduce.items()
-            if i not in n.reuses
-        ]
+        comm = _communication(n)
         no_grad: set[int] = set()
         if og is not None and n.node in og.by_name:
             node = og.by_name[n.node]
