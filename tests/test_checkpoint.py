@@ -148,9 +148,10 @@ def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _megatron_hf_llama() -> dict[str, tuple]:
-    """Megatron's tensor parallel strategies for transformers' Llama layers over ``tp``."""
-    col, row = ((None, None, None), ("tp", None)), ((None, None, "tp"), (None, "tp"))
+def _megatron_hf_llama(seq: str | None = None) -> dict[str, tuple]:
+    """Megatron's tensor parallel strategies for transformers' Llama layers over ``tp`` (the
+    sequence of the activations they read over ``seq``)."""
+    col, row = ((None, seq, None), ("tp", None)), ((None, seq, "tp"), (None, "tp"))
     layer = "model.model.layers.*"
     return {
         f"{layer}.self_attn.[qkv]_proj": col,

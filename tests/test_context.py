@@ -47,14 +47,9 @@ def _megatron(name: str) -> dict[str, tuple]:
             "layers.*.feed_forward.w[13]": col,
             "layers.*.feed_forward.w2": row,
         }
-    layer = "model.model.layers.*"
-    return {
-        f"{layer}.self_attn.[qkv]_proj": col,
-        f"{layer}.self_attn.o_proj": row,
-        f"{layer}.mlp.gate_proj": col,
-        f"{layer}.mlp.up_proj": col,
-        f"{layer}.mlp.down_proj": row,
-    }
+    from tests.test_checkpoint import _megatron_hf_llama
+
+    return _megatron_hf_llama("cp")
 
 
 def _against_pytorch(name: str, mesh: dict, attention: str) -> str:
