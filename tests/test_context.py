@@ -302,11 +302,24 @@ def test_context_parallel_on_4_ranks_trains_as_pytorch() -> None:
     _check_memory([m for _, m in per_rank], 4)
 
 
-def test_an_unknown_attention_method_is_an_error() -> None:
+def test_bad_attention_choices_are_clear_errors() -> None:
+    """An unknown method, and Ulysses over more ranks than the heads divide into, name what
+    was wrong before anything runs (planned here without ranks)."""
+    from autoshard.mesh import mesh_info
+    from autoshard.models import build, reference_config
+    from autoshard.search import plan_graph
+
     model = _model("gpt", 1)
     batch = _batches()[0]
     with pytest.raises(StrategyError, match="attention='flash'.*allgather, ulysses, ring"):
         parallelize(model, batch, {"cp": 1}, attention="flash")
+    torch.manual_seed(0)
+    two_heads = build(reference_config("gpt", layers=1, hidden=16, heads=2, seq=16, vocab=32))
+    ids = torch.randint(0, 32, (2, 16))
+    og = capture_modes(two_heads, (ids, ids))[True]
+    plan_graph(og, mesh_info({"cp": 2}), attention="ulysses")  # 2 heads over 2 ranks
+    with pytest.raises(StrategyError, match="Ulysses splits the 2 heads 4 ways"):
+        plan_graph(og, mesh_info({"cp": 4}), attention="ulysses")
 
 
 def _splits_sequence(layout: Any) -> int:
