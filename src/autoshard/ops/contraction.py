@@ -220,9 +220,6 @@ class Attention(SpaceRule):
             sends += [Exchange("send_recv", group, (split + out) / 2, True)]
         return tuple(sends)
 
-    def _rows_split(self, node: fx.Node, strategy: Strategy) -> bool:
-        return self.method(node, strategy) == "allgather"
-
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
         method = self.method(node, strategy)
         causal = node_arg(node, 5, "is_causal", False)
