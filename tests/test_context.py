@@ -194,14 +194,11 @@ def _check_memory(per_rank: list[dict], cp: int) -> None:
     values (the loss's); all-gather keeps the gathered keys and values besides. The cost
     model's prediction of each falls as the measured bytes do."""
     from autoshard.cost import cluster_spec, estimate
-    from autoshard.runtime.entry import parallelize as plan_one
 
     model, batch = _long_gpt()
     one = _saved_for_backward(lambda: model(*batch), model.parameters())
-    one_predicted = estimate(
-        plan_one(model, batch, 1).plan, plan_one(model, batch, 1).plan.graph,
-        cluster_spec("dgx-h100"),
-    ).memory["activations"]  # fmt: skip
+    plan = parallelize(model, batch, 1).plan
+    one_predicted = estimate(plan, plan.graph, cluster_spec("dgx-h100")).memory["activations"]
     for mine in per_rank:
         for method in ("ring", "ulysses"):
             measured, predicted = mine[method]
@@ -303,8 +300,9 @@ def test_context_parallel_on_4_ranks_trains_as_pytorch() -> None:
 
 
 def test_bad_attention_choices_are_clear_errors() -> None:
-    """An unknown method, and Ulysses over more ranks than the heads divide into, name what
-    was wrong before anything runs (planned here without ranks)."""
+    """An unknown method, Ulysses over more ranks than the heads divide into and a ring over
+    fewer keys than queries name what was wrong before anything runs (planned here without
+    ranks)."""
     from autoshard.mesh import mesh_info
     from autoshard.models import build, reference_config
     from autoshard.search import plan_graph
@@ -320,6 +318,23 @@ def test_bad_attention_choices_are_clear_errors() -> None:
     plan_graph(og, mesh_info({"cp": 2}), attention="ulysses")  # 2 heads over 2 ranks
     with pytest.raises(StrategyError, match="Ulysses splits the 2 heads 4 ways"):
         plan_graph(og, mesh_info({"cp": 4}), attention="ulysses")
+    cross = capture_modes(_CrossAttention(), (torch.randn(2, 8, 16), torch.randn(2, 4, 16)))
+    plan_graph(cross[True], mesh_info({"cp": 2}), attention="allgather")
+    with pytest.raises(StrategyError, match="ring attention needs as many keys as queries"):
+        plan_graph(cross[True], mesh_info({"cp": 2}), attention="ring")
+
+
+class _CrossAttention(torch.nn.Module):
+    """Queries from ``x``, keys and values from ``memory`` (fewer positions): no ring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).view(2, 8, 2, 8).transpose(1, 2)
+        k, v = self.kv(memory).view(2, 4, 2, 16).transpose(1, 2).split(8, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).sum()
 
 
 def _splits_sequence(layout: Any) -> int:

@@ -4,6 +4,7 @@ set of layouts, and the DTensor boundary (``Layout.to_placements`` / ``from_plac
 from autoshard.layout.grid import Grid, GridState, common_grid, suffix_products
 from autoshard.layout.layout import Factored, Layout
 from autoshard.layout.normal import NOT_SPLIT, LayoutError
+from autoshard.layout.views import resplit
 
 __all__ = [
     "NOT_SPLIT",
@@ -13,5 +14,6 @@ __all__ = [
     "Layout",
     "LayoutError",
     "common_grid",
+    "resplit",
     "suffix_products",
 ]

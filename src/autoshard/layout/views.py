@@ -3,9 +3,22 @@ in one dim of the new shape."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autoshard.layout.normal import NOT_SPLIT, LayoutError, shape_str
+
+
+def resplit(layout: Any, dims: Mapping[int, Any], partial: Sequence[int] | None = None) -> Any:
+    """``layout`` with the factors of each dim in ``dims`` replaced (``(size, axis)`` pairs,
+    major first) and, when given, its partial axes."""
+    factors = list(layout.factors)
+    for d, f in dims.items():
+        factors[d] = tuple(f)
+    keep = layout.partial if partial is None else partial
+    return type(layout).from_factors(
+        layout.shape, layout.mesh, factors, keep, layout.ranks, layout.dtype, layout.axis_names
+    )
 
 
 def view_factors(layout: Any, shape: tuple[int, ...]) -> list[list[tuple[int, int]]]:

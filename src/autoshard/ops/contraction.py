@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.layout import NOT_SPLIT, Layout
+from autoshard.layout import NOT_SPLIT, resplit
 from autoshard.ops import local, ring
 from autoshard.ops.base import (
     FIXED,
@@ -146,7 +146,7 @@ class Attention(SpaceRule):
         space, layout = self.space(node), strategy.space
         nb = len(space.sizes) - 4
         sq, sk = nb, nb + 1
-        factors = list(layout.factors)
+        factors = layout.factors
         if method == "ring":
             if space.sizes[sq] != space.sizes[sk]:
                 raise StrategyError(
@@ -164,12 +164,9 @@ class Attention(SpaceRule):
                 f"{node_title(node)}: Ulysses splits the {space.sizes[heads]} heads "
                 f"{n} ways, which does not divide them"
             )
-        factors[heads] = (*split, (space.sizes[heads] // n, NOT_SPLIT))
-        factors[sq] = ((space.sizes[sq], NOT_SPLIT),)
-        moved = Layout.from_factors(
-            layout.shape, layout.mesh, factors, layout.partial, layout.ranks, layout.dtype,
-            layout.axis_names,
-        )  # fmt: skip
+        whole = ((space.sizes[sq], NOT_SPLIT),)
+        heads_split = (*split, (space.sizes[heads] // n, NOT_SPLIT))
+        moved = resplit(layout, {heads: heads_split, sq: whole})
         return self.layouts(node, moved), strategy.outs[0]
 
     def held_inputs(self, node: fx.Node, strategy: Strategy) -> float:
@@ -261,15 +258,11 @@ class Attention(SpaceRule):
 def _ring(strategy: Strategy) -> Strategy:
     """The all-gather strategy ``strategy`` as ring attention: the keys and values (and their
     gradients, each block's whole) split along the sequence as the query rows are."""
-    q = strategy.ins[0]
+    rows = strategy.ins[0].factors[-2]
     ins, grads = list(strategy.ins), list(strategy.grads)
     for i in (1, 2):
         t = strategy.ins[i]
-        factors = list(t.factors)
-        factors[-2] = q.factors[-2]
-        ins[i] = grads[i] = Layout.from_factors(
-            t.shape, t.mesh, factors, (), t.ranks, t.dtype, t.axis_names
-        )
+        ins[i] = grads[i] = resplit(t, {len(t.shape) - 2: rows}, partial=())
     return replace(strategy, ins=tuple(ins), grads=tuple(grads))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.layout import NOT_SPLIT, Layout, LayoutError
+from autoshard.layout import NOT_SPLIT, Layout, LayoutError, resplit
 from autoshard.mesh import MeshInfo
 from autoshard.ops.base import OpRule, Strategy, StrategyError
 from autoshard.ops.nodes import dtype_of, node_arg, node_title, node_vals, shape_of, tensor_inputs
@@ -88,17 +88,7 @@ def _num_split(layout: Layout) -> int:
 
 
 def _unsplit(layout: Layout, dim: int) -> Layout:
-    factors = list(layout.factors)
-    factors[dim] = ((layout.shape[dim], NOT_SPLIT),)
-    return Layout.from_factors(
-        layout.shape,
-        layout.mesh,
-        factors,
-        layout.partial,
-        layout.ranks,
-        layout.dtype,
-        layout.axis_names,
-    )
+    return resplit(layout, {dim: ((layout.shape[dim], NOT_SPLIT),)})
 
 
 def _resized(layout: Layout, shape: Sequence[int], dtype: torch.dtype | None = None) -> Layout:

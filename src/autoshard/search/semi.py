@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.graph import OpGraph
-from autoshard.layout import NOT_SPLIT, Factored, Layout, LayoutError
+from autoshard.layout import NOT_SPLIT, Factored, Layout, LayoutError, resplit
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy, StrategyError, node_title, rule_for, tensor_inputs
 from autoshard.ops.contraction import Attention
@@ -210,11 +210,8 @@ class _Walk:
         n = math.prod(layout.mesh[a] for a in axes)
         if len(shape) < 3 or shape[1] % n or any(a != NOT_SPLIT for _, a in layout.factors[1]):
             return layout
-        factors = list(layout.factors)
-        factors[1] = (*((layout.mesh[a], a) for a in axes), (shape[1] // n, NOT_SPLIT))
-        return Layout.from_factors(
-            shape, layout.mesh, factors, (), layout.ranks, layout.dtype, layout.axis_names
-        )
+        split = (*((layout.mesh[a], a) for a in axes), (shape[1] // n, NOT_SPLIT))
+        return resplit(layout, {1: split}, partial=())
 
     def _input(self, plan: NodePlan, i: int, arg: fx.Node, want: Layout, grad: Layout) -> None:
         info = self.og[arg]
