@@ -324,6 +324,35 @@ def test_bad_attention_choices_are_clear_errors() -> None:
         plan_graph(cross[True], mesh_info({"cp": 2}), attention="ring")
 
 
+def test_a_causal_sequence_over_cp_is_split_round_robin() -> None:
+    """Under a causal attention by ring or all-gather, every rank is fed positions ``r, r + cp,
+    ...`` of each sequence: its rows are balanced as they stand, so the attention op moves
+    nothing to balance them (no exchange beyond the ring's own). Ulysses, user strategies
+    naming ``cp`` and explicit masks keep contiguous blocks (the op deals those)."""
+    from autoshard.layout import is_block_split
+    from autoshard.mesh import mesh_info
+    from autoshard.ops.contraction import Attention, is_striped
+    from autoshard.search import plan_graph
+
+    og = capture_modes(_model("gpt", 1), _batches()[0])[True]
+    attention = next(n for n in og.graph.nodes if "scaled_dot" in str(n.target))
+    for method, mesh in (("ring", {"cp": 4}), ("allgather", {"dp": 2, "cp": 2})):
+        plan = plan_graph(og, mesh_info(mesh), attention=method)
+        cp = mesh["cp"]
+        for layout in plan.inputs.values():
+            assert layout.local_index(cp - 1)[1].tolist()[:2] == [cp - 1, 2 * cp - 1], layout
+        strategy = plan.nodes[attention.name].strategy
+        assert is_striped(strategy.ins[0])
+        sends = Attention().exchanges(attention, strategy)
+        assert len(sends) == (3 * cp - 2 if method == "ring" else 0), sends
+    for method, mesh, strategies in (
+        ("ulysses", {"cp": 2}, None),
+        ("ring", {"cp": 2, "tp": 2}, _megatron("gpt")),
+    ):
+        plan = plan_graph(og, mesh_info(mesh), strategies, attention=method)
+        assert all(is_block_split(t.factors[1]) for t in plan.inputs.values()), method
+
+
 class _CrossAttention(torch.nn.Module):
     """Queries from ``x``, keys and values from ``memory`` (fewer positions): no ring."""
 

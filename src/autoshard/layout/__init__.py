@@ -3,7 +3,7 @@ set of layouts, and the DTensor boundary (``Layout.to_placements`` / ``from_plac
 
 from autoshard.layout.grid import Grid, GridState, common_grid, suffix_products
 from autoshard.layout.layout import Factored, Layout
-from autoshard.layout.normal import NOT_SPLIT, LayoutError
+from autoshard.layout.normal import NOT_SPLIT, LayoutError, is_block_split
 from autoshard.layout.views import resplit
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "common_grid",
+    "is_block_split",
     "resplit",
     "suffix_products",
 ]

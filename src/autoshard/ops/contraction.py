@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.layout import NOT_SPLIT, resplit
+from autoshard.layout import NOT_SPLIT, Layout, is_block_split, resplit
 from autoshard.ops import local, ring
 from autoshard.ops.base import (
     FIXED,
@@ -194,7 +194,8 @@ class Attention(SpaceRule):
         ``n - 1`` steps; backward the blocks again and ``n`` blocks of their gradients. Rows
         split under a causal mask are dealt for balance (ring and all-gather): half of the
         rank's inputs that are split by rows (the ring's q, k, v; the all-gather's q) and of
-        its output move to their dealt places and back, and their gradients in backward."""
+        its output move to their dealt places and back, and their gradients in backward,
+        unless the rows are striped (balanced as they stand)."""
         method = self.method(node, strategy)
         if method == "local":
             return ()
@@ -211,7 +212,8 @@ class Attention(SpaceRule):
             sends += [Exchange("send_recv", group, kv, False)] * (n - 1)
             sends += [Exchange("send_recv", group, kv, True)] * (n - 1)
             sends += [Exchange("send_recv", group, grad, True)] * n
-        if node_arg(node, 5, "is_causal", False) and q.local_shape()[-2] % 2 == 0:
+        dealt = not is_striped(q) and q.local_shape()[-2] % 2 == 0
+        if node_arg(node, 5, "is_causal", False) and dealt:
             split = q.local_numel * q.dtype.itemsize + (kv if method == "ring" else 0)
             sends += [Exchange("send_recv", group, (split + out) / 2, False)]
             sends += [Exchange("send_recv", group, (split + out) / 2, True)]
@@ -224,13 +226,15 @@ class Attention(SpaceRule):
             ranks = ring_ranks(strategy, low.rank)
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             scale = args[6] if len(args) > 6 else kwargs.get("scale")
-            call = (*args[:3], mask, ranks, ranks.index(low.rank), scale, causal)
+            striped = is_striped(strategy.ins[0])
+            call = (*args[:3], mask, ranks, ranks.index(low.rank), scale, causal, striped)
             return low.call(ring.ring_attention, call, {})
         if not (causal and method == "allgather"):
             return low.call(node.target, args, kwargs)
         ranks = ring_ranks(strategy, low.rank)
         scale, gqa = kwargs.get("scale"), kwargs.get("enable_gqa", False)
-        call = (*args[:3], ranks, ranks.index(low.rank), scale, gqa)
+        striped = is_striped(strategy.ins[0])
+        call = (*args[:3], ranks, ranks.index(low.rank), scale, gqa, striped)
         return low.call(ring.causal_rows_attention, call, {})
 
     def make_space(self, node: fx.Node) -> Space:
@@ -267,7 +271,8 @@ def _ring(strategy: Strategy) -> Strategy:
 
 
 def ring_ranks(strategy: Strategy, rank: int) -> list[int]:
-    """The ranks of ``rank``'s attention ring, in the order of the query blocks they hold."""
+    """The ranks of ``rank``'s attention ring, in the order of the query blocks (or stripes)
+    they hold."""
     q = strategy.ins[0]
     dim = len(q.shape) - 2
     coords = q.coordinates(rank)
@@ -278,13 +283,29 @@ def ring_ranks(strategy: Strategy, rank: int) -> list[int]:
         return all(theirs[a] == coords[a] for a in range(len(coords)) if a not in axes)
 
     members = [r for r in q.ranks if same_ring(r)]
+    striped = is_striped(q)
+    if not striped and not is_block_split(q.factors[dim]):
+        raise StrategyError(
+            "ring attention needs the sequence split into contiguous blocks or round-robin "
+            f"stripes, not {q}"
+        )
     starts = {}
     for r in members:
         rows = q.local_index(r)[dim]
-        if not isinstance(rows, slice):
-            raise StrategyError("ring attention needs the sequence split into contiguous blocks")
-        starts[r] = rows.start
+        starts[r] = int(rows[0]) if striped else rows.start
     return sorted(members, key=starts.__getitem__)
+
+
+def is_striped(layout: Layout) -> bool:
+    """Whether ``layout``'s sequence dim (-2, attention's rows) is split round-robin: its
+    split factors minor to the one unsplit factor, so rank ``r`` of ``n`` holds positions
+    ``r, r + n, ...``."""
+    factors = layout.factors[-2]
+    return (
+        len(factors) > 1
+        and factors[0][1] == NOT_SPLIT
+        and all(a != NOT_SPLIT for _, a in factors[1:])
+    )
 
 
 class Conv2d(SpaceRule):

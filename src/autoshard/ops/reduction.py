@@ -4,12 +4,14 @@ ops, softmax and cumsum, and the norms, whose statistics need their normalized d
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from autoshard.layout import Layout
+from autoshard.layout import NOT_SPLIT, Layout, is_block_split, resplit
+from autoshard.mesh import MeshInfo
 from autoshard.ops import local
 from autoshard.ops.base import (
     FIXED,
@@ -85,6 +87,15 @@ class Cumsum(SpaceRule):
         kinds = tuple(FREE if d != dim or exact else FIXED for d in range(len(shape)))
         dims = tuple(range(len(shape)))
         return Space(shape, kinds, (dims,), (dims,))
+
+    def follow(self, node: fx.Node, ins: Sequence[Layout | None], mesh: MeshInfo) -> Strategy:
+        """An input split round-robin along the scanned dim is taken whole there: only a
+        block split has parts whose totals add up before it."""
+        dim = node.args[1] % max(len(shape_of(node.args[0])), 1)
+        x = ins[0] if ins else None
+        if x is not None and x.shape and not is_block_split(x.factors[dim]):
+            ins = [resplit(x, {dim: ((x.shape[dim], NOT_SPLIT),)}), *ins[1:]]
+        return super().follow(node, ins, mesh)
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
         dim = node.args[1] % max(len(shape_of(node.args[0])), 1)

@@ -12,6 +12,12 @@ Under a causal mask a plain split leaves the last rank the most work (its rows s
 ``2n-1-i`` of ``2n``, so every rank does the same work: the op moves the halves there on entry
 and back on exit, so the layouts outside the op stay a contiguous split (docs/parallelism/
 sequence.md). Chunks of keys wholly after a chunk of queries are skipped.
+
+A ``striped`` sequence needs no such move: rank ``r`` holds positions ``r, r + n, r + 2n, ...``
+(a layout whose sequence dim is split by its minor factor, which the plan gives every
+activation from the inputs on). Its rows against any rank's keys are a causal product, with
+the diagonal (keys of an earlier or the same rank) or below it (a later rank's), so every
+step costs every rank half a block.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Ring:
     balanced: bool
     start: int = 0
     keys: int | None = None
+    striped: bool = False
 
     @property
     def size(self) -> int:
@@ -128,21 +135,23 @@ class _Deal(torch.autograd.Function):
 # -- one block ------------------------------------------------------------------------------------
 
 
-def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, bool, int]]:
+def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, bool, slice]]:
     """The products of this rank's rows against ``block``'s keys, as (query rows, key rows,
-    diagonal, key position): ``diagonal`` when a causal mask cuts the product, aligned to its
-    first row and key (its rows and keys are the same positions); key chunks wholly after
-    the query chunk are left out. A balanced ring's products are merged where one kernel
-    computes them: its own dealt block is causal as it stands (the early chunk, then the
-    late one), an earlier block's first chunk is seen by all its rows, a later block whole
-    by its late chunk."""
+    diagonal, key positions): ``diagonal`` when a causal mask cuts the product, aligned to its
+    first row and key; key positions index the sequence (an explicit mask's columns). Key
+    chunks wholly after the query chunk are left out. A balanced ring's products are merged
+    where one kernel computes them: its own dealt block is causal as it stands (the early
+    chunk, then the late one), an earlier block's first chunk is seen by all its rows, a later
+    block whole by its late chunk."""
+    if ring.striped:
+        return _striped_pairs(ring, block, causal)
     if causal and ring.balanced and ring.keys is None:
         rows, half = ring.rows, ring.rows // 2
         if block == ring.index:
-            return [(slice(0, rows), slice(0, rows), True, 0)]
+            return [(slice(0, rows), slice(0, rows), True, slice(0, rows))]  # no mask here
         if block < ring.index:
-            return [(slice(0, rows), slice(0, half), False, 0)]
-        return [(slice(half, rows), slice(0, rows), False, 0)]
+            return [(slice(0, rows), slice(0, half), False, slice(0, half))]
+        return [(slice(half, rows), slice(0, rows), False, slice(0, rows))]
     out = []
     for q_off, q_pos, q_len in ring.query_chunks():
         for k_off, k_pos, k_len in ring.chunks(block):
@@ -152,7 +161,25 @@ def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, boo
             diagonal = causal and k_pos + k_len - 1 > q_pos
             if diagonal and (k_pos, k_len) != (q_pos, q_len):
                 raise AssertionError("a causal product cut off its diagonal")
-            out.append((rows, keys, diagonal, k_pos))
+            out.append((rows, keys, diagonal, slice(k_pos, k_pos + k_len)))
+    return out
+
+
+def _striped_pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, bool, slice]]:
+    """The products of a striped ring: rows ``index + n*i`` against the keys ``s + n*j`` of
+    stripe ``s`` (the block's, or every stripe when all keys are here, read strided). Under a
+    causal mask row ``i`` sees key ``j <= i`` of an earlier or its own stripe and ``j < i`` of
+    a later one: rows from 1 against keys to ``rows - 1``, aligned causal."""
+    n, rows = ring.size, ring.rows
+    here = ring.keys is not None
+    out = []
+    for s in range(n) if here else (block,):
+        if not causal or s <= ring.index:
+            cols = slice(s, s + n * rows, n)
+            out.append((slice(0, rows), cols if here else slice(0, rows), causal, cols))
+        elif rows > 1:
+            cols = slice(s, s + n * (rows - 1), n)
+            out.append((slice(1, rows), cols if here else slice(0, rows - 1), True, cols))
     return out
 
 
@@ -162,7 +189,7 @@ def _scores(
     scale: float,
     diagonal: bool,
     mask: torch.Tensor | None,
-    k_pos: int,
+    cols: slice,
     rows: slice,
 ) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -170,7 +197,7 @@ def _scores(
         above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(above, float("-inf"))
     if mask is not None:
-        m = mask[..., rows, k_pos : k_pos + k.shape[-2]]
+        m = mask[..., rows, cols]
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
     return s
 
@@ -196,13 +223,13 @@ _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 def _pair_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool,
-    mask: torch.Tensor | None, k_pos: int, rows: slice, acc: torch.dtype,
+    mask: torch.Tensor | None, cols: slice, rows: slice, acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One product's (output, log-sum-exp), in ``acc``."""
     if _fused(q, mask):
         out, lse = _FLASH_CPU(q, k, v, 0.0, diagonal, scale=scale)
         return out.to(acc), lse.to(acc)
-    s = _scores(q.to(acc), k.to(acc), scale, diagonal, mask, k_pos, rows)
+    s = _scores(q.to(acc), k.to(acc), scale, diagonal, mask, cols, rows)
     top = s.amax(dim=-1)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     p = torch.exp(s - top.unsqueeze(-1))
@@ -213,7 +240,7 @@ def _pair_forward(
 
 def _pair_backward(
     g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None, k_pos: int,
+    lse: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None, cols: slice,
     rows: slice, acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One product's (dq, dk, dv) in ``acc``, from the whole rows' output and log-sum-exp."""
@@ -224,7 +251,7 @@ def _pair_backward(
         )  # fmt: skip
         return tuple(t.to(acc) for t in grads)  # type: ignore[return-value]
     qa, ka, va, ga = (t.to(acc) for t in (q, k, v, g))
-    s = _scores(qa, ka, scale, diagonal, mask, k_pos, rows)
+    s = _scores(qa, ka, scale, diagonal, mask, cols, rows)
     p = torch.exp(s - lse.unsqueeze(-1))
     delta = (ga * out.to(acc)).sum(dim=-1, keepdim=True)
     dv = torch.matmul(p.transpose(-2, -1), ga)
@@ -256,10 +283,10 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.steps - 1:
                 posted, got = _exchange(ring, [kv])
             kb, vb = kv[..., :d], kv[..., d:]
-            for r, c, diagonal, k_pos in _pairs(ring, block, causal):
+            for r, c, diagonal, cols in _pairs(ring, block, causal):
                 part, part_lse = _pair_forward(
                     q[..., r, :].contiguous(), kb[..., c, :].contiguous(),
-                    vb[..., c, :].contiguous(), scale, diagonal, mask, k_pos, r, acc,
+                    vb[..., c, :].contiguous(), scale, diagonal, mask, cols, r, acc,
                 )  # fmt: skip
                 new = torch.logaddexp(lse[..., r], part_lse)
                 safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
@@ -293,12 +320,12 @@ class _RingAttention(torch.autograd.Function):
             posted, got = _exchange(ring, sends) if sends else (None, [])
             kb, vb = kv[..., :d], kv[..., d:]
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            for r, c, diagonal, k_pos in _pairs(ring, block, causal):
+            for r, c, diagonal, cols in _pairs(ring, block, causal):
                 gq, gk, gv = _pair_backward(
                     grad[..., r, :].contiguous(), q[..., r, :].contiguous(),
                     kb[..., c, :].contiguous(), vb[..., c, :].contiguous(),
                     out[..., r, :].contiguous(), lse[..., r].contiguous(), scale, diagonal,
-                    mask, k_pos, r, acc,
+                    mask, cols, r, acc,
                 )  # fmt: skip
                 dq[..., r, :] += gq
                 dkv[..., c, :d] += gk
@@ -336,22 +363,23 @@ def ring_attention(
     index: int,
     scale: float | None,
     causal: bool,
+    striped: bool = False,
 ) -> torch.Tensor:
     """This rank's rows of attention over the whole sequence, whose blocks (in sequence order)
     ``ranks`` hold, this one at ``index``: ``mask`` (rows this rank's, keys all) or ``causal``
-    as ``scaled_dot_product_attention`` takes them. A causal ring of even blocks is balanced."""
+    as ``scaled_dot_product_attention`` takes them. ``striped``: the ranks hold the sequence's
+    positions round-robin, not in blocks. A causal ring of even blocks is balanced."""
     rows = query.shape[-2]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    balanced = causal and mask is None and len(ranks) > 1 and rows % 2 == 0
-    ring = Ring(tuple(ranks), index, rows, balanced)
-    if len(ranks) == 1:
+    balanced = causal and mask is None and len(ranks) > 1 and rows % 2 == 0 and not striped
+    ring = Ring(tuple(ranks), index, rows, balanced, striped=striped and len(ranks) > 1)
+    if not balanced:
         return _RingAttention.apply(query, key, value, mask, ring, scale, causal)
-    if balanced:  # one exchange for the three
-        sizes = [t.shape[-1] for t in (query, key, value)]
-        dealt = _Deal.apply(torch.cat([query, key, value], dim=-1), ring, False)
-        query, key, value = (t.contiguous() for t in dealt.split(sizes, dim=-1))
+    sizes = [t.shape[-1] for t in (query, key, value)]  # one exchange for the three
+    dealt = _Deal.apply(torch.cat([query, key, value], dim=-1), ring, False)
+    query, key, value = (t.contiguous() for t in dealt.split(sizes, dim=-1))
     out = _RingAttention.apply(query, key, value, mask, ring, scale, causal)
-    return _Deal.apply(out, ring, True) if balanced else out
+    return _Deal.apply(out, ring, True)
 
 
 def causal_rows_attention(
@@ -362,19 +390,45 @@ def causal_rows_attention(
     index: int,
     scale: float | None = None,
     enable_gqa: bool = False,
+    striped: bool = False,
 ) -> torch.Tensor:
-    """This rank's block of query rows (``index`` of the blocks ``ranks`` hold, in order) of a
-    causal attention whose keys are all here, by the ring's online softmax on one rank:
-    backward keeps the rows' log-sum-exp, never an ``L x S`` mask or probabilities. The rows
-    are dealt as a balanced ring deals them, so every rank computes as many products."""
+    """This rank's block of query rows (``index`` of the blocks ``ranks`` hold, in order; or
+    its stripe when ``striped``) of a causal attention whose keys are all here, by the ring's
+    online softmax on one rank: backward keeps the rows' log-sum-exp, never an ``L x S`` mask
+    or probabilities. Block rows are dealt as a balanced ring deals them, so every rank
+    computes as many products; striped rows are balanced as they stand."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    rows = query.shape[-2]
-    balanced = len(ranks) > 1 and rows % 2 == 0
+    rows, n = query.shape[-2], len(ranks)
+    if striped and n > 1:
+        if query.untyped_storage().nbytes() > query.numel() * query.element_size():
+            # kept for backward in its own storage, not a fused projection's, whose local
+            # keys and values the gathered ones replace
+            query = query.clone()
+        return _striped_rows(query, key, value, n, index, scale)
+    balanced = n > 1 and rows % 2 == 0
     ring = Ring(tuple(ranks), index, rows, balanced, index * rows, key.shape[-2])
     if balanced:
         query = _Deal.apply(query.contiguous(), ring, False)
     out = _RingAttention.apply(query, key, value, None, ring, scale, True)
     return _Deal.apply(out, ring, True) if balanced else out
+
+
+def _striped_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n: int, index: int, scale: float
+) -> torch.Tensor:
+    """Stripe ``index`` of ``n`` of the query rows against every key, causal: each stripe of
+    the keys (read strided) is one causal product. Keys that are not ``n`` stripes as
+    long as the rows take an explicit mask of the rows' positions."""
+    rows, keys = query.shape[-2], key.shape[-2]
+    if keys != n * rows:
+        at = torch.arange(rows, device=query.device) * n + index
+        mask = at.unsqueeze(-1) >= torch.arange(keys, device=query.device)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale
+        )
+
+    ring = Ring(tuple(range(n)), index, rows, False, 0, keys, striped=True)
+    return _RingAttention.apply(query, key, value, None, ring, scale, True)
