@@ -52,9 +52,24 @@ def _megatron(name: str) -> dict[str, tuple]:
     return _megatron_hf_llama("cp")
 
 
-def _against_pytorch(name: str, mesh: dict, attention: str) -> str:
+def _striped(og: Any, mesh: dict) -> dict[str, Any]:
+    """Every input's sequence (dim 1) split over ``cp`` round-robin: rank ``r`` holds
+    positions ``r, r + cp, ...`` (and the batch over ``dp``)."""
+    from autoshard import Factored, Layout
+
+    cp, out = mesh["cp"], {}
+    for node in og.graph.nodes:
+        if node.op == "placeholder" and og[node].kind == "input":
+            shape = og[node].shape
+            spec = ["dp" if "dp" in mesh else None, Factored((shape[1] // cp, cp), (None, "cp"))]
+            out[node.name] = Layout.from_named(shape, spec, mesh, dtype=og[node].dtype)
+    return out
+
+
+def _against_pytorch(name: str, mesh: dict, attention: str, striped: bool = False) -> str:
     """Train under ``mesh`` fed each rank's part of the batch and eagerly; '' when every loss
-    and parameter agree and each rank was fed ``1/cp`` of every sequence."""
+    and parameter agree and each rank was fed ``1/cp`` of every sequence (in blocks, or
+    round-robin when ``striped``)."""
     model = _model(name, LAYERS)
     ref = copy.deepcopy(model)
     batches = _labels() if name == "hf-llama" else _batches()
@@ -62,12 +77,12 @@ def _against_pytorch(name: str, mesh: dict, attention: str) -> str:
     if name not in _CAPTURED:
         _CAPTURED[name] = capture_modes(model, batches[0])
     strategies = _megatron(name) if "tp" in mesh else None
-    pm = parallelize(
-        model, batches[0], mesh, strategies, captured=_CAPTURED[name], attention=attention
-    )
+    inputs = _striped(_CAPTURED[name][True], mesh) if striped else None
+    pm = parallelize(model, batches[0], mesh, strategies, captured=_CAPTURED[name],
+                     attention=attention, input_layouts=inputs)  # fmt: skip
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    where = f"{name} {mesh} {attention}"
+    where = f"{name} {mesh} {attention}{' striped' if striped else ''}"
     for step, batch in enumerate(batches):
         mine = shard_inputs(batch, pm)
         fed = [tuple(t.shape) for t in mine]
@@ -267,6 +282,11 @@ def _sequence_parallel(name: str) -> str:
 
 def _world2() -> tuple[list[str], dict]:
     failures = _cases([{"cp": 2}]) + [_with_dropout()]
+    failures += [
+        _against_pytorch(name, {"cp": 2}, method, striped=True)
+        for name in ("gpt", "llama", "hf-llama")
+        for method in ("ring", "allgather")
+    ]
     failures += [_sequence_parallel(name) for name in ("gpt", "llama", "hf-llama")]
     return failures, _memories(2)
 
@@ -288,7 +308,10 @@ def test_context_parallel_on_2_ranks_trains_as_pytorch() -> None:
 
 
 def _world4(meshes: list[dict]) -> tuple[list[str], dict]:
-    return _cases(meshes), _memories(4)
+    failures = _cases(meshes)
+    failures += [_against_pytorch("llama", {"dp": 2, "cp": 2}, "ring", striped=True),
+                 _against_pytorch("gpt", {"cp": 4}, "allgather", striped=True)]  # fmt: skip
+    return failures, _memories(4)
 
 
 def test_context_parallel_on_4_ranks_trains_as_pytorch() -> None:
@@ -324,12 +347,10 @@ def test_bad_attention_choices_are_clear_errors() -> None:
         plan_graph(cross[True], mesh_info({"cp": 2}), attention="ring")
 
 
-def test_a_causal_sequence_over_cp_is_split_round_robin() -> None:
-    """Under a causal attention by ring or all-gather, every rank is fed positions ``r, r + cp,
-    ...`` of each sequence: its rows are balanced as they stand, so the attention op moves
-    nothing to balance them (no exchange beyond the ring's own). Ulysses, user strategies
-    naming ``cp`` and explicit masks keep contiguous blocks (the op deals those)."""
-    from autoshard.layout import is_block_split
+def test_a_round_robin_sequence_needs_no_deal() -> None:
+    """Inputs split round-robin over ``cp`` (rank ``r`` fed positions ``r, r + cp, ...``) keep
+    that split to the attention, whose rows are then balanced as they stand: the op moves
+    nothing to balance them (no exchange beyond the ring's own). A block split is dealt."""
     from autoshard.mesh import mesh_info
     from autoshard.ops.contraction import Attention, is_striped
     from autoshard.search import plan_graph
@@ -337,20 +358,17 @@ def test_a_causal_sequence_over_cp_is_split_round_robin() -> None:
     og = capture_modes(_model("gpt", 1), _batches()[0])[True]
     attention = next(n for n in og.graph.nodes if "scaled_dot" in str(n.target))
     for method, mesh in (("ring", {"cp": 4}), ("allgather", {"dp": 2, "cp": 2})):
-        plan = plan_graph(og, mesh_info(mesh), attention=method)
         cp = mesh["cp"]
-        for layout in plan.inputs.values():
-            assert layout.local_index(cp - 1)[1].tolist()[:2] == [cp - 1, 2 * cp - 1], layout
-        strategy = plan.nodes[attention.name].strategy
-        assert is_striped(strategy.ins[0])
-        sends = Attention().exchanges(attention, strategy)
-        assert len(sends) == (3 * cp - 2 if method == "ring" else 0), sends
-    for method, mesh, strategies in (
-        ("ulysses", {"cp": 2}, None),
-        ("ring", {"cp": 2, "tp": 2}, _megatron("gpt")),
-    ):
-        plan = plan_graph(og, mesh_info(mesh), strategies, attention=method)
-        assert all(is_block_split(t.factors[1]) for t in plan.inputs.values()), method
+        for striped in (True, False):
+            inputs = _striped(og, mesh) if striped else None
+            plan = plan_graph(og, mesh_info(mesh), attention=method, input_layouts=inputs)
+            strategy = plan.nodes[attention.name].strategy
+            assert is_striped(strategy.ins[0]) == striped
+            sends = Attention().exchanges(attention, strategy)
+            ring = 3 * cp - 2 if method == "ring" else 0
+            assert len(sends) == ring + (0 if striped else 2), (method, striped, sends)
+        for layout in _striped(og, mesh).values():
+            assert layout.local_index(cp - 1)[1].tolist()[:2] == [cp - 1, 2 * cp - 1]
 
 
 class _CrossAttention(torch.nn.Module):

@@ -14,10 +14,12 @@ and back on exit, so the layouts outside the op stay a contiguous split (docs/pa
 sequence.md). Chunks of keys wholly after a chunk of queries are skipped.
 
 A ``striped`` sequence needs no such move: rank ``r`` holds positions ``r, r + n, r + 2n, ...``
-(a layout whose sequence dim is split by its minor factor, which the plan gives every
-activation from the inputs on). Its rows against any rank's keys are a causal product, with
-the diagonal (keys of an earlier or the same rank) or below it (a later rank's), so every
-step costs every rank half a block.
+(a layout whose sequence dim is split by its minor factor: the inputs given that layout, every
+activation keeps it). Its rows against any rank's keys are a causal product, with the
+diagonal (keys of an earlier or the same rank) or below it (a later rank's), so every step
+costs every rank half a block. The CPU kernel computes a causal block at 0.7 of a whole one
+(its row tiles), so striped rows do more work there than dealt ones (a causal block and a
+half block a step); the default split stays in blocks.
 """
 
 from __future__ import annotations
@@ -135,7 +137,11 @@ class _Deal(torch.autograd.Function):
 # -- one block ------------------------------------------------------------------------------------
 
 
-def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, bool, slice]]:
+#: a product: (query rows, key rows, causal diagonal, key positions)
+Pair = tuple[slice, slice, bool, slice]
+
+
+def _pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
     """The products of this rank's rows against ``block``'s keys, as (query rows, key rows,
     diagonal, key positions): ``diagonal`` when a causal mask cuts the product, aligned to its
     first row and key; key positions index the sequence (an explicit mask's columns). Key
@@ -165,7 +171,7 @@ def _pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, boo
     return out
 
 
-def _striped_pairs(ring: Ring, block: int, causal: bool) -> list[tuple[slice, slice, bool, slice]]:
+def _striped_pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
     """The products of a striped ring: rows ``index + n*i`` against the keys ``s + n*j`` of
     stripe ``s`` (the block's, or every stripe when all keys are here, read strided). Under a
     causal mask row ``i`` sees key ``j <= i`` of an earlier or its own stripe and ``j < i`` of
@@ -206,8 +212,9 @@ def _exchange(
     ring: Ring, tensors: Sequence[torch.Tensor]
 ) -> tuple[comm.Posted, list[torch.Tensor]]:
     """Post sending ``tensors`` to the next rank and receiving their like from the previous."""
-    got = [torch.empty_like(t) for t in tensors]
-    posted = comm.post_p2p([(t, ring.next()) for t in tensors], [(g, ring.prev()) for g in got])
+    sends = [t.contiguous() for t in tensors]
+    got = [torch.empty_like(t) for t in sends]
+    posted = comm.post_p2p([(t, ring.next()) for t in sends], [(g, ring.prev()) for g in got])
     return posted, got
 
 
@@ -260,6 +267,9 @@ def _pair_backward(
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring's forward and backward. The kernels read the blocks in place (strided views:
+    no copies); keys and values travel as two tensors, each block's gradients likewise."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -275,28 +285,21 @@ class _RingAttention(torch.autograd.Function):
         lead, rows = q.shape[:-2], q.shape[-2]
         lse = q.new_full((*lead, rows), float("-inf"), dtype=acc)
         total = q.new_zeros((*lead, rows, v.shape[-1]), dtype=acc)
-        kv = torch.cat([k, v], dim=-1).contiguous()
-        d = k.shape[-1]
+        kb, vb = k, v
         for step in range(ring.steps):
             block = (ring.index - step) % ring.size
             posted = got = None
             if step < ring.steps - 1:
-                posted, got = _exchange(ring, [kv])
-            kb, vb = kv[..., :d], kv[..., d:]
+                posted, got = _exchange(ring, [kb, vb])
             for r, c, diagonal, cols in _pairs(ring, block, causal):
                 part, part_lse = _pair_forward(
-                    q[..., r, :].contiguous(), kb[..., c, :].contiguous(),
-                    vb[..., c, :].contiguous(), scale, diagonal, mask, cols, r, acc,
+                    q[..., r, :], kb[..., c, :], vb[..., c, :], scale, diagonal, mask, cols, r,
+                    acc,
                 )  # fmt: skip
-                new = torch.logaddexp(lse[..., r], part_lse)
-                safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-                total[..., r, :] = total[..., r, :] * torch.exp(lse[..., r] - safe).unsqueeze(
-                    -1
-                ) + part * torch.exp(part_lse - safe).unsqueeze(-1)
-                lse[..., r] = new
+                _merge(total, lse, r, part, part_lse)
             if posted is not None:
                 posted.wait()
-                kv = got[0]
+                kb, vb = got
         result = total.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, result, lse)
         ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
@@ -309,49 +312,49 @@ class _RingAttention(torch.autograd.Function):
         acc = lse.dtype
         grad = grad.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.cat([k, v], dim=-1).contiguous()
-        d = k.shape[-1]
-        carried: torch.Tensor | None = None  # the gradient of the block held, from before
+        kb, vb = k, v
+        carried: list[torch.Tensor] = []  # the gradients of the block held, from before
         for step in range(ring.steps):
             block = (ring.index - step) % ring.size
-            sends = [kv] if step < ring.steps - 1 else []
-            if carried is not None:
-                sends.append(carried)
+            sends = ([kb, vb] if step < ring.steps - 1 else []) + carried
             posted, got = _exchange(ring, sends) if sends else (None, [])
-            kb, vb = kv[..., :d], kv[..., d:]
-            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
+            dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
             for r, c, diagonal, cols in _pairs(ring, block, causal):
                 gq, gk, gv = _pair_backward(
-                    grad[..., r, :].contiguous(), q[..., r, :].contiguous(),
-                    kb[..., c, :].contiguous(), vb[..., c, :].contiguous(),
-                    out[..., r, :].contiguous(), lse[..., r].contiguous(), scale, diagonal,
-                    mask, cols, r, acc,
+                    grad[..., r, :], q[..., r, :], kb[..., c, :], vb[..., c, :],
+                    out[..., r, :], lse[..., r].contiguous(), scale, diagonal, mask, cols, r,
+                    acc,
                 )  # fmt: skip
                 dq[..., r, :] += gq
-                dkv[..., c, :d] += gk
-                dkv[..., c, d:] += gv
+                dk[..., c, :] += gk
+                dv[..., c, :] += gv
             if posted is not None:
                 posted.wait()
             if step < ring.steps - 1:
-                kv = got[0]
-            if carried is not None:
-                dkv += got[-1]  # this block's gradient from the ranks before
-            carried = dkv
-        # the last block's gradient goes on to its owner; this rank's own arrives
-        mine = carried
+                kb, vb = got[:2]
+            if carried:
+                dk += got[-2]  # this block's gradients from the ranks before
+                dv += got[-1]
+            carried = [dk, dv]
+        # the last block's gradients go on to its owner; this rank's own arrive
         if ring.steps > 1:
-            posted, got = _exchange(ring, [carried])
+            posted, carried = _exchange(ring, carried)
             posted.wait()
-            mine = got[0]
-        return (
-            dq.to(q.dtype),
-            mine[..., :d].to(k.dtype),
-            mine[..., d:].to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
+        dk, dv = carried
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _merge(
+    total: torch.Tensor, lse: torch.Tensor, r: slice, part: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """Fold one product's rows ``r`` (output and log-sum-exp) into the running ones."""
+    new = torch.logaddexp(lse[..., r], part_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    total[..., r, :] = total[..., r, :] * torch.exp(lse[..., r] - safe).unsqueeze(
+        -1
+    ) + part * torch.exp(part_lse - safe).unsqueeze(-1)
+    lse[..., r] = new
 
 
 def ring_attention(

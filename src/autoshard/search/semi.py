@@ -23,7 +23,6 @@ from autoshard.layout import NOT_SPLIT, Factored, Layout, LayoutError, resplit
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy, StrategyError, node_title, rule_for, tensor_inputs
 from autoshard.ops.contraction import Attention
-from autoshard.ops.nodes import node_arg
 from autoshard.search.plans import NodePlan, ParamPlan, Plan
 
 # -- strategy lookup -------------------------------------------------------------------------------
@@ -110,54 +109,21 @@ def _configured(node: fx.Node, value: Any, mesh: MeshInfo) -> Strategy:
 
 
 def _default_input(
-    og: OpGraph, node: fx.Node, mesh: MeshInfo, sequence_parallel: bool = False,
-    striped: bool = False,
-) -> Layout:  # fmt: skip
+    og: OpGraph, node: fx.Node, mesh: MeshInfo, sequence_parallel: bool = False
+) -> Layout:
     """An input's batch dim (0) split over the data-parallel axes and its sequence dim (1)
     over the context-parallel ones (and, under sequence parallelism, the tensor-parallel
-    ones), where they divide it: in blocks, or round-robin when ``striped``."""
+    ones), where they divide it."""
     shape, dtype = og[node].shape, og[node].dtype
     spec: list[Any] = [None] * len(shape)
     if mesh.dp and shape and shape[0] % mesh.size_of(mesh.dp) == 0:
         spec[0] = mesh.dp
     seq = mesh.cp + (tensor_axes(mesh) if sequence_parallel else ())
     if seq and len(shape) >= 2 and shape[1] % mesh.size_of(seq) == 0:
-        n = mesh.size_of(seq)
-        spec[1] = Factored((shape[1] // n, n), (None, seq)) if striped else seq
+        spec[1] = seq
     if all(s is None for s in spec):
         return Layout.replicated(shape, mesh.num_devices, dtype=dtype)
     return Layout.from_named(shape, spec, mesh.as_dict(), dtype=dtype)
-
-
-def _stripes(
-    og: OpGraph, mesh: MeshInfo, configured: Mapping[str, Any], attention: str | None,
-    sequence_parallel: bool,
-) -> bool:  # fmt: skip
-    """Whether the inputs' sequence is split over ``cp`` round-robin: so a causal attention's
-    rows are balanced as they stand (docs/parallelism/sequence.md), where the split reaches a
-    ring or all-gather attention and no user strategy places a dim on a context-parallel
-    axis (it would name a block split)."""
-    if not mesh.cp or sequence_parallel or attention == "ulysses":
-        return False
-    if _names_axes(list(configured.values()), set(mesh.cp)):
-        return False
-    return any(
-        isinstance(rule_for(n), Attention) and bool(node_arg(n, 5, "is_causal", False))
-        for n in og.graph.nodes
-        if n.op == "call_function" and og[n].kind != "getitem"
-    )
-
-
-def _names_axes(spec: Any, axes: set[str]) -> bool:
-    if isinstance(spec, str):
-        return spec in axes
-    if isinstance(spec, Factored):
-        return _names_axes(list(spec.maps), axes)
-    if isinstance(spec, (list, tuple)):
-        return any(_names_axes(s, axes) for s in spec)
-    if isinstance(spec, Mapping):
-        return any(_names_axes(s, axes) for s in spec.values())
-    return False
 
 
 def tensor_axes(mesh: MeshInfo) -> tuple[str, ...]:
@@ -180,7 +146,6 @@ class _Walk:
     ) -> None:
         self.og, self.mesh, self.configured = og, mesh, configured
         self.attention, self.sequence_parallel = attention, sequence_parallel
-        self.striped = _stripes(og, mesh, configured, attention, sequence_parallel)
         #: the layout an op's readers take its value in when not its own (after Ulysses)
         self.preferred: dict[fx.Node, Layout] = {}
         self.layouts: dict[fx.Node, list[Layout | None]] = {}
@@ -195,7 +160,7 @@ class _Walk:
         info = self.og[node]
         if info.kind == "input":
             layout = input_layouts.get(node.name) or _default_input(
-                self.og, node, self.mesh, self.sequence_parallel, self.striped
+                self.og, node, self.mesh, self.sequence_parallel
             )
             self.inputs[node.name] = layout
             self.layouts[node] = [layout]
