@@ -173,6 +173,7 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(capsys) ->
         (["plan", "--heads", "3"], "num_heads(3)"),
         (["plan", "--model-fn", "nosuchmodule:make"], "no module 'nosuchmodule' (looked in"),
         (["plan", "--model-fn", "justamodule"], "expected module:function"),
+        (["plan", "--devices", "8", "--cp", "3"], "--cp 3 does not divide the 8 devices"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(argv, message, capsys) -> None:
@@ -332,3 +333,17 @@ def test_plan_table_names_dims_and_its_layers_add_up_to_the_headline(tmp_path, c
     assert block and block.group(1) == "6"  # two blocks captured, six priced, one row
     assert re.search(r"c_attn/linear\.0 +x\[b\S*, s, in\] weight\[out\S*, in\]", out)
     assert re.search(r"^  input idx: \[b\S*, s\S*\]$", out, re.M)
+
+
+def test_plan_command_fixes_context_parallelism_and_its_attention(capsys) -> None:
+    """``--cp`` puts a context-parallel axis of that size in every mesh searched (the inputs'
+    sequence split over it); ``--attention`` fixes how attention computes over it."""
+    from autoshard.cli.main import main
+
+    argv = ["plan", "--model", "llama", "--seq", "4096", "--batch", "2", "--devices", "8"]
+    for method in ("ring", "allgather"):
+        assert main([*argv, "--cp", "2", "--attention", method]) == 0
+        out = capsys.readouterr().out
+        assert "cp(2)" in out.splitlines()[0], out.splitlines()[0]
+        assert "sequence of input idx: split 2 ways over cp" in out
+        assert f"attention over a split sequence: {method} (2 ops)" in out

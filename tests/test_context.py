@@ -66,10 +66,13 @@ def _striped(og: Any, mesh: dict) -> dict[str, Any]:
     return out
 
 
-def _against_pytorch(name: str, mesh: dict, attention: str, striped: bool = False) -> str:
+def _against_pytorch(
+    name: str, mesh: dict, attention: str, striped: bool = False, searched: bool = False
+) -> str:
     """Train under ``mesh`` fed each rank's part of the batch and eagerly; '' when every loss
     and parameter agree and each rank was fed ``1/cp`` of every sequence (in blocks, or
-    round-robin when ``striped``)."""
+    round-robin when ``striped``). ``searched``: the plan ``autoshard.plan`` finds with
+    ``attention`` fixed, run from its JSON."""
     model = _model(name, LAYERS)
     ref = copy.deepcopy(model)
     batches = _labels() if name == "hf-llama" else _batches()
@@ -78,8 +81,20 @@ def _against_pytorch(name: str, mesh: dict, attention: str, striped: bool = Fals
         _CAPTURED[name] = capture_modes(model, batches[0])
     strategies = _megatron(name) if "tp" in mesh else None
     inputs = _striped(_CAPTURED[name][True], mesh) if striped else None
-    pm = parallelize(model, batches[0], mesh, strategies, captured=_CAPTURED[name],
-                     attention=attention, input_layouts=inputs)  # fmt: skip
+    if searched:
+        from autoshard import plan
+
+        found = plan(model, batches[0], "cpu", mesh=mesh, captured=_CAPTURED[name],
+                     attention=attention).json  # fmt: skip
+        pm = parallelize(model, batches[0], mesh, plan=found, captured=_CAPTURED[name])
+        # Ulysses: the heads split over cp, the all-to-alls where the search puts them
+        text = str(pm.plan)
+        want = [attention] if attention != "ulysses" else []
+        if [m for m in ATTENTION_METHODS if f": {m} (" in text and m != "ulysses"] != want:
+            return f"{name} {mesh}: the searched plan computes attention by another method"
+    else:
+        pm = parallelize(model, batches[0], mesh, strategies, captured=_CAPTURED[name],
+                         attention=attention, input_layouts=inputs)  # fmt: skip
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     where = f"{name} {mesh} {attention}{' striped' if striped else ''}"
@@ -288,6 +303,8 @@ def _world2() -> tuple[list[str], dict]:
         for method in ("ring", "allgather")
     ]
     failures += [_sequence_parallel(name) for name in ("gpt", "llama", "hf-llama")]
+    failures += [_against_pytorch(name, {"dp": 1, "cp": 2}, method, searched=True)
+                 for name in ("gpt", "llama") for method in ATTENTION_METHODS]  # fmt: skip
     return failures, _memories(2)
 
 

@@ -297,6 +297,19 @@ def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
     )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: every sequence split over this many devices, a cp "
+        "mesh axis (1: none fixed; the search may still split the sequence)",
+    )
+    p.add_argument(
+        "--attention",
+        default=None,
+        choices=["allgather", "ulysses", "ring"],
+        help="how attention computes over a split sequence (left out: searched)",
+    )
     p.add_argument("--json", help="write the plan JSON here ('-': to stdout, no table)")
     p.add_argument(
         "--picture",

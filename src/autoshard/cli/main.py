@@ -169,6 +169,8 @@ def _plan(args: argparse.Namespace) -> int:
     spec = cluster_spec(args.cluster)
     devices = args.devices or (args.nodes * spec.devices_per_node if args.nodes else None)
     spec = cluster_spec(spec, devices)
+    if args.cp < 1 or spec.num_devices % args.cp:
+        raise ValueError(f"--cp {args.cp} does not divide the {spec.num_devices} devices")
     if args.memory_gib:
         from dataclasses import replace
 
@@ -196,6 +198,8 @@ def _plan(args: argparse.Namespace) -> int:
             search=args.search,
             depth=depth,
             tp_across_nodes=args.tp_across_nodes,
+            cp=args.cp,
+            attention=args.attention,
         )
     except PlanningError as err:
         if args.pp is not None and args.pp != "auto":  # --pp 1: no stages

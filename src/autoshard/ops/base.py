@@ -100,8 +100,7 @@ def split_axes(space: Layout, d: int) -> list[int]:
 
 
 def right_aligned(shape: Sequence[int], out_rank: int) -> tuple[int | None, ...]:
-    """The iteration dims a broadcast operand's dims walk: its dims aligned to the last of
-    ``out_rank`` dims."""
+    """The iteration dims a broadcast operand's dims walk: aligned to the last of ``out_rank``."""
     offset = out_rank - len(shape)
     return tuple(offset + i for i in range(len(shape)))
 
@@ -142,10 +141,13 @@ class OpRule:
             raise StrategyError(f"{node_title(node)}: this op has no iteration space")
         return self.layouts(node, Layout.from_named(space.sizes, spec, mesh.as_dict()))
 
+    def variants(self, node: fx.Node, spec: Any, strategy: Strategy) -> list[tuple[Any, Strategy]]:
+        """Other ways to compute ``spec``'s layout, as (spec read back, strategy): a ring."""
+        return []
+
     def joint_options(self, node: fx.Node, mesh: MeshInfo) -> list[tuple[Any, Strategy]]:
-        """Strategies the search adds to the space's (each axis on one dim): ones that put an
-        axis on two dims at once (the experts op's dispatch), as (named space spec,
-        strategy)."""
+        """Strategies the search adds that put an axis on two dims at once (the experts op's
+        dispatch), as (named space spec, strategy)."""
         return []
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
@@ -153,8 +155,7 @@ class OpRule:
         return low.call(node.target, args, kwargs)
 
     def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
-        """The collectives the op runs itself under ``strategy`` (not the moves the planner
-        inserts around it): none for almost every op."""
+        """The collectives the op runs itself (not the planner's moves around it): mostly none."""
         return ()
 
     def held_inputs(self, node: fx.Node, strategy: Strategy) -> float:
@@ -447,8 +448,7 @@ def _check_arity(node: fx.Node, given: int, what: str, num_inputs: int) -> None:
 
 def _leader(node: fx.Node, ins: Sequence[Layout | None]) -> tuple[int, Layout] | None:
     """The input an unconfigured op follows: the most split activation (parameters last)."""
-    best: tuple[int, Layout] | None = None
-    best_key: tuple[int, int] | None = None
+    best, best_key = None, None
     inputs = tensor_inputs(node)
     for i, (inp, layout) in enumerate(zip(inputs, ins, strict=True)):
         if layout is None:

@@ -169,6 +169,29 @@ class Attention(SpaceRule):
         moved = resplit(layout, {heads: heads_split, sq: whole})
         return self.layouts(node, moved), strategy.outs[0]
 
+    def variants(self, node: fx.Node, spec: Any, strategy: Strategy) -> list[tuple[Any, Strategy]]:
+        """The ring beside the all-gather: named by its key length split as the rows are."""
+        space = self.space(node)
+        sq, sk = len(space.sizes) - 4, len(space.sizes) - 3
+        if self.method(node, strategy) != "allgather" or space.sizes[sq] != space.sizes[sk]:
+            return []
+        ring_spec = tuple(spec[sq] if d == sk else e for d, e in enumerate(spec))
+        return [(ring_spec, _ring(strategy))]
+
+    def from_space(self, node: fx.Node, spec: Sequence[Any], mesh: Any) -> Strategy:
+        """A named space strategy; the key length split as the rows are is the ring."""
+        space = self.space(node)
+        sq, sk = len(space.sizes) - 4, len(space.sizes) - 3
+        if spec[sk] is None:
+            return super().from_space(node, spec, mesh)
+        if spec[sk] != spec[sq]:
+            raise StrategyError(
+                f"{node_title(node)}: the key length splits only as the query rows do (ring "
+                f"attention): rows {spec[sq]!r}, keys {spec[sk]!r}"
+            )
+        rows_only = tuple(None if d == sk else e for d, e in enumerate(spec))
+        return self.as_method(node, super().from_space(node, rows_only, mesh), "ring")[0]
+
     def held_inputs(self, node: fx.Node, strategy: Strategy) -> float:
         """The all-gather method keeps the gathered keys and values for backward: beyond the
         rank's own part of them, which its producers' outputs hold, this op alone holds them."""
@@ -261,12 +284,15 @@ class Attention(SpaceRule):
 
 def _ring(strategy: Strategy) -> Strategy:
     """The all-gather strategy ``strategy`` as ring attention: the keys and values (and their
-    gradients, each block's whole) split along the sequence as the query rows are."""
-    rows = strategy.ins[0].factors[-2]
+    gradients, each block's whole) split as the query is but for their last dim."""
+    q = strategy.ins[0]
     ins, grads = list(strategy.ins), list(strategy.grads)
     for i in (1, 2):
         t = strategy.ins[i]
-        ins[i] = grads[i] = resplit(t, {len(t.shape) - 2: rows}, partial=())
+        factors = (*q.factors[:-1], ((t.shape[-1], NOT_SPLIT),))
+        ins[i] = grads[i] = Layout.from_factors(
+            t.shape, q.mesh, factors, (), q.ranks, t.dtype, q.axis_names
+        )
     return replace(strategy, ins=tuple(ins), grads=tuple(grads))
 
 

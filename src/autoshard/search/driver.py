@@ -41,16 +41,24 @@ SEARCHES = ("optimal", "recursive", "propagate")
 
 
 def mesh_shapes(
-    num_devices: int, cluster: ClusterSpec, tp_across_nodes: bool = False
+    num_devices: int, cluster: ClusterSpec, tp_across_nodes: bool = False, cp: int = 1
 ) -> list[MeshInfo]:
-    """Every ``dp x tp`` factorization of the devices, ``tp`` inside a node unless allowed."""
+    """Every ``dp x tp`` factorization of the devices, ``tp`` inside a node unless allowed;
+    ``dp x cp x tp`` with ``cp`` fixed when it is more than 1 (the inputs' sequence over it,
+    ``cp x tp`` inside a node where it fits)."""
     out = []
-    for tp in range(1, num_devices + 1):
-        if num_devices % tp:
+    if cp < 1 or num_devices % cp:
+        raise PlanningError(f"cp {cp} does not divide the {num_devices} devices")
+    for tp in range(1, num_devices // cp + 1):
+        if (num_devices // cp) % tp:
             continue
         if tp > cluster.devices_per_node and not tp_across_nodes:
             continue
-        out.append(MeshInfo(("dp", "tp"), (num_devices // tp, tp), ("dp",)))
+        if cp == 1:
+            out.append(MeshInfo(("dp", "tp"), (num_devices // tp, tp), ("dp",)))
+        else:
+            sizes = (num_devices // (cp * tp), cp, tp)
+            out.append(MeshInfo(("dp", "cp", "tp"), sizes, ("dp",), ("cp",)))
     return out
 
 
@@ -103,9 +111,13 @@ def run_search(
     fixed: Mapping[str, Any] | None = None,
     zero: int | None = None,
     step_share: float = 1.0,
+    cp: int = 1,
+    attention: str | None = None,
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``) and ZeRO
-    stage (or the given ``zero``); ``step_share``: see ``build_cost_graph``."""
+    stage (or the given ``zero``); ``step_share``: see ``build_cost_graph``. ``cp``: a
+    context-parallel axis of that size in every mesh; ``attention``: the one method attention
+    over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
@@ -113,12 +125,25 @@ def run_search(
     options.clear_caches()
     pricing.clear_caches()
     try:
-        with paused_gc():
-            return _run_search(og, num_devices, cluster, search, mesh, memory_limit,
-                               tp_across_nodes, depth, fixed, zero, step_share)  # fmt: skip
+        if mesh is None:
+            mesh_list = mesh_shapes(num_devices, cluster, tp_across_nodes, cp)
+        else:
+            mesh_list = [mesh]
+        with paused_gc(), options.searching(attention, _sequence(og, mesh_list)):
+            return _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
+                               depth, fixed, zero, step_share)  # fmt: skip
     finally:
         options.clear_caches()
         pricing.clear_caches()
+
+
+def _sequence(og: OpGraph, meshes: list[MeshInfo]) -> int | None:
+    """The inputs' sequence length (dim 1), which a context-parallel axis follows; None
+    when no mesh has one."""
+    if not any(m.cp for m in meshes):
+        return None
+    shapes = [info.shape for info in og if info.kind == "input" and len(info.shape) > 1]
+    return shapes[0][1] if shapes else None
 
 
 def _run_search(
@@ -126,9 +151,8 @@ def _run_search(
     num_devices: int,
     cluster: ClusterSpec,
     search: str,
-    mesh: MeshInfo | None,
+    shapes: list[MeshInfo],
     memory_limit: float | None,
-    tp_across_nodes: bool,
     depth: Mapping[str, int] | None,
     fixed: Mapping[str, Any] | None,
     zero: int | None,
@@ -136,7 +160,6 @@ def _run_search(
 ) -> SearchResult:
     start = time.perf_counter()
     limit = cluster.memory_bytes if memory_limit is None else memory_limit
-    shapes = [mesh] if mesh is not None else mesh_shapes(num_devices, cluster, tp_across_nodes)
     levels = ZERO_LEVELS if zero is None else (zero,)
     meshes = [m for m in shapes for _ in levels]
     # first each mesh's options without the moves between them (cheap): a lower bound that

@@ -1,5 +1,9 @@
 """The options of a decision node: every strategy that puts each mesh axis on one splittable
-iteration dim (or on none), deduplicated. Cached per node and, across graphs, per op signature.
+iteration dim (or on none), deduplicated, with the other ways a rule computes one of them
+(``OpRule.variants``: ring attention beside the all-gather). Cached per node and, across
+graphs, per op signature. An input's options put the context-parallel axes on its sequence.
+Inside :func:`searching` an attention keeps only the options computing its split rows by
+the method given, and context-parallel axes stay on the sequence.
 """
 
 from __future__ import annotations
@@ -7,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +21,7 @@ from autoshard.graph import node_info
 from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops import FIXED, Strategy, StrategyError, rule_for
+from autoshard.ops.contraction import ATTENTION_METHODS, Attention
 
 
 @dataclass
@@ -37,11 +43,17 @@ def _spec(assign: Sequence[int | None], axes: Sequence[str], ndims: int) -> tupl
 
 
 def _assignments(
-    sizes: Sequence[int], allowed: Sequence[int], mesh: MeshInfo
+    sizes: Sequence[int], allowed: Sequence[int], mesh: MeshInfo, heads: int | None = None
 ) -> Iterator[tuple[tuple[int | None, ...], tuple[Any, ...]]]:
+    """Each axis on one allowed dim or none; inside :func:`searching` with a sequence
+    length, a context-parallel axis only on dims the sequence makes (a multiple of its
+    length) or on attention's ``heads``."""
     axes = [(n, s) for n, s in zip(mesh.names, mesh.sizes, strict=True) if s > 1]
     choices = [None, *allowed]
-    for assign in itertools.product(choices, repeat=len(axes)):
+    seq = _CONTEXT["sequence"]
+    along = [None, *(d for d in allowed if seq and (sizes[d] % seq == 0 or d == heads))]
+    per_axis = [along if seq and n in mesh.cp else choices for n, _ in axes]
+    for assign in itertools.product(*per_axis):
         per_dim: dict[int, int] = defaultdict(lambda: 1)
         for (_, s), d in zip(axes, assign, strict=True):
             if d is not None:
@@ -56,30 +68,52 @@ _STRATEGY_CACHE: dict[tuple, list[Option]] = {}
 _NODE_OPTIONS: dict[tuple, list[Option]] = {}
 
 
+#: how options are made in the search under way: the one attention method (None: any) and
+#: the inputs' sequence length, which context-parallel axes follow (None: anywhere)
+_CONTEXT: dict[str, Any] = {"attention": None, "sequence": None}
+
+
+@contextmanager
+def searching(attention: str | None = None, sequence: int | None = None) -> Iterator[None]:
+    """Options made inside compute every attention over a split sequence by ``attention``
+    (``ATTENTION_METHODS``; ``ulysses``: its heads split, the sequence whole; None: any), and
+    put context-parallel axes only on dims of ``sequence`` (or attention's heads)."""
+    if attention is not None and attention not in ATTENTION_METHODS:
+        raise StrategyError(
+            f"attention={attention!r}: expected one of {', '.join(ATTENTION_METHODS)}"
+        )
+    kept = dict(_CONTEXT)
+    _CONTEXT.update(attention=attention, sequence=sequence)
+    _NODE_OPTIONS.clear()
+    try:
+        yield
+    finally:
+        _CONTEXT.update(kept)
+        _NODE_OPTIONS.clear()
+
+
 def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
     """Every strategy of a decision node on ``mesh``: each axis on one splittable dim or none."""
     by_node = _NODE_OPTIONS.get((node, mesh))
     if by_node is not None:
         return by_node
-    key = (*node_info(node).signature, mesh) if node.op == "call_function" else None
+    context = (_CONTEXT["attention"], _CONTEXT["sequence"])
+    key = (*node_info(node).signature, mesh, context) if node.op == "call_function" else None
     if key is not None and key in _STRATEGY_CACHE:
         _NODE_OPTIONS[(node, mesh)] = _STRATEGY_CACHE[key]
         return _STRATEGY_CACHE[key]
+    if node.op == "placeholder":
+        out = _input_options(node, mesh)
+        _NODE_OPTIONS[(node, mesh)] = out
+        return out
     axes = mesh.as_dict()
     out: list[Option] = []
     seen: set = set()
-    if node.op == "placeholder":
-        shape, dtype = node_info(node).shape, node_info(node).dtype
-        allowed = [d for d, s in enumerate(shape) if s > 1]
-        for assign, spec in _assignments(shape, allowed, mesh):
-            layout = Layout.from_named(shape, spec, axes, dtype=dtype)
-            out.append(Option(assign, spec, Strategy((), (layout,), ())))
-        _NODE_OPTIONS[(node, mesh)] = out
-        return out
     rule = rule_for(node)
     space = rule.space(node)
     allowed = [d for d, k in enumerate(space.kinds) if k != FIXED and space.sizes[d] > 1]
-    for assign, spec in _assignments(space.sizes, allowed, mesh):
+    heads = len(space.sizes) - 5 if isinstance(rule, Attention) else None
+    for assign, spec in _assignments(space.sizes, allowed, mesh, heads):
         try:
             strategy = rule.layouts(node, Layout.from_named(space.sizes, spec, axes))
         except (StrategyError, LayoutError):
@@ -89,12 +123,44 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
             continue
         seen.add(ident)
         out.append(Option(assign, spec, strategy))
+        for other, variant in rule.variants(node, spec, strategy):
+            out.append(Option(_joint_assign(other, mesh), other, variant))
     for spec, strategy in rule.joint_options(node, mesh):
         out.append(Option(_joint_assign(spec, mesh), spec, strategy))
+    if isinstance(rule, Attention) and _CONTEXT["attention"] is not None:
+        out = [o for o in out if _by_method(rule, node, o, mesh, _CONTEXT["attention"])]
     if key is not None:
         _STRATEGY_CACHE[key] = out
     _NODE_OPTIONS[(node, mesh)] = out
     return out
+
+
+def _by_method(rule: Attention, node: fx.Node, option: Option, mesh: MeshInfo, method: str) -> bool:
+    """Whether ``option`` computes a split sequence by ``method`` (or splits none), with the
+    context-parallel axes on its rows (on its heads for Ulysses)."""
+    has = rule.method(node, option.strategy)
+    if has != "local" and (has != method or method == "ulysses"):
+        return False
+    cp = {n for n, s in zip(mesh.names, mesh.sizes, strict=True) if s > 1 and n in mesh.cp}
+    if not cp:
+        return True
+    nb = len(option.spec) - 4
+    where = option.spec[nb - 1 if method == "ulysses" else nb]
+    return cp <= set(where if isinstance(where, tuple) else (where,))
+
+
+def _input_options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
+    """An input's splits; the context-parallel axes split its sequence (dim 1) only."""
+    shape, dtype = node_info(node).shape, node_info(node).dtype
+    allowed = [d for d, s in enumerate(shape) if s > 1]
+    split = [n for n, s in zip(mesh.names, mesh.sizes, strict=True) if s > 1]
+    cp = [i for i, n in enumerate(split) if n in mesh.cp]
+    out = []
+    for assign, spec in _assignments(shape, allowed, mesh, 1):
+        layout = Layout.from_named(shape, spec, mesh.as_dict(), dtype=dtype)
+        out.append(Option(assign, spec, Strategy((), (layout,), ())))
+    on_sequence = [o for o in out if all(o.assign[i] == 1 for i in cp)]
+    return on_sequence or out
 
 
 def _joint_assign(spec: Sequence[Any], mesh: MeshInfo) -> tuple[Any, ...]:
@@ -116,4 +182,4 @@ def clear_caches() -> None:
     _NODE_OPTIONS.clear()
 
 
-__all__ = ["Option", "clear_caches", "options"]
+__all__ = ["Option", "clear_caches", "options", "searching"]

@@ -110,6 +110,7 @@ def search_pipeline(
         return graphs[batch // m]
 
     pps = [given["pp"]] if given.get("pp") else _degrees(num_devices, graph, depth, batch)
+    pps = [pp for pp in pps if (num_devices // pp) % (given.get("cp") or 1) == 0]
     tried: list[Tried] = []
     best: PipelinePlan | None = None
     stage_plans: dict[tuple[int, int], tuple[Plan, SearchResult]] = {}
@@ -124,7 +125,8 @@ def search_pipeline(
             sub = cluster_spec(cluster, num_devices // pp)
             result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
                                 memory_limit=float("inf"), tp_across_nodes=tp_across_nodes,
-                                zero=0, step_share=1 / m)  # fmt: skip
+                                zero=0, step_share=1 / m, cp=given.get("cp") or 1,
+                                attention=given.get("attention"))  # fmt: skip
             stage_plans[key] = (build_plan(og, result, sub), result)
         stage, result = stage_plans[key]
         closed: set[tuple[str, int]] = set()

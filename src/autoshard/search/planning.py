@@ -37,6 +37,7 @@ def plan(
     schedule: str | None = None,
     virtual_stages: int | None = None,
     recompute: str | None = None,
+    attention: str | None = None,
 ) -> Plan:
     """Search the fastest plan of ``model`` that fits on ``cluster`` (a preset name, a JSON
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
@@ -45,7 +46,9 @@ def plan(
     stage is searched with the strategies unless ``zero`` fixes it (docs/zero.md). Any of
     ``pp``, ``microbatches``, ``schedule``, ``virtual_stages``, ``recompute`` plans pipeline
     stages: the plan is one stage's, its JSON's ``pipeline`` section the configuration (those
-    not given searched; docs/parallelism/pipeline.md)."""
+    not given searched; docs/parallelism/pipeline.md). ``attention`` fixes how attention
+    computes over a split sequence (``"allgather"``, ``"ulysses"``, ``"ring"``; None: searched;
+    docs/parallelism/sequence.md)."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if zero is not None and not isinstance(check_zero(zero), int):
         raise ValueError(
@@ -81,6 +84,7 @@ def plan(
         tp_across_nodes=tp_across_nodes,
         fixed=fixed,
         zero=zero,
+        attention=attention,
     )
     return build_plan(captured[True], result, spec)
 
