@@ -295,6 +295,32 @@ def _sequence_parallel(name: str) -> str:
     return ""
 
 
+def _one_stage_recompute() -> str:
+    """The plan the search gives where only recompute fits (a pipeline of one stage, full
+    recompute) trains as PyTorch."""
+    from autoshard import plan
+
+    model, batches = _model("llama", LAYERS), _batches()
+    ref = copy.deepcopy(model)
+    found = plan(model, batches[0], "cpu", num_devices=2, pp=1, recompute="full").json
+    if (found["pipeline"]["pp"], found["pipeline"]["recompute"]) != (1, "full"):
+        return f"one stage: planned {found['pipeline']}"
+    pm = parallelize(model, batches[0], None, plan=found)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, batch in enumerate(batches):
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
+        expected = ref(*batch)
+        expected.backward()
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+        if not torch.allclose(loss.detach(), expected.detach(), atol=1e-8):
+            return f"one stage: step {step} loss {float(loss)} != {float(expected)}"
+    return ""
+
+
 def _world2() -> tuple[list[str], dict]:
     failures = _cases([{"cp": 2}]) + [_with_dropout()]
     failures += [
@@ -305,6 +331,7 @@ def _world2() -> tuple[list[str], dict]:
     failures += [_sequence_parallel(name) for name in ("gpt", "llama", "hf-llama")]
     failures += [_against_pytorch(name, {"dp": 1, "cp": 2}, method, searched=True)
                  for name in ("gpt", "llama") for method in ATTENTION_METHODS]  # fmt: skip
+    failures.append(_one_stage_recompute())
     return failures, _memories(2)
 
 

@@ -181,7 +181,7 @@ def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
 def _priced(og, stage, result, cluster, pp, m, name, v, recompute) -> PipelinePlan:
     """``stage``'s plan in ``pp`` stages under the schedule ``name`` and ``recompute``."""
     sched = _schedule(name, pp, m, v)
-    crossing = boundary_bytes(og, stage)
+    crossing = boundary_bytes(og, stage) if pp * v > 1 else 0.0  # one stage sends nothing
     mesh = stage.mesh
     stride = mesh.num_devices // mesh.size_of([n for n in mesh.names if n.startswith("dp")])
     predicted = price_pipeline(
@@ -200,11 +200,12 @@ def _blocks(og: OpGraph, depth: Any) -> int:
 
 
 def _degrees(num_devices: int, graph: Callable[[int], OpGraph], depth: Any, batch: int) -> list:
-    """Pipeline degrees to try: the device count's divisors from 2 up to the block count
-    (a stage holds a block at least) that leave a micro-batch count dividing the batch."""
+    """Pipeline degrees to try: 1 (one stage: recompute without a pipeline), then the device
+    count's divisors from 2 up to the block count (a stage holds a block at least) that leave
+    a micro-batch count dividing the batch."""
     first = _counts(batch, 2)
     blocks = _blocks(graph(first[0] if first else 1), depth)
-    return [
+    return [1] + [
         d for d in range(2, min(num_devices, blocks) + 1)
         if num_devices % d == 0 and _counts(batch, d)
     ]  # fmt: skip
@@ -219,14 +220,16 @@ def _counts(batch: int, pp: int) -> list[int]:
         m = next((d for d in range(k * pp, batch + 1) if batch % d == 0), None)
         if m is not None and m not in out:
             out.append(m)
-    return out
+    return out or ([batch] if batch >= pp or pp == 1 else [])
 
 
 def _variants(given: Mapping[str, Any], pp: int, m: int, blocks: int) -> list[tuple]:
     """(schedule, virtual stages, recompute) to price for ``pp`` ranks and ``m`` micro-
     batches: the given ones, else those the schedule can make with the model's blocks."""
     v = given.get("virtual_stages")
-    if given.get("schedule"):
+    if pp == 1:  # one stage: recompute without a pipeline
+        schedules = [("gpipe", 1)]
+    elif given.get("schedule"):
         name = given["schedule"]
         schedules = [(name, v or (2 if name == "interleaved-1f1b" else 1))]
     elif v and v > 1:
