@@ -457,3 +457,28 @@ def test_the_search_splits_the_sequence_where_nothing_else_fits_and_not_where_ba
     model, batch = model_and_batch(16, 64)
     short = autoshard.plan(model, batch, "dgx-h100", num_devices=4)
     assert all(_splits_sequence(layout) == 1 for layout in short.inputs.values()), short.inputs
+
+
+def test_the_search_under_sequence_parallelism_splits_every_op_over_tp() -> None:
+    """``sequence_parallel=True`` in the search (``autoshard plan --sequence-parallel``): every
+    op that can be split over the tensor-parallel axis is, the norms by sequence among them;
+    the search alone keeps some whole on it here."""
+    from autoshard.cost import cluster_spec
+    from autoshard.mesh import mesh_info
+    from autoshard.search import run_search
+
+    og = capture_modes(_model("gpt", 1), _batches()[0])[True]
+    mesh = mesh_info({"dp": 2, "tp": 2})  # an option's assign: (dp's dim, tp's dim)
+
+    def whole_on_tp(sequence_parallel: bool) -> list[str]:
+        result = run_search(og, 4, cluster_spec("dgx-h100", 4), mesh=mesh,
+                            sequence_parallel=sequence_parallel)  # fmt: skip
+        graph, out = result.graph, []
+        for i, name in enumerate(graph.names):
+            chosen = graph.options[i][result.solution.choice[i]]
+            if chosen.assign[1] is None and any(o.assign[1] is not None for o in graph.options[i]):
+                out.append(name)
+        return out
+
+    assert whole_on_tp(False), "the search alone splits every op over tp: nothing to show"
+    assert whole_on_tp(True) == []

@@ -310,6 +310,12 @@ def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
         choices=["allgather", "ulysses", "ring"],
         help="how attention computes over a split sequence (left out: searched)",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split every op over the tensor-parallel axes where it can be: norms, dropouts "
+        "and residuals by sequence between the tensor-parallel linears (Megatron's)",
+    )
     p.add_argument("--json", help="write the plan JSON here ('-': to stdout, no table)")
     p.add_argument(
         "--picture",

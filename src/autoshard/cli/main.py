@@ -158,6 +158,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
     import time
 
     from autoshard.cost import cluster_spec
@@ -172,9 +173,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.cp < 1 or spec.num_devices % args.cp:
         raise ValueError(f"--cp {args.cp} does not divide the {spec.num_devices} devices")
     if args.memory_gib:
-        from dataclasses import replace
-
-        spec = replace(spec, memory_bytes=args.memory_gib * 2**30)
+        spec = dataclasses.replace(spec, memory_bytes=args.memory_gib * 2**30)
     if args.model_fn:
         model, example, depth, loss_fn = _user_model(args.model_fn)
     else:
@@ -200,6 +199,7 @@ def _plan(args: argparse.Namespace) -> int:
             tp_across_nodes=args.tp_across_nodes,
             cp=args.cp,
             attention=args.attention,
+            sequence_parallel=args.sequence_parallel,
         )
     except PlanningError as err:
         if args.pp is not None and args.pp != "auto":  # --pp 1: no stages

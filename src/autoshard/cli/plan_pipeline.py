@@ -32,7 +32,11 @@ def pipeline_plan(args, spec, model, example, depth, loss_fn, start, baseline=No
     from autoshard.search import PlanningError
     from autoshard.search.pipelined import pipeline_json, search_pipeline
 
-    given = given_pipeline(args) | {"cp": args.cp, "attention": args.attention}
+    given = given_pipeline(args) | {
+        "cp": args.cp,
+        "attention": args.attention,
+        "sequence_parallel": args.sequence_parallel,
+    }
     batch = example[0].shape[0]
     if given.get("microbatches") and batch % given["microbatches"]:
         print(f"autoshard: error: --microbatches {given['microbatches']} does not divide "

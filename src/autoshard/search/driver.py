@@ -113,11 +113,13 @@ def run_search(
     step_share: float = 1.0,
     cp: int = 1,
     attention: str | None = None,
+    sequence_parallel: bool = False,
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``) and ZeRO
     stage (or the given ``zero``); ``step_share``: see ``build_cost_graph``. ``cp``: a
     context-parallel axis of that size in every mesh; ``attention``: the one method attention
-    over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice)."""
+    over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice);
+    ``sequence_parallel``: every op split over the tensor-parallel axes where it can be."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
@@ -129,7 +131,8 @@ def run_search(
             mesh_list = mesh_shapes(num_devices, cluster, tp_across_nodes, cp)
         else:
             mesh_list = [mesh]
-        with paused_gc(), options.searching(attention, _sequence(og, mesh_list)):
+        context = options.searching(attention, _sequence(og, mesh_list), sequence_parallel)
+        with paused_gc(), context:
             return _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
                                depth, fixed, zero, step_share)  # fmt: skip
     finally:

@@ -70,20 +70,24 @@ _NODE_OPTIONS: dict[tuple, list[Option]] = {}
 
 #: how options are made in the search under way: the one attention method (None: any) and
 #: the inputs' sequence length, which context-parallel axes follow (None: anywhere)
-_CONTEXT: dict[str, Any] = {"attention": None, "sequence": None}
+_CONTEXT: dict[str, Any] = {"attention": None, "sequence": None, "sequence_parallel": False}
 
 
 @contextmanager
-def searching(attention: str | None = None, sequence: int | None = None) -> Iterator[None]:
+def searching(
+    attention: str | None = None, sequence: int | None = None, sequence_parallel: bool = False
+) -> Iterator[None]:
     """Options made inside compute every attention over a split sequence by ``attention``
-    (``ATTENTION_METHODS``; ``ulysses``: its heads split, the sequence whole; None: any), and
-    put context-parallel axes only on dims of ``sequence`` (or attention's heads)."""
+    (``ATTENTION_METHODS``; ``ulysses``: its heads split, the sequence whole; None: any), put
+    context-parallel axes only on dims of ``sequence`` (or attention's heads), and under
+    ``sequence_parallel`` split every op over the tensor-parallel axes where it can be (no
+    activation kept whole on a tensor-parallel group: Megatron's sequence parallelism)."""
     if attention is not None and attention not in ATTENTION_METHODS:
         raise StrategyError(
             f"attention={attention!r}: expected one of {', '.join(ATTENTION_METHODS)}"
         )
     kept = dict(_CONTEXT)
-    _CONTEXT.update(attention=attention, sequence=sequence)
+    _CONTEXT.update(attention=attention, sequence=sequence, sequence_parallel=sequence_parallel)
     _NODE_OPTIONS.clear()
     try:
         yield
@@ -97,7 +101,7 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
     by_node = _NODE_OPTIONS.get((node, mesh))
     if by_node is not None:
         return by_node
-    context = (_CONTEXT["attention"], _CONTEXT["sequence"])
+    context = tuple(_CONTEXT.values())
     key = (*node_info(node).signature, mesh, context) if node.op == "call_function" else None
     if key is not None and key in _STRATEGY_CACHE:
         _NODE_OPTIONS[(node, mesh)] = _STRATEGY_CACHE[key]
@@ -129,6 +133,8 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
         out.append(Option(_joint_assign(spec, mesh), spec, strategy))
     if isinstance(rule, Attention) and _CONTEXT["attention"] is not None:
         out = [o for o in out if _by_method(rule, node, o, mesh, _CONTEXT["attention"])]
+    if _CONTEXT["sequence_parallel"]:
+        out = _over_tensor_axes(out, mesh)
     if key is not None:
         _STRATEGY_CACHE[key] = out
     _NODE_OPTIONS[(node, mesh)] = out
@@ -147,6 +153,14 @@ def _by_method(rule: Attention, node: fx.Node, option: Option, mesh: MeshInfo, m
     nb = len(option.spec) - 4
     where = option.spec[nb - 1 if method == "ulysses" else nb]
     return cp <= set(where if isinstance(where, tuple) else (where,))
+
+
+def _over_tensor_axes(out: list[Option], mesh: MeshInfo) -> list[Option]:
+    """The options that split over every tensor-parallel axis, where any does."""
+    split = [n for n, s in zip(mesh.names, mesh.sizes, strict=True) if s > 1]
+    tp = [i for i, n in enumerate(split) if n == "tp" or n.startswith("tp_")]
+    kept = [o for o in out if all(o.assign[i] is not None for i in tp)]
+    return kept or out
 
 
 def _input_options(node: fx.Node, mesh: MeshInfo) -> list[Option]:

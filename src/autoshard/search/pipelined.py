@@ -126,7 +126,8 @@ def search_pipeline(
             result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
                                 memory_limit=float("inf"), tp_across_nodes=tp_across_nodes,
                                 zero=0, step_share=1 / m, cp=given.get("cp") or 1,
-                                attention=given.get("attention"))  # fmt: skip
+                                attention=given.get("attention"),
+                                sequence_parallel=bool(given.get("sequence_parallel")))  # fmt: skip
             stage_plans[key] = (build_plan(og, result, sub), result)
         stage, result = stage_plans[key]
         closed: set[tuple[str, int]] = set()

@@ -38,6 +38,7 @@ def plan(
     virtual_stages: int | None = None,
     recompute: str | None = None,
     attention: str | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Search the fastest plan of ``model`` that fits on ``cluster`` (a preset name, a JSON
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
@@ -47,8 +48,9 @@ def plan(
     ``pp``, ``microbatches``, ``schedule``, ``virtual_stages``, ``recompute`` plans pipeline
     stages: the plan is one stage's, its JSON's ``pipeline`` section the configuration (those
     not given searched; docs/parallelism/pipeline.md). ``attention`` fixes how attention
-    computes over a split sequence (``"allgather"``, ``"ulysses"``, ``"ring"``; None: searched;
-    docs/parallelism/sequence.md)."""
+    computes over a split sequence (``"allgather"``, ``"ulysses"``, ``"ring"``; None: searched);
+    ``sequence_parallel`` splits every op over the tensor-parallel axes where it can be
+    (docs/parallelism/sequence.md)."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if zero is not None and not isinstance(check_zero(zero), int):
         raise ValueError(
@@ -85,6 +87,7 @@ def plan(
         fixed=fixed,
         zero=zero,
         attention=attention,
+        sequence_parallel=sequence_parallel,
     )
     return build_plan(captured[True], result, spec)
 
