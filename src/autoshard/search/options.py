@@ -117,6 +117,9 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
     space = rule.space(node)
     allowed = [d for d, k in enumerate(space.kinds) if k != FIXED and space.sizes[d] > 1]
     heads = len(space.sizes) - 5 if isinstance(rule, Attention) else None
+    # other ways to compute a strategy (the ring) where a context-parallel axis or the
+    # method asks for them: elsewhere they would slow every search for little
+    variants = bool(mesh.cp) or _CONTEXT["attention"] == "ring"
     for assign, spec in _assignments(space.sizes, allowed, mesh, heads):
         try:
             strategy = rule.layouts(node, Layout.from_named(space.sizes, spec, axes))
@@ -127,7 +130,7 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
             continue
         seen.add(ident)
         out.append(Option(assign, spec, strategy))
-        for other, variant in rule.variants(node, spec, strategy):
+        for other, variant in rule.variants(node, spec, strategy) if variants else ():
             out.append(Option(_joint_assign(other, mesh), other, variant))
     for spec, strategy in rule.joint_options(node, mesh):
         out.append(Option(_joint_assign(spec, mesh), spec, strategy))

@@ -201,15 +201,16 @@ def _blocks(og: OpGraph, depth: Any) -> int:
 
 
 def _degrees(num_devices: int, graph: Callable[[int], OpGraph], depth: Any, batch: int) -> list:
-    """Pipeline degrees to try: 1 (one stage: recompute without a pipeline), then the device
-    count's divisors from 2 up to the block count (a stage holds a block at least) that leave
-    a micro-batch count dividing the batch."""
+    """Pipeline degrees to try: the device count's divisors from 2 up to the block count (a
+    stage holds a block at least) that leave a micro-batch count dividing the batch; where
+    none does (a batch of one), 1: one stage, recompute without a pipeline."""
     first = _counts(batch, 2)
     blocks = _blocks(graph(first[0] if first else 1), depth)
-    return [1] + [
+    staged = [
         d for d in range(2, min(num_devices, blocks) + 1)
         if num_devices % d == 0 and _counts(batch, d)
     ]  # fmt: skip
+    return staged or [1]
 
 
 def _counts(batch: int, pp: int) -> list[int]:
