@@ -68,8 +68,9 @@ _STRATEGY_CACHE: dict[tuple, list[Option]] = {}
 _NODE_OPTIONS: dict[tuple, list[Option]] = {}
 
 
-#: how options are made in the search under way: the one attention method (None: any) and
-#: the inputs' sequence length, which context-parallel axes follow (None: anywhere)
+#: how options are made in the search under way (see :func:`searching`): the one attention
+#: method (None: any), the inputs' sequence length, which context-parallel axes follow (None:
+#: anywhere), and whether every op splits over the tensor-parallel axes where it can
 _CONTEXT: dict[str, Any] = {"attention": None, "sequence": None, "sequence_parallel": False}
 
 
