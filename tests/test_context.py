@@ -95,23 +95,36 @@ def _against_pytorch(
     else:
         pm = parallelize(model, batches[0], mesh, strategies, captured=_CAPTURED[name],
                          attention=attention, input_layouts=inputs)  # fmt: skip
+    where = f"{name} {mesh} {attention}{' striped' if striped else ''}"
+
+    def fed(batch: Any, mine: Any) -> str:
+        got = [tuple(t.shape) for t in mine]
+        want = [(t.shape[0] // mesh.get("dp", 1), t.shape[1] // mesh["cp"]) for t in batch]
+        return "" if got == want else f"fed {got}, expected {want}"
+
+    return _trained_alike(pm, ref, batches, where, atol, fed)
+
+
+def _trained_alike(
+    pm: Any, ref: torch.nn.Module, batches: Any, where: str, atol: float = 1e-8, fed: Any = None
+) -> str:
+    """Train ``pm`` (each rank fed its part by ``shard_inputs``) and ``ref`` eagerly, AdamW
+    from ``torch.optim`` both; '' when every step's loss and every parameter agree.
+    ``fed(batch, mine)``: what is wrong with the part a rank was fed, or ''."""
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    where = f"{name} {mesh} {attention}{' striped' if striped else ''}"
     for step, batch in enumerate(batches):
         mine = shard_inputs(batch, pm)
-        fed = [tuple(t.shape) for t in mine]
-        want = [(t.shape[0] // mesh.get("dp", 1), t.shape[1] // mesh["cp"]) for t in batch]
-        if fed != want:
-            return f"{where}: fed {fed}, expected {want}"
+        wrong = fed(batch, mine) if fed is not None else ""
+        if wrong:
+            return f"{where}: {wrong}"
         loss = pm(*mine)
         loss.backward()
         expected = ref(*batch)
         expected.backward()
-        opt.step()
-        opt.zero_grad()
-        opt_ref.step()
-        opt_ref.zero_grad()
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
         if not torch.allclose(loss.detach(), expected.detach(), atol=atol):
             return f"{where}: step {step} loss {float(loss)} != {float(expected)}"
     full, want_state = pm.full_state_dict(), ref.state_dict()
@@ -297,7 +310,7 @@ def _sequence_parallel(name: str) -> str:
 
 def _one_stage_recompute() -> str:
     """The plan the search gives where only recompute fits (a pipeline of one stage, full
-    recompute) trains as PyTorch."""
+    recompute) trains as PyTorch: losses and parameters."""
     from autoshard import plan
 
     model, batches = _model("llama", LAYERS), _batches()
@@ -306,19 +319,7 @@ def _one_stage_recompute() -> str:
     if (found["pipeline"]["pp"], found["pipeline"]["recompute"]) != (1, "full"):
         return f"one stage: planned {found['pipeline']}"
     pm = parallelize(model, batches[0], None, plan=found)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step, batch in enumerate(batches):
-        loss = pm(*shard_inputs(batch, pm))
-        loss.backward()
-        expected = ref(*batch)
-        expected.backward()
-        for o in (opt, opt_ref):
-            o.step()
-            o.zero_grad()
-        if not torch.allclose(loss.detach(), expected.detach(), atol=1e-8):
-            return f"one stage: step {step} loss {float(loss)} != {float(expected)}"
-    return ""
+    return _trained_alike(pm, ref, batches, "one stage, full recompute")
 
 
 def _world2() -> tuple[list[str], dict]:
