@@ -330,8 +330,11 @@ def _world2() -> tuple[list[str], dict]:
         for method in ("ring", "allgather")
     ]
     failures += [_sequence_parallel(name) for name in ("gpt", "llama", "hf-llama")]
-    failures += [_against_pytorch(name, {"dp": 1, "cp": 2}, method, searched=True)
-                 for name in ("gpt", "llama") for method in ATTENTION_METHODS]  # fmt: skip
+    failures += [
+        _against_pytorch(name, {"dp": 1, "cp": 2}, method, searched=True)
+        for name in ("gpt", "llama", "hf-llama")
+        for method in ATTENTION_METHODS
+    ]
     failures.append(_one_stage_recompute())
     return failures, _memories(2)
 
@@ -371,8 +374,10 @@ def test_bad_attention_choices_are_clear_errors() -> None:
     """An unknown method, Ulysses over more ranks than the heads divide into and a ring over
     fewer keys than queries name what was wrong before anything runs (planned here without
     ranks)."""
+    from autoshard import plan as autoshard_plan
     from autoshard.mesh import mesh_info
     from autoshard.models import build, reference_config
+    from autoshard.ops.contraction import Attention
     from autoshard.search import plan_graph
 
     model = _model("gpt", 1)
@@ -386,6 +391,14 @@ def test_bad_attention_choices_are_clear_errors() -> None:
     plan_graph(og, mesh_info({"cp": 2}), attention="ulysses")  # 2 heads over 2 ranks
     with pytest.raises(StrategyError, match="Ulysses splits the 2 heads 4 ways"):
         plan_graph(og, mesh_info({"cp": 4}), attention="ulysses")
+    with pytest.raises(StrategyError, match="attention='flash'.*allgather, ulysses, ring"):
+        autoshard_plan(model, batch, "cpu", num_devices=2, attention="flash")
+    # a plan JSON whose keys split otherwise than the rows: not a ring
+    attention = next(n for n in og.graph.nodes if "scaled_dot" in str(n.target))
+    spec = [None] * 6
+    spec[2], spec[3] = "cp", "dp"
+    with pytest.raises(StrategyError, match="key length splits only as the query rows do"):
+        Attention().from_space(attention, spec, mesh_info({"dp": 2, "cp": 2}))
     cross = capture_modes(_CrossAttention(), (torch.randn(2, 8, 16), torch.randn(2, 4, 16)))
     plan_graph(cross[True], mesh_info({"cp": 2}), attention="allgather")
     with pytest.raises(StrategyError, match="ring attention needs as many keys as queries"):
@@ -414,6 +427,18 @@ def test_a_round_robin_sequence_needs_no_deal() -> None:
             assert len(sends) == ring + (0 if striped else 2), (method, striped, sends)
         for layout in _striped(og, mesh).values():
             assert layout.local_index(cp - 1)[1].tolist()[:2] == [cp - 1, 2 * cp - 1]
+    # a scan along a round-robin split takes the dim whole: only blocks add up in order
+    scan = capture_modes(_Positions(), (torch.ones(2, 8, dtype=torch.long),))[True]
+    plan = plan_graph(scan, mesh_info({"cp": 2}), input_layouts=_striped(scan, {"cp": 2}))
+    cumsum = next(n for n in plan.nodes.values() if "cumsum" in n.target)
+    assert cumsum.strategy.ins[0].local_shape() == (2, 8), cumsum.strategy.ins[0]
+
+
+class _Positions(torch.nn.Module):
+    """Positions counted from a mask along the sequence (an integer scan)."""
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:
+        return (mask.cumsum(1) * mask).float().sum()
 
 
 class _CrossAttention(torch.nn.Module):
