@@ -237,9 +237,10 @@ class Attention(SpaceRule):
             sends += [Exchange("send_recv", group, grad, True)] * n
         dealt = not is_striped(q) and q.local_shape()[-2] % 2 == 0
         if node_arg(node, 5, "is_causal", False) and dealt:
-            split = q.local_numel * q.dtype.itemsize + (kv if method == "ring" else 0)
-            sends += [Exchange("send_recv", group, (split + out) / 2, False)]
-            sends += [Exchange("send_recv", group, (split + out) / 2, True)]
+            # half the query rows dealt there, half the output back (the keys stay in blocks)
+            half = (q.local_numel * q.dtype.itemsize + out) / 2
+            sends += [Exchange("send_recv", group, half, False)]
+            sends += [Exchange("send_recv", group, half, True)]
         return tuple(sends)
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:

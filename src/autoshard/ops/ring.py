@@ -8,18 +8,19 @@ is computed, so they overlap it. Backward passes the blocks around again, each w
 value gradients accumulated for it so far, which end on the block's owner.
 
 Under a causal mask a plain split leaves the last rank the most work (its rows see every key).
-``balanced`` rings give each rank two half-blocks of the sequence, chunk ``i`` and chunk
-``2n-1-i`` of ``2n``, so every rank does the same work: the op moves the halves there on entry
-and back on exit, so the layouts outside the op stay a contiguous split (docs/parallelism/
-sequence.md). Chunks of keys wholly after a chunk of queries are skipped.
+``balanced`` rings give each rank the query rows of two half-blocks of the sequence, chunk ``i``
+and chunk ``2n-1-i`` of ``2n``, so every rank does the same work: the op moves those rows there
+on entry and their output back on exit, so the layouts outside the op stay a contiguous split
+(docs/parallelism/sequence.md); the keys and values travel in their blocks. Chunks of keys
+wholly after a chunk of queries are skipped, and a long causal product is cut in halves
+(``LEAF``), which the CPU kernel computes faster than it computes the product whole.
 
 A ``striped`` sequence needs no such move: rank ``r`` holds positions ``r, r + n, r + 2n, ...``
 (a layout whose sequence dim is split by its minor factor: the inputs given that layout, every
 activation keeps it). Its rows against any rank's keys are a causal product, with the
 diagonal (keys of an earlier or the same rank) or below it (a later rank's), so every step
-costs every rank half a block. The CPU kernel computes a causal block at 0.7 of a whole one
-(its row tiles), so striped rows do more work there than dealt ones (a causal block and a
-half block a step); the default split stays in blocks.
+costs every rank half a block. Cut in halves, those products run about as fast as dealt
+blocks on CPU; the default split stays in blocks, as users feed them.
 """
 
 from __future__ import annotations
@@ -59,25 +60,24 @@ class Ring:
         """Blocks of keys a rank folds in: one per ring position, or one when all are here."""
         return 1 if self.keys is not None else self.size
 
-    def _dealt(self, block: int, rows: int) -> list[tuple[int, int, int]]:
-        if not self.balanced:
-            return [(0, block * rows, rows)]
-        half = rows // 2
-        return [(0, block * half, half), (half, (2 * self.size - 1 - block) * half, half)]
-
     def query_chunks(self) -> list[tuple[int, int, int]]:
         """(local row offset, global position, length) of this rank's query rows inside the
         op: its contiguous block, or its two dealt chunks when balanced."""
-        if self.keys is not None and not self.balanced:
-            return [(0, self.start, self.rows)]
-        return self._dealt(self.index, self.rows)
+        if not self.balanced:
+            start = self.start if self.keys is not None else self.index * self.rows
+            return [(0, start, self.rows)]
+        half = self.rows // 2
+        return [(0, self.index * half, half), (half, (2 * self.size - 1 - self.index) * half, half)]
 
     def chunks(self, block: int) -> list[tuple[int, int, int]]:
         """The chunks of keys ring position ``block`` holds inside the op; all keys here are
         cut where the query chunks begin and end (before them all seen, beside them causal,
         after them skipped)."""
-        if self.keys is None:
-            return self._dealt(block, self.rows)
+        if self.keys is None:  # a block's keys in two halves when balanced (rows are dealt)
+            if not self.balanced:
+                return [(0, block * self.rows, self.rows)]
+            half = self.rows // 2
+            return [(0, 2 * block * half, half), (half, (2 * block + 1) * half, half)]
         ends = {p for _, pos, n in self.query_chunks() for p in (pos, pos + n)}
         cuts = sorted({0, self.keys} | ends)
         return [(a, a, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
@@ -142,23 +142,53 @@ Pair = tuple[slice, slice, bool, slice]
 
 
 def _pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
+    """The products of this rank's rows against ``block``'s keys, long causal ones halved."""
+    out: list[Pair] = []
+    for pair in _products(ring, block, causal):
+        out.extend(_halved(pair))
+    return out
+
+
+#: the longest causal product given to a kernel whole. The fused CPU kernel skips masked keys
+#: only by coarse tiles (a causal 1024 block costs 0.6-0.75 of a whole one, a causal 512 block
+#: as much as a whole one), so a longer diagonal is cut in halves: the two diagonals and the
+#: whole product below them (2 x 8 heads x 1024 x 32, forward and backward: 119 ms whole, 91 ms
+#: cut to 64). The explicit product skips the masked half likewise.
+LEAF = 64
+
+
+def _halved(pair: Pair) -> list[Pair]:
+    """A square causal product cut down to ``LEAF`` rows: diagonal, below, diagonal."""
+    rows, keys, diagonal, cols = pair
+    n = _length(rows)
+    if not diagonal or n <= LEAF or _length(keys) != n:
+        return [pair]
+    m = n // 2
+    top = (_cut(rows, 0, m), _cut(keys, 0, m), True, _cut(cols, 0, m))
+    below = (_cut(rows, m, n), _cut(keys, 0, m), False, _cut(cols, 0, m))
+    bottom = (_cut(rows, m, n), _cut(keys, m, n), True, _cut(cols, m, n))
+    return [*_halved(top), below, *_halved(bottom)]
+
+
+def _length(s: slice) -> int:
+    return len(range(s.start or 0, s.stop, s.step or 1))
+
+
+def _cut(s: slice, a: int, b: int) -> slice:
+    """Elements ``a`` to ``b`` of the (possibly strided) slice ``s``."""
+    start, step = s.start or 0, s.step or 1
+    return slice(start + a * step, start + b * step, s.step)
+
+
+def _products(ring: Ring, block: int, causal: bool) -> list[Pair]:
     """The products of this rank's rows against ``block``'s keys, as (query rows, key rows,
     diagonal, key positions): ``diagonal`` when a causal mask cuts the product, aligned to its
     first row and key; key positions index the sequence (an explicit mask's columns). Key
-    chunks wholly after the query chunk are left out. A balanced ring's products are merged
-    where one kernel computes them: its own dealt block is causal as it stands (the early
-    chunk, then the late one), an earlier block's first chunk is seen by all its rows, a later
-    block whole by its late chunk."""
+    chunks wholly after the query chunk are left out; a query chunk's whole products over
+    adjacent key chunks are one product."""
     if ring.striped:
         return _striped_pairs(ring, block, causal)
-    if causal and ring.balanced and ring.keys is None:
-        rows, half = ring.rows, ring.rows // 2
-        if block == ring.index:
-            return [(slice(0, rows), slice(0, rows), True, slice(0, rows))]  # no mask here
-        if block < ring.index:
-            return [(slice(0, rows), slice(0, half), False, slice(0, half))]
-        return [(slice(half, rows), slice(0, rows), False, slice(0, rows))]
-    out = []
+    out: list[Pair] = []
     for q_off, q_pos, q_len in ring.query_chunks():
         for k_off, k_pos, k_len in ring.chunks(block):
             rows, keys = slice(q_off, q_off + q_len), slice(k_off, k_off + k_len)
@@ -167,8 +197,22 @@ def _pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
             diagonal = causal and k_pos + k_len - 1 > q_pos
             if diagonal and (k_pos, k_len) != (q_pos, q_len):
                 raise AssertionError("a causal product cut off its diagonal")
-            out.append((rows, keys, diagonal, slice(k_pos, k_pos + k_len)))
+            cols = slice(k_pos, k_pos + k_len)
+            if out and _joins(out[-1], rows, keys, cols) and not diagonal:
+                # one product of these rows over both runs of keys, seen whole
+                last = out[-1]
+                out[-1] = (rows, slice(last[1].start, keys.stop), False,
+                           slice(last[3].start, cols.stop))  # fmt: skip
+            else:
+                out.append((rows, keys, diagonal, cols))
     return out
+
+
+def _joins(last: Pair, rows: slice, keys: slice, cols: slice) -> bool:
+    """Whether ``last`` is a whole product of ``rows`` whose keys end where ``keys`` begin."""
+    return (
+        last[0] == rows and not last[2] and (last[1].stop, last[3].stop) == (keys.start, cols.start)
+    )
 
 
 def _striped_pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
@@ -286,6 +330,7 @@ class _RingAttention(torch.autograd.Function):
         lse = q.new_full((*lead, rows), float("-inf"), dtype=acc)
         total = q.new_zeros((*lead, rows, v.shape[-1]), dtype=acc)
         kb, vb = k, v
+        written: list[slice] = []  # rows holding a product's output (the rest: none yet)
         for step in range(ring.steps):
             block = (ring.index - step) % ring.size
             posted = got = None
@@ -296,7 +341,11 @@ class _RingAttention(torch.autograd.Function):
                     q[..., r, :], kb[..., c, :], vb[..., c, :], scale, diagonal, mask, cols, r,
                     acc,
                 )  # fmt: skip
-                _merge(total, lse, r, part, part_lse)
+                if any(r.start < w.stop and w.start < r.stop for w in written):
+                    _merge(total, lse, r, part, part_lse)
+                else:
+                    total[..., r, :], lse[..., r] = part, part_lse
+                    written.append(r)
             if posted is not None:
                 posted.wait()
                 kb, vb = got
@@ -348,13 +397,13 @@ class _RingAttention(torch.autograd.Function):
 def _merge(
     total: torch.Tensor, lse: torch.Tensor, r: slice, part: torch.Tensor, part_lse: torch.Tensor
 ) -> None:
-    """Fold one product's rows ``r`` (output and log-sum-exp) into the running ones."""
-    new = torch.logaddexp(lse[..., r], part_lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    total[..., r, :] = total[..., r, :] * torch.exp(lse[..., r] - safe).unsqueeze(
-        -1
-    ) + part * torch.exp(part_lse - safe).unsqueeze(-1)
-    lse[..., r] = new
+    """Fold one product's rows ``r`` (output and log-sum-exp) into the running ones: the part's
+    share of the rows' softmax is ``sigmoid(part_lse - lse)``, so one interpolation in place
+    (rows no key has reached yet: -inf on both sides, nothing taken)."""
+    held = lse[..., r]
+    share = torch.sigmoid(part_lse - held).nan_to_num_(0.0)
+    total[..., r, :].lerp_(part, share.unsqueeze(-1))
+    lse[..., r] = torch.logaddexp(held, part_lse)
 
 
 def ring_attention(
@@ -376,13 +425,20 @@ def ring_attention(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     balanced = causal and mask is None and len(ranks) > 1 and rows % 2 == 0 and not striped
     ring = Ring(tuple(ranks), index, rows, balanced, striped=striped and len(ranks) > 1)
+    key, value = _own(key.contiguous()), _own(value.contiguous())  # sent and kept as they are
     if not balanced:
         return _RingAttention.apply(query, key, value, mask, ring, scale, causal)
-    sizes = [t.shape[-1] for t in (query, key, value)]  # one exchange for the three
-    dealt = _Deal.apply(torch.cat([query, key, value], dim=-1), ring, False)
-    query, key, value = (t.contiguous() for t in dealt.split(sizes, dim=-1))
+    query = _Deal.apply(query.contiguous(), ring, False)  # the keys travel in their blocks
     out = _RingAttention.apply(query, key, value, mask, ring, scale, causal)
     return _Deal.apply(out, ring, True)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its own storage where it is part of a larger one (a fused projection's output),
+    so that keeping it for backward does not keep the rest."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 def causal_rows_attention(
@@ -406,10 +462,7 @@ def causal_rows_attention(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     rows, n = query.shape[-2], len(ranks)
     if striped and n > 1:
-        if query.untyped_storage().nbytes() > query.numel() * query.element_size():
-            # kept for backward in its own storage, not a fused projection's, whose local
-            # keys and values the gathered ones replace
-            query = query.clone()
+        query = _own(query)  # the gathered keys and values replace the local ones
         return _striped_rows(query, key, value, n, index, scale)
     balanced = n > 1 and rows % 2 == 0
     ring = Ring(tuple(ranks), index, rows, balanced, index * rows, key.shape[-2])
