@@ -525,3 +525,53 @@ def test_the_search_under_sequence_parallelism_splits_every_op_over_tp() -> None
 
     assert whole_on_tp(False), "the search alone splits every op over tp: nothing to show"
     assert whole_on_tp(True) == []
+
+
+def _ring_ops_against_sdpa(n: int, length: int, leaf: int) -> list[str]:
+    """Both ops' output and gradients on this rank's block of a causal attention over
+    ``length`` positions (float64), against ``scaled_dot_product_attention`` on the whole."""
+    import torch.distributed as dist
+
+    from autoshard.ops import ring
+
+    kept, ring.LEAF = ring.LEAF, leaf
+    rank, failures = dist.get_rank(), []
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(2, 3, length, 8, dtype=torch.float64, generator=gen) for _ in "qkvg")
+    mine = slice(rank * length // n, (rank + 1) * length // n)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
+    want_grads = torch.autograd.grad(want, whole, g)
+    try:
+        for method in ("ring", "allgather"):
+            rows = q[..., mine, :].clone().requires_grad_()
+            if method == "ring":
+                keys = [t[..., mine, :].clone().requires_grad_() for t in (k, v)]
+                got = ring.ring_attention(rows, *keys, None, range(n), rank, None, True)
+            else:
+                keys = [t.clone().requires_grad_() for t in (k, v)]
+                got = ring.causal_rows_attention(rows, *keys, list(range(n)), rank)
+            grads = list(torch.autograd.grad(got, [rows, *keys], g[..., mine, :]))
+            if method == "allgather":  # every rank's part of the key and value gradients
+                for t in grads[1:]:
+                    dist.all_reduce(t)
+            pieces = [want[..., mine, :], want_grads[0][..., mine, :]]
+            pieces += [t[..., mine, :] if method == "ring" else t for t in want_grads[1:]]
+            for name, a, b in zip(("out", "dq", "dk", "dv"), [got, *grads], pieces, strict=True):
+                if not torch.allclose(a, b, atol=1e-12):
+                    failures.append(f"{method} cp {n} leaf {leaf}: {name} differs")
+    finally:
+        ring.LEAF = kept
+    return failures
+
+
+def _odd_ring() -> list[str]:
+    return _ring_ops_against_sdpa(3, 24, 64) + _ring_ops_against_sdpa(3, 48, 2)
+
+
+def test_an_odd_ring_deals_its_middle_rank_nothing_and_computes_exactly() -> None:
+    """On 3 ranks the middle rank is its own partner in the deal (ops/ring.py ``_Swap``):
+    ring and all-gather ops against ``scaled_dot_product_attention``, with products whole
+    and cut to 2 rows."""
+    for failures in run_ranks(_odd_ring, 3, timeout=300):
+        assert not failures, failures

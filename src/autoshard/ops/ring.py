@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from autoshard import comm
+from autoshard.ops import blocks
 
 __all__ = ["Ring", "causal_rows_attention", "ring_attention"]
 
@@ -67,7 +68,8 @@ class Ring:
             start = self.start if self.keys is not None else self.index * self.rows
             return [(0, start, self.rows)]
         half = self.rows // 2
-        return [(0, self.index * half, half), (half, (2 * self.size - 1 - self.index) * half, half)]
+        mine = sorted({2 * self.index, 2 * self.size - 1 - 2 * self.index})
+        return [(i * half, chunk * half, half) for i, chunk in enumerate(mine)]
 
     def chunks(self, block: int) -> list[tuple[int, int, int]]:
         """The chunks of keys ring position ``block`` holds inside the op; all keys here are
@@ -92,46 +94,42 @@ class Ring:
 # -- moving the halves for balance ----------------------------------------------------------------
 
 
-def _deal(x: torch.Tensor, ring: Ring, inverse: bool) -> torch.Tensor:
-    """Move the half-blocks of dim -2 from the contiguous split (rank ``i`` holds chunks ``2i``,
-    ``2i+1``) to the balanced one (chunks ``i``, ``2n-1-i``), or back when ``inverse``."""
-    n = ring.size
+class _Swap:
+    """Half of a tensor's rows (dim -2) exchanged with the ring's partner, rank ``n-1-i``:
+    from the contiguous split (rank ``i`` holds chunks ``2i``, ``2i+1`` of ``2n``) to the
+    dealt one (chunks ``2i`` and ``2n-1-2i``, in sequence order), or back when ``inverse``.
+    Chunk ``2i`` stays (``kept``, at row ``offset`` of the dealt order); the exchange is
+    posted on creation, so work on the kept rows overlaps it, and ``done`` waits for it."""
 
-    def contiguous(block: int) -> list[int]:
-        return [2 * block, 2 * block + 1]
-
-    def balanced(block: int) -> list[int]:
-        return [block, 2 * n - 1 - block]
-
-    have_of, want_of = (balanced, contiguous) if inverse else (contiguous, balanced)
-    half = x.shape[-2] // 2
-    parts = dict(zip(have_of(ring.index), x.split(half, dim=-2), strict=True))
-    owner = {c: b for b in range(n) for c in have_of(b)}
-    taker = {c: b for b in range(n) for c in want_of(b)}
-    out: dict[int, torch.Tensor] = {}
-    sends, recvs = [], []
-    for c in sorted(parts):  # both sides list a pair's chunks in ascending order
-        if taker[c] == ring.index:
-            out[c] = parts[c]
+    def __init__(self, x: torch.Tensor, ring: Ring, inverse: bool) -> None:
+        half = x.shape[-2] // 2
+        self.offset = 0 if 4 * ring.index < 2 * ring.size - 1 else half
+        self.inverse = inverse
+        if inverse:
+            self.kept = x[..., self.offset : self.offset + half, :]
+            given = x[..., half - self.offset : 2 * half - self.offset, :]
         else:
-            sends.append((parts[c], ring.ranks[taker[c]]))
-    for c in sorted(want_of(ring.index)):
-        if c not in out:
-            out[c] = torch.empty_like(parts[next(iter(parts))])
-            recvs.append((out[c], ring.ranks[owner[c]]))
-    comm.post_p2p(sends, recvs).wait()
-    return torch.cat([out[c] for c in want_of(ring.index)], dim=-2)
+            self.kept, given = x[..., :half, :], x[..., half:, :]
+        partner = ring.ranks[ring.size - 1 - ring.index]
+        self.posted = None
+        self.got = given  # the middle rank of an odd ring is its own partner
+        if partner != ring.ranks[ring.index]:
+            self.got = torch.empty(given.shape, dtype=given.dtype, device=given.device)
+            self.posted = comm.post_p2p([(given, partner)], [(self.got, partner)])
 
+    def holds(self, rows: slice) -> bool:
+        """Whether dealt ``rows`` are all kept rows."""
+        return self.offset <= rows.start and rows.stop <= self.offset + self.kept.shape[-2]
 
-class _Deal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ring: Ring, inverse: bool) -> torch.Tensor:
-        ctx.ring, ctx.inverse = ring, inverse
-        return _deal(x, ring, inverse)
+    def kept_rows(self, rows: slice) -> slice:
+        """The kept rows' part of dealt ``rows`` (``holds``), as rows of ``kept``."""
+        return slice(rows.start - self.offset, rows.stop - self.offset)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _deal(grad.contiguous(), ctx.ring, not ctx.inverse), None, None
+    def done(self) -> torch.Tensor:
+        if self.posted is not None:
+            self.posted.wait()
+        first = self.inverse or self.offset == 0
+        return torch.cat([self.kept, self.got] if first else [self.got, self.kept], dim=-2)
 
 
 # -- one block ------------------------------------------------------------------------------------
@@ -233,25 +231,6 @@ def _striped_pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
     return out
 
 
-def _scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    scale: float,
-    diagonal: bool,
-    mask: torch.Tensor | None,
-    cols: slice,
-    rows: slice,
-) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if diagonal:
-        above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(above, float("-inf"))
-    if mask is not None:
-        m = mask[..., rows, cols]
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
-    return s
-
-
 def _exchange(
     ring: Ring, tensors: Sequence[torch.Tensor]
 ) -> tuple[comm.Posted, list[torch.Tensor]]:
@@ -262,57 +241,12 @@ def _exchange(
     return posted, got
 
 
-def _fused(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether a product runs the fused CPU kernel (which returns the rows' log-sum-exp): on
-    CPU, with no explicit mask."""
-    return q.device.type == "cpu" and mask is None
-
-
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _pair_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool,
-    mask: torch.Tensor | None, cols: slice, rows: slice, acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One product's (output, log-sum-exp), in ``acc``."""
-    if _fused(q, mask):
-        out, lse = _FLASH_CPU(q, k, v, 0.0, diagonal, scale=scale)
-        return out.to(acc), lse.to(acc)
-    s = _scores(q.to(acc), k.to(acc), scale, diagonal, mask, cols, rows)
-    top = s.amax(dim=-1)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    p = torch.exp(s - top.unsqueeze(-1))
-    total = p.sum(dim=-1)
-    out = torch.matmul(p, v.to(acc)) / total.clamp_min(torch.finfo(acc).tiny).unsqueeze(-1)
-    return out, top + torch.log(total)
-
-
-def _pair_backward(
-    g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None, cols: slice,
-    rows: slice, acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One product's (dq, dk, dv) in ``acc``, from the whole rows' output and log-sum-exp."""
-    if _fused(q, mask):
-        grads = _FLASH_CPU_BACKWARD(
-            g, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), 0.0,
-            diagonal, scale=scale,
-        )  # fmt: skip
-        return tuple(t.to(acc) for t in grads)  # type: ignore[return-value]
-    qa, ka, va, ga = (t.to(acc) for t in (q, k, v, g))
-    s = _scores(qa, ka, scale, diagonal, mask, cols, rows)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    delta = (ga * out.to(acc)).sum(dim=-1, keepdim=True)
-    dv = torch.matmul(p.transpose(-2, -1), ga)
-    ds = p * (torch.matmul(ga, va.transpose(-2, -1)) - delta) * scale
-    return torch.matmul(ds, ka), torch.matmul(ds.transpose(-2, -1), qa), dv
-
-
 class _RingAttention(torch.autograd.Function):
     """The ring's forward and backward. The kernels read the blocks in place (strided views:
-    no copies); keys and values travel as two tensors, each block's gradients likewise."""
+    no copies); keys and values travel as two tensors, each block's gradients likewise. A
+    balanced ring takes the query and gives the output in the contiguous split and deals
+    the rows inside (``_Swap``): the first block's products of the kept rows overlap the
+    exchange, and backward's last one the key and value gradients' last step."""
 
     @staticmethod
     def forward(
@@ -329,30 +263,43 @@ class _RingAttention(torch.autograd.Function):
         lead, rows = q.shape[:-2], q.shape[-2]
         lse = q.new_full((*lead, rows), float("-inf"), dtype=acc)
         total = q.new_zeros((*lead, rows, v.shape[-1]), dtype=acc)
+        swap = _Swap(q, ring, False) if ring.balanced else None
         kb, vb = k, v
         written: list[slice] = []  # rows holding a product's output (the rest: none yet)
+
+        def fold(rows_of: torch.Tensor, pair: Pair, r: slice) -> None:
+            c, diagonal, cols = pair[1:]
+            part, part_lse = blocks.pair_forward(
+                rows_of[..., r, :], kb[..., c, :], vb[..., c, :], scale, diagonal, mask,
+                cols, pair[0], acc,
+            )  # fmt: skip
+            r = pair[0]
+            if any(r.start < w.stop and w.start < r.stop for w in written):
+                blocks.merge(total, lse, r, part, part_lse)
+            else:
+                total[..., r, :], lse[..., r] = part, part_lse
+                written.append(r)
+
         for step in range(ring.steps):
             block = (ring.index - step) % ring.size
             posted = got = None
             if step < ring.steps - 1:
                 posted, got = _exchange(ring, [kb, vb])
-            for r, c, diagonal, cols in _pairs(ring, block, causal):
-                part, part_lse = _pair_forward(
-                    q[..., r, :], kb[..., c, :], vb[..., c, :], scale, diagonal, mask, cols, r,
-                    acc,
-                )  # fmt: skip
-                if any(r.start < w.stop and w.start < r.stop for w in written):
-                    _merge(total, lse, r, part, part_lse)
-                else:
-                    total[..., r, :], lse[..., r] = part, part_lse
-                    written.append(r)
+            pairs = _pairs(ring, block, causal)
+            if swap is not None:  # the kept rows first, while the others arrive
+                for pair in [p for p in pairs if swap.holds(p[0])]:
+                    fold(swap.kept, pair, swap.kept_rows(pair[0]))
+                pairs = [p for p in pairs if not swap.holds(p[0])]
+                q, swap = swap.done(), None
+            for pair in pairs:
+                fold(q, pair, pair[0])
             if posted is not None:
                 posted.wait()
                 kb, vb = got
         result = total.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, result, lse)
         ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
-        return result
+        return _Swap(result, ring, True).done() if ring.balanced else result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -360,6 +307,7 @@ class _RingAttention(torch.autograd.Function):
         ring, scale, causal = ctx.ring, ctx.scale, ctx.causal
         acc = lse.dtype
         grad = grad.contiguous()
+        swap = _Swap(grad, ring, False) if ring.balanced else None
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kb, vb = k, v
         carried: list[torch.Tensor] = []  # the gradients of the block held, from before
@@ -369,15 +317,17 @@ class _RingAttention(torch.autograd.Function):
             posted, got = _exchange(ring, sends) if sends else (None, [])
             dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
             dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
-            for r, c, diagonal, cols in _pairs(ring, block, causal):
-                gq, gk, gv = _pair_backward(
-                    grad[..., r, :], q[..., r, :], kb[..., c, :], vb[..., c, :],
-                    out[..., r, :], lse[..., r].contiguous(), scale, diagonal, mask, cols, r,
-                    acc,
-                )  # fmt: skip
-                dq[..., r, :] += gq
-                dk[..., c, :] += gk
-                dv[..., c, :] += gv
+            pairs = _pairs(ring, block, causal)
+            if swap is not None:  # the kept rows first, while the others' gradients arrive
+                for pair in [p for p in pairs if swap.holds(p[0])]:
+                    grads = _unfold(swap.kept, swap.kept_rows(pair[0]), q, kb, vb, out, lse,
+                                    pair, scale, mask, acc)  # fmt: skip
+                    _accumulate((dq, dk, dv), pair, grads)
+                pairs = [p for p in pairs if not swap.holds(p[0])]
+                grad, swap = swap.done(), None
+            for pair in pairs:
+                grads = _unfold(grad, pair[0], q, kb, vb, out, lse, pair, scale, mask, acc)
+                _accumulate((dq, dk, dv), pair, grads)
             if posted is not None:
                 posted.wait()
             if step < ring.steps - 1:
@@ -386,24 +336,36 @@ class _RingAttention(torch.autograd.Function):
                 dk += got[-2]  # this block's gradients from the ranks before
                 dv += got[-1]
             carried = [dk, dv]
+        dq = dq.to(q.dtype)
+        back = _Swap(dq, ring, True) if ring.balanced else None
         # the last block's gradients go on to its owner; this rank's own arrive
         if ring.steps > 1:
             posted, carried = _exchange(ring, carried)
             posted.wait()
         dk, dv = carried
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dq = back.done() if back is not None else dq
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _merge(
-    total: torch.Tensor, lse: torch.Tensor, r: slice, part: torch.Tensor, part_lse: torch.Tensor
-) -> None:
-    """Fold one product's rows ``r`` (output and log-sum-exp) into the running ones: the part's
-    share of the rows' softmax is ``sigmoid(part_lse - lse)``, so one interpolation in place
-    (rows no key has reached yet: -inf on both sides, nothing taken)."""
-    held = lse[..., r]
-    share = torch.sigmoid(part_lse - held).nan_to_num_(0.0)
-    total[..., r, :].lerp_(part, share.unsqueeze(-1))
-    lse[..., r] = torch.logaddexp(held, part_lse)
+def _unfold(
+    g: torch.Tensor, g_rows: slice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, pair: Pair, scale: float, mask: torch.Tensor | None,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One product's (dq, dk, dv): its rows' output gradient ``g[g_rows]``."""
+    r, c, diagonal, cols = pair
+    return blocks.pair_backward(
+        g[..., g_rows, :], q[..., r, :], k[..., c, :], v[..., c, :], out[..., r, :],
+        lse[..., r].contiguous(), scale, diagonal, mask, cols, r, acc,
+    )  # fmt: skip
+
+
+def _accumulate(into: tuple[torch.Tensor, ...], pair: Pair, grads: tuple) -> None:
+    dq, dk, dv = into
+    r, c = pair[:2]
+    dq[..., r, :] += grads[0]
+    dk[..., c, :] += grads[1]
+    dv[..., c, :] += grads[2]
 
 
 def ring_attention(
@@ -426,11 +388,7 @@ def ring_attention(
     balanced = causal and mask is None and len(ranks) > 1 and rows % 2 == 0 and not striped
     ring = Ring(tuple(ranks), index, rows, balanced, striped=striped and len(ranks) > 1)
     key, value = _own(key.contiguous()), _own(value.contiguous())  # sent and kept as they are
-    if not balanced:
-        return _RingAttention.apply(query, key, value, mask, ring, scale, causal)
-    query = _Deal.apply(query.contiguous(), ring, False)  # the keys travel in their blocks
-    out = _RingAttention.apply(query, key, value, mask, ring, scale, causal)
-    return _Deal.apply(out, ring, True)
+    return _RingAttention.apply(query, key, value, mask, ring, scale, causal)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -466,10 +424,7 @@ def causal_rows_attention(
         return _striped_rows(query, key, value, n, index, scale)
     balanced = n > 1 and rows % 2 == 0
     ring = Ring(tuple(ranks), index, rows, balanced, index * rows, key.shape[-2])
-    if balanced:
-        query = _Deal.apply(query.contiguous(), ring, False)
-    out = _RingAttention.apply(query, key, value, None, ring, scale, True)
-    return _Deal.apply(out, ring, True) if balanced else out
+    return _RingAttention.apply(query, key, value, None, ring, scale, True)
 
 
 def _striped_rows(
