@@ -310,16 +310,21 @@ def _sequence_parallel(name: str) -> str:
 
 def _one_stage_recompute() -> str:
     """The plan the search gives where only recompute fits (a pipeline of one stage, full
-    recompute) trains as PyTorch: losses and parameters."""
+    recompute), asked for ring attention over ``cp 2``, trains as PyTorch: losses and
+    parameters. (A pipeline takes the whole batch and cuts each rank's part itself.)"""
     from autoshard import plan
 
     model, batches = _model("llama", LAYERS), _batches()
     ref = copy.deepcopy(model)
-    found = plan(model, batches[0], "cpu", num_devices=2, pp=1, recompute="full").json
+    found = plan(model, batches[0], "cpu", mesh={"cp": 2}, pp=1, recompute="full",
+                 attention="ring").json  # fmt: skip
     if (found["pipeline"]["pp"], found["pipeline"]["recompute"]) != (1, "full"):
         return f"one stage: planned {found['pipeline']}"
     pm = parallelize(model, batches[0], None, plan=found)
-    return _trained_alike(pm, ref, batches, "one stage, full recompute")
+    text = str(pm.plan)
+    if ": ring (" not in text or "x[b, s@cp] -> [b, s@cp, hidden]" not in text:
+        return "one stage: the plan splits the sequence or computes attention otherwise"
+    return _trained_alike(pm, ref, batches, "one stage, full recompute, ring")
 
 
 def _cut_small(name: str, mesh: dict, attention: str, striped: bool = False) -> str:

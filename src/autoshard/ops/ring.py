@@ -8,9 +8,10 @@ is computed, so they overlap it. Backward passes the blocks around again, each w
 value gradients accumulated for it so far, which end on the block's owner.
 
 Under a causal mask a plain split leaves the last rank the most work (its rows see every key).
-``balanced`` rings give each rank the query rows of two half-blocks of the sequence, chunk ``i``
-and chunk ``2n-1-i`` of ``2n``, so every rank does the same work: the op moves those rows there
-on entry and their output back on exit, so the layouts outside the op stay a contiguous split
+``balanced`` rings give each rank the query rows of two half-blocks of the sequence, chunk ``2i``
+(its own first half) and chunk ``2n-1-2i`` of ``2n``, so every rank does the same work: the op
+swaps the second half with rank ``n-1-i`` on entry, overlapped with the kept rows' first
+products, and the output back on exit, so the layouts outside the op stay a contiguous split
 (docs/parallelism/sequence.md); the keys and values travel in their blocks. Chunks of keys
 wholly after a chunk of queries are skipped, and a long causal product is cut in halves
 (``LEAF``), which the CPU kernel computes faster than it computes the product whole.

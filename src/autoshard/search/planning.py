@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,8 @@ def plan(
     not given searched; docs/parallelism/pipeline.md). ``attention`` fixes how attention
     computes over a split sequence (``"allgather"``, ``"ulysses"``, ``"ring"``; None: searched);
     ``sequence_parallel`` splits every op over the tensor-parallel axes where it can be
-    (docs/parallelism/sequence.md)."""
+    (docs/parallelism/sequence.md); with stages, these and a ``cp`` axis of ``mesh`` (its
+    size, the context-parallel degree) hold for every stage."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if zero is not None and not isinstance(check_zero(zero), int):
         raise ValueError(
@@ -65,6 +67,10 @@ def plan(
               "virtual_stages": virtual_stages, "recompute": recompute}  # fmt: skip
     if any(v is not None for v in staged.values()):
         given = {k: v for k, v in staged.items() if v is not None}
+        given |= {"attention": attention, "sequence_parallel": sequence_parallel}
+        if mesh is not None and mesh_info(mesh).cp:  # the context-parallel degree a stage keeps
+            info = mesh_info(mesh)
+            given["cp"] = math.prod(info.sizes[info.names.index(a)] for a in info.cp)
         return plan_with_stages(model, tuple(example_inputs), spec, num_devices, given, search,
                                 loss_fn, example_kwargs, tp_across_nodes)  # fmt: skip
     if captured is None:
