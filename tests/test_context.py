@@ -327,6 +327,18 @@ def _one_stage_recompute() -> str:
     return _trained_alike(pm, ref, batches, "one stage, full recompute, ring")
 
 
+def _zero_over_cp() -> str:
+    """ZeRO 3 on a ``cp 2`` mesh shards every parameter over the ranks that sum its gradient,
+    which are the ``cp`` ranks (no two ranks hold the same rows), and trains as PyTorch."""
+    model, batches = _model("llama", LAYERS), _batches()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, batches[0], {"cp": 2}, zero=3, attention="ring")
+    doubled = [fqn for fqn, _ in ref.named_parameters() if pm.holders(fqn) > 1]
+    if doubled:
+        return f"ZeRO over cp: {doubled} held twice"
+    return _trained_alike(pm, ref, batches, "ZeRO 3 over cp 2")
+
+
 def _cut_small(name: str, mesh: dict, attention: str, striped: bool = False) -> str:
     """``_against_pytorch`` with every causal product longer than a row cut in halves, as a
     long sequence's products are (``ops.ring.LEAF``)."""
@@ -355,7 +367,7 @@ def _world2() -> tuple[list[str], dict]:
         for name in ("gpt", "llama", "hf-llama")
         for method in ATTENTION_METHODS
     ]
-    failures.append(_one_stage_recompute())
+    failures += [_one_stage_recompute(), _zero_over_cp()]
     return failures, _memories(2)
 
 
