@@ -111,12 +111,8 @@ class _Swap:
             given = x[..., half - self.offset : 2 * half - self.offset, :]
         else:
             self.kept, given = x[..., :half, :], x[..., half:, :]
-        partner = ring.ranks[ring.size - 1 - ring.index]
-        self.posted = None
-        self.got = given  # the middle rank of an odd ring is its own partner
-        if partner != ring.ranks[ring.index]:
-            self.got = torch.empty(given.shape, dtype=given.dtype, device=given.device)
-            self.posted = comm.post_p2p([(given, partner)], [(self.got, partner)])
+        partner = ring.ranks[ring.size - 1 - ring.index]  # the middle of an odd ring: itself
+        self.posted, self.got = comm.post_exchange(given, partner, partner, ring.ranks)
 
     def holds(self, rows: slice) -> bool:
         """Whether dealt ``rows`` are all kept rows."""
@@ -127,8 +123,7 @@ class _Swap:
         return slice(rows.start - self.offset, rows.stop - self.offset)
 
     def done(self) -> torch.Tensor:
-        if self.posted is not None:
-            self.posted.wait()
+        self.posted.wait()
         first = self.inverse or self.offset == 0
         return torch.cat([self.kept, self.got] if first else [self.got, self.kept], dim=-2)
 
@@ -236,10 +231,19 @@ def _exchange(
     ring: Ring, tensors: Sequence[torch.Tensor]
 ) -> tuple[comm.Posted, list[torch.Tensor]]:
     """Post sending ``tensors`` to the next rank and receiving their like from the previous."""
-    sends = [t.contiguous() for t in tensors]
-    got = [torch.empty_like(t) for t in sends]
-    posted = comm.post_p2p([(t, ring.next()) for t in sends], [(g, ring.prev()) for g in got])
-    return posted, got
+    posts = [comm.post_exchange(t, ring.next(), ring.prev(), ring.ranks) for t in tensors]
+    return _Both([p for p, _ in posts]), [got for _, got in posts]
+
+
+class _Both:
+    """Exchanges posted together, completed together."""
+
+    def __init__(self, posted: Sequence[comm.Posted]) -> None:
+        self.posted = posted
+
+    def wait(self) -> None:
+        for p in self.posted:
+            p.wait()
 
 
 class _RingAttention(torch.autograd.Function):
