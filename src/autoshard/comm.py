@@ -38,6 +38,7 @@ __all__ = [
     "in_flight",
     "leave",
     "Posted",
+    "post_exchange",
     "post_p2p",
     "reduce_scatter",
     "reduce_scatter_async",
