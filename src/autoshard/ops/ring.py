@@ -112,7 +112,7 @@ class _Swap:
         else:
             self.kept, given = x[..., :half, :], x[..., half:, :]
         partner = ring.ranks[ring.size - 1 - ring.index]  # the middle of an odd ring: itself
-        self.posted, self.got = comm.post_exchange(given, partner, partner, ring.ranks)
+        self.posted, (self.got,) = comm.post_exchange([given], partner, partner, ring.ranks)
 
     def holds(self, rows: slice) -> bool:
         """Whether dealt ``rows`` are all kept rows."""
@@ -231,19 +231,7 @@ def _exchange(
     ring: Ring, tensors: Sequence[torch.Tensor]
 ) -> tuple[comm.Posted, list[torch.Tensor]]:
     """Post sending ``tensors`` to the next rank and receiving their like from the previous."""
-    posts = [comm.post_exchange(t, ring.next(), ring.prev(), ring.ranks) for t in tensors]
-    return _Both([p for p, _ in posts]), [got for _, got in posts]
-
-
-class _Both:
-    """Exchanges posted together, completed together."""
-
-    def __init__(self, posted: Sequence[comm.Posted]) -> None:
-        self.posted = posted
-
-    def wait(self) -> None:
-        for p in self.posted:
-            p.wait()
+    return comm.post_exchange(tensors, ring.next(), ring.prev(), ring.ranks)
 
 
 class _RingAttention(torch.autograd.Function):
