@@ -240,7 +240,13 @@ def test_a_policy_names_what_is_wrong() -> None:
         precision_policy("bf17")
     with pytest.raises(PrecisionError, match="compute=torch.int32: not a floating dtype"):
         Precision(torch.int32)
-    with pytest.raises(PrecisionError, match="no field 'master'"):
-        precision_policy({"master": "fp32"})
+    with pytest.raises(PrecisionError, match="no field 'params'"):
+        precision_policy({"params": "fp32"})
+    # the master weights are the model's own: resolved from it, and a different one refused
+    model = torch.nn.Linear(2, 2)
+    assert precision_policy("bf16").resolve(model).master == torch.float32
+    assert precision_policy("fp32").resolve(model).master is None  # no policy: the model's
+    with pytest.raises(PrecisionError, match="master=torch.float64: the model's parameters"):
+        Precision(torch.bfloat16, master=torch.float64).resolve(model)
     with pytest.raises(ValueError, match="growth_factor"):
         GradScaler(growth_factor=0.5)

@@ -139,14 +139,16 @@ def test_zero_with_tensor_parallelism_accumulation_and_clipping_on_4_ranks() -> 
 # -- what a rank holds and sends ---------------------------------------------------------------
 
 
-def _held_and_sent(mesh: Any, how: str | None, level: int) -> dict[str, Any]:
-    """GPT in float32 at ZeRO ``level``: the bytes a rank holds after a step (before zero_grad)
-    and sends in a step, with the sizes the formulas need."""
+def _held_and_sent(
+    mesh: Any, how: str | None, level: int, precision: str | None = None
+) -> dict[str, Any]:
+    """GPT in float32 at ZeRO ``level`` (under ``precision``): the bytes a rank holds after a
+    step (before zero_grad) and sends in a step, with the sizes the formulas need."""
     warnings.filterwarnings("ignore")
     inner, config = build("gpt", 0.0)
     model = WithUnused(inner)
     data = batches(config, torch.float32)
-    pm = parallelize(model, data[0], mesh, _strategies("gpt", how), zero=level)
+    pm = parallelize(model, data[0], mesh, _strategies("gpt", how), zero=level, precision=precision)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     for step in range(2):
         with comm.counting() as sent:
@@ -165,11 +167,16 @@ def _held_and_sent(mesh: Any, how: str | None, level: int) -> dict[str, Any]:
         opt.zero_grad()
     zero = pm._zero
     members = [m for u in zero.units for m in u.members]
-    units = [4 * sum(m.rows * m.row for m in u.members) for u in zero.units if u.used]
+    # the two largest units' elements: what forward gathers (in the compute dtype) and
+    # backward sums (in the reduce dtype) at most besides the shards
+    units = [sum(m.rows * m.row for m in u.members) for u in zero.units if u.used]
+    compute = pm.precision.compute or torch.float32
+    reduce = pm.precision.reduce or torch.float32
     {m.fqn for u in zero.units if u.used for m in u.members}
     return {
         "predicted": estimate(pm.plan, pm.plan.graph, cluster_spec("cpu")).memory,
-        "two_units": sum(sorted(units)[-2:]),
+        "two_units": sum(sorted(units)[-2:]) * compute.itemsize,
+        "two_sums": sum(sorted(units)[-2:]) * reduce.itemsize,
         "held": held,
         "sent": sent,
         "local": sum(m.rows * m.row for m in members),  # the plan's local elements
@@ -248,13 +255,24 @@ def _assert_predicted_memory(r: dict[str, Any], level: int) -> None:
     parameters (what backward and forward hold at most besides the shards)."""
     # padding, and a buffer that is a view of a larger storage
     predicted, held, pad = r["predicted"], r["held"], 4 * (r["padded"] - r["local"]) + 256
-    window = r["two_units"]
-    params = held["parameters"] + (window if level == 3 else 0)
+    params = held["parameters"] + (r["two_units"] if level == 3 else 0)
     assert predicted["parameters"] == pytest.approx(params, abs=pad), level
-    grads = held["gradients"] + (window if level >= 2 else 0)
+    grads = held["gradients"] + (r["two_sums"] if level >= 2 else 0)
     assert predicted["gradients"] == pytest.approx(grads, abs=pad), level
     moments = held["optimizer"] - 4 * r["stepped"]  # AdamW's step counters are not priced
     assert predicted["optimizer"] == pytest.approx(moments, abs=pad), level
+
+
+def test_the_memory_planned_under_bf16_is_what_a_rank_holds() -> None:
+    """Under ``precision="bf16"`` a rank keeps float32 master weights, gradients and Adam
+    moments (bfloat16 only where the program reads them, and in ZeRO's gathered copies): the
+    plan's breakdown at every stage is those bytes, not bfloat16's half of them."""
+    cases = [({"dp": 2}, None, level, "bf16") for level in (0, 1, 2, 3)]
+    results = run_ranks(_held_cases, 2, cases, timeout=300)[0]
+    for level, r in enumerate(results):
+        _assert_predicted_memory(r, level)
+    for r in results[1:]:  # float32 state: four bytes an element of the parameters at stage 0
+        assert results[0]["held"]["parameters"] == 4 * r["local"] + r["others"]
 
 
 def _searched_plan_with_zero() -> dict[str, Any]:

@@ -10,7 +10,7 @@ summed in float32 unless ``reduce`` says otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,16 +46,19 @@ def _dtype(value: Any, what: str) -> torch.dtype | None:
 @dataclass(frozen=True)
 class Precision:
     """``compute``: the dtype the model is captured and run in (None: the model's own).
-    ``reduce``: the dtype gradient sums travel in (None: the parameters' own, float32 for
-    master weights). Parameters and optimizer state stay in the model's dtype. float16
-    compute needs loss scaling (``autoshard.GradScaler``): its gradients underflow otherwise."""
+    ``reduce``: the dtype gradient sums travel in (None: the master weights'). ``master``: the
+    dtype the parameters (the master weights), their gradients and the optimizer state are
+    kept in, which is the model's own: None until a run or a plan resolves it from the model
+    (``resolve``); the planner prices it. float16 compute needs loss scaling
+    (``autoshard.GradScaler``): its gradients underflow otherwise."""
 
     compute: torch.dtype | None = None
     reduce: torch.dtype | None = None
+    master: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compute", _dtype(self.compute, "compute"))
-        object.__setattr__(self, "reduce", _dtype(self.reduce, "reduce"))
+        for what in ("compute", "reduce", "master"):
+            object.__setattr__(self, what, _dtype(getattr(self, what), what))
 
     @property
     def name(self) -> str:
@@ -66,10 +69,36 @@ class Precision:
         return f"compute {compute}, reduce {reduce}"
 
     def as_dict(self) -> dict[str, str | None]:
-        return {
-            "compute": str(self.compute).removeprefix("torch.") if self.compute else None,
-            "reduce": str(self.reduce).removeprefix("torch.") if self.reduce else None,
-        }
+        names = ("compute", "reduce", "master")
+        return {n: str(getattr(self, n)).removeprefix("torch.") if getattr(self, n) else None
+                for n in names}  # fmt: skip
+
+    def resolve(self, model: Any) -> Precision:
+        """This policy with ``master`` set to the dtype of ``model``'s floating parameters
+        (a module, or that dtype itself), which is what a run keeps; an error where a
+        ``master`` given differs from it (cast the model instead)."""
+        dtype = model if isinstance(model, torch.dtype) else _model_dtype(model)
+        if self.master is not None and dtype is not None and self.master != dtype:
+            raise PrecisionError(
+                f"precision master={self.master}: the model's parameters are {dtype}, and a run "
+                "keeps the model's own as its master weights; cast the model to "
+                f"{self.master} instead"
+            )
+        if self.compute is None or dtype is None:
+            return self
+        return replace(self, master=dtype)
+
+    @property
+    def master_bytes(self) -> int | None:
+        """Bytes of an element of the master weights, their gradients and each optimizer
+        state value under a mixed policy; None without one (the plan's own dtypes)."""
+        return self.master.itemsize if self.compute is not None and self.master else None
+
+
+def _model_dtype(model: Any) -> torch.dtype | None:
+    """The dtype most of ``model``'s floating parameters have (None: none floating)."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return max(set(dtypes), key=dtypes.count) if dtypes else None
 
 
 #: the named policies: float32 as the model is; bfloat16 or float16 compute with the model's
@@ -88,10 +117,10 @@ def precision_policy(value: str | Precision | dict | None) -> Precision:
     if isinstance(value, Precision):
         return value
     if isinstance(value, dict):
-        unknown = set(value) - {"compute", "reduce"}
+        unknown = set(value) - {"compute", "reduce", "master"}
         if unknown:
             raise PrecisionError(f"precision has no field {sorted(unknown)[0]!r}")
-        return Precision(value.get("compute"), value.get("reduce"))
+        return Precision(value.get("compute"), value.get("reduce"), value.get("master"))
     if isinstance(value, str) and value in PRECISIONS:
         return PRECISIONS[value]
     raise PrecisionError(

@@ -268,8 +268,26 @@ def _plan_pipeline_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _plan_precision_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["fp32", "bf16", "fp16"],
+        help="the mixed precision policy planned, as parallelize(precision=...) runs it: bf16 "
+        "computes in bfloat16 and keeps float32 master weights, gradients and Adam moments "
+        "(docs/precision.md)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="train in this one dtype throughout instead of a --precision policy (the model, "
+        "its gradients and optimizer state all in it)",
+    )
+
+
 def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="precision planned in")
+    _plan_precision_options(p)
     p.add_argument(
         "--cluster",
         default="dgx-h100",
@@ -296,6 +314,12 @@ def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree, fixed (left out: searched; may span nodes when given)",
     )
     p.add_argument(
         "--cp",

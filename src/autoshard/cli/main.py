@@ -178,16 +178,14 @@ def _plan(args: argparse.Namespace) -> int:
         model, example, depth, loss_fn = _user_model(args.model_fn)
     else:
         model, example, depth, loss_fn = _reference_model(args)
-    if args.dtype != "f32":
-        model = model.to(_DTYPES[args.dtype])
-        example = tuple(t.to(_DTYPES[args.dtype]) if t.is_floating_point() else t for t in example)
+    model, example, policy = _planned_precision(args, model, example)
     from autoshard.cli.plan_pipeline import given_pipeline, pipeline_plan
 
     staged = given_pipeline(args)
     if args.pp != "auto" and (staged.get("pp", 1) > 1 or set(staged) - {"pp"}):
         # a pipeline flag given: the other pipeline flags are searched
-        return pipeline_plan(args, spec, model, example, depth, loss_fn, start)
-    captured = capture(model, example, {}, loss_fn=loss_fn, train=True)
+        return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
+    captured = capture(model, example, {}, loss_fn=loss_fn, train=True, dtype=policy.compute)
     captured_s = time.perf_counter() - start
     try:
         result = run_search(
@@ -200,6 +198,8 @@ def _plan(args: argparse.Namespace) -> int:
             cp=args.cp,
             attention=args.attention,
             sequence_parallel=args.sequence_parallel,
+            precision=policy,
+            tp=args.tp,
         )
     except PlanningError as err:
         if args.pp is not None and args.pp != "auto":  # --pp 1: no stages
@@ -207,16 +207,29 @@ def _plan(args: argparse.Namespace) -> int:
             return 3
         print(f"without pipeline stages: {_one_line(err)}\nsearching pipeline stages",
               file=sys.stderr)  # fmt: skip
-        return pipeline_plan(args, spec, model, example, depth, loss_fn, start)
+        return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
     built = build_plan(captured, result, spec)
 
     def show() -> int:
         return _show_plan(args, built, result, captured_s, start)
 
     if args.pp == "auto":  # the pipeline search's best against the plan without stages
-        return pipeline_plan(args, spec, model, example, depth, loss_fn, start,
+        return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy,
                              baseline=(built.predicted.step_time, show))  # fmt: skip
     return show()
+
+
+def _planned_precision(args: argparse.Namespace, model, example):
+    """The model and batch to plan and the precision policy a run keeps them under:
+    ``--dtype`` casts them (one dtype throughout, no policy), else ``--precision``'s policy
+    with the model's own dtype for its master weights."""
+    from autoshard.precision import precision_policy
+
+    if args.dtype is not None:
+        dtype = _DTYPES[args.dtype]
+        example = tuple(t.to(dtype) if t.is_floating_point() else t for t in example)
+        return model.to(dtype), example, precision_policy("fp32")
+    return model, example, precision_policy(args.precision).resolve(model)
 
 
 def _show_plan(args: argparse.Namespace, built, result, captured_s: float, start: float) -> int:

@@ -24,18 +24,22 @@ def given_pipeline(args: Any) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def pipeline_plan(args, spec, model, example, depth, loss_fn, start, baseline=None) -> int:
+def pipeline_plan(
+    args, spec, model, example, depth, loss_fn, start, baseline=None, policy=None
+) -> int:
     """The fastest pipeline configuration that fits (the flags given fixed). ``baseline``
     (``--pp auto``): the plan without stages, (its step, a function that shows it), shown
-    instead where it is faster or no pipeline fits."""
+    instead where it is faster or no pipeline fits. ``policy``: the precision a run keeps."""
     from autoshard.graph import capture
     from autoshard.search import PlanningError
-    from autoshard.search.pipelined import pipeline_json, search_pipeline
+    from autoshard.search.pipelined import search_pipeline
 
     given = given_pipeline(args) | {
         "cp": args.cp,
         "attention": args.attention,
         "sequence_parallel": args.sequence_parallel,
+        "precision": policy,
+        "tp": args.tp,
     }
     batch = example[0].shape[0]
     if given.get("microbatches") and batch % given["microbatches"]:
@@ -48,7 +52,8 @@ def pipeline_plan(args, spec, model, example, depth, loss_fn, start, baseline=No
     def micro(m: int) -> Any:
         began = time.perf_counter()
         part = tuple(t[: t.shape[0] // m] for t in example)
-        graphs[m] = capture(model, part, {}, loss_fn=loss_fn, train=True)
+        dtype = policy.compute if policy is not None else None
+        graphs[m] = capture(model, part, {}, loss_fn=loss_fn, train=True, dtype=dtype)
         captured_s[0] += time.perf_counter() - began
         return graphs[m]
 
@@ -67,6 +72,21 @@ def pipeline_plan(args, spec, model, example, depth, loss_fn, start, baseline=No
               f"of {len(tried)} priced) {best.predicted.step_time * 1e3:.1f} ms: the plan "
               "without them", file=sys.stderr)  # fmt: skip
         return baseline[1]()
+    data = _plan_data(best, tried, search_s, spec, given, baseline)
+    data["predicted"]["capture_s"] = captured_s[0]
+    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
+    write_json(args.json, data)
+    if args.json != "-":
+        print("\n".join(pipeline_lines(data, spec)))
+        print(format_search(data, best.result, best.stage))
+    return 0
+
+
+def _plan_data(best, tried, search_s: float, spec, given: dict, baseline) -> dict:
+    """The plan JSON with its ``pipeline`` section: the configuration, what was searched and
+    priced, and the step without stages (``--pp auto``)."""
+    from autoshard.search.pipelined import pipeline_json
+
     data = dict(best.stage.json)
     data["pipeline"] = pipeline_json(best, spec.num_devices)
     data["pipeline"]["searched"] = sorted(set(("pp", "microbatches", "schedule", "recompute"))
@@ -75,13 +95,7 @@ def pipeline_plan(args, spec, model, example, depth, loss_fn, start, baseline=No
     data["pipeline"]["search_s"] = search_s
     if baseline is not None:
         data["pipeline"]["without_stages_step_s"] = baseline[0]
-    data["predicted"]["capture_s"] = captured_s[0]
-    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
-    write_json(args.json, data)
-    if args.json != "-":
-        print("\n".join(pipeline_lines(data, spec)))
-        print(format_search(data, best.result, best.stage))
-    return 0
+    return data
 
 
 def pipeline_lines(data: dict, spec: Any) -> list[str]:
@@ -95,7 +109,8 @@ def pipeline_lines(data: dict, spec: Any) -> list[str]:
         f"pipeline: pp({pipe['pp']}) x {mesh} on {spec.num_devices} devices, "
         f"{pipe['schedule']}"
         + (f" ({pipe['virtual_stages']} stages a rank)" if pipe["virtual_stages"] > 1 else "")
-        + f", {pipe['microbatches']} micro-batches, recompute {pipe['recompute']}",
+        + f", {pipe['microbatches']} micro-batches, recompute {pipe['recompute']}"
+        + f", ZeRO {pipe.get('zero', 0)}",
         f"predicted step {pipe['step_time_s'] * 1e3:.1f} ms, MFU {pipe['mfu'] * 100:.1f}%, "
         f"bubble {pipe['bubble'] * 100:.1f}%, peak memory {size(pipe['peak_memory_bytes'])} per "
         f"device (of {size(spec.memory_bytes)}); a stage sends {size(pipe['boundary_bytes'])} "
@@ -144,15 +159,16 @@ def tried_lines(pipe: dict, shown: int = 8) -> list[str]:
         mark = "*" if _same(t, pipe) else " "
         lines.append(
             f"{mark} pp {t['pp']:>3}  m {t['microbatches']:>4}  {t['schedule'] + v:<19} "
-            f"recompute {t['recompute']:<9}  {t['step_s'] * 1e3:>9.1f} ms  "
+            f"recompute {t['recompute']:<9}  ZeRO {t.get('zero', 0)}  "
+            f"{t['step_s'] * 1e3:>9.1f} ms  "
             f"{size(t['peak_bytes']):>10}{'' if t['fits'] else '  does not fit'}"
         )
     return lines
 
 
 def _same(t: dict, pipe: dict) -> bool:
-    keys = ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
-    return all(t[k] == pipe[k] for k in keys)
+    keys = ("pp", "microbatches", "schedule", "virtual_stages", "recompute", "zero")
+    return all(t.get(k) == pipe.get(k) for k in keys)
 
 
 __all__ = ["given_pipeline", "pipeline_lines", "pipeline_plan", "tried_lines"]

@@ -27,8 +27,15 @@ def _assumptions(data: dict) -> list[str]:
     peak = c["flops"].get(dtype) or max(c["flops"].values())
     shares = c.get("matmul_efficiency") or [[0, 1.0]]
     attention = c.get("attention_efficiency", [1.0, 1.0])
+    policy = data.get("precision")
+    kept = (
+        f", {policy['master']} master weights, gradients and optimizer state, gradient sums in "
+        f"{policy['reduce'] or policy['master']} (--precision)"
+        if policy
+        else " throughout"
+    )
     return [
-        f"precision: {dtype} compute (--dtype); peak {peak / 1e12:.1f} TFLOP/s per device",
+        f"precision: {dtype} compute{kept}; peak {peak / 1e12:.1f} TFLOP/s per device",
         f"assumes: matrix products at {shares[0][1]:.0%}-{shares[-1][1]:.0%} of peak by size, "
         f"attention {attention[0]:.0%} forward / {attention[1]:.0%} backward, memory "
         f"{c['memory_bandwidth'] / 1e9:.0f} GB/s, {c['op_overhead'] * 1e6:.1f} us per op; links "

@@ -32,11 +32,14 @@ from autoshard.cost.zero import (
     ZeroParam,
     ZeroUnit,
     gather_parts,
+    master_layout,
     scatter_parts,
+    sum_dtype,
     zero_param,
     zero_units,
 )
 from autoshard.graph import OpGraph
+from autoshard.layout import Layout
 from autoshard.ops import tensor_inputs
 from autoshard.redistribution import backward_source
 
@@ -255,12 +258,8 @@ def _price_node(
 
 
 def _reduce_dtype(plan: PlanDecisions, og: OpGraph) -> torch.dtype | None:
-    """The dtype gradient sums travel in under the plan's precision policy: its reduce dtype,
-    else the master weights' (the model's: float32 when the graph computes in half)."""
-    precision = plan.precision
-    if precision is None or precision.compute is None:
-        return None
-    return precision.reduce or torch.float32
+    """The dtype gradient sums travel in under the plan's precision policy."""
+    return sum_dtype(plan.precision)
 
 
 def _price_params(
@@ -286,15 +285,23 @@ def _price_params(
         if kinds.get(fqn) != "param":
             est.memory["parameters"] += count * local_bytes(param.layout)
         elif zp := _zero_param(
-            param, level(fqn), cluster, optimizer_states, compute.get(fqn), reduce_dtype
+            param,
+            level(fqn),
+            cluster,
+            optimizer_states,
+            compute.get(fqn),
+            reduce_dtype,
+            master_layout(param.layout, plan.precision),
         ):
             zeroed[fqn] = zp
             for kind, nbytes in zeroed[fqn].memory.items():
                 est.memory[kind] += count * nbytes
-            est.optimizer += count * optimizer_time(param.layout, cluster, zeroed[fqn].share)
+            kept = master_layout(param.layout, plan.precision)
+            est.optimizer += count * optimizer_time(kept, cluster, zeroed[fqn].share)
             est.grad_sync += count * zeroed[fqn].copy
         else:
-            bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count)
+            bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count,
+                                  master_layout(param.layout, plan.precision))  # fmt: skip
             if bucket is not None:
                 bucketed[fqn] = bucket
         est.by_param[fqn] = (sum(est.memory.values()) - memory, est.grad_sync - in_line)
@@ -308,12 +315,14 @@ def _zero_param(
     optimizer_states: int,
     compute: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    master: Layout,
 ) -> ZeroParam | None:
-    """A trainable parameter under ZeRO (``cost.zero_groups``, the runtime's decision too)."""
+    """A trainable parameter under ZeRO (``cost.zero_groups``, the runtime's decision too),
+    kept as ``master``."""
     if param.from_value or param.grad_partial is None:
         return None
     return zero_param(
-        level, param.layout, param.grad_partial, cluster, optimizer_states, compute, reduce_dtype
+        level, master, param.grad_partial, cluster, optimizer_states, compute, reduce_dtype
     )
 
 
@@ -324,14 +333,19 @@ def _price_param(
     optimizer_states: int,
     reduce_dtype: torch.dtype | None,
     count: int,
+    master: Layout,
 ) -> tuple[float, tuple, float, float] | None:
-    """A parameter without ZeRO: its memory and optimizer time, its gradient sum in line, or
-    as a bucket member (returned: bandwidth seconds, bucket key, bytes, bucket latency)."""
-    size = local_bytes(param.layout)
+    """A parameter without ZeRO, kept as ``master``: its memory and optimizer time, its
+    gradient sum in line, or as a bucket member (returned: bandwidth seconds, bucket key,
+    bytes, bucket latency). Under a mixed policy the program's cast of it to the compute
+    dtype is kept for backward, with the activations."""
+    size = local_bytes(master)
     est.memory["parameters"] += count * size
     est.memory["gradients"] += count * size
     est.memory["optimizer"] += count * optimizer_states * size
-    est.optimizer += count * optimizer_time(param.layout, cluster)
+    if master != param.layout:
+        est.memory["activations"] += count * local_bytes(param.layout)
+    est.optimizer += count * optimizer_time(master, cluster)
     if param.grad_partial is None:
         return None
     partial, full = param.grad_partial, param.layout

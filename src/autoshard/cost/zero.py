@@ -18,6 +18,7 @@ from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.collectives import collective_parts, group_size
 from autoshard.graph import OpGraph
 from autoshard.layout import Layout
+from autoshard.precision import Precision
 from autoshard.redistribution import replica_sum_groups
 
 #: an all-reduce's rank groups (``replica_sum_groups``), the same on every rank
@@ -149,13 +150,32 @@ def scatter_parts(
     return collective_parts("reduce_scatter", grad_bytes, group, per_node, cluster)
 
 
+def master_layout(layout: Layout, precision: Precision | None) -> Layout:
+    """A parameter's layout as a rank keeps it under ``precision``: in the master dtype where
+    the graph computes in another (a graph captured under the policy holds the compute
+    dtype's)."""
+    if precision is None or precision.compute is None or not layout.dtype.is_floating_point:
+        return layout
+    return layout.with_dtype(precision.master or torch.float32)
+
+
+def sum_dtype(precision: Precision | None) -> torch.dtype | None:
+    """The dtype gradient sums travel in under ``precision``: its reduce dtype, else the
+    master weights' (None without a mixed policy: the graph's own)."""
+    if precision is None or precision.compute is None:
+        return None
+    return precision.reduce or precision.master or torch.float32
+
+
 __all__ = [
     "Groups",
     "ZeroParam",
     "ZeroUnit",
     "gather_parts",
+    "master_layout",
     "model_states",
     "scatter_parts",
+    "sum_dtype",
     "zero_groups",
     "zero_param",
     "zero_units",

@@ -105,14 +105,14 @@ def parallelize(
         )  # fmt: skip
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, init)
-    policy = precision_policy(precision)
+    policy = precision_policy(precision).resolve(model)
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
                                  dtype=policy.compute)  # fmt: skip
     if search is not None:
         given = strategies if search == "propagate" else None
         plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit,
-                       given, zero if isinstance(zero, int) else None)  # fmt: skip
+                       given, zero if isinstance(zero, int) else None, policy)  # fmt: skip
     ready, mesh, strategies, input_layouts, source = _given_plan(
         plan, captured[True], mesh, strategies, input_layouts
     )

@@ -411,7 +411,7 @@ def single_device(
     parallel run must equal. Runs without collectives, on any rank."""
     check_init(model, init)
     info = MeshInfo(("dp",), (1,), ("dp",))
-    policy = precision_policy(precision)
+    policy = precision_policy(precision).resolve(model)
     if captured is None:
         captured = capture_modes(
             model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=policy.compute

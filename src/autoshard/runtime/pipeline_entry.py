@@ -70,7 +70,7 @@ def parallelize_pipeline(
         raise ValueError(f"microbatches={m!r}: expected a positive int")
     plan_schedule = make_schedule(schedule, pp, m, virtual_stages)
     validate(plan_schedule)
-    policy = precision_policy(precision)
+    policy = precision_policy(precision).resolve(model)
     example, kwargs = microbatch_example(tuple(example_inputs), example_kwargs, m)
     if captured is None:
         captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=policy.compute)
@@ -84,7 +84,8 @@ def parallelize_pipeline(
         input_layouts = _inputs_of(captured[True], data, input_layouts, source)
     elif search is not None:  # the stage's strategies searched for its sub-mesh
         ready = _search(model, example, captured, stage_mesh(info).as_dict(), search, cluster,
-                        float("inf"), strategies if search == "propagate" else None, 0)  # fmt: skip
+                        float("inf"), strategies if search == "propagate" else None, 0,
+                        policy)  # fmt: skip
         strategies = ready.strategies
     rank = check_world(info, source, timeout_s)
     plans = _plan_modes(

@@ -35,6 +35,7 @@ def _search(
     memory_limit: float | None,
     strategies: Any,
     zero: int | None,
+    precision: Any = None,
 ) -> Plan:
     """The searched plan: an int ``mesh`` is a device count whose mesh shape is searched too;
     the ZeRO stage is searched too unless ``zero`` is given."""
@@ -43,6 +44,7 @@ def _search(
     return search_plan(
         model, example_inputs, cluster, search=search, num_devices=num, mesh=fixed,
         memory_limit=memory_limit, strategies=strategies, captured=captured, zero=zero,
+        precision=precision,
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from autoshard.cost.breakdown import breakdown_rows
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
+from autoshard.precision import Precision
 from autoshard.search import options, pricing
 from autoshard.search.costgraph import CostGraph, build_cost_graph
 from autoshard.search.plans import (
@@ -41,18 +42,28 @@ SEARCHES = ("optimal", "recursive", "propagate")
 
 
 def mesh_shapes(
-    num_devices: int, cluster: ClusterSpec, tp_across_nodes: bool = False, cp: int = 1
+    num_devices: int,
+    cluster: ClusterSpec,
+    tp_across_nodes: bool = False,
+    cp: int = 1,
+    tp_degree: int | None = None,
 ) -> list[MeshInfo]:
     """Every ``dp x tp`` factorization of the devices, ``tp`` inside a node unless allowed;
     ``dp x cp x tp`` with ``cp`` fixed when it is more than 1 (the inputs' sequence over it,
-    ``cp x tp`` inside a node where it fits)."""
+    ``cp x tp`` inside a node where it fits); only ``tp_degree`` when given."""
     out = []
     if cp < 1 or num_devices % cp:
         raise PlanningError(f"cp {cp} does not divide the {num_devices} devices")
+    if tp_degree is not None and (tp_degree < 1 or (num_devices // cp) % tp_degree):
+        raise PlanningError(
+            f"tp {tp_degree} does not divide the {num_devices // cp} devices a "
+            "context-parallel group leaves" if cp > 1 else
+            f"tp {tp_degree} does not divide the {num_devices} devices"
+        )  # fmt: skip
     for tp in range(1, num_devices // cp + 1):
-        if (num_devices // cp) % tp:
+        if (num_devices // cp) % tp or (tp_degree is not None and tp != tp_degree):
             continue
-        if tp > cluster.devices_per_node and not tp_across_nodes:
+        if tp > cluster.devices_per_node and not tp_across_nodes and tp_degree is None:
             continue
         if cp == 1:
             out.append(MeshInfo(("dp", "tp"), (num_devices // tp, tp), ("dp",)))
@@ -71,6 +82,8 @@ class SearchResult:
     solution: Solution
     tried: list[dict[str, Any]]
     search_seconds: float
+    #: the precision policy the parameters were priced under (None: the graph's dtypes)
+    precision: Precision | None = None
 
     def strategies(self) -> dict[str, Strategy]:
         """Every decision node's strategy (repeated layers share their representative's)."""
@@ -114,12 +127,17 @@ def run_search(
     cp: int = 1,
     attention: str | None = None,
     sequence_parallel: bool = False,
+    precision: Precision | None = None,
+    tp: int | None = None,
 ) -> SearchResult:
-    """The fastest plan that fits, over every mesh shape (or the given ``mesh``) and ZeRO
+    """The fastest plan that fits, over every mesh shape (or the given ``mesh``, or those of
+    tensor-parallel degree ``tp``) and ZeRO
     stage (or the given ``zero``); ``step_share``: see ``build_cost_graph``. ``cp``: a
     context-parallel axis of that size in every mesh; ``attention``: the one method attention
     over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice);
-    ``sequence_parallel``: every op split over the tensor-parallel axes where it can be."""
+    ``sequence_parallel``: every op split over the tensor-parallel axes where it can be;
+    ``precision``: the mixed precision policy a run keeps the parameters under (``og``
+    captured in its compute dtype; the master weights in its resolved ``master``)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
@@ -128,13 +146,13 @@ def run_search(
     pricing.clear_caches()
     try:
         if mesh is None:
-            mesh_list = mesh_shapes(num_devices, cluster, tp_across_nodes, cp)
+            mesh_list = mesh_shapes(num_devices, cluster, tp_across_nodes, cp, tp)
         else:
             mesh_list = [mesh]
         context = options.searching(attention, _sequence(og, mesh_list), sequence_parallel)
-        with paused_gc(), context:
+        with paused_gc(), context, pricing.priced_under(precision):
             return _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
-                               depth, fixed, zero, step_share)  # fmt: skip
+                               depth, fixed, zero, step_share, precision)  # fmt: skip
     finally:
         options.clear_caches()
         pricing.clear_caches()
@@ -160,6 +178,7 @@ def _run_search(
     fixed: Mapping[str, Any] | None,
     zero: int | None,
     step_share: float = 1.0,
+    precision: Precision | None = None,
 ) -> SearchResult:
     start = time.perf_counter()
     limit = cluster.memory_bytes if memory_limit is None else memory_limit
@@ -197,8 +216,9 @@ def _run_search(
         tried.append(row)
     if best is None:
         raise PlanningError(_nothing_fits(og, graphs, meshes, cluster, limit, num_devices))
-    k, sol = _final(og, found, best, meshes, graphs, cluster)
-    return SearchResult(meshes[k], graphs[k], sol, tried, time.perf_counter() - start)
+    k, sol = _final(og, found, best, meshes, graphs, cluster, precision)
+    seconds = time.perf_counter() - start
+    return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision)
 
 
 def _whole_within(
@@ -230,6 +250,7 @@ def _final(
     meshes: list[MeshInfo],
     graphs: list[CostGraph],
     cluster: ClusterSpec,
+    precision: Precision | None,
 ) -> tuple[int, Solution]:
     """The finalist the estimate predicts fastest (the search's best when it is alone)."""
     finalists = [f for f in found if f[1].seconds <= best[1].seconds * (1 + FINALIST_MARGIN)]
@@ -237,7 +258,8 @@ def _final(
         return best
     chosen, fastest = best, math.inf
     for k, sol, row in finalists:
-        built = build_plan(og, SearchResult(meshes[k], graphs[k], sol, [], 0.0), cluster)
+        result = SearchResult(meshes[k], graphs[k], sol, [], 0.0, precision)
+        built = build_plan(og, result, cluster)
         row["predicted_s"] = built.predicted.step_time
         row["predicted_memory"] = built.predicted.peak_memory
         if row["predicted_s"] < fastest * (1 - 1e-9):
@@ -267,7 +289,7 @@ def _fitting(
         sol = solve(room)
         if sol is None or graph.zero < 2:
             return sol
-        built = build_plan(og, SearchResult(mesh, graph, sol, [], 0.0), cluster)
+        built = build_plan(og, SearchResult(mesh, graph, sol, [], 0.0, pricing.policy()), cluster)
         over = built.predicted.peak_memory - limit
         if over <= 0:
             return sol
@@ -287,7 +309,8 @@ def _nothing_fits(
     which part is over the limit, and what would make it fit."""
     least = [_least_memory(g) for g in graphs]
     k = min(range(len(graphs)), key=lambda i: least[i].memory)
-    est = build_plan(og, SearchResult(meshes[k], graphs[k], least[k], [], 0.0), cluster).predicted
+    result = SearchResult(meshes[k], graphs[k], least[k], [], 0.0, pricing.policy())
+    est = build_plan(og, result, cluster).predicted
     parts = ", ".join(f"{kind} {_size(v)}" for kind, v in est.memory.items())
     states = est.peak_memory - est.memory["activations"]
     if states > limit:
@@ -355,7 +378,11 @@ def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
     data = _json(og, result, cluster)
     built = plan_graph(og, result.mesh, data["strategies"], input_layouts=input_layouts(og, data))
     data["zero"] = result.graph.zero
-    built = dataclasses.replace(built, zero=result.graph.zero, json=data, searched=True)
+    if result.precision is not None and result.precision.compute is not None:
+        data["precision"] = result.precision.as_dict()
+    built = dataclasses.replace(
+        built, zero=result.graph.zero, json=data, searched=True, precision=result.precision
+    )
     predicted = estimate(built, og, cluster, depth=result.graph.depth)
     pred = data["predicted"]
     pred["search_objective_s"] = pred["step_time_s"]

@@ -76,6 +76,7 @@ class Tried:
     step_s: float
     peak_bytes: float
     fits: bool
+    zero: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -110,7 +111,8 @@ def search_pipeline(
         return graphs[batch // m]
 
     pps = [given["pp"]] if given.get("pp") else _degrees(num_devices, graph, depth, batch)
-    pps = [pp for pp in pps if (num_devices // pp) % (given.get("cp") or 1) == 0]
+    within = (given.get("cp") or 1) * (given.get("tp") or 1)  # what a stage's sub-mesh holds
+    pps = [pp for pp in pps if (num_devices // pp) % within == 0]
     tried: list[Tried] = []
     best: PipelinePlan | None = None
     stage_plans: dict[tuple[int, int], tuple[Plan, SearchResult]] = {}
@@ -118,16 +120,29 @@ def search_pipeline(
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
 
     def price(pp: int, m: int) -> None:
+        # ZeRO raised a stage at a time while nothing fits: each shards more of the state
+        # over the stage's data-parallel ranks for more communication (ZeRO 3 regathers
+        # every micro-batch, which the pipeline's pricing does not hold: with one only)
+        levels = [given["zero"]] if given.get("zero") is not None else [0, 1, 2, 3]
+        for z in levels:
+            if z == 3 and m > 1 and given.get("zero") is None:
+                break
+            if price_at(pp, m, z):
+                break
+
+    def price_at(pp: int, m: int, zero: int) -> bool:
         nonlocal best, least
         og = graph(m)
-        key = (num_devices // pp, batch // m)
+        key = (num_devices // pp, batch // m, zero)
+        fitted = False
         if key not in stage_plans:
             sub = cluster_spec(cluster, num_devices // pp)
             result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
                                 memory_limit=float("inf"), tp_across_nodes=tp_across_nodes,
-                                zero=0, step_share=1 / m, cp=given.get("cp") or 1,
+                                zero=zero, step_share=1 / m, cp=given.get("cp") or 1,
                                 attention=given.get("attention"),
-                                sequence_parallel=bool(given.get("sequence_parallel")))  # fmt: skip
+                                sequence_parallel=bool(given.get("sequence_parallel")),
+                                precision=given.get("precision"), tp=given.get("tp"))  # fmt: skip
             stage_plans[key] = (build_plan(og, result, sub), result)
         stage, result = stage_plans[key]
         closed: set[tuple[str, int]] = set()
@@ -136,8 +151,8 @@ def search_pipeline(
             # none, selective: once one fits, more recompute only adds time. Nor can a
             # configuration be faster whose busiest rank computes longer than the best step.
             placement = v_shape(pp) if name == "zbv" else looped(pp, v)
-            if (name, v) in closed:
-                continue
+            if (name, v) in closed or (zero == 3 and name in ("zb-h1", "zbv")):
+                continue  # a split backward reads a weight twice: not under ZeRO 3
             bound = busiest_rank_seconds(stage.predicted, og, placement, m, rc)
             if best is not None and bound >= best.predicted.step_time:
                 continue
@@ -152,11 +167,13 @@ def search_pipeline(
             if least is None or plan.predicted.peak_memory < least.predicted.peak_memory:
                 least = plan
             tried.append(Tried(pp, m, name, v, rc, plan.predicted.step_time,
-                               plan.predicted.peak_memory, fits))  # fmt: skip
+                               plan.predicted.peak_memory, fits, zero))  # fmt: skip
+            fitted |= fits
             if fits != (rc == "full"):
                 closed.add((name, v))
             if fits and (best is None or plan.predicted.step_time < best.predicted.step_time):
                 best = plan
+        return fitted
 
     for pp in pps:
         counts = [given["microbatches"]] if given.get("microbatches") else _counts(batch, pp)
@@ -261,7 +278,8 @@ def _nothing_fits(
         f"no pipeline configuration fits {cluster.memory_bytes / 2**30:.1f} GiB per device "
         f"({len(tried)} tried); the least memory: pp {least.schedule.num_ranks}, "
         f"{least.schedule.microbatches} micro-batches, {least.schedule.name}, recompute "
-        f"{least.recompute}: pipeline rank {worst} needs {p.peak_memory / 2**30:.1f} GiB "
+        f"{least.recompute}, ZeRO {least.stage.zero}: pipeline rank {worst} needs "
+        f"{p.peak_memory / 2**30:.1f} GiB "
         f"({parts}); try more stages, more micro-batches, recompute, ZeRO or more devices"
     )
 
@@ -295,7 +313,9 @@ def plan_with_stages(
             return x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.dim() else x
 
         part, kwargs = pytree.tree_map(first, (tuple(example_inputs), example_kwargs))
-        return capture(model, part, kwargs, loss_fn=loss_fn, train=True)
+        precision = given.get("precision")
+        dtype = precision.compute if precision is not None else None
+        return capture(model, part, kwargs, loss_fn=loss_fn, train=True, dtype=dtype)
 
     if given.get("microbatches") and batch % given["microbatches"]:
         raise ValueError(f"microbatches={given['microbatches']} does not divide the batch {batch}")
@@ -323,6 +343,7 @@ def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
         # stages a rank of interleaved-1f1b (make_schedule's argument; zbv's V is its own)
         "virtual_stages": s.num_stages // s.num_ranks if s.name == "interleaved-1f1b" else 1,
         "recompute": pp_plan.recompute,
+        "zero": pp_plan.stage.zero,
         "bubble": p.bubble,
         "step_time_s": p.step_time,
         "mfu": flops / (p.step_time * num_devices * est.peak_flops),

@@ -12,6 +12,7 @@ import torch.nn as nn
 from autoshard.cost import ClusterSpec, cluster_spec
 from autoshard.graph import OpGraph, capture_modes
 from autoshard.mesh import mesh_info
+from autoshard.precision import Precision, precision_policy
 from autoshard.search.driver import build_plan, run_search
 from autoshard.search.pipelined import plan_with_stages
 from autoshard.search.plans import Plan, check_zero
@@ -40,6 +41,7 @@ def plan(
     recompute: str | None = None,
     attention: str | None = None,
     sequence_parallel: bool = False,
+    precision: str | Precision | None = None,
 ) -> Plan:
     """Search the fastest plan of ``model`` that fits on ``cluster`` (a preset name, a JSON
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
@@ -52,7 +54,11 @@ def plan(
     computes over a split sequence (``"allgather"``, ``"ulysses"``, ``"ring"``; None: searched);
     ``sequence_parallel`` splits every op over the tensor-parallel axes where it can be
     (docs/parallelism/sequence.md); with stages, these and a ``cp`` axis of ``mesh`` (its
-    size, the context-parallel degree) hold for every stage."""
+    size, the context-parallel degree) hold for every stage. ``precision`` (``"bf16"``, a
+    ``Precision``; default ``"fp32"``): the policy ``parallelize(precision=...)`` will run,
+    priced as it runs (the graph in its compute dtype, float32 master weights, gradients and
+    Adam moments, gradient sums in its reduce dtype; docs/precision.md); a ``captured`` given
+    with it must have been captured in its compute dtype."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if zero is not None and not isinstance(check_zero(zero), int):
         raise ValueError(
@@ -63,18 +69,21 @@ def plan(
     if num_devices is None:
         num_devices = mesh_info(mesh).num_devices if mesh is not None else spec.num_devices
     spec = cluster_spec(spec, num_devices)
+    policy = precision_policy(precision).resolve(model)
     staged = {"pp": pp, "microbatches": microbatches, "schedule": schedule,
               "virtual_stages": virtual_stages, "recompute": recompute}  # fmt: skip
     if any(v is not None for v in staged.values()):
         given = {k: v for k, v in staged.items() if v is not None}
-        given |= {"attention": attention, "sequence_parallel": sequence_parallel}
+        given |= {"attention": attention, "sequence_parallel": sequence_parallel,
+                  "precision": policy, "zero": zero}  # fmt: skip
         if mesh is not None and mesh_info(mesh).cp:  # the context-parallel degree a stage keeps
             info = mesh_info(mesh)
             given["cp"] = math.prod(info.sizes[info.names.index(a)] for a in info.cp)
         return plan_with_stages(model, tuple(example_inputs), spec, num_devices, given, search,
                                 loss_fn, example_kwargs, tp_across_nodes)  # fmt: skip
     if captured is None:
-        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn)
+        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
+                                 dtype=policy.compute)  # fmt: skip
     fixed_mesh = mesh_info(mesh) if mesh is not None else None
     fixed = None
     if strategies:
@@ -94,6 +103,7 @@ def plan(
         zero=zero,
         attention=attention,
         sequence_parallel=sequence_parallel,
+        precision=policy,
     )
     return build_plan(captured[True], result, spec)
 

@@ -7,17 +7,21 @@ keyed by node between searches.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
 from autoshard.cost.collectives import exchange_times, gradient_transition
 from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saved_bytes
-from autoshard.cost.zero import ZeroParam, zero_param
+from autoshard.cost.zero import ZeroParam, master_layout, sum_dtype, zero_param
 from autoshard.graph import node_info
 from autoshard.layout import Layout
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy, rule_for, tensor_inputs
+from autoshard.precision import Precision
 from autoshard.redistribution import backward_source
 from autoshard.search.options import options
 
@@ -75,6 +79,31 @@ def pending_sum(want: Layout, grad: Layout) -> Layout | None:
 
 _ZERO: dict[tuple, ZeroParam | None] = {}
 
+#: the precision policy the search prices the parameters under (``priced_under``)
+_POLICY: dict[str, Precision | None] = {"precision": None}
+
+
+@contextmanager
+def priced_under(precision: Precision | None) -> Iterator[None]:
+    """Parameters priced as a run under ``precision`` keeps them (master weights, their
+    gradients and optimizer state in the master dtype, the graph's compute-dtype cast of each
+    kept for backward, gradient sums in the reduce dtype)."""
+    kept = _POLICY["precision"]
+    _POLICY["precision"] = precision
+    try:
+        yield
+    finally:
+        _POLICY["precision"] = kept
+
+
+def policy() -> Precision | None:
+    """The precision policy the search prices under now (``priced_under``)."""
+    return _POLICY["precision"]
+
+
+def _kept(layout: Layout) -> Layout:
+    return master_layout(layout, _POLICY["precision"])
+
 
 def zero_terms(
     p: fx.Node,
@@ -89,19 +118,25 @@ def zero_terms(
     info = node_info(p)
     if zero == 0 or info.kind != "param" or not info.requires_grad:
         return None
-    key = (layout, grad, zero, optimizer_states, id(cluster))
+    key = (layout, grad, zero, optimizer_states, id(cluster), _POLICY["precision"])
     if key not in _ZERO:
-        _ZERO[key] = zero_param(zero, layout, grad, cluster, optimizer_states, None, None)
+        precision = _POLICY["precision"]
+        compute = layout.dtype if sum_dtype(precision) else None
+        _ZERO[key] = zero_param(zero, _kept(layout), grad, cluster, optimizer_states, compute,
+                                sum_dtype(precision))  # fmt: skip
     return _ZERO[key]
 
 
 def param_bytes(
     p: fx.Node, layout: Layout, optimizer_states: int, zp: ZeroParam | None = None
 ) -> float:
-    size = local_bytes(layout)
     if node_info(p).kind != "param":
-        return size
-    return sum(zp.memory.values()) if zp is not None else size * (2 + optimizer_states)
+        return local_bytes(layout)
+    if zp is not None:
+        return sum(zp.memory.values())
+    kept = _kept(layout)  # with the cast of it a mixed policy's program keeps for backward
+    cast = local_bytes(layout) if kept != layout else 0.0
+    return local_bytes(kept) * (2 + optimizer_states) + cast
 
 
 def param_time(
@@ -109,7 +144,7 @@ def param_time(
 ) -> float:
     if node_info(p).kind != "param":
         return 0.0
-    return optimizer_time(layout, cluster, zp.share if zp is not None else 1.0)
+    return optimizer_time(_kept(layout), cluster, zp.share if zp is not None else 1.0)
 
 
 _MOVES: dict[tuple, float] = {}
@@ -182,6 +217,9 @@ def _grad_reduce_parts(
         if grad == whole:
             parts = (0.0, 0.0)
         elif param:
+            summed = sum_dtype(_POLICY["precision"])
+            if summed is not None:  # summed as a run sums it under the policy
+                grad, whole = grad.with_dtype(summed), whole.with_dtype(summed)
             bucketed, in_line, _ = grad_sync(grad, whole, cluster)
             parts = (in_line, bucketed)
         else:
@@ -388,6 +426,8 @@ def clear_caches() -> None:
 
 __all__ = [
     "Region",
+    "policy",
+    "priced_under",
     "clear_caches",
     "zero_terms",
     "edge_row",
