@@ -286,6 +286,30 @@ def _plan_precision_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
+    """The parallel degrees and the ZeRO stage a plan may fix (the others are searched)."""
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree, fixed (left out: searched; may span nodes when given)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=None,
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage, fixed (left out: searched)",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: every sequence split over this many devices, a cp "
+        "mesh axis (1: none fixed; the search may still split the sequence)",
+    )
+
+
 def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
     _plan_precision_options(p)
     p.add_argument(
@@ -315,19 +339,7 @@ def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
     )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel degree, fixed (left out: searched; may span nodes when given)",
-    )
-    p.add_argument(
-        "--cp",
-        type=int,
-        default=1,
-        help="context-parallel degree: every sequence split over this many devices, a cp "
-        "mesh axis (1: none fixed; the search may still split the sequence)",
-    )
+    _plan_parallel_options(p)
     p.add_argument(
         "--attention",
         default=None,

@@ -158,22 +158,14 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import dataclasses
     import time
 
-    from autoshard.cost import cluster_spec
     from autoshard.graph import capture
     from autoshard.search import PlanningError, run_search
     from autoshard.search.driver import build_plan
 
     start = time.perf_counter()
-    spec = cluster_spec(args.cluster)
-    devices = args.devices or (args.nodes * spec.devices_per_node if args.nodes else None)
-    spec = cluster_spec(spec, devices)
-    if args.cp < 1 or spec.num_devices % args.cp:
-        raise ValueError(f"--cp {args.cp} does not divide the {spec.num_devices} devices")
-    if args.memory_gib:
-        spec = dataclasses.replace(spec, memory_bytes=args.memory_gib * 2**30)
+    spec = _planned_cluster(args)
     if args.model_fn:
         model, example, depth, loss_fn = _user_model(args.model_fn)
     else:
@@ -200,6 +192,7 @@ def _plan(args: argparse.Namespace) -> int:
             sequence_parallel=args.sequence_parallel,
             precision=policy,
             tp=args.tp,
+            zero=args.zero,
         )
     except PlanningError as err:
         if args.pp is not None and args.pp != "auto":  # --pp 1: no stages
@@ -217,6 +210,22 @@ def _plan(args: argparse.Namespace) -> int:
         return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy,
                              baseline=(built.predicted.step_time, show))  # fmt: skip
     return show()
+
+
+def _planned_cluster(args: argparse.Namespace):
+    """The cluster ``--cluster``, ``--nodes``/``--devices`` and ``--memory-gib`` name."""
+    import dataclasses
+
+    from autoshard.cost import cluster_spec
+
+    spec = cluster_spec(args.cluster)
+    devices = args.devices or (args.nodes * spec.devices_per_node if args.nodes else None)
+    spec = cluster_spec(spec, devices)
+    if args.cp < 1 or spec.num_devices % args.cp:
+        raise ValueError(f"--cp {args.cp} does not divide the {spec.num_devices} devices")
+    if args.memory_gib:
+        spec = dataclasses.replace(spec, memory_bytes=args.memory_gib * 2**30)
+    return spec
 
 
 def _planned_precision(args: argparse.Namespace, model, example):

@@ -40,6 +40,7 @@ def pipeline_plan(
         "sequence_parallel": args.sequence_parallel,
         "precision": policy,
         "tp": args.tp,
+        "zero": args.zero,
     }
     batch = example[0].shape[0]
     if given.get("microbatches") and batch % given["microbatches"]:

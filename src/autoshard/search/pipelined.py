@@ -12,6 +12,7 @@ model's.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ def boundary_bytes(og: OpGraph, plan: Plan) -> float:
 #: more memory; interleaved-1f1b with 2 stages a rank)
 SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 1))
 SEARCHED_RECOMPUTE = ("full", "none", "selective")
+
+#: the times a stage plan is searched again under a smaller memory limit where none of its
+#: pipeline configurations fits (``search_pipeline``)
+TIGHTENINGS = 3
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ def search_pipeline(
     pps = [pp for pp in pps if (num_devices // pp) % within == 0]
     tried: list[Tried] = []
     best: PipelinePlan | None = None
-    stage_plans: dict[tuple[int, int], tuple[Plan, SearchResult]] = {}
+    stage_plans: dict[tuple[int, int, int, float], tuple[Plan, SearchResult]] = {}
 
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
 
@@ -131,14 +136,35 @@ def search_pipeline(
                 break
 
     def price_at(pp: int, m: int, zero: int) -> bool:
+        # The stage plan is searched for speed alone first (the pipeline's pricing judges its
+        # memory); where no configuration of it fits, searched again under a limit that much
+        # smaller than its own memory as the least pipeline was over the device's, so that it
+        # shards what speed alone would replicate (a fixed tensor-parallel degree's weights)
+        limit = math.inf
+        for _ in range(TIGHTENINGS + 1):
+            try:
+                fitted, lowest, stage = price_with(pp, m, zero, limit)
+            except PlanningError:  # nothing fits the stage search's limit
+                return False
+            if fitted or lowest is None:
+                return fitted
+            tighter = stage.predicted.peak_memory * cluster.memory_bytes / lowest
+            if tighter >= limit:
+                return False
+            limit = tighter
+        return False
+
+    def price_with(pp: int, m: int, zero: int, limit: float) -> tuple[bool, float | None, Plan]:
+        """Every variant of the stage plan searched at ``zero`` under ``limit``: whether one
+        fits, the least peak memory priced, and the stage plan."""
         nonlocal best, least
         og = graph(m)
-        key = (num_devices // pp, batch // m, zero)
-        fitted = False
+        key = (num_devices // pp, batch // m, zero, limit)
+        fitted, lowest = False, None
         if key not in stage_plans:
             sub = cluster_spec(cluster, num_devices // pp)
             result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
-                                memory_limit=float("inf"), tp_across_nodes=tp_across_nodes,
+                                memory_limit=limit, tp_across_nodes=tp_across_nodes,
                                 zero=zero, step_share=1 / m, cp=given.get("cp") or 1,
                                 attention=given.get("attention"),
                                 sequence_parallel=bool(given.get("sequence_parallel")),
@@ -166,6 +192,8 @@ def search_pipeline(
             fits = plan.predicted.peak_memory <= cluster.memory_bytes
             if least is None or plan.predicted.peak_memory < least.predicted.peak_memory:
                 least = plan
+            if lowest is None or plan.predicted.peak_memory < lowest:
+                lowest = plan.predicted.peak_memory
             tried.append(Tried(pp, m, name, v, rc, plan.predicted.step_time,
                                plan.predicted.peak_memory, fits, zero))  # fmt: skip
             fitted |= fits
@@ -173,7 +201,7 @@ def search_pipeline(
                 closed.add((name, v))
             if fits and (best is None or plan.predicted.step_time < best.predicted.step_time):
                 best = plan
-        return fitted
+        return fitted, lowest, stage
 
     for pp in pps:
         counts = [given["microbatches"]] if given.get("microbatches") else _counts(batch, pp)

@@ -42,6 +42,7 @@ def plan(
     attention: str | None = None,
     sequence_parallel: bool = False,
     precision: str | Precision | None = None,
+    tp: int | None = None,
 ) -> Plan:
     """Search the fastest plan of ``model`` that fits on ``cluster`` (a preset name, a JSON
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
@@ -58,7 +59,8 @@ def plan(
     ``Precision``; default ``"fp32"``): the policy ``parallelize(precision=...)`` will run,
     priced as it runs (the graph in its compute dtype, float32 master weights, gradients and
     Adam moments, gradient sums in its reduce dtype; docs/precision.md); a ``captured`` given
-    with it must have been captured in its compute dtype."""
+    with it must have been captured in its compute dtype. ``tp`` fixes the tensor-parallel
+    degree of the meshes searched (of each stage's with stages)."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     if zero is not None and not isinstance(check_zero(zero), int):
         raise ValueError(
@@ -75,7 +77,7 @@ def plan(
     if any(v is not None for v in staged.values()):
         given = {k: v for k, v in staged.items() if v is not None}
         given |= {"attention": attention, "sequence_parallel": sequence_parallel,
-                  "precision": policy, "zero": zero}  # fmt: skip
+                  "precision": policy, "zero": zero, "tp": tp}  # fmt: skip
         if mesh is not None and mesh_info(mesh).cp:  # the context-parallel degree a stage keeps
             info = mesh_info(mesh)
             given["cp"] = math.prod(info.sizes[info.names.index(a)] for a in info.cp)
@@ -104,6 +106,7 @@ def plan(
         attention=attention,
         sequence_parallel=sequence_parallel,
         precision=policy,
+        tp=tp,
     )
     return build_plan(captured[True], result, spec)
 
