@@ -55,6 +55,10 @@ class ClusterSpec:
     optimizer_passes: float = 20.0
     matmul_efficiency: list[list[float]] = field(default_factory=list)
     attention_efficiency: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    #: bytes of memory traffic per attention score element, forward and backward, where the
+    #: software materializes the scores (softmax, mask and dropout as separate passes over
+    #: them); [0, 0]: a fused kernel, priced by ``attention_efficiency``
+    attention_score_bytes: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: the share of its compute a rank waits at synchronizing collectives for the slowest rank
     sync_wait: float = 0.0
     #: measured time of a collective kind over what the link model prices it at (1 when
@@ -117,12 +121,17 @@ class ClusterSpec:
         nbytes = cost.backward_bytes if backward else cost.bytes
         if backward and not flops and not nbytes:
             return 0.0
-        if cost.kind == "attention":
-            share = self.attention_efficiency[1 if backward else 0]
+        scored = self.attention_score_bytes[1 if backward else 0] if cost.kind == "attention" else 0
+        if scored:  # unfused: two batched products, the scores' passes through memory beside
+            share = self.matmul_share(math.inf)
+            passes = cost.scores * scored / self.memory_bandwidth
+        elif cost.kind == "attention":
+            share, passes = self.attention_efficiency[1 if backward else 0], 0.0
         else:
             share = self.matmul_share(cost.size) if cost.kind == "matmul" else 1.0
+            passes = 0.0
         work = flops * cost.work / (self.peak_flops(dtype) * share) if flops else 0.0
-        return max(work, nbytes / self.memory_bandwidth) + self.op_overhead
+        return max(work, nbytes / self.memory_bandwidth) + passes + self.op_overhead
 
     # -- files -------------------------------------------------------------------------------
 
@@ -173,9 +182,9 @@ PRESETS: dict[str, ClusterSpec] = {
             [256, 0.08],
             [512, 0.25],
             [1024, 0.42],
-            [2048, 0.5],
-            [4096, 0.54],
-            [8192, 0.55],
+            [2048, 0.7],
+            [4096, 0.75],
+            [8192, 0.765],
         ],
         attention_efficiency=[0.6, 0.5],
     ),

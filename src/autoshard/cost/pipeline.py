@@ -162,8 +162,9 @@ def price_pipeline(
     timeline = simulate(schedule, cost, lambda send: hop)
     state = sum(est.memory[k] for k in ("parameters", "gradients", "optimizer")) or 1.0
     tail = 0.0
-    for p in pieces:  # the gradient sums overlap the last micro-batch's backward
-        waited = max(0.0, p.grad_sums - p.backward)
+    for p in pieces:  # the gradient sums overlap the last micro-batch's backward (as much
+        # of it as the cluster's streams really overlap)
+        waited = max(0.0, p.grad_sums - cluster.overlap_efficiency * p.backward)
         tail = max(tail, waited + sum(p.state.values()) / state * est.optimizer)
     memory = []
     for s, (p, n) in enumerate(zip(pieces, shares, strict=True)):

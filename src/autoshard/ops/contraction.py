@@ -210,7 +210,11 @@ class Attention(SpaceRule):
             # each (ring and all-gather alike), so every rank skips as many
             k_len = self.space(node).sizes[-3]
             work = min(1.0, 0.5 + self.TILE / (2 * k_len))
-        return replace(base, kind="attention", work=work)
+        # 2 * (query head + value head) FLOPs a score: its product and its share of the output
+        q, v = strategy.ins[0], strategy.ins[2]
+        per_score = 2 * (q.local_shape()[-1] + v.local_shape()[-1])
+        scores = base.flops / per_score if per_score else 0.0
+        return replace(base, kind="attention", work=work, scores=scores)
 
     def exchanges(self, node: fx.Node, strategy: Strategy) -> tuple[Exchange, ...]:
         """Ring attention's sends: forward a key/value block to the next rank at each of

@@ -26,7 +26,9 @@ class Cost:
     ``FlopCounterMode`` and the MFU formulas of Megatron-LM count them. ``kind`` ("matmul",
     "attention" or "memory") and ``size`` (a product's intensity size, ``3 / (1/M + 1/N +
     1/K)``) pick the device's efficiency; ``work`` is the share of the FLOPs the kernel really
-    does (a causal attention kernel skips the masked half)."""
+    does (a causal attention kernel skips the masked half); ``scores``: an attention's score
+    elements on the rank (batch x heads x query rows x keys), which an attention without a
+    fused kernel writes and reads through memory."""
 
     flops: float
     bytes: float
@@ -35,6 +37,7 @@ class Cost:
     kind: str = "memory"
     size: float = 0.0
     work: float = 1.0
+    scores: float = 0.0
 
 
 @dataclass(frozen=True)
