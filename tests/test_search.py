@@ -170,6 +170,74 @@ def test_huge_batch_small_hidden_plans_data_parallel() -> None:
             assert not any(value["space"][1:]), key
 
 
+class _EncoderLayer(nn.Module):
+    """``nn.TransformerEncoderLayer`` (batch first) with a loss: ``nn.MultiheadAttention``
+    flattens (sequence, batch) into one dim before its output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.layer(x), target)
+
+
+def test_a_torch_encoder_layer_plans_pure_data_parallelism() -> None:
+    """The batch split stays a split through the attention's flattened (sequence, batch) rows:
+    every input and op split on the batch, no activation moved, nothing sent but the gradient
+    sums (the output projection runs on the unflattened rows, ``graph.rows_through_views``)."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16, 64), torch.randn(8, 16, 64))
+    plan = autoshard.plan(_EncoderLayer(), batch, "cpu", num_devices=2)
+    assert plan.json["mesh"] == {"dp": 2, "tp": 1}
+    assert plan.json["inputs"] == {"x": ["dp", None, None], "target": ["dp", None, None]}
+    moved = {name: n.moves for name, n in plan.nodes.items() if n.moves}
+    assert not moved, moved
+    # what is sent besides the gradient sums: the loss, one number summed over the ranks
+    assert [src.global_numel for src, dst in plan.outputs if src != dst] == [1]
+    est = plan.predicted
+    assert est.comm_backward == 0 and est.grad_sync + sum(o.seconds for o in est.overlapped) > 0
+
+
+def _encoder_layer_training() -> dict:
+    """The searched plan of the encoder layer on 2 ranks against plain PyTorch (the eager
+    layer and its AdamW), float64: each step's loss and every parameter after the last."""
+    import copy
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = _EncoderLayer().double()
+    eager = copy.deepcopy(model)
+    data = []
+    for _ in range(4):
+        x = torch.randn(8, 16, 64, dtype=torch.float64)
+        data.append((x, torch.randn_like(x)))
+    pm = autoshard.parallelize(model, data[0], 2, search="optimal", cluster="cpu")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, eager)]
+    losses = []
+    for batch in data:
+        loss = pm(*autoshard.shard_inputs(batch, pm))
+        loss.backward()
+        reference = eager(*batch)
+        reference.backward()
+        losses.append((float(loss), float(reference)))
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    full = pm.full_state_dict()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"{k}: {m}")
+    return {"losses": losses, "mesh": dict(pm.plan.mesh.as_dict())}
+
+
+def test_the_encoder_layers_data_parallel_plan_trains_as_pytorch() -> None:
+    from autoshard.testing import run_ranks
+
+    for result in run_ranks(_encoder_layer_training, 2, timeout=300):
+        assert result["mesh"] == {"dp": 2, "tp": 1}
+        for got, expected in result["losses"]:
+            assert got == pytest.approx(expected, rel=1e-10)
+
+
 def test_small_batch_huge_hidden_plans_tensor_parallel_inside_a_node() -> None:
     plan = _plan_for("gpt", batch=2, hidden=8192, devices=16, preset="dgx-h100")
     mesh = plan.json["mesh"]

@@ -71,6 +71,13 @@ def saved_bytes(node: fx.Node, strategy: Strategy) -> float:
     return held
 
 
+def input_time(layout: Layout, cluster: ClusterSpec) -> float:
+    """Seconds a rank spends taking in its part of an input a step: its bytes written into
+    device memory once (the least a copy from the data loader costs). A batch fed whole to
+    every rank pays it on every rank, a split one only its part."""
+    return local_bytes(layout) / cluster.memory_bandwidth
+
+
 def optimizer_time(layout: Layout, cluster: ClusterSpec, share: float = 1.0) -> float:
     """One AdamW step on a parameter shard (``share`` of it under ZeRO): about ten elementwise
     ops over it (torch.optim's per-parameter loop), ``optimizer_passes`` times its bytes of
@@ -79,4 +86,4 @@ def optimizer_time(layout: Layout, cluster: ClusterSpec, share: float = 1.0) -> 
     return 10 * cluster.op_overhead + traffic / cluster.memory_bandwidth
 
 
-__all__ = ["local_bytes", "op_time", "optimizer_time", "saved_bytes", "saves_output"]
+__all__ = ["input_time", "local_bytes", "op_time", "optimizer_time", "saved_bytes", "saves_output"]

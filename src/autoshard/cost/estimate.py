@@ -25,7 +25,13 @@ from autoshard.cost.collectives import (
     group_size,
     transition,
 )
-from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saved_bytes
+from autoshard.cost.compute import (
+    input_time,
+    local_bytes,
+    op_time,
+    optimizer_time,
+    saved_bytes,
+)
 from autoshard.cost.decisions import OpDecisions, ParamDecisions, PlanDecisions
 from autoshard.cost.timeline import Overlapped, exposed
 from autoshard.cost.zero import (
@@ -157,6 +163,7 @@ def estimate(
     bucketed, zeroed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
     for layout in plan.inputs.values():
         est.memory["activations"] += local_bytes(layout)
+        est.compute_forward += input_time(layout, cluster)
     position = {item: k for k, item in enumerate(sequence)}
     if zeroed:
         run = _Run(position, forward_at, backward_at, est.grad_sync)

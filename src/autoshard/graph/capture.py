@@ -27,6 +27,7 @@ from autoshard.graph.failure import (
     torch_logs_held,
 )
 from autoshard.graph.opgraph import OpGraph, annotate, module_path
+from autoshard.graph.rewrite import rows_through_views
 
 _DROPPED = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -202,6 +203,7 @@ def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train
         else:
             raise CaptureError(f"output {i} of kind {spec.kind} is not supported")
     graph.eliminate_dead_code()
+    rows_through_views(graph)
     _strip_prefix(graph, prefix)
     og = OpGraph(
         graph=graph,

@@ -15,7 +15,13 @@ import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
 from autoshard.cost.collectives import exchange_times, gradient_transition
-from autoshard.cost.compute import local_bytes, op_time, optimizer_time, saved_bytes
+from autoshard.cost.compute import (
+    input_time,
+    local_bytes,
+    op_time,
+    optimizer_time,
+    saved_bytes,
+)
 from autoshard.cost.zero import ZeroParam, master_layout, sum_dtype, zero_param
 from autoshard.graph import node_info
 from autoshard.layout import Layout
@@ -301,6 +307,7 @@ class Region:
         if node.op == "placeholder":
             values[node] = strategy.outs[0]
             memory += local_bytes(strategy.outs[0])
+            seconds += input_time(strategy.outs[0], self.cluster)
         else:
             fwd, bwd = op_time(node, strategy, self.cluster)
             seconds, backward = seconds + fwd + bwd, backward + bwd
