@@ -198,12 +198,22 @@ def _stats(rows: list[dict]) -> str:
 
 def summary(result: dict) -> str:
     rows = result["rows"]
+    score = "/".join(f"{b:g}" for b in result.get("score_bytes", SCORE_BYTES))
     lines = [
-        "Each published run's configuration planned as given (`--tp`, `--pp`, "
-        "`--microbatches`, `--schedule`, `--recompute`, `--sequence-parallel`, ZeRO 0, fp16 "
-        "policy) on the `dgx-a100` preset; predicted step against the published one. Error: "
-        "predicted throughput over published, less one (positive: predicted faster). Sources "
-        "and the assumptions where a table is silent: `bench/bench_published.py`.",
+        "Published Megatron-LM runs on A100 80GB nodes: Narayanan et al. 2021 (SC21, "
+        '"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", '
+        "Table 1: teraFLOP/s per GPU, turned into seconds an iteration by its FLOPs formula) "
+        'and Korthikanti et al. 2022 (arXiv 2205.05198, "Reducing Activation Recomputation '
+        "in Large Transformer Models\", Tables 3-4: seconds an iteration). Each run's "
+        "configuration planned as given (`--tp`, `--pp`, `--microbatches`, `--schedule`, "
+        "`--recompute`, `--sequence-parallel`, `--zero 0`, `--precision fp16`) on the "
+        "`dgx-a100` preset with the runs' software described (`selene-megatron.json`: "
+        f"attention without a fused kernel, {score} bytes a score forward/backward; the "
+        "data-parallel all-reduce after backward, `overlap_efficiency` 0). Where a table is "
+        "silent (Narayanan's micro-batch and schedule): one sequence a micro-batch and 1F1B "
+        "with stages, the local batch in one pass without. Error: predicted throughput over "
+        "published, less one (positive: predicted faster). One parameter fitted: the A100's "
+        "large-product share, on the run marked (fit).",
         "",
         "| source | run | tp | pp | GPUs | batch | micro-batches | schedule | recompute "
         "| published s | predicted s | error | peak GiB |",
