@@ -161,9 +161,11 @@ def estimate(
     nodes = list(og.graph.nodes)
     owners = {fqn: copies.get(nodes[i], 1) for fqn, i in og.first_use.items()}
     bucketed, zeroed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
-    for layout in plan.inputs.values():
+    for name, layout in plan.inputs.items():
         est.memory["activations"] += local_bytes(layout)
         est.compute_forward += input_time(layout, cluster)
+        taken = Estimate(compute_forward=input_time(layout, cluster))  # its own term too
+        est.by_node[name] = (taken, 1)
     position = {item: k for k, item in enumerate(sequence)}
     if zeroed:
         run = _Run(position, forward_at, backward_at, est.grad_sync)
