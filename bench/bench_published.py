@@ -176,6 +176,60 @@ def _predict(r: dict, cluster: Path) -> dict:
     }
 
 
+#: the runs whose model and cluster are also searched, and planned on a Megatron-style grid
+#: (every tp of a node and pp dividing the devices and the layers, 1, 2 or 4 sequences a
+#: micro-batch, 1F1B, the recompute mode searched, ZeRO 0): the search must reach at least
+#: the best of the grid and of the published configuration
+COMPARED = ("22B full", "175B full")
+
+
+def _step(argv: list[str], cluster: Path) -> tuple[float, dict] | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        if _plan([*argv, "--cluster", str(cluster), "--json", str(out)]) != 0:
+            return None
+        data = json.loads(out.read_text())
+    return (data.get("pipeline") or data["predicted"])["step_time_s"], data
+
+
+def _grid(r: dict, cluster: Path) -> dict:
+    """The best Megatron-style grid configuration of run ``r``'s model and cluster, and the
+    plan autoshard searches with nothing fixed (``--pp auto``), priced by the same model."""
+    base = ["plan", "--model", "gpt", "--layers", str(r["layers"]), "--hidden", str(r["hidden"]),
+            "--heads", str(r["heads"]), "--seq", str(_GPT["seq"]), "--vocab", str(_GPT["vocab"]),
+            "--batch", str(r["batch"]), "--devices", str(r["gpus"]),
+            "--precision", "fp16"]  # fmt: skip
+    best, tried = None, 0
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, r["gpus"] // tp + 1):
+            dp = r["gpus"] // (tp * pp)
+            if r["gpus"] % (tp * pp) or r["layers"] % pp:
+                continue
+            for mbs in (1, 2, 4):
+                m = r["batch"] // (dp * mbs) if r["batch"] % (dp * mbs) == 0 else 0
+                if m == 0 or (pp > 1 and m < pp):
+                    continue
+                fixed = ["--tp", str(tp), "--pp", str(pp), "--microbatches", str(m),
+                         "--schedule", "1f1b", "--zero", "0"]  # fmt: skip
+                got, tried = _step(base + fixed, cluster), tried + 1
+                if got is not None and (best is None or got[0] < best["step_s"]):
+                    rc = got[1]["pipeline"]["recompute"]
+                    best = {"step_s": got[0], "tp": tp, "pp": pp, "mbs": mbs, "recompute": rc}
+    searched = _step([*base, "--pp", "auto"], cluster)
+    pipe = searched[1].get("pipeline") or {} if searched else {}
+    return {
+        "grid": best,
+        "grid_tried": tried,
+        "searched_s": searched[0] if searched else None,
+        "searched_mesh": ({"pp": pipe["pp"]} if pipe else {}) | searched[1]["mesh"]
+        if searched
+        else None,
+        "searched_config": {k: pipe.get(k) for k in ("microbatches", "schedule", "recompute")}
+        if pipe
+        else None,
+    }
+
+
 def run(quick: bool) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,7 +239,12 @@ def run(quick: bool) -> dict:
             # throughput error: predicted tokens a second over published ones, less one
             error = r["seconds"] / got["predicted_s"] - 1
             rows.append(r | got | {"error": error, "fit": (r["source"], r["run"]) in FIT})
-    return {"rows": rows, "score_bytes": SCORE_BYTES}
+        compared = [
+            {"run": r["run"], "published_config_s": row["predicted_s"]} | _grid(r, cluster)
+            for r, row in zip(runs(), rows, strict=False)
+            if r["run"] in COMPARED and not quick
+        ]
+    return {"rows": rows, "score_bytes": SCORE_BYTES, "compared": compared}
 
 
 def _stats(rows: list[dict]) -> str:
@@ -237,6 +296,33 @@ def summary(result: dict) -> str:
     ]
     for source in sorted({r["source"] for r in rows}):
         lines.append(f"- {source}: {_stats([r for r in rows if r['source'] == source])}.")
+    if result.get("compared"):
+        lines += [
+            "",
+            "Search quality, same cost model: the published configuration, the best of a "
+            "Megatron-style grid (tp 1-8, pp dividing the devices and layers, 1, 2 or 4 "
+            "sequences a micro-batch, 1F1B, recompute searched, ZeRO 0) and autoshard's plan "
+            "with nothing fixed (`--pp auto`):",
+            "",
+            "| run | published config s | best grid s (tp, pp, micro-batch, recompute) "
+            "| searched s | searched plan |",
+            "|---|---:|---|---:|---|",
+        ]
+        for c in result["compared"]:
+            g = c["grid"] or {}
+            grid = (
+                f"{g['step_s']:.2f} (tp {g['tp']}, pp {g['pp']}, {g['mbs']}, {g['recompute']}; "
+                f"{c['grid_tried']} tried)"
+                if g
+                else "none fits"
+            )
+            mesh = " x ".join(f"{k}{v}" for k, v in (c["searched_mesh"] or {}).items())
+            cfg = c.get("searched_config") or {}
+            shown = ", ".join(f"{v}" for v in cfg.values() if v is not None)
+            lines.append(
+                f"| {c['run']} | {c['published_config_s']:.2f} | {grid} | "
+                f"{c['searched_s']:.2f} | {mesh}{', ' + shown if shown else ''} |"
+            )
     lines.append("")
     lines.append("Commands: " + "; ".join(f"`{r['command']}`" for r in rows))
     return "\n".join(lines)
