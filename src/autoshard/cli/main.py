@@ -223,6 +223,11 @@ def _planned_cluster(args: argparse.Namespace):
     spec = cluster_spec(spec, devices)
     if args.cp < 1 or spec.num_devices % args.cp:
         raise ValueError(f"--cp {args.cp} does not divide the {spec.num_devices} devices")
+    if args.tp is not None and (args.tp < 1 or spec.num_devices % (args.cp * args.tp)):
+        raise ValueError(
+            f"--tp {args.tp} does not divide the {spec.num_devices // args.cp} devices"
+            + (f" --cp {args.cp} leaves" if args.cp > 1 else "")
+        )
     if args.memory_gib:
         spec = dataclasses.replace(spec, memory_bytes=args.memory_gib * 2**30)
     return spec
