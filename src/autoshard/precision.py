@@ -88,12 +88,6 @@ class Precision:
             return self
         return replace(self, master=dtype)
 
-    @property
-    def master_bytes(self) -> int | None:
-        """Bytes of an element of the master weights, their gradients and each optimizer
-        state value under a mixed policy; None without one (the plan's own dtypes)."""
-        return self.master.itemsize if self.compute is not None and self.master else None
-
 
 def _model_dtype(model: Any) -> torch.dtype | None:
     """The dtype most of ``model``'s floating parameters have (None: none floating)."""

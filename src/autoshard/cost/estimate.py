@@ -157,7 +157,7 @@ def estimate(
         backward_at.append(terms[node].compute_backward + terms[node].comm_backward)
     for src, dst in plan.outputs:
         est.comm_forward += transition(src, dst, cluster).seconds
-    reduce_dtype = _reduce_dtype(plan, og)
+    reduce_dtype = sum_dtype(plan.precision)  # what gradient sums travel in under the policy
     nodes = list(og.graph.nodes)
     owners = {fqn: copies.get(nodes[i], 1) for fqn, i in og.first_use.items()}
     bucketed, zeroed = _price_params(est, plan, og, cluster, optimizer_states, reduce_dtype, owners)
@@ -264,11 +264,6 @@ def _price_node(
             est.grad_sync += seconds
         else:
             est.comm_backward += seconds
-
-
-def _reduce_dtype(plan: PlanDecisions, og: OpGraph) -> torch.dtype | None:
-    """The dtype gradient sums travel in under the plan's precision policy."""
-    return sum_dtype(plan.precision)
 
 
 def _price_params(
