@@ -24,6 +24,7 @@ from autoshard.search.costgraph import build_cost_graph
 from autoshard.search.solvers import (
     brute_force,
     lower_bound,
+    relaxed_bound,
     solve_optimal,
     solve_propagate,
     solve_recursive,
@@ -84,8 +85,12 @@ def test_optimal_equals_brute_force_on_small_graphs() -> None:
                     found = solve_optimal(graph, limit)
                     where = f"{title} on {mesh.sizes} ({preset}), limit {limit}"
                     assert (exact is None) == (found is None), where
+                    relaxed = relaxed_bound(graph, limit)
                     if exact is None:
                         continue
+                    # the relaxation that skips mesh shapes never exceeds the optimum either
+                    assert lower_bound(graph) <= relaxed * (1 + 1e-6), where
+                    assert relaxed <= exact.seconds * (1 + 1e-6), where
                     assert found.memory <= limit, where
                     assert found.seconds == pytest.approx(exact.seconds, rel=1e-9), where
                     # the bound that skips mesh shapes never exceeds the optimum
@@ -503,3 +508,24 @@ def test_the_embeddings_gradient_sums_are_priced_in_line() -> None:
         overlaps = dict(zip(graph.names, graph.overlap, strict=True))
         assert not overlaps["embedding"].any()
         assert overlaps["linear"].any()  # the first block's first linear: beside backward
+
+
+def test_skipping_dominated_zero_stages_loses_no_plan() -> None:
+    """The search over every ZeRO stage, which solves only the stages no other of the same
+    mesh dominates, finds the best of the searches with each stage fixed."""
+    from autoshard.search import run_search
+    from autoshard.search.costgraph import dominates
+
+    model, example, captured = _meta_model("llama", 8, 256, 128)
+    cluster = cluster_spec("dgx-h100", 8)
+    searched = run_search(captured, 8, cluster)
+    skipped = [row for row in searched.tried if "dominated" in row.get("skipped", "")]
+    assert skipped, searched.tried  # the test is about them
+    fixed = [run_search(captured, 8, cluster, zero=z).solution.seconds for z in range(4)]
+    assert searched.solution.seconds == pytest.approx(min(fixed), rel=1e-9)
+    mesh = MeshInfo(("dp", "tp"), (4, 2), ("dp",))
+    one, two = (build_cost_graph(captured, mesh, cluster, zero=z) for z in (1, 2))
+    assert dominates(two, one) and not dominates(one, two)
+    choice = solve_optimal(one).choice
+    assert two.objective(choice)[0] <= one.objective(choice)[0] + 1e-12
+    assert two.objective(choice)[1] < one.objective(choice)[1]

@@ -9,6 +9,7 @@ representative block and scaled to the model's depth.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -369,6 +370,49 @@ def _empty(rows: int, user: fx.Node, mesh: MeshInfo) -> np.ndarray:
     return np.zeros((rows, len(options(user, mesh))))
 
 
+@dataclass(frozen=True)
+class Moves:
+    """What ``build_cost_graph`` adds with ``edges=True`` over ``edges=False``: the moves
+    between decision nodes' options, which depend on the mesh and not on the ZeRO stage
+    (the parameters' layouts are the options' own), so one mesh's serve all its stages."""
+
+    edges: dict[tuple[int, int], np.ndarray]
+    #: per node and option: moves between instances of one representative (neighbouring
+    #: blocks), which land on its own options
+    diagonal: list[np.ndarray]
+
+
+def moves_of(whole: CostGraph, bare: CostGraph) -> Moves:
+    """The moves of ``whole``, the graph ``bare`` is with its moves."""
+    diagonal = [w - b for w, b in zip(whole.unary, bare.unary, strict=True)]
+    return Moves(whole.edges, diagonal)
+
+
+def with_moves(bare: CostGraph, moves: Moves) -> CostGraph:
+    """``bare`` (built with ``edges=False``) with a mesh's ``moves``, as if built with them."""
+    unary = [u + d for u, d in zip(bare.unary, moves.diagonal, strict=True)]
+    return dataclasses.replace(bare, unary=unary, edges=moves.edges)
+
+
+def dominates(a: CostGraph, b: CostGraph) -> bool:
+    """Every plan on ``a`` is as fast as and no larger than the same plan on ``b``: graphs of
+    one mesh and its moves (two ZeRO stages), ``a``'s every term no worse than ``b``'s (more
+    bucketed sums or backward to hide them behind is no worse); seconds to a picosecond."""
+    if a.mesh != b.mesh:
+        return False
+    tol = 1e-12
+    no_worse = (  # (lower is better on a's side, the same on b's)
+        ([np.array(a.const_time)], [np.array(b.const_time) + tol]),
+        ([np.array(a.const_memory)], [np.array(b.const_memory)]),
+        ([np.array(b.const_window)], [np.array(a.const_window) + tol]),
+        (a.unary, [u + tol for u in b.unary]),
+        (a.memory, b.memory),
+        (b.overlap, [o + tol for o in a.overlap]),
+        (b.window, [w + tol for w in a.window]),
+    )
+    return all(bool(np.all(x <= y)) for xs, ys in no_worse for x, y in zip(xs, ys, strict=True))
+
+
 def build_cost_graph(
     og: OpGraph,
     mesh: MeshInfo,
@@ -420,4 +464,4 @@ def build_cost_graph(
     )
 
 
-__all__ = ["CostGraph", "build_cost_graph"]
+__all__ = ["CostGraph", "Moves", "build_cost_graph", "dominates", "moves_of", "with_moves"]

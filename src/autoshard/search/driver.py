@@ -29,6 +29,7 @@ from autoshard.search.plans import (
     PlanningError,
     input_layouts,
 )
+from autoshard.search.pruning import moves_once, undominated, whole_within
 from autoshard.search.semi import plan_graph
 from autoshard.search.solvers import (
     Solution,
@@ -191,16 +192,16 @@ def _run_search(
         for m in shapes
         for z in levels
     ]
-    ranked = sorted(range(len(meshes)), key=lambda k: lower_bound(graphs[k]))
+    tried: list[dict[str, Any]] = []
+    kept = undominated(graphs, tried)
+    ranked = sorted(kept, key=lambda k: lower_bound(graphs[k]))
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
-    tried: list[dict[str, Any]] = []
+    whole = moves_once(og, cluster, depth, step_share)
     for k in ranked:
         row: dict[str, Any] = {"mesh": graphs[k].mesh.as_dict(), "zero": graphs[k].zero}
         past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
-        graph = _whole_within(graphs, k, past, row, lambda g: build_cost_graph(
-            og, g.mesh, cluster, depth=depth, zero=g.zero, step_share=step_share
-        ))  # fmt: skip
+        graph = whole_within(graphs, k, past, row, whole, limit)
         if graph is None:
             tried.append(row)
             continue
@@ -219,22 +220,6 @@ def _run_search(
     k, sol = _final(og, found, best, meshes, graphs, cluster, precision)
     seconds = time.perf_counter() - start
     return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision)
-
-
-def _whole_within(
-    graphs: list[CostGraph], k: int, past: float, row: dict[str, Any], build: Any
-) -> CostGraph | None:
-    """Mesh ``k``'s cost graph with its moves (``build`` of the one without, which
-    ``graphs[k]`` holds until then), or None when a lower bound shows no plan on it comes in
-    under ``past`` seconds (``row`` says so)."""
-    row["bound_s"] = lower_bound(graphs[k])
-    if row["bound_s"] < past:
-        graphs[k] = build(graphs[k])
-        row["bound_s"] = max(row["bound_s"], lower_bound(graphs[k]))
-    if row["bound_s"] >= past:
-        row["skipped"] = "bound"
-        return None
-    return graphs[k]
 
 
 #: a ratio: solutions whose search objective is within (1 + this) of the best one are the

@@ -295,13 +295,28 @@ class Region:
         self.leading: set[fx.Node] = set()  # OpGraph.leading's placeholders
         self.mesh, self.cluster, self.outputs = mesh, cluster, outputs
         self.zero = zero  # the ZeRO stage the parameters are priced at
+        self.owns = False  # whether the region priced last owns a parameter
 
     def price(
         self, node: fx.Node, strategy: Strategy, optimizer_states: int
     ) -> tuple[float, float, dict[fx.Node, Layout], tuple[float, float]]:
         """Seconds and bytes of the region under one option of ``node``, the layouts of every
-        value it produces, and (the bucketed gradient sums among those seconds, its backward
-        compute): what the overlap term of the objective needs."""
+        value it produces (not to be changed: shared), and (the bucketed gradient sums among
+        those seconds, its backward compute): what the overlap term of the objective needs.
+        Kept for the search's other graphs of the mesh: a region that owns no parameter
+        costs the same at every ZeRO stage."""
+        key = (node, id(strategy), optimizer_states, self.mesh, id(self.cluster))
+        kept = _PRICES.get(key)
+        if kept is not None and kept[1] in (None, self.zero):
+            return kept[2]
+        self.owns = False  # set by ``_follower`` where the region owns a parameter
+        priced = self._price(node, strategy, optimizer_states)
+        _PRICES[key] = (strategy, self.zero if self.owns else None, priced)
+        return priced
+
+    def _price(
+        self, node: fx.Node, strategy: Strategy, optimizer_states: int
+    ) -> tuple[float, float, dict[fx.Node, Layout], tuple[float, float]]:
         values: dict[fx.Node, Layout] = {}
         seconds = memory = bucketed = backward = 0.0
         if node.op == "placeholder":
@@ -348,6 +363,7 @@ class Region:
         for a, have, want, grad in zip(args, ins, strategy.ins, strategy.grads, strict=True):
             if have is None:
                 if a.op == "placeholder":
+                    self.owns = True
                     whole = want.without_partial()
                     values[a] = whole
                     zp = zero_terms(a, whole, grad, self.zero, optimizer_states, self.cluster)
@@ -382,6 +398,10 @@ class Region:
         ins = [None if a is p else values.get(a, self.const_layout.get(a)) for a in args]
         return values[p], follow(own, ins, self.mesh).grads[args.index(p)]
 
+
+#: (node, option, ...) -> (its strategy, kept alive while its id keys this; the ZeRO stage
+#: the price holds for, None for any; the price)
+_PRICES: dict[tuple, tuple[Strategy, int | None, tuple]] = {}
 
 _FOLLOWS: dict[tuple, Strategy] = {}
 
@@ -427,7 +447,7 @@ def tied_grads(
 
 def clear_caches() -> None:
     """Forget what was cached per graph node (the caches keyed by op signature stay)."""
-    for cache in (_ROWS, _WANTS, _MOVES, _PARTS, _ZERO):
+    for cache in (_ROWS, _WANTS, _MOVES, _PARTS, _ZERO, _PRICES):
         cache.clear()
 
 

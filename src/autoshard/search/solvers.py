@@ -9,10 +9,14 @@ breadth first; ``brute_force`` enumerates small graphs and is the tests' referen
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -108,28 +112,55 @@ class _Program:
             self.row(cols, vals, -np.inf, (memory_limit - graph.const_memory) / mem_scale)
 
 
-def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution | None:
-    """The exact optimum of the cost graph under the memory limit (None when nothing fits)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+def _program(graph: CostGraph, memory_limit: float) -> tuple[_Program, np.ndarray, Any]:
     from scipy.sparse import coo_matrix
 
-    start = time.perf_counter()
     program = _Program(graph)
     c = program.objective(graph)
     program.constraints(graph, memory_limit)
-    shape = (len(program.lo), program.num_vars)
-    a = coo_matrix((program.vals, (program.rows, program.cols)), shape=shape).tocsr()
+    a = coo_matrix((program.vals, (program.rows, program.cols)), (len(program.lo), len(c)))
+    return program, c, a.tocsr()
+
+
+def _milp(program: _Program, c: np.ndarray, a: Any, integral: bool) -> Any:
+    """scipy's HiGHS on the program; what HiGHS prints past its log options (lines on the
+    process's standard output, which would spoil ``--json -``) goes nowhere."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     integrality = np.zeros(program.num_vars)
-    integrality[: program.num_x] = 1
+    if integral:
+        integrality[: program.num_x] = 1
     upper = np.ones(program.num_vars)
     upper[program.exposed] = np.inf
-    result = milp(
-        c,
-        constraints=LinearConstraint(a, program.lo, program.hi),
-        integrality=integrality,
-        bounds=Bounds(0, upper),
-        options={"mip_rel_gap": 1e-9, "presolve": True},
-    )
+    with _quiet_stdout():
+        return milp(
+            c,
+            constraints=LinearConstraint(a, program.lo, program.hi),
+            integrality=integrality,
+            bounds=Bounds(0, upper),
+            options={"mip_rel_gap": 1e-9, "presolve": True},
+        )
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 pointed at the null device for the block (native code's prints)."""
+    sys.stdout.flush()
+    kept = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
+
+
+def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution | None:
+    """The exact optimum of the cost graph under the memory limit (None when nothing fits)."""
+    start = time.perf_counter()
+    program, c, a = _program(graph, memory_limit)
+    result = _milp(program, c, a, integral=True)
     if result.x is None:
         return None
     offsets = program.offsets
@@ -139,6 +170,17 @@ def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution 
     ]
     seconds, memory = graph.objective(choice)
     return Solution(choice, seconds, memory, "optimal", time.perf_counter() - start)
+
+
+def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
+    """No plan on this mesh under the memory limit is faster (seconds; infinity when none
+    fits): the integer program's linear relaxation, a tenth of the integer solve or less and
+    far tighter than ``lower_bound``, since it keeps the moves' marginals and the limit."""
+    program, c, a = _program(graph, memory_limit)
+    result = _milp(program, c, a, integral=False)
+    if result.x is None:
+        return math.inf
+    return graph.const_time + float(result.fun) / _SCALE
 
 
 def brute_force(graph: CostGraph, memory_limit: float = math.inf, limit: int = 4_000_000):
@@ -449,6 +491,7 @@ __all__ = [
     "Solution",
     "brute_force",
     "lower_bound",
+    "relaxed_bound",
     "solve_optimal",
     "solve_propagate",
     "solve_recursive",
