@@ -23,6 +23,10 @@ SHAPES = {
         "--seq 2048 --batch 64 --vocab 128256",
         "nodes": 8,
     },
+    "hf-llama3-8b": {  # transformers' LlamaForCausalLM, the user's own model (--model-fn)
+        "args": "--model-fn bench.hf_models:llama3_8b",
+        "nodes": 8,
+    },
     "llama-70b": {
         "args": "--model llama --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 "
         "--seq 4096 --batch 64 --vocab 128256",
@@ -68,6 +72,9 @@ SHAPES = {
         "nodes": 8,
     },
 }
+
+#: planning-speed goals, seconds from process start to the JSON file on this machine
+GOALS = {"llama3-8b": 3, "hf-llama3-8b": 5, "llama-70b": 5, "gpt3-175b-searched": 10, "gpt-1t": 30}
 
 #: MFU published large runs reach (docs/cost.md): Llama 3 405B on H100 38-43%, Megatron-LM on
 #: A100 44-52%, MegaScale 55.2%
@@ -116,7 +123,8 @@ def _one(shape: str, search: str) -> dict:
 def run(quick: bool) -> dict:
     rows = []
     for shape in SHAPES:
-        searches = ("optimal", "recursive") if not quick and shape.startswith("llama") else ()
+        llama = shape.startswith("llama")
+        searches = ("optimal", "recursive") if not quick and llama else ()
         for search in searches or ("optimal",):
             rows.append(_one(shape, search))
     return {"rows": rows}
@@ -146,6 +154,14 @@ def summary(result: dict) -> str:
         if (shape, "optimal") in by and (shape, "recursive") in by:
             ratio = by[(shape, "recursive")]["step_ms"] / by[(shape, "optimal")]["step_ms"]
             lines.append(f"- {shape}: recursive's predicted step is {ratio:.3f}x optimal's.")
+    for r in result["rows"]:
+        goal = GOALS.get(r["shape"]) if r["search"] == "optimal" else None
+        if goal is not None:
+            met = "under" if r["process_s"] < goal else "over"
+            lines.append(
+                f"- {r['shape']}: {r['process_s']:.1f} s from process start, {met} the goal "
+                f"of {goal} s."
+            )
     low, high = PUBLISHED_MFU
     for r in result["rows"]:
         if r["search"] == "optimal":

@@ -235,6 +235,12 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
         help="module:function returning (model, example_inputs[, "
         "loss_fn]); modules of the current directory are found",
     )
+    p.add_argument(
+        "--every-block",
+        action="store_true",
+        help="with --model-fn: capture every block of a list of like blocks (by default two "
+        "are captured and all priced)",
+    )
     p.add_argument("--layers", type=int, default=2, help="blocks (two are planned, all priced)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size")
     p.add_argument("--heads", type=int, default=8, help="attention heads (they divide --hidden)")

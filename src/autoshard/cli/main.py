@@ -160,9 +160,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import time
 
-    from autoshard.graph import capture
-    from autoshard.search import PlanningError, run_search
-    from autoshard.search.driver import build_plan
+    from autoshard.graph import BlocksDiffer, blocks_cut
 
     start = time.perf_counter()
     spec = _planned_cluster(args)
@@ -171,13 +169,31 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         model, example, depth, loss_fn = _reference_model(args)
     model, example, policy = _planned_precision(args, model, example)
+    planned = (args, spec, model, example, depth, loss_fn, policy, start)
+    if args.model_fn and not args.every_block:  # like blocks captured two, priced all
+        try:
+            with blocks_cut(model) as cut:
+                return _planned(*planned[:4], cut or None, *planned[5:])
+        except BlocksDiffer as err:
+            print(f"autoshard: {err}; capturing every block", file=sys.stderr)
+    return _planned(*planned)
+
+
+def _planned(args, spec, model, example, depth, loss_fn, policy, start: float) -> int:
+    """The plan of ``model`` (``depth``: its block lists' real depth, fewer captured)."""
+    import time
+
     from autoshard.cli.plan_pipeline import given_pipeline, pipeline_plan
+    from autoshard.graph import capture, check_depth
+    from autoshard.search import PlanningError, run_search
+    from autoshard.search.driver import build_plan
 
     staged = given_pipeline(args)
     if args.pp != "auto" and (staged.get("pp", 1) > 1 or set(staged) - {"pp"}):
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
     captured = capture(model, example, {}, loss_fn=loss_fn, train=True, dtype=policy.compute)
+    check_depth(captured, depth)
     captured_s = time.perf_counter() - start
     try:
         result = run_search(

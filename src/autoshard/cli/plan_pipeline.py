@@ -30,7 +30,7 @@ def pipeline_plan(
     """The fastest pipeline configuration that fits (the flags given fixed). ``baseline``
     (``--pp auto``): the plan without stages, (its step, a function that shows it), shown
     instead where it is faster or no pipeline fits. ``policy``: the precision a run keeps."""
-    from autoshard.graph import capture
+    from autoshard.graph import BlocksDiffer, capture, check_depth
     from autoshard.search import PlanningError
     from autoshard.search.pipelined import search_pipeline
 
@@ -55,6 +55,7 @@ def pipeline_plan(
         part = tuple(t[: t.shape[0] // m] for t in example)
         dtype = policy.compute if policy is not None else None
         graphs[m] = capture(model, part, {}, loss_fn=loss_fn, train=True, dtype=dtype)
+        check_depth(graphs[m], depth)
         captured_s[0] += time.perf_counter() - began
         return graphs[m]
 
@@ -62,6 +63,8 @@ def pipeline_plan(
         best, tried, search_s = search_pipeline(
             micro, batch, spec.num_devices, spec, given, args.search, depth, args.tp_across_nodes
         )
+    except BlocksDiffer:
+        raise  # the caller captures every block
     except (PlanningError, ValueError) as err:
         if baseline is not None:
             print(f"with pipeline stages: {err}; the plan without them:", file=sys.stderr)
