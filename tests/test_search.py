@@ -508,24 +508,3 @@ def test_the_embeddings_gradient_sums_are_priced_in_line() -> None:
         overlaps = dict(zip(graph.names, graph.overlap, strict=True))
         assert not overlaps["embedding"].any()
         assert overlaps["linear"].any()  # the first block's first linear: beside backward
-
-
-def test_skipping_dominated_zero_stages_loses_no_plan() -> None:
-    """The search over every ZeRO stage, which solves only the stages no other of the same
-    mesh dominates, finds the best of the searches with each stage fixed."""
-    from autoshard.search import run_search
-    from autoshard.search.costgraph import dominates
-
-    model, example, captured = _meta_model("llama", 8, 256, 128)
-    cluster = cluster_spec("dgx-h100", 8)
-    searched = run_search(captured, 8, cluster)
-    skipped = [row for row in searched.tried if "dominated" in row.get("skipped", "")]
-    assert skipped, searched.tried  # the test is about them
-    fixed = [run_search(captured, 8, cluster, zero=z).solution.seconds for z in range(4)]
-    assert searched.solution.seconds == pytest.approx(min(fixed), rel=1e-9)
-    mesh = MeshInfo(("dp", "tp"), (4, 2), ("dp",))
-    one, two = (build_cost_graph(captured, mesh, cluster, zero=z) for z in (1, 2))
-    assert dominates(two, one) and not dominates(one, two)
-    choice = solve_optimal(one).choice
-    assert two.objective(choice)[0] <= one.objective(choice)[0] + 1e-12
-    assert two.objective(choice)[1] < one.objective(choice)[1]

@@ -89,9 +89,6 @@ def _meshes(data: dict) -> list[str]:
     chosen = (data["mesh"], data.get("zero", 0))
     for row in pred["meshes"]:
         shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
-        if "bound_s" not in row and "step_s" not in row:  # another ZeRO stage is no worse
-            lines.append(f"  {shape:>15}: not searched: {row['skipped']}")
-            continue
         if "step_s" not in row:
             bound = f"{row['bound_s'] * 1e3:.2f} ms"
             why = "not searched: its lower bound" if row.get("skipped") else "does not fit, bound"

@@ -394,25 +394,6 @@ def with_moves(bare: CostGraph, moves: Moves) -> CostGraph:
     return dataclasses.replace(bare, unary=unary, edges=moves.edges)
 
 
-def dominates(a: CostGraph, b: CostGraph) -> bool:
-    """Every plan on ``a`` is as fast as and no larger than the same plan on ``b``: graphs of
-    one mesh and its moves (two ZeRO stages), ``a``'s every term no worse than ``b``'s (more
-    bucketed sums or backward to hide them behind is no worse); seconds to a picosecond."""
-    if a.mesh != b.mesh:
-        return False
-    tol = 1e-12
-    no_worse = (  # (lower is better on a's side, the same on b's)
-        ([np.array(a.const_time)], [np.array(b.const_time) + tol]),
-        ([np.array(a.const_memory)], [np.array(b.const_memory)]),
-        ([np.array(b.const_window)], [np.array(a.const_window) + tol]),
-        (a.unary, [u + tol for u in b.unary]),
-        (a.memory, b.memory),
-        (b.overlap, [o + tol for o in a.overlap]),
-        (b.window, [w + tol for w in a.window]),
-    )
-    return all(bool(np.all(x <= y)) for xs, ys in no_worse for x, y in zip(xs, ys, strict=True))
-
-
 def build_cost_graph(
     og: OpGraph,
     mesh: MeshInfo,
@@ -464,4 +445,4 @@ def build_cost_graph(
     )
 
 
-__all__ = ["CostGraph", "Moves", "build_cost_graph", "dominates", "moves_of", "with_moves"]
+__all__ = ["CostGraph", "Moves", "build_cost_graph", "moves_of", "with_moves"]

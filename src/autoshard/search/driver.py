@@ -21,7 +21,7 @@ from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
-from autoshard.search.costgraph import CostGraph, build_cost_graph
+from autoshard.search.costgraph import CostGraph
 from autoshard.search.plans import (
     FORMAT,
     ZERO_LEVELS,
@@ -29,7 +29,13 @@ from autoshard.search.plans import (
     PlanningError,
     input_layouts,
 )
-from autoshard.search.pruning import moves_once, undominated, whole_within
+from autoshard.search.pruning import (
+    bare_graph,
+    moves_once,
+    priced_as,
+    search_session,
+    whole_within,
+)
 from autoshard.search.semi import plan_graph
 from autoshard.search.solvers import (
     Solution,
@@ -142,21 +148,19 @@ def run_search(
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
-    # alone, emptied before it and after it (nodes and clusters of another could share ids).
-    options.clear_caches()
-    pricing.clear_caches()
-    try:
+    # alone, emptied before it and after it (nodes and clusters of another could share ids),
+    # or to the searches of one ``search_session`` (a pipeline search's)
+    with search_session():
         if mesh is None:
             mesh_list = mesh_shapes(num_devices, cluster, tp_across_nodes, cp, tp)
         else:
             mesh_list = [mesh]
-        context = options.searching(attention, _sequence(og, mesh_list), sequence_parallel)
+        sequence = _sequence(og, mesh_list)
+        priced_as((attention, sequence, sequence_parallel, precision))
+        context = options.searching(attention, sequence, sequence_parallel)
         with paused_gc(), context, pricing.priced_under(precision):
             return _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
                                depth, fixed, zero, step_share, precision)  # fmt: skip
-    finally:
-        options.clear_caches()
-        pricing.clear_caches()
 
 
 def _sequence(og: OpGraph, meshes: list[MeshInfo]) -> int | None:
@@ -187,14 +191,9 @@ def _run_search(
     meshes = [m for m in shapes for _ in levels]
     # first each mesh's options without the moves between them (cheap): a lower bound that
     # orders the meshes and skips those that cannot win before their moves are priced
-    graphs = [
-        build_cost_graph(og, m, cluster, depth=depth, zero=z, step_share=step_share, edges=False)
-        for m in shapes
-        for z in levels
-    ]
+    graphs = [bare_graph(og, m, cluster, depth, z, step_share) for m in shapes for z in levels]
     tried: list[dict[str, Any]] = []
-    kept = undominated(graphs, tried)
-    ranked = sorted(kept, key=lambda k: lower_bound(graphs[k]))
+    ranked = sorted(range(len(meshes)), key=lambda k: lower_bound(graphs[k]))
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     whole = moves_once(og, cluster, depth, step_share)

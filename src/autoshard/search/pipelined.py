@@ -25,6 +25,7 @@ from autoshard.layout import Layout
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
 from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search
 from autoshard.search.plans import Plan, PlanningError
+from autoshard.search.pruning import search_session
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Tried:
 
 
 @paused_gc()
+@search_session()
 def search_pipeline(
     capture: Callable[[int], OpGraph],
     batch: int,
@@ -121,6 +123,7 @@ def search_pipeline(
     tried: list[Tried] = []
     best: PipelinePlan | None = None
     stage_plans: dict[tuple[int, int, int, float], tuple[Plan, SearchResult]] = {}
+    subs: dict[int, ClusterSpec] = {}
 
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
 
@@ -162,7 +165,8 @@ def search_pipeline(
         key = (num_devices // pp, batch // m, zero, limit)
         fitted, lowest = False, None
         if key not in stage_plans:
-            sub = cluster_spec(cluster, num_devices // pp)
+            # one spec a sub-mesh size: the session's pricing is kept by the spec's id
+            sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
             result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
                                 memory_limit=limit, tp_across_nodes=tp_across_nodes,
                                 zero=zero, step_share=1 / m, cp=given.get("cp") or 1,

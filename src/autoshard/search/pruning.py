@@ -1,61 +1,112 @@
-"""What spares the search most of its work: the ZeRO stages another stage of their mesh
-dominates, each mesh's moves priced once for all its stages, and the bounds that skip a mesh
-before its moves are priced or its integer program solved (docs/search.md)."""
+"""What spares the search most of its work: each mesh's moves priced once for all its ZeRO
+stages (and, in a session, for all its searches), and the bounds that skip a mesh before its
+moves are priced or its integer program solved (docs/search.md)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from autoshard.cost import ClusterSpec
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
+from autoshard.search import options, pricing
 from autoshard.search.costgraph import (
     CostGraph,
     Moves,
     build_cost_graph,
-    dominates,
     moves_of,
     with_moves,
 )
 from autoshard.search.solvers import lower_bound, relaxed_bound
 
 
+class _Session:
+    """What searches in one ``search_session`` share: the pricing caches, each bare cost
+    graph and each mesh's moves, for the one way of pricing (``context``) they were made in.
+    The graphs and clusters they are keyed by (by id) are held, so no other takes their id."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.context: tuple | None = None
+        self.bare: dict[tuple, tuple[Any, CostGraph]] = {}
+        self.moves: dict[tuple, tuple[Any, Moves]] = {}
+
+    def clear(self) -> None:
+        options.clear_caches()
+        pricing.clear_caches()
+        self.bare.clear()
+        self.moves.clear()
+        self.context = None
+
+
+_SESSION = _Session()
+
+
+@contextmanager
+def search_session() -> Iterator[None]:
+    """Searches in the block share what they priced (a pipeline search's stage searches: one
+    sub-mesh at several ZeRO stages and memory limits); all is forgotten when the outermost
+    block ends. The graphs and clusters given to them must not change meanwhile."""
+    if _SESSION.depth == 0:
+        _SESSION.clear()
+    _SESSION.depth += 1
+    try:
+        yield
+    finally:
+        _SESSION.depth -= 1
+        if _SESSION.depth == 0:
+            _SESSION.clear()
+
+
+def priced_as(context: tuple) -> None:
+    """What a search prices under (its options' context and precision policy): what the
+    session holds was priced under another, it is forgotten."""
+    if context != _SESSION.context:
+        _SESSION.clear()
+        _SESSION.context = context
+
+
+def bare_graph(
+    og: OpGraph,
+    mesh: MeshInfo,
+    cluster: ClusterSpec,
+    depth: Mapping[str, int] | None,
+    zero: int,
+    step_share: float,
+) -> CostGraph:
+    """``build_cost_graph`` without the moves, once a session for its arguments."""
+    key = (id(og), mesh, id(cluster), _items(depth), zero, step_share)
+    if key not in _SESSION.bare:
+        graph = build_cost_graph(
+            og, mesh, cluster, depth=depth, zero=zero, step_share=step_share, edges=False
+        )
+        _SESSION.bare[key] = ((og, cluster), graph)
+    return _SESSION.bare[key][1]
+
+
+def _items(depth: Mapping[str, int] | None) -> tuple:
+    return tuple(sorted((depth or {}).items()))
+
+
 def moves_once(
     og: OpGraph, cluster: ClusterSpec, depth: Mapping[str, int] | None, step_share: float
 ) -> Any:
     """A graph built without its moves -> the graph with them; each mesh's moves priced once
-    for all its ZeRO stages."""
-    moves: dict[MeshInfo, Moves] = {}
+    a session for all its ZeRO stages, memory limits and step shares."""
 
     def whole(bare: CostGraph) -> CostGraph:
-        if bare.mesh not in moves:
+        key = (id(og), bare.mesh, id(cluster), _items(depth))
+        if key not in _SESSION.moves:
             built = build_cost_graph(
                 og, bare.mesh, cluster, depth=depth, zero=bare.zero, step_share=step_share
             )
-            moves[bare.mesh] = moves_of(built, bare)
-        return with_moves(bare, moves[bare.mesh])
+            _SESSION.moves[key] = ((og, cluster), moves_of(built, bare))
+        return with_moves(bare, _SESSION.moves[key][1])
 
     return whole
-
-
-def undominated(graphs: list[CostGraph], tried: list[dict[str, Any]]) -> list[int]:
-    """The graphs no other graph of their mesh dominates (``dominates``: ZeRO 2 beside 1 where
-    both send the same bytes); of equal ones the first. The others are rows of ``tried``."""
-    kept: list[int] = []
-    for k, graph in enumerate(graphs):
-        by = next(
-            (j for j, other in enumerate(graphs)
-             if j != k and dominates(other, graph) and (j < k or not dominates(graph, other))),
-            None,
-        )  # fmt: skip
-        if by is None:
-            kept.append(k)
-        else:
-            row = {"mesh": graph.mesh.as_dict(), "zero": graph.zero}
-            tried.append(row | {"skipped": f"dominated by ZeRO {graphs[by].zero}"})
-    return kept
 
 
 def whole_within(
@@ -81,4 +132,10 @@ def whole_within(
     return graphs[k]
 
 
-__all__ = ["moves_once", "undominated", "whole_within"]
+__all__ = [
+    "bare_graph",
+    "moves_once",
+    "priced_as",
+    "search_session",
+    "whole_within",
+]
