@@ -508,3 +508,30 @@ def test_the_embeddings_gradient_sums_are_priced_in_line() -> None:
         overlaps = dict(zip(graph.names, graph.overlap, strict=True))
         assert not overlaps["embedding"].any()
         assert overlaps["linear"].any()  # the first block's first linear: beside backward
+
+
+def test_an_optimum_serves_a_zero_stage_that_prices_every_plan_alike() -> None:
+    """ZeRO 1 and 2 of one mesh price every plan in the same seconds, ZeRO 2 in fewer bytes:
+    ZeRO 2's optimum, where it fits ZeRO 1, is ZeRO 1's, and is read off without a solve."""
+    from autoshard.search.pruning import bare_graph, moves_once, search_session, solved_alike
+
+    captured = _meta_model("llama", 8, 256, 128)[2]
+    cluster = cluster_spec("dgx-h100", 8)
+    mesh = MeshInfo(("dp", "tp"), (4, 2), ("dp",))
+    with search_session():
+        whole = moves_once(captured, cluster, None, 1.0)
+        one, two, three = (
+            whole(bare_graph(captured, mesh, cluster, None, z, 1.0)) for z in (1, 2, 3)
+        )
+        limit = cluster.memory_bytes
+        two_best = solve_optimal(two, limit)
+        read = solved_alike([(two, two_best, limit)], one, limit)
+        assert read is not None and read.solve_seconds == 0.0
+        assert read.seconds == pytest.approx(solve_optimal(one, limit).seconds, rel=1e-9)
+        assert read.memory == one.objective(two_best.choice)[1] > two_best.memory
+        assert solved_alike([(two, two_best, limit)], one, limit / 2) is not None  # fits
+        # ZeRO 3 prices plans differently; a room larger than the optimum was found under, or
+        # one its plan does not fit under ZeRO 1, proves nothing
+        assert solved_alike([(two, two_best, limit)], three, limit) is None
+        assert solved_alike([(two, two_best, limit / 2)], one, limit) is None
+        assert solved_alike([(two, two_best, limit)], one, two_best.memory) is None

@@ -34,6 +34,7 @@ from autoshard.search.pruning import (
     moves_once,
     priced_as,
     search_session,
+    solved_alike,
     whole_within,
 )
 from autoshard.search.semi import plan_graph
@@ -193,7 +194,10 @@ def _run_search(
     # orders the meshes and skips those that cannot win before their moves are priced
     graphs = [bare_graph(og, m, cluster, depth, z, step_share) for m in shapes for z in levels]
     tried: list[dict[str, Any]] = []
-    ranked = sorted(range(len(meshes)), key=lambda k: lower_bound(graphs[k]))
+    # at an equal bound the higher ZeRO stage first: its optimum may serve the lower's
+    # (``solved_alike``)
+    ranked = sorted(range(len(meshes)), key=lambda k: (lower_bound(graphs[k]), -graphs[k].zero))
+    solved: list[tuple[CostGraph, Solution, float]] = []
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     whole = moves_once(og, cluster, depth, step_share)
@@ -204,7 +208,7 @@ def _run_search(
         if graph is None:
             tried.append(row)
             continue
-        solve = _solver(search, graph, fixed)
+        solve = _solver(search, graph, fixed, solved)
         sol = _fitting(og, solve, graph, meshes[k], cluster, limit)
         if sol is None:
             row["fits"] = False
@@ -240,21 +244,39 @@ def _final(
     finalists = [f for f in found if f[1].seconds <= best[1].seconds * (1 + FINALIST_MARGIN)]
     if len(finalists) == 1:
         return best
-    chosen, fastest = best, math.inf
+    chosen, fastest, tie = best, math.inf, (math.inf, math.inf)
     for k, sol, row in finalists:
         result = SearchResult(meshes[k], graphs[k], sol, [], 0.0, precision)
         built = build_plan(og, result, cluster)
         row["predicted_s"] = built.predicted.step_time
         row["predicted_memory"] = built.predicted.peak_memory
-        if row["predicted_s"] < fastest * (1 - 1e-9):
-            chosen, fastest = (k, sol), row["predicted_s"]
+        order = (meshes[k].sizes[-1], row["predicted_memory"])  # as fast: fewer tp, less memory
+        if row["predicted_s"] < fastest * (1 - 1e-9) or (
+            row["predicted_s"] <= fastest * (1 + 1e-9) and order < tie
+        ):
+            chosen, fastest, tie = (k, sol), min(fastest, row["predicted_s"]), order
     return chosen
 
 
-def _solver(search: str, graph: CostGraph, fixed: Mapping[str, Any] | None) -> Any:
-    """The search as a function of the memory limit."""
+def _solver(
+    search: str,
+    graph: CostGraph,
+    fixed: Mapping[str, Any] | None,
+    solved: list[tuple[CostGraph, Solution, float]],
+) -> Any:
+    """The search as a function of the memory limit; ``solved``: the optima found so far,
+    which the optimal search reads its own off where it can (and adds to)."""
     if search == "optimal":
-        return lambda limit: solve_optimal(graph, limit)
+
+        def optimal(limit: float) -> Solution | None:
+            sol = solved_alike(solved, graph, limit)
+            if sol is None:
+                sol = solve_optimal(graph, limit)
+                if sol is not None:
+                    solved.append((graph, sol, limit))
+            return sol
+
+        return optimal
     if search == "recursive":
         return lambda limit: solve_recursive(graph, limit)
     chosen = _fixed_options(graph, fixed or {})

@@ -9,6 +9,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from autoshard.cost import ClusterSpec
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
@@ -20,7 +22,7 @@ from autoshard.search.costgraph import (
     moves_of,
     with_moves,
 )
-from autoshard.search.solvers import lower_bound, relaxed_bound
+from autoshard.search.solvers import Solution, lower_bound, relaxed_bound
 
 
 class _Session:
@@ -109,6 +111,39 @@ def moves_once(
     return whole
 
 
+def solved_alike(
+    solved: list[tuple[CostGraph, Solution, float]], graph: CostGraph, room: float
+) -> Solution | None:
+    """The optimum of ``graph`` under ``room`` bytes, read off an optimum already found
+    (``solved``: graph, its optimum, the room it was found under) where that graph prices
+    every plan the same and in no more bytes (ZeRO 2 beside 1 of one mesh): the plans that
+    fit ``graph`` fit it too, so its optimum, if it fits ``graph``, is ``graph``'s."""
+    for other, sol, other_room in solved:
+        if other_room < room or not _alike(other, graph):
+            continue
+        seconds, memory = graph.objective(sol.choice)
+        if memory <= room:
+            return Solution(list(sol.choice), seconds, memory, sol.search, 0.0)
+    return None
+
+
+def _alike(a: CostGraph, b: CostGraph) -> bool:
+    """Every plan takes as long on ``a`` as on ``b``, in no more bytes."""
+    if a.mesh != b.mesh or a.edges is not b.edges:
+        return False
+    if (a.const_time, a.const_window) != (b.const_time, b.const_window):
+        return False
+    same = all(
+        np.array_equal(x, y)
+        for xs, ys in ((a.unary, b.unary), (a.overlap, b.overlap), (a.window, b.window))
+        for x, y in zip(xs, ys, strict=True)
+    )
+    fewer = a.const_memory <= b.const_memory and all(
+        bool(np.all(x <= y)) for x, y in zip(a.memory, b.memory, strict=True)
+    )
+    return same and fewer
+
+
 def whole_within(
     graphs: list[CostGraph],
     k: int,
@@ -137,5 +172,6 @@ __all__ = [
     "moves_once",
     "priced_as",
     "search_session",
+    "solved_alike",
     "whole_within",
 ]
