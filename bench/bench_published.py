@@ -180,7 +180,7 @@ def _predict(r: dict, cluster: Path) -> dict:
 #: (every tp of a node and pp dividing the devices and the layers, 1, 2 or 4 sequences a
 #: micro-batch, 1F1B, the recompute mode searched, ZeRO 0): the search must reach at least
 #: the best of the grid and of the published configuration
-COMPARED = ("22B full", "175B full")
+COMPARED = ("22B full", "175B full", "1.7B", "3.6B", "7.5B", "18.4B")
 
 
 def _step(argv: list[str], cluster: Path) -> tuple[float, dict] | None:
