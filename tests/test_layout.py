@@ -135,6 +135,30 @@ def test_local_index_reconstructs_the_tensor():
     assert torch.equal(seen, torch.ones_like(full))
 
 
+def anew(layout, ranks, dtype):
+    """``layout`` built again from its parts, normalized, on ``ranks`` in ``dtype``."""
+    return Layout.from_factors(
+        layout.shape, layout.mesh, layout.factors, layout.partial, ranks, dtype, layout.axis_names
+    )
+
+
+def test_another_dtype_or_rank_list_is_the_layout_built_anew_with_it():
+    layouts = [
+        Layout((2, 1, 4), (2, -1), (8, 16)),
+        Layout((2, 2), (Factored((3, 4), (-1, 1)), -1), (12, 4), partial=(0,)),
+        Layout((2, 2), ((0, 1), -1), (8, 4), axis_names=("dp", "tp")),
+    ]
+    for layout in layouts:
+        for dtype in (torch.bfloat16, torch.float32):
+            made = anew(layout, layout.ranks, dtype)
+            got = layout.with_dtype(dtype)
+            assert got == made and hash(got) == hash(made) and repr(got) == repr(made)
+        moved = layout.on_ranks(range(4, 4 + len(layout.ranks)))
+        made = anew(layout, tuple(range(4, 4 + len(layout.ranks))), layout.dtype)
+        assert moved == made and repr(moved) == repr(made) and moved.ranks is made.ranks
+        assert moved.local_shape(4) == layout.local_shape(0)
+
+
 def test_rank_subset_and_non_power_of_two():
     stage = Layout((2, 2), (1, -1), (8, 4), ranks=(4, 5, 6, 7))
     assert owners(stage, 0)[6] == tuple(range(4, 8))
