@@ -30,6 +30,7 @@ from autoshard.layout.normal import (
     interned_ranks,
     is_block_split,
     ranks_str,
+    replaced,
     resolve_view_shape,
     shape_str,
     split_factors,
@@ -385,18 +386,7 @@ class Layout:
     def with_dtype(self, dtype: torch.dtype) -> Layout:
         if dtype == self.dtype:
             return self
-        return self._replaced(dtype=dtype)
-
-    def _replaced(self, **fields: Any) -> Layout:
-        """This layout with ``fields`` (dtype or ranks) replaced: neither changes the normal
-        form, so the fields are copied rather than normalized again."""
-        new = Layout.__new__(Layout)
-        for name in ("shape", "mesh", "factors", "partial", "ranks", "dtype", "axis_names"):
-            object.__setattr__(new, name, fields.get(name, getattr(self, name)))
-        key = (new.shape, new.mesh, new.factors, new.partial, new.ranks, new.dtype)
-        object.__setattr__(new, "_key", key)
-        object.__setattr__(new, "_hash", hash(key))
-        return new
+        return replaced(self, dtype=dtype)
 
     def on_ranks(self, ranks: Sequence[int]) -> Layout:
         """The same placement over another rank list of the same size (a pipeline stage's
@@ -406,7 +396,7 @@ class Layout:
             raise LayoutError(f"{self} is on {len(self.ranks)} ranks, not {len(ranks)}")
         if ranks == self.ranks:
             return self
-        return self._replaced(ranks=interned_ranks(ranks))
+        return replaced(self, ranks=interned_ranks(ranks))
 
     def without_partial(self) -> Layout:
         """The layout of this tensor's gradient: partial axes become replicated."""

@@ -93,6 +93,18 @@ def init_canonical(
     object.__setattr__(self, "_hash", hash(key))
 
 
+def replaced(layout: Any, **fields: Any) -> Any:
+    """``layout`` with ``fields`` (dtype or ranks) replaced: neither changes the normal form,
+    so the fields are copied rather than normalized again."""
+    new = type(layout).__new__(type(layout))
+    for name in ("shape", "mesh", "factors", "partial", "ranks", "dtype", "axis_names"):
+        object.__setattr__(new, name, fields.get(name, getattr(layout, name)))
+    key = (new.shape, new.mesh, new.factors, new.partial, new.ranks, new.dtype)
+    object.__setattr__(new, "_key", key)
+    object.__setattr__(new, "_hash", hash(key))
+    return new
+
+
 def check_factors(
     shape: tuple[int, ...], mesh: list[int], fac: list[list[tuple[int, int]]], part: list[int]
 ) -> None:
@@ -257,6 +269,7 @@ __all__ = [
     "interned_ranks",
     "is_block_split",
     "ranks_str",
+    "replaced",
     "resolve_view_shape",
     "shape_str",
     "split_factors",
