@@ -4,6 +4,7 @@ fit without stages; no ranks needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -69,6 +70,28 @@ def test_1f1b_holds_less_than_gpipe_and_recompute_less_again(stage) -> None:
     # the bubble of balanced stages at nominal costs is (p-1)/(m+p-1); here the embedding,
     # the head and the sends (of a small model: comparable to a stage's compute) add to it
     assert 3 / 11 <= priced[("1f1b", "none")].bubble < 0.5
+
+
+@pytest.mark.parametrize("gib", [0.4, 0.5])
+def test_searching_zero_finds_what_fixing_any_zero_stage_finds(stage, gib) -> None:
+    """Where memory binds, a higher ZeRO stage can make room for less recompute or another
+    schedule: the search with ZeRO free is as fast as the best with it fixed at 0, 1 or 2,
+    and faster than ZeRO 0, where a slower configuration (more recompute) already fits."""
+    og, spec, _ = stage
+    tight = dataclasses.replace(spec, memory_bytes=gib * 2**30)
+
+    def best(**zero: int) -> float:
+        given = {"pp": 4, "microbatches": 8, **zero}
+        found, _, _ = search_pipeline(
+            lambda m: og, 4 * 8, 16, tight, given, depth={"layers": LAYERS}
+        )
+        assert found.predicted.peak_memory <= tight.memory_bytes
+        return found.predicted.step_time
+
+    fixed = {z: best(zero=z) for z in (0, 1, 2)}
+    free = best()
+    assert free <= min(fixed.values()) * (1 + 1e-9), (free, fixed)
+    assert free < fixed[0] * 0.99, (free, fixed)
 
 
 def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> None:

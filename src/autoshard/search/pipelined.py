@@ -127,15 +127,21 @@ def search_pipeline(
 
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
 
+    unfit = [math.inf]  # the fastest configuration priced at this ZeRO stage that does not fit
+
     def price(pp: int, m: int) -> None:
-        # ZeRO raised a stage at a time while nothing fits: each shards more of the state
-        # over the stage's data-parallel ranks for more communication (ZeRO 3 regathers
-        # every micro-batch, which the pipeline's pricing does not hold: with one only)
+        # ZeRO raised a stage at a time while nothing fits, or while a configuration that does
+        # not fit would be faster than the best: each stage shards more of the state over the
+        # stage's data-parallel ranks (room for less recompute, a longer schedule) for more
+        # communication (ZeRO 3 regathers every micro-batch, which the pipeline's pricing
+        # does not hold: with one only)
         levels = [given["zero"]] if given.get("zero") is not None else [0, 1, 2, 3]
         for z in levels:
             if z == 3 and m > 1 and given.get("zero") is None:
                 break
-            if price_at(pp, m, z):
+            unfit[0] = math.inf
+            fitted = price_at(pp, m, z)
+            if fitted and not unfit[0] < (math.inf if best is None else best.predicted.step_time):
                 break
 
     def price_at(pp: int, m: int, zero: int) -> bool:
@@ -201,6 +207,8 @@ def search_pipeline(
             tried.append(Tried(pp, m, name, v, rc, plan.predicted.step_time,
                                plan.predicted.peak_memory, fits, zero))  # fmt: skip
             fitted |= fits
+            if not fits:
+                unfit[0] = min(unfit[0], plan.predicted.step_time)
             if fits != (rc == "full"):
                 closed.add((name, v))
             if fits and (best is None or plan.predicted.step_time < best.predicted.step_time):
