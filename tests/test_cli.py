@@ -354,15 +354,23 @@ def test_plan_command_fixes_context_parallelism_and_its_attention(capsys) -> Non
 def test_one_long_sequence_on_one_node_fits_by_context_parallelism_and_recompute(capsys) -> None:
     """Llama-3-8B's shape, one sequence of 131072 on 8 H100s: its activations outgrow a device
     without recompute, and a batch of one leaves a pipeline no micro-batches; the search
-    finds one stage with full recompute over the context-parallel split."""
+    finds one stage with recompute over the context-parallel split: selective, with ZeRO 3
+    sharding the state over the 8 ranks to make room for it, faster than full recompute."""
     from autoshard.cli.main import main
 
     argv = ["plan", "--model", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32",
             "--kv-heads", "8", "--ffn", "14336", "--vocab", "128256", "--seq", "131072",
             "--batch", "1", "--nodes", "1", "--cp", "8"]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    head = out.splitlines()[0]
-    assert head.startswith("pipeline: pp(1) x dp(1) x cp(8)") and "recompute full" in head, head
-    peak = re.search(r"peak memory ([0-9.]+) GiB per device \(of 80.00 GiB\)", out)
-    assert peak and float(peak.group(1)) <= 80, out.splitlines()[1]
+    steps = []
+    for given in ([], ["--recompute", "full"]):
+        assert main(argv + given) == 0
+        out = capsys.readouterr().out
+        head = out.splitlines()[0]
+        assert head.startswith("pipeline: pp(1) x dp(1) x cp(8)"), head
+        assert "recompute none" not in head, head
+        peak = re.search(r"peak memory ([0-9.]+) GiB per device \(of 80.00 GiB\)", out)
+        assert peak and float(peak.group(1)) <= 80, out.splitlines()[1]
+        steps.append(float(re.search(r"predicted step ([0-9.]+) ms", out).group(1)))
+        if not given:
+            assert "recompute selective, ZeRO 3" in head, head
+    assert steps[0] < steps[1], steps

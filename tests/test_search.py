@@ -5,6 +5,7 @@ test_runtime.py (4 ranks)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
@@ -105,8 +106,10 @@ def _some_choices(graph):
     return [[min(k, len(o) - 1) for o in graph.options] for k in range(width)]
 
 
+@functools.cache
 def _meta_model(name: str, batch: int, hidden: int, seq: int):
-    """A bfloat16 GPT or Llama of the given sizes on the meta device, captured."""
+    """A bfloat16 GPT or Llama of the given sizes on the meta device, captured (once a
+    module: a search leaves the model and its graph as they were)."""
     sizes = dict(hidden=hidden, num_heads=16, vocab_size=4096, num_layers=2)
     with torch.device("meta"):
         if name == "gpt":
