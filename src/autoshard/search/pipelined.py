@@ -127,7 +127,7 @@ def search_pipeline(
 
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
 
-    unfit = [math.inf]  # the fastest configuration priced at this ZeRO stage that does not fit
+    unfit = math.inf  # the fastest configuration priced at this ZeRO stage that does not fit
 
     def price(pp: int, m: int) -> None:
         # ZeRO raised a stage at a time while nothing fits, or while a configuration that does
@@ -135,13 +135,14 @@ def search_pipeline(
         # stage's data-parallel ranks (room for less recompute, a longer schedule) for more
         # communication (ZeRO 3 regathers every micro-batch, which the pipeline's pricing
         # does not hold: with one only)
+        nonlocal unfit
         levels = [given["zero"]] if given.get("zero") is not None else [0, 1, 2, 3]
         for z in levels:
             if z == 3 and m > 1 and given.get("zero") is None:
                 break
-            unfit[0] = math.inf
+            unfit = math.inf
             fitted = price_at(pp, m, z)
-            if fitted and not unfit[0] < (math.inf if best is None else best.predicted.step_time):
+            if fitted and not unfit < (math.inf if best is None else best.predicted.step_time):
                 break
 
     def price_at(pp: int, m: int, zero: int) -> bool:
@@ -166,7 +167,7 @@ def search_pipeline(
     def price_with(pp: int, m: int, zero: int, limit: float) -> tuple[bool, float | None, Plan]:
         """Every variant of the stage plan searched at ``zero`` under ``limit``: whether one
         fits, the least peak memory priced, and the stage plan."""
-        nonlocal best, least
+        nonlocal best, least, unfit
         og = graph(m)
         key = (num_devices // pp, batch // m, zero, limit)
         fitted, lowest = False, None
@@ -208,7 +209,7 @@ def search_pipeline(
                                plan.predicted.peak_memory, fits, zero))  # fmt: skip
             fitted |= fits
             if not fits:
-                unfit[0] = min(unfit[0], plan.predicted.step_time)
+                unfit = min(unfit, plan.predicted.step_time)
             if fits != (rc == "full"):
                 closed.add((name, v))
             if fits and (best is None or plan.predicted.step_time < best.predicted.step_time):
