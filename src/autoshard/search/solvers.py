@@ -2,7 +2,7 @@
 
 ``solve_optimal`` is an integer program (HiGHS through scipy) and exact; ``solve_recursive``
 chooses axis by axis and sweeps, linear in the graph; ``solve_propagate`` spreads fixed choices
-breadth first; ``brute_force`` enumerates small graphs and is the tests' reference.
+breadth first; ``exhaustive.brute_force`` enumerates small graphs and is the tests' reference.
 ``lower_bound`` says no plan on a mesh is faster, so the driver can skip mesh shapes.
 """
 
@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -156,9 +157,19 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(kept)
 
 
+#: optima that ``relaxed_bound`` found on the way: id(graph) -> (a weak reference to it,
+#: {memory limit: its optimum}); the weak reference tells a graph from a later one at its id
+_RELAXED_OPTIMA: dict[int, tuple[weakref.ref, dict[float, Solution]]] = {}
+
+
 def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution | None:
-    """The exact optimum of the cost graph under the memory limit (None when nothing fits)."""
+    """The exact optimum of the cost graph under the memory limit (None when nothing fits):
+    the one ``relaxed_bound`` proved on its way where it did, else the integer program's."""
     start = time.perf_counter()
+    kept = _RELAXED_OPTIMA.get(id(graph))
+    if kept is not None and kept[0]() is graph and memory_limit in kept[1]:
+        sol = kept[1][memory_limit]
+        return Solution(list(sol.choice), sol.seconds, sol.memory, sol.search, sol.solve_seconds)
     program, c, a = _program(graph, memory_limit)
     result = _milp(program, c, a, integral=True)
     if result.x is None:
@@ -176,46 +187,34 @@ def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
     """No plan on this mesh under the memory limit is faster (seconds; infinity when none
     fits): the integer program's linear relaxation, a tenth of the integer solve or less and
     far tighter than ``lower_bound``, since it keeps the moves' marginals and the limit."""
+    start = time.perf_counter()
     program, c, a = _program(graph, memory_limit)
     result = _milp(program, c, a, integral=False)
     if result.x is None:
         return math.inf
-    return graph.const_time + float(result.fun) / _SCALE
+    bound = graph.const_time + float(result.fun) / _SCALE
+    _keep_if_optimal(graph, memory_limit, program, result.x, bound, start)
+    return bound
 
 
-def brute_force(graph: CostGraph, memory_limit: float = math.inf, limit: int = 4_000_000):
-    """Every combination of options (small graphs only): the reference for ``solve_optimal``."""
-    sizes = [len(o) for o in graph.options]
-    if math.prod(sizes) > limit:
-        raise ValueError(f"{math.prod(sizes)} combinations: too many to enumerate")
-    k = len(sizes)
-
-    def along(i: int, v: np.ndarray) -> np.ndarray:
-        shape = [1] * k
-        shape[i] = len(v)
-        return v.reshape(shape)
-
-    total = np.full(sizes, graph.const_time)
-    mem = np.full(sizes, graph.const_memory)
-    bucketed, window = np.zeros(sizes), np.full(sizes, graph.const_window)
-    for i in range(k):
-        total = total + along(i, graph.unary[i])
-        mem = mem + along(i, graph.memory[i])
-        if graph.overlap:
-            bucketed = bucketed + along(i, graph.overlap[i])
-            window = window + along(i, graph.window[i])
-    total = total - np.minimum(bucketed, window)
-    for (i, j), m in graph.edges.items():
-        shape = [1] * k
-        shape[i], shape[j] = m.shape
-        total = total + m.reshape(shape)
-    total = np.where(mem <= memory_limit, total, np.inf)
-    flat = int(np.argmin(total))
-    if not np.isfinite(total.flat[flat]):
-        return None
-    choice = [int(c) for c in np.unravel_index(flat, sizes)]
+def _keep_if_optimal(
+    graph: CostGraph, limit: float, program: _Program, x: np.ndarray, bound: float, start: float
+) -> None:
+    """The relaxation's solution, read as one option per node, is the integer optimum when it
+    fits ``limit`` and takes no longer than the relaxation's bound (no plan does less): kept
+    for ``solve_optimal``. In the search about half of the relaxations are integral so."""
+    offsets = program.offsets
+    choice = [
+        int(np.argmax(x[offsets[i] : offsets[i] + len(o)])) for i, o in enumerate(graph.options)
+    ]
     seconds, memory = graph.objective(choice)
-    return Solution(choice, seconds, memory, "brute_force")
+    if memory > limit or seconds > bound + abs(bound) * 1e-9:
+        return
+    key = id(graph)
+    if key not in _RELAXED_OPTIMA or _RELAXED_OPTIMA[key][0]() is not graph:
+        _RELAXED_OPTIMA[key] = (weakref.ref(graph, lambda _: _RELAXED_OPTIMA.pop(key, None)), {})
+    spent = time.perf_counter() - start
+    _RELAXED_OPTIMA[key][1][limit] = Solution(choice, seconds, memory, "optimal", spent)
 
 
 def _local_cost(graph, nbrs, i, s, choice, lam):
@@ -489,7 +488,6 @@ def lower_bound(graph: CostGraph) -> float:
 
 __all__ = [
     "Solution",
-    "brute_force",
     "lower_bound",
     "relaxed_bound",
     "solve_optimal",
