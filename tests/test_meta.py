@@ -6,6 +6,7 @@ would not fit its limit."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import warnings
@@ -151,6 +152,9 @@ def _train_meta_llama(checkpoint: str) -> dict[str, Any]:
     lowered programs' objects, gloo's buffers and the allocator's slack: a few tens of MiB)."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    # Blocks over 128 KiB go back to the system when freed, so the resident size follows the
+    # tensors (glibc otherwise keeps freed blocks in its heaps). M_MMAP_THRESHOLD is -3.
+    assert ctypes.CDLL(None).mallopt(-3, 1 << 17) == 1
     with meta_init():
         model = Llama(LlamaConfig(**BIG)).to(torch.float64)
     data = _big_batches()
@@ -181,9 +185,7 @@ def _train_meta_llama(checkpoint: str) -> dict[str, Any]:
     }
 
 
-def test_meta_llama_too_big_for_a_rank_trains_under_zero3_on_4_ranks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_meta_llama_too_big_for_a_rank_trains_under_zero3_on_4_ranks(tmp_path: Path) -> None:
     """A rank cannot hold the whole training state (parameters, gradients, AdamW's moments): its
     limit is a third of it (four ranks cannot do better than a quarter each). Built on meta,
     loaded from a checkpoint, trained under ZeRO 3 on 4 ranks: equal to one device, predicted
@@ -194,9 +196,6 @@ def test_meta_llama_too_big_for_a_rank_trains_under_zero3_on_4_ranks(
     params = sum(p.numel() for p in model.parameters())
     full_state = params * 8 * 4  # float64 parameters, gradients and two AdamW moments
     autoshard.save(tmp_path / "init", model)
-    # Blocks over 128 KiB go back to the system when freed, so the resident size follows the
-    # tensors (glibc otherwise keeps freed blocks in its heaps).
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
     results = run_ranks(_train_meta_llama, 4, str(tmp_path / "init"), timeout=600)
 
     data = _big_batches()
