@@ -1,12 +1,13 @@
 """Tests for the multi-rank launcher.
 
-Every spawn pays a torch import per rank (seconds on this machine), so each test spawns once and
-covers several properties; the failure tests also prove that no child process is left behind.
+Each test starts ranks once and covers several properties; the failure tests also prove that no
+child process is left behind.
 """
 
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -112,6 +113,24 @@ def test_dead_rank_fails_fast_while_others_wait(tmp_path: Path, how: str, expect
     assert elapsed < timeout / 2
     assert f"rank 1: no result; {expected}" in str(info.value)
     _assert_no_children_left(_recorded_pids(tmp_path))
+
+
+def _what_the_rank_sees() -> tuple[str | None, str, bool]:
+    print(f"rank {dist.get_rank()} to the caller's output", flush=True)
+    return os.environ.get("AUTOSHARD_SET_LATE"), os.getcwd(), "/set/late" in sys.path
+
+
+def test_ranks_see_the_callers_environment_directory_path_and_output_at_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    run_ranks(_what_the_rank_sees, 2)  # the fork server (where there is one) starts before
+    monkeypatch.setenv("AUTOSHARD_SET_LATE", "yes")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("/set/late")
+    capfd.readouterr()
+    assert run_ranks(_what_the_rank_sees, 2) == [("yes", str(tmp_path), True)] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 to the caller's output" in out and "rank 1 to the caller's output" in out
 
 
 def test_timeout_names_unfinished_ranks_and_kills_them(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ gives every test fail-fast behaviour and a report of what each rank actually did
 Ranks are forked from a fork server that imported torch and autoshard once, the first time this
 process ran ranks (multiprocessing's "forkserver"; "spawn" where there is none): a rank starts in
 milliseconds instead of seconds of imports. Each rank is given the caller's environment, working
-directory and ``sys.path`` as they are at the call, as a spawned process would be; what a library
-reads from the environment only when it is imported was read when the server started.
+directory, ``sys.path``, standard output and standard error as they are at the call, as a spawned
+process would be; what a library reads from the environment only when it is imported was read
+when the server started.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from multiprocessing import get_context
+from multiprocessing import get_context, reduction
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -87,6 +88,21 @@ _PRELOAD = [
 ]
 
 
+class _Fd:
+    """A file descriptor of the caller, duplicated into the rank when it starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # DupFd registers the descriptor with the process being started (only while it is)
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
 def _context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return get_context("spawn")
@@ -101,18 +117,21 @@ def _rank_main(
     port: int,
     timeout: float,
     parent_pid: int,
-    caller: tuple[dict[str, str], str, list[str]],
+    caller: tuple[dict[str, str], str, list[str], int, int],
     conn: Connection,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    environ, cwd, path = caller  # the caller's, at the call: the server's are older
+    environ, cwd, path, out, err = caller  # the caller's, at the call: the server's are older
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
     sys.path[:] = path
+    for fd, theirs in ((1, out), (2, err)):  # what the caller's output goes to now
+        os.dup2(theirs, fd)
+        os.close(theirs)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -288,7 +307,7 @@ def run_ranks(
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
-    caller = (dict(os.environ), os.getcwd(), list(sys.path))
+    caller = (dict(os.environ), os.getcwd(), list(sys.path), _Fd(1), _Fd(2))
     common = (world_size, store.port, timeout, os.getpid(), caller)
     try:
         for rank in range(world_size):
