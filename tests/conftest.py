@@ -7,6 +7,7 @@ import torch
 
 from autoshard.graph.capture import capture
 from autoshard.models import MLP, MLPConfig
+from autoshard.testing import preload
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +17,12 @@ def mlp_graph():
     config = MLPConfig(hidden=30)
     model = MLP(config)
     return capture(model, config.example_batch(8))
+
+
+# transformers' model code is seconds of imports; the ranks' fork server imports it once
+preload(
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.gpt2.modeling_gpt2",
+)

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_pipeline import _batches, _labels, _model
 
 from autoshard import parallelize, shard_inputs, single_device
 from autoshard.graph import capture_modes
 from autoshard.ops import StrategyError
 from autoshard.ops.contraction import ATTENTION_METHODS
 from autoshard.testing import run_ranks
-from tests.test_pipeline import _batches, _labels, _model
 
 LAYERS = 2
 _CAPTURED: dict[str, Any] = {}
@@ -47,7 +47,7 @@ def _megatron(name: str) -> dict[str, tuple]:
             "layers.*.feed_forward.w[13]": col,
             "layers.*.feed_forward.w2": row,
         }
-    from tests.test_checkpoint import _megatron_hf_llama
+    from test_checkpoint import _megatron_hf_llama
 
     return _megatron_hf_llama("cp")
 
@@ -148,7 +148,7 @@ def _cases(meshes: list[dict]) -> list[str]:
 def _with_dropout() -> str:
     """GPT with dropout on under a ring over ``cp``: the masks any split draws are one
     device's (``single_device``: autoshard's program on one device, the same masks)."""
-    from tests.test_runtime import batches, build
+    from test_runtime import batches, build
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -225,7 +225,7 @@ def _memories(cp: int) -> dict:
     torch.set_num_threads(1)
     out = {a: _memory({"cp": cp}, a) for a in ATTENTION_METHODS}
     if cp == 2:
-        from tests.test_runtime import megatron, sequence_parallel
+        from test_runtime import megatron, sequence_parallel
 
         out["tp"] = _memory({"tp": 2}, None, megatron("gpt"), dropout=0.1)
         out["tp+sp"] = _memory({"tp": 2}, None, sequence_parallel(), dropout=0.1)
@@ -255,8 +255,8 @@ def _check_memory(per_rank: list[dict], cp: int) -> None:
 
 
 def _tensor_parallel(name: str) -> dict[str, tuple]:
-    from tests.test_checkpoint import _megatron_hf_llama
-    from tests.test_runtime import megatron
+    from test_checkpoint import _megatron_hf_llama
+    from test_runtime import megatron
 
     return _megatron_hf_llama() if name == "hf-llama" else megatron(name)
 

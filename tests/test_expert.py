@@ -46,8 +46,7 @@ def _moe(aux: float = 0.01, capacity: float = 0.0) -> torch.nn.Module:
 def _mixtral(implementation: str = "batched_mm", dtype: torch.dtype = torch.float64) -> Any:
     """transformers' Mixtral from a config, its router's balance loss in the loss."""
     import transformers
-
-    from tests.test_hf_gpt2 import CausalLMLoss
+    from test_hf_gpt2 import CausalLMLoss
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_runtime import megatron
 
 import autoshard
 from autoshard import parallelize, shard_inputs, single_device
@@ -24,7 +25,6 @@ from autoshard.runtime.microbatch_loss import CountedLoss
 from autoshard.runtime.pipeline import microbatch_example, pipeline_groups
 from autoshard.schedule import ScheduleError
 from autoshard.testing import LiveBytes, run_ranks
-from tests.test_runtime import megatron
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 8, 64
 
@@ -32,8 +32,7 @@ STEPS, BATCH, SEQ, VOCAB = 5, 8, 8, 64
 def _model(name: str, layers: int = 4) -> torch.nn.Module:
     if name == "hf-llama":  # transformers' Llama, built from a config, its own loss
         import transformers
-
-        from tests.test_hf_gpt2 import CausalLMLoss
+        from test_hf_gpt2 import CausalLMLoss
 
         transformers.logging.set_verbosity_error()
         torch.manual_seed(0)

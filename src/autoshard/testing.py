@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["LiveBytes", "RankFailure", "peak_resident_bytes", "run_ranks"]
+__all__ = ["LiveBytes", "RankFailure", "peak_resident_bytes", "preload", "run_ranks"]
 
 _HOST = "127.0.0.1"
 # After the first failure, the other ranks usually fail within milliseconds (their peers vanish);
@@ -76,16 +76,35 @@ def _alive(pid: int) -> bool:
     return True
 
 
-#: what the fork server imports once, so that no rank imports it again (``torch.export``, which
-#: imports dynamo, takes seconds: every rank that captures a model needs it)
+#: what the fork server imports once, so that no rank imports it again: seconds each for
+#: ``torch.export`` (dynamo), AOTAutograd and distributed checkpoints, which ranks that capture,
+#: lower and save a model need
 _PRELOAD = [
     "__main__",
     "torch",
     "torch.distributed",
     "torch.export",
+    "torch._functorch.aot_autograd",
+    "torch.distributed.checkpoint",
+    "scipy.optimize",
     "autoshard",
     "autoshard.testing",
 ]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too (a model library's code every rank would
+    otherwise import again: transformers' Llama takes seconds). Only before this process first
+    runs ranks, when the server starts; a module that does not import is passed over."""
+    if _server_started():
+        raise RuntimeError("preload must come before the first run_ranks in this process")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
+def _server_started() -> bool:
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
 
 
 class _Fd:
