@@ -130,6 +130,18 @@ def _context() -> Any:
     return ctx
 
 
+def _as_the_caller(environ: dict[str, str], cwd: str, path: list[str], out: int, err: int) -> None:
+    """The caller's environment, directory, path and output, at the call (a fork server's are
+    those it started with)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+    for fd, theirs in ((1, out), (2, err)):
+        os.dup2(theirs, fd)
+        os.close(theirs)
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -143,14 +155,7 @@ def _rank_main(
     kwargs: dict[str, Any],
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    environ, cwd, path, out, err = caller  # the caller's, at the call: the server's are older
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
-    sys.path[:] = path
-    for fd, theirs in ((1, out), (2, err)):  # what the caller's output goes to now
-        os.dup2(theirs, fd)
-        os.close(theirs)
+    _as_the_caller(*caller)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
