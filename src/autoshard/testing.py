@@ -138,8 +138,9 @@ def _as_the_caller(environ: dict[str, str], cwd: str, path: list[str], out: int,
     os.chdir(cwd)
     sys.path[:] = path
     for fd, theirs in ((1, out), (2, err)):
-        os.dup2(theirs, fd)
-        os.close(theirs)
+        if theirs != fd:  # spawn hands descriptors over at their own numbers
+            os.dup2(theirs, fd)
+            os.close(theirs)
 
 
 def _rank_main(
