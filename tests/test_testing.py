@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.testing import RankFailure, run_ranks
+from autoshard import testing
+from autoshard.testing import RankFailure, preload, run_ranks
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -129,6 +130,14 @@ def test_ranks_see_the_callers_environment_directory_path_and_output_at_the_call
     monkeypatch.syspath_prepend("/set/late")
     capfd.readouterr()
     assert run_ranks(_what_the_rank_sees, 2) == [("yes", str(tmp_path), True)] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 to the caller's output" in out and "rank 1 to the caller's output" in out
+    with pytest.raises(RuntimeError, match="before the first run_ranks"):
+        preload("json")  # the server already runs: naming more would silently do nothing
+    # where there is no fork server, spawned ranks see the same
+    monkeypatch.setattr(testing, "_context", lambda: multiprocessing.get_context("spawn"))
+    monkeypatch.setenv("AUTOSHARD_SET_LATE", "spawned")
+    assert run_ranks(_what_the_rank_sees, 2) == [("spawned", str(tmp_path), True)] * 2
     out = capfd.readouterr().out
     assert "rank 0 to the caller's output" in out and "rank 1 to the caller's output" in out
 
