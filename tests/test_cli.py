@@ -258,6 +258,29 @@ def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
     assert planned.returncode == 0, planned.stderr
     assert "FutureWarning" not in planned.stderr + planned.stdout
     assert planned.stdout.startswith("mesh ")
+    # the process ends as soon as its output is out (``_end_process``): all of it is
+    assert "\n  (* chosen)\n" in planned.stdout and planned.stdout.endswith("\n"), planned.stdout
+
+
+def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> None:
+    from autoshard.cli.plan_text import _meshes
+
+    rows = [
+        {"mesh": {"dp": 4, "tp": 2}, "zero": 2, "step_s": 0.25, "memory": 2**33},
+        {"mesh": {"dp": 8, "tp": 1}, "zero": 1, "bound_s": 0.3, "skipped": "bound"},
+        {"mesh": {"dp": 8, "tp": 1}, "zero": 0, "bound_s": 0.2, "skipped": "memory",
+         "least_memory": 3 * 2**30},
+        {"mesh": {"dp": 2, "tp": 4}, "zero": 0, "bound_s": 0.4, "fits": False},
+    ]  # fmt: skip
+    data = {"mesh": {"dp": 4, "tp": 2}, "zero": 2, "predicted": {"meshes": rows,
+            "step_time_s": 0.25, "peak_memory_bytes": 2**33}}  # fmt: skip
+    assert _meshes(data)[1:] == [
+        "*      4x2 ZeRO 2: 250.00 ms, 8.00 GiB",
+        "       8x1 ZeRO 1: not searched: its lower bound 300.00 ms",
+        "       8x1 ZeRO 0: does not fit: needs at least 3.00 GiB",
+        "       2x4 ZeRO 0: does not fit, bound 400.00 ms",
+        "  (* chosen)",
+    ]
 
 
 def test_train_reads_a_toml_config_and_names_what_is_wrong_in_it(tmp_path) -> None:

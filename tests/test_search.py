@@ -23,6 +23,7 @@ from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
 from autoshard.search import PlanningError, solvers
 from autoshard.search.costgraph import build_cost_graph
 from autoshard.search.exhaustive import brute_force
+from autoshard.search.pruning import least_memory, whole_within
 from autoshard.search.solvers import (
     lower_bound,
     relaxed_bound,
@@ -104,9 +105,56 @@ def test_optimal_equals_brute_force_on_small_graphs() -> None:
                     assert found.seconds == pytest.approx(exact.seconds, rel=1e-9), where
                     # the bound that skips mesh shapes never exceeds the optimum
                     assert lower_bound(graph) <= exact.seconds * (1 + 1e-12), where
+                    # nor does the least memory that skips those nothing fits on
+                    assert least_memory(graph) <= exact.memory * (1 + 1e-12), where
                     compared += 1
     assert compared >= 20, compared
     assert read_off >= 5, read_off  # the relaxations' optima were read off and checked
+
+
+def test_a_mesh_nothing_fits_on_is_skipped_and_the_first_is_relaxed_first(monkeypatch) -> None:
+    kinds: list[bool] = []  # integral or not, each program solved
+    milp = solvers._milp
+
+    def counted(program, c, a, integral):
+        kinds.append(integral)
+        return milp(program, c, a, integral)
+
+    monkeypatch.setattr(solvers, "_milp", counted)
+    skipped = read_off = enumerated = compared = 0
+    for title, captured in small_graphs():
+        for mesh in MESHES:
+            cluster = cluster_spec("dgx-h100", mesh.num_devices)
+            graph = build_cost_graph(captured, mesh, cluster)
+            least = least_memory(graph)
+            small = math.prod(len(o) for o in graph.options) <= 200_000
+            if small:  # no plan holds less
+                assert brute_force(graph, least * (1 - 1e-9)) is None, title
+                enumerated += 1
+            row: dict = {}
+            assert whole_within([graph], 0, math.inf, row, lambda g: g, least * 0.99) is None
+            assert row["skipped"] == "memory" and row["least_memory"] == least, row
+            skipped += 1
+            # nothing to beat yet: with ``relax`` the relaxation runs, and where it proves the
+            # optimum the integer program is not solved
+            kinds.clear()
+            row = {}
+            assert whole_within([graph], 0, math.inf, row, lambda g: g, relax=True) is graph
+            assert kinds == [False] and "skipped" not in row, (title, kinds, row)
+            found = solve_optimal(graph)
+            if kinds == [False]:
+                read_off += 1
+                if small:
+                    exact = brute_force(graph)
+                    assert found.seconds == pytest.approx(exact.seconds, rel=1e-9), title
+                    compared += 1
+            else:
+                assert kinds == [False, True], kinds
+            kinds.clear()  # without it, nothing is relaxed
+            assert whole_within([graph], 0, math.inf, {}, lambda g: g) is graph
+            assert kinds == [], kinds
+    assert skipped >= 6 and enumerated >= 10, (skipped, enumerated)
+    assert read_off >= 5 and compared >= 5, (read_off, compared)
 
 
 def _some_choices(graph):

@@ -90,6 +90,10 @@ def _meshes(data: dict) -> list[str]:
     for row in pred["meshes"]:
         shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
         if "step_s" not in row:
+            if row.get("skipped") == "memory":
+                least = human_bytes(row["least_memory"])
+                lines.append(f"  {shape:>15}: does not fit: needs at least {least}")
+                continue
             bound = f"{row['bound_s'] * 1e3:.2f} ms"
             why = "not searched: its lower bound" if row.get("skipped") else "does not fit, bound"
             lines.append(f"  {shape:>15}: {why} {bound}")

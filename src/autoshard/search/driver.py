@@ -204,7 +204,7 @@ def _run_search(
     for k in ranked:
         row: dict[str, Any] = {"mesh": graphs[k].mesh.as_dict(), "zero": graphs[k].zero}
         past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
-        graph = whole_within(graphs, k, past, row, whole, limit)
+        graph = whole_within(graphs, k, past, row, whole, limit, relax=search == "optimal")
         if graph is None:
             tried.append(row)
             continue

@@ -144,6 +144,12 @@ def _alike(a: CostGraph, b: CostGraph) -> bool:
     return same and fewer
 
 
+def least_memory(graph: CostGraph) -> float:
+    """No plan on this graph holds fewer bytes: each node at its option of least memory (the
+    memory row of the integer program is this sum; moves hold none)."""
+    return graph.const_memory + sum(float(m.min()) for m in graph.memory if len(m))
+
+
 def whole_within(
     graphs: list[CostGraph],
     k: int,
@@ -151,15 +157,23 @@ def whole_within(
     row: dict[str, Any],
     build: Any,
     limit: float = math.inf,
+    relax: bool = False,
 ) -> CostGraph | None:
     """Mesh ``k``'s cost graph with its moves (``build`` of the one without, which
     ``graphs[k]`` holds until then), or None when a lower bound shows no plan on it under
-    ``limit`` bytes comes in under ``past`` seconds (``row`` says so)."""
+    ``limit`` bytes comes in under ``past`` seconds, or that none fits in ``limit`` (``row``
+    says which). ``relax``: the linear
+    relaxation is solved even with nothing to beat (``past`` infinite), for the optimum it
+    may prove on its way (``relaxed_bound``): the optimal search's first mesh."""
     row["bound_s"] = lower_bound(graphs[k])
+    least = least_memory(graphs[k])
+    if least > limit:  # every option's own bytes, each node at its least: nothing fits
+        row.update(skipped="memory", least_memory=least)
+        return None
     if row["bound_s"] < past:
         graphs[k] = build(graphs[k])
         row["bound_s"] = max(row["bound_s"], lower_bound(graphs[k]))
-    if row["bound_s"] < past and math.isfinite(past):  # the relaxation where it can tell
+    if row["bound_s"] < past and (math.isfinite(past) or relax):  # where it can tell
         row["bound_s"] = max(row["bound_s"], relaxed_bound(graphs[k], limit) * (1 - 1e-6))
     if row["bound_s"] >= past:
         row["skipped"] = "bound"
@@ -169,6 +183,7 @@ def whole_within(
 
 __all__ = [
     "bare_graph",
+    "least_memory",
     "moves_once",
     "priced_as",
     "search_session",
