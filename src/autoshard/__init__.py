@@ -1,4 +1,12 @@
-"""autoshard: automatic parallelism for PyTorch training."""
+"""autoshard: automatic parallelism for PyTorch training.
+
+The runtime's names (``parallelize``, ``save``, ...) are imported on first use: planning
+(``autoshard plan``) does not need the runtime, nor the parts of torch.distributed it
+imports.
+"""
+
+import importlib
+from typing import Any
 
 from autoshard import data
 from autoshard.cost import PRESETS, ClusterSpec
@@ -15,24 +23,41 @@ from autoshard.redistribution import (
     redistribution_plan,
     shard_tensor,
 )
-from autoshard.runtime import (
-    CheckpointDamaged,
-    CheckpointError,
-    GradScaler,
-    NonFiniteGradientError,
-    ParallelModule,
-    PlanMismatchError,
-    clip_grad_norm_,
-    latest,
-    load,
-    materialize,
-    meta_init,
-    parallelize,
-    save,
-    shard_inputs,
-    single_device,
-)
 from autoshard.search import Plan, PlanningError, plan
+
+#: names of the runtime, imported from it on first use (``__getattr__``)
+_RUNTIME = (
+    "CheckpointDamaged",
+    "CheckpointError",
+    "GradScaler",
+    "NonFiniteGradientError",
+    "ParallelModule",
+    "PlanMismatchError",
+    "clip_grad_norm_",
+    "latest",
+    "load",
+    "materialize",
+    "meta_init",
+    "parallelize",
+    "save",
+    "shard_inputs",
+    "single_device",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "runtime":
+        return importlib.import_module("autoshard.runtime")
+    if name in _RUNTIME:
+        value = getattr(importlib.import_module("autoshard.runtime"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_RUNTIME))
+
 
 __all__ = [
     "PRESETS",

@@ -88,6 +88,7 @@ _PRELOAD = [
     "torch.distributed.checkpoint",
     "scipy.optimize",
     "autoshard",
+    "autoshard.runtime",
     "autoshard.testing",
 ]
 
