@@ -49,6 +49,20 @@ def test_equal_placements_are_equal_values():
     assert pickle.loads(pickle.dumps(factored)) == factored
     with pytest.raises(AttributeError):
         a.shape = (1, 1)
+    # the internal form is normalized once for equal arguments: the same value, shared
+    made = Layout.from_factors(
+        (8, 16), (2, 4), [[(2, 0), (4, -1)], [(16, -1)]], (), None, torch.float32
+    )
+    again = Layout.from_factors((8, 16), [2, 4], ([(2, 0), (4, -1)], [(16, -1)]), [])
+    assert made is again and made == b and made.tensor_map == (1, -1)
+    other = Layout.from_factors(
+        (8, 16), (2, 4), [[(2, 0), (4, -1)], [(16, -1)]], dtype=torch.bfloat16
+    )
+    assert other is not made and other != made and other.dtype == torch.bfloat16
+    with pytest.raises(LayoutError):  # a bad one is refused each time, never kept
+        Layout.from_factors((8, 16), (2, 4), [[(8, 0)], [(16, -1)]])
+    with pytest.raises(LayoutError):
+        Layout.from_factors((8, 16), (2, 4), [[(8, 0)], [(16, -1)]])
 
 
 def test_from_strategy_appends_the_repeat_factor_on_the_right():

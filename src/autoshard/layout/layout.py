@@ -29,6 +29,7 @@ from autoshard.layout.normal import (
     init_canonical,
     interned_ranks,
     is_block_split,
+    made_once,
     ranks_str,
     replaced,
     resolve_view_shape,
@@ -164,12 +165,9 @@ class Layout:
         axis_names: Sequence[str] | None = None,
     ) -> Layout:
         """Build from the internal form: ``factors`` per dim as ``(size, axis)``, major first, axes
-        counted from the left of ``mesh`` (-1: not split); normalized like every layout."""
-        self = cls.__new__(cls)
-        if ranks is None:
-            ranks = range(math.prod(mesh))
-        init_canonical(self, shape, mesh, factors, partial, ranks, dtype, axis_names)
-        return self
+        counted from the left of ``mesh`` (-1: not split); normalized like every layout (once
+        for equal arguments: layouts do not change, so one serves every call)."""
+        return made_once(cls, shape, mesh, factors, partial, ranks, dtype, axis_names)
 
     @classmethod
     def from_strategy(

@@ -93,6 +93,38 @@ def init_canonical(
     object.__setattr__(self, "_hash", hash(key))
 
 
+#: layouts made by ``made_once``, by their arguments (a search makes each about five times)
+_MADE: dict[tuple, Any] = {}
+
+
+def made_once(
+    cls: type,
+    shape: Sequence[int],
+    mesh: Sequence[int],
+    factors: Sequence[Sequence[tuple[int, int]]],
+    partial: Sequence[int],
+    ranks: Sequence[int] | None,
+    dtype: torch.dtype,
+    axis_names: Sequence[str] | None,
+) -> Any:
+    """A ``cls`` normalized from these arguments (``init_canonical``), made once for equal
+    arguments: layouts are values, so one serves every call that asks for it."""
+    key = (cls, tuple(shape), tuple(mesh), tuple(tuple(map(tuple, f)) for f in factors),
+           tuple(partial),
+           ranks if ranks is None or isinstance(ranks, range) else tuple(ranks), dtype,
+           None if axis_names is None else tuple(axis_names))  # fmt: skip
+    made = _MADE.get(key)
+    if made is None:
+        if len(_MADE) >= 200_000:  # bounded: a long process plans many models
+            _MADE.clear()
+        made = cls.__new__(cls)
+        if ranks is None:
+            ranks = range(math.prod(mesh))
+        init_canonical(made, shape, mesh, factors, partial, ranks, dtype, axis_names)
+        _MADE[key] = made
+    return made
+
+
 def replaced(layout: Any, **fields: Any) -> Any:
     """``layout`` with ``fields`` (dtype or ranks) replaced: neither changes the normal form,
     so the fields are copied rather than normalized again."""

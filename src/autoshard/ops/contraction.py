@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -304,7 +305,13 @@ def _ring(strategy: Strategy) -> Strategy:
 def ring_ranks(strategy: Strategy, rank: int) -> list[int]:
     """The ranks of ``rank``'s attention ring, in the order of the query blocks (or stripes)
     they hold."""
-    q = strategy.ins[0]
+    return list(_ring_of(strategy.ins[0], rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ring_of(q: Layout, rank: int) -> tuple[int, ...]:
+    """``ring_ranks`` of a query in layout ``q`` (once a layout: pricing asks for each
+    strategy's, and a ring of 512 ranks takes milliseconds to find)."""
     dim = len(q.shape) - 2
     coords = q.coordinates(rank)
     axes = {a for _, a in q.factors[dim] if a != NOT_SPLIT}
@@ -324,7 +331,7 @@ def ring_ranks(strategy: Strategy, rank: int) -> list[int]:
     for r in members:
         rows = q.local_index(r)[dim]
         starts[r] = int(rows[0]) if striped else rows.start
-    return sorted(members, key=starts.__getitem__)
+    return tuple(sorted(members, key=starts.__getitem__))
 
 
 def is_striped(layout: Layout) -> bool:
