@@ -114,13 +114,13 @@ def test_optimal_equals_brute_force_on_small_graphs() -> None:
 
 def test_a_mesh_nothing_fits_on_is_skipped_and_the_first_is_relaxed_first(monkeypatch) -> None:
     kinds: list[bool] = []  # integral or not, each program solved
-    milp = solvers._milp
+    milp = solvers.solve_program
 
     def counted(program, c, a, integral):
         kinds.append(integral)
         return milp(program, c, a, integral)
 
-    monkeypatch.setattr(solvers, "_milp", counted)
+    monkeypatch.setattr(solvers, "solve_program", counted)
     skipped = read_off = enumerated = compared = 0
     for title, captured in small_graphs():
         for mesh in MESHES:

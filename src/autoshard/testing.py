@@ -86,7 +86,7 @@ _PRELOAD = [
     "torch.export",
     "torch._functorch.aot_autograd",
     "torch.distributed.checkpoint",
-    "scipy.optimize",
+    "highspy",
     "autoshard",
     "autoshard.runtime",
     "autoshard.testing",

@@ -1,6 +1,6 @@
 """The solvers: one option per decision node of a cost graph (docs/search.md).
 
-``solve_optimal`` is an integer program (HiGHS through scipy) and exact; ``solve_recursive``
+``solve_optimal`` is an integer program (HiGHS, ``program.py``) and exact; ``solve_recursive``
 chooses axis by axis and sweeps, linear in the graph; ``solve_propagate`` spreads fixed choices
 breadth first; ``exhaustive.brute_force`` enumerates small graphs and is the tests' reference.
 ``lower_bound`` says no plan on a mesh is faster, so the driver can skip mesh shapes.
@@ -9,20 +9,17 @@ breadth first; ``exhaustive.brute_force`` enumerates small graphs and is the tes
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from autoshard.search.costgraph import CostGraph
 from autoshard.search.options import Option
+from autoshard.search.program import SCALE, Program, build_program, solve_program
 
 
 @dataclass
@@ -32,129 +29,6 @@ class Solution:
     memory: float
     search: str
     solve_seconds: float = 0.0
-
-
-#: the objective's unit, microseconds: its coefficients stay near 1, and HiGHS's tolerances
-#: (1e-6 absolute gap, 1e-7 feasibility) stay below the nanoseconds plans can differ by
-_SCALE = 1e6
-
-
-class _Program:
-    """The integer program of a cost graph: binaries per (node, option), then continuous edge
-    variables tied to both ends (their rows and columns sum to the end's binaries), and the
-    constraint rows in coordinate form."""
-
-    def __init__(self, graph: CostGraph) -> None:
-        self.offsets, n = [], 0
-        for opts in graph.options:
-            self.offsets.append(n)
-            n += len(opts)
-        self.num_x = n
-        self.edge_offsets = {}
-        for key, m in graph.edges.items():
-            self.edge_offsets[key] = n
-            n += m.size
-        self.exposed = n  # the bucketed gradient sums that outlast backward
-        self.num_vars = n + 1
-        self.rows: list[int] = []
-        self.cols: list[int] = []
-        self.vals: list[float] = []
-        self.lo: list[float] = []
-        self.hi: list[float] = []
-
-    def objective(self, graph: CostGraph) -> np.ndarray:
-        scale = _SCALE
-        c = np.zeros(self.num_vars)
-        for i, u in enumerate(graph.unary):
-            hidden = graph.overlap[i] if graph.overlap else 0.0
-            c[self.offsets[i] : self.offsets[i] + len(u)] = (u - hidden) * scale
-        for key, m in graph.edges.items():
-            c[self.edge_offsets[key] : self.edge_offsets[key] + m.size] = m.ravel() * scale
-        c[self.exposed] = 1.0  # already in the scaled unit (``exposure``)
-        return c
-
-    def row(self, cols: list[int], vals: list[float], lo: float, hi: float) -> None:
-        r = len(self.lo)
-        self.rows.extend([r] * len(cols))
-        self.cols.extend(cols)
-        self.vals.extend(vals)
-        self.lo.append(lo)
-        self.hi.append(hi)
-
-    def exposure(self, graph: CostGraph) -> None:
-        """The exposed sums (in the objective's unit: rows in seconds would sit below the
-        solver's feasibility tolerance) are at least the bucketed sums less the backward, and
-        at least 0 (their bound)."""
-        nodes = range(len(graph.overlap))
-        cols = [self.exposed] + [
-            self.offsets[i] + s for i in nodes for s in range(len(graph.overlap[i]))
-        ]
-        vals = [1.0]
-        for o, w in zip(graph.overlap, graph.window, strict=True):
-            vals.extend(((w - o) * _SCALE).tolist())
-        self.row(cols, vals, -graph.const_window * _SCALE, np.inf)
-
-    def constraints(self, graph: CostGraph, memory_limit: float) -> None:
-        for i, opts in enumerate(graph.options):  # one option per node
-            self.row([self.offsets[i] + s for s in range(len(opts))], [1.0] * len(opts), 1, 1)
-        for (i, j), m in graph.edges.items():  # edge marginals: each row (column) sums to x
-            si, sj = m.shape
-            cells = np.arange(si * sj).reshape(si, sj) + self.edge_offsets[(i, j)]
-            for node, groups in ((i, cells), (j, cells.T)):
-                for s, group in enumerate(groups):
-                    cols = [*group.tolist(), self.offsets[node] + s]
-                    self.row(cols, [1.0] * len(group) + [-1.0], 0.0, 0.0)
-        if graph.overlap:
-            self.exposure(graph)
-        if math.isfinite(memory_limit):
-            mem_scale = max(1.0, max((float(m.max()) for m in graph.memory), default=1.0))
-            cols = [self.offsets[i] + s for i, m in enumerate(graph.memory) for s in range(len(m))]
-            vals = [v / mem_scale for m in graph.memory for v in m]
-            self.row(cols, vals, -np.inf, (memory_limit - graph.const_memory) / mem_scale)
-
-
-def _program(graph: CostGraph, memory_limit: float) -> tuple[_Program, np.ndarray, Any]:
-    from scipy.sparse import coo_matrix
-
-    program = _Program(graph)
-    c = program.objective(graph)
-    program.constraints(graph, memory_limit)
-    a = coo_matrix((program.vals, (program.rows, program.cols)), (len(program.lo), len(c)))
-    return program, c, a.tocsr()
-
-
-def _milp(program: _Program, c: np.ndarray, a: Any, integral: bool) -> Any:
-    """scipy's HiGHS on the program; what HiGHS prints past its log options (lines on the
-    process's standard output, which would spoil ``--json -``) goes nowhere."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    integrality = np.zeros(program.num_vars)
-    if integral:
-        integrality[: program.num_x] = 1
-    upper = np.ones(program.num_vars)
-    upper[program.exposed] = np.inf
-    with _quiet_stdout():
-        return milp(
-            c,
-            constraints=LinearConstraint(a, program.lo, program.hi),
-            integrality=integrality,
-            bounds=Bounds(0, upper),
-            options={"mip_rel_gap": 1e-9, "presolve": True},
-        )
-
-
-@contextmanager
-def _quiet_stdout() -> Iterator[None]:
-    """File descriptor 1 pointed at the null device for the block (native code's prints)."""
-    sys.stdout.flush()
-    kept = os.dup(1)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        os.dup2(kept, 1)
-        os.close(kept)
 
 
 #: optima that ``relaxed_bound`` found on the way: id(graph) -> (a weak reference to it,
@@ -170,8 +44,8 @@ def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution 
     if kept is not None and kept[0]() is graph and memory_limit in kept[1]:
         sol = kept[1][memory_limit]
         return Solution(list(sol.choice), sol.seconds, sol.memory, sol.search, sol.solve_seconds)
-    program, c, a = _program(graph, memory_limit)
-    result = _milp(program, c, a, integral=True)
+    program, c, a = build_program(graph, memory_limit)
+    result = solve_program(program, c, a, integral=True)
     if result.x is None:
         return None
     offsets = program.offsets
@@ -188,17 +62,17 @@ def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
     fits): the integer program's linear relaxation, a tenth of the integer solve or less and
     far tighter than ``lower_bound``, since it keeps the moves' marginals and the limit."""
     start = time.perf_counter()
-    program, c, a = _program(graph, memory_limit)
-    result = _milp(program, c, a, integral=False)
+    program, c, a = build_program(graph, memory_limit)
+    result = solve_program(program, c, a, integral=False)
     if result.x is None:
         return math.inf
-    bound = graph.const_time + float(result.fun) / _SCALE
+    bound = graph.const_time + float(result.fun) / SCALE
     _keep_if_optimal(graph, memory_limit, program, result.x, bound, start)
     return bound
 
 
 def _keep_if_optimal(
-    graph: CostGraph, limit: float, program: _Program, x: np.ndarray, bound: float, start: float
+    graph: CostGraph, limit: float, program: Program, x: np.ndarray, bound: float, start: float
 ) -> None:
     """The relaxation's solution, read as one option per node, is the integer optimum when it
     fits ``limit`` and takes no longer than the relaxation's bound (no plan does less): kept
