@@ -260,6 +260,12 @@ def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
     assert planned.stdout.startswith("mesh ")
     # the process ends as soon as its output is out (``_end_process``): all of it is
     assert "\n  (* chosen)\n" in planned.stdout and planned.stdout.endswith("\n"), planned.stdout
+    as_json = subprocess.run(
+        [sys.executable, "-m", "autoshard.cli", "plan", "--model", "mlp", "--nodes", "1",
+         "--json", "-"], capture_output=True, text=True,
+    )  # fmt: skip
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["format"] == "autoshard-plan/1"  # nothing else on stdout
 
 
 def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> None:

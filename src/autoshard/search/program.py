@@ -137,10 +137,10 @@ def solve_program(program: Program, c: np.ndarray, a: Any, integral: bool) -> So
         lp.integrality_ = [kinds.kInteger] * program.num_x + [kinds.kContinuous] * (
             n - program.num_x
         )
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("mip_rel_gap", 1e-9)
-    with quiet_stdout():
+    with quiet_stdout():  # HiGHS prints its banner when made, before any option is set
+        highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
+        highs.setOptionValue("mip_rel_gap", 1e-9)
         highs.passModel(lp)
         highs.run()
     if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
@@ -159,6 +159,7 @@ def quiet_stdout() -> Iterator[None]:
             os.dup2(null.fileno(), 1)
         yield
     finally:
+        sys.stdout.flush()  # what Python code printed in the block goes nowhere too
         os.dup2(kept, 1)
         os.close(kept)
 
