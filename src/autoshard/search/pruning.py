@@ -162,9 +162,9 @@ def whole_within(
     """Mesh ``k``'s cost graph with its moves (``build`` of the one without, which
     ``graphs[k]`` holds until then), or None when a lower bound shows no plan on it under
     ``limit`` bytes comes in under ``past`` seconds, or that none fits in ``limit`` (``row``
-    says which). ``relax``: the linear
-    relaxation is solved even with nothing to beat (``past`` infinite), for the optimum it
-    may prove on its way (``relaxed_bound``): the optimal search's first mesh."""
+    says which). ``relax``: the linear relaxation is solved even with nothing to beat
+    (``past`` infinite), for the optimum it may prove on its way (``relaxed_bound``): the
+    optimal search's first mesh."""
     row["bound_s"] = lower_bound(graphs[k])
     least = least_memory(graphs[k])
     if least > limit:  # every option's own bytes, each node at its least: nothing fits
