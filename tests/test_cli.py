@@ -266,6 +266,14 @@ def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
     )  # fmt: skip
     assert as_json.returncode == 0, as_json.stderr
     assert json.loads(as_json.stdout)["format"] == "autoshard-plan/1"  # nothing else on stdout
+    # planning imports no runtime; the runtime's names are there on first use
+    code = (
+        "import sys, autoshard.cli.main, autoshard; print('autoshard.runtime' in sys.modules, "
+        "'parallelize' in dir(autoshard), autoshard.parallelize.__module__, "
+        "autoshard.runtime.save is autoshard.save)"
+    )
+    lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert lazy.stdout.split() == ["False", "True", "autoshard.runtime.entry", "True"], lazy
 
 
 def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> None:

@@ -20,7 +20,7 @@ from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture
 from autoshard.mesh import MeshInfo
 from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
-from autoshard.search import PlanningError, solvers
+from autoshard.search import PlanningError, driver, solvers
 from autoshard.search.costgraph import build_cost_graph
 from autoshard.search.exhaustive import brute_force
 from autoshard.search.pruning import least_memory, whole_within
@@ -131,6 +131,7 @@ def test_a_mesh_nothing_fits_on_is_skipped_and_the_first_is_relaxed_first(monkey
             if small:  # no plan holds less
                 assert brute_force(graph, least * (1 - 1e-9)) is None, title
                 enumerated += 1
+            assert least == pytest.approx(driver._least_memory(graph).memory, rel=1e-12)
             row: dict = {}
             assert whole_within([graph], 0, math.inf, row, lambda g: g, least * 0.99) is None
             assert row["skipped"] == "memory" and row["least_memory"] == least, row
