@@ -20,7 +20,7 @@ from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture
 from autoshard.mesh import MeshInfo
 from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
-from autoshard.search import PlanningError, driver, solvers
+from autoshard.search import PlanningError, driver, pruning, solvers
 from autoshard.search.costgraph import build_cost_graph
 from autoshard.search.exhaustive import brute_force
 from autoshard.search.pruning import least_memory, whole_within
@@ -596,3 +596,83 @@ def test_an_optimum_serves_a_zero_stage_that_prices_every_plan_alike() -> None:
         assert solved_alike([(two, two_best, limit)], three, limit) is None
         assert solved_alike([(two, two_best, limit / 2)], one, limit) is None
         assert solved_alike([(two, two_best, limit)], one, two_best.memory) is None
+
+
+def test_every_option_holds_fewest_bytes_at_zero_3() -> None:
+    """What lets the search skip a mesh's other stages when ZeRO 3 does not fit: each option's
+    bytes at ZeRO 3 are at most its bytes at 0, 1 and 2, under fp32 and under the bf16 policy,
+    with Adam's two states and with plain SGD's none (where ZeRO 1 holds more than ZeRO 0)."""
+    from autoshard.precision import precision_policy
+    from autoshard.search import pricing
+
+    model, example, bf16 = _meta_model("llama", 8, 256, 128)
+    policy = precision_policy("bf16").resolve(model)
+    cases = [(title, g, None) for title, g in small_graphs()[::3]] + [("llama bf16", bf16, policy)]
+    compared = strict = 0
+    for title, captured, precision in cases:
+        for mesh in MESHES + [MeshInfo(("dp", "tp"), (4, 2), ("dp",))]:
+            cluster = cluster_spec("dgx-h100", mesh.num_devices)
+            for states in (2, 0):
+                with pricing.priced_under(precision):
+                    graphs = [
+                        build_cost_graph(
+                            captured, mesh, cluster, zero=z, optimizer_states=states, edges=False
+                        )
+                        for z in (0, 1, 2, 3)
+                    ]
+                where = f"{title} on {mesh.sizes}, {states} states"
+                for g in graphs[:3]:
+                    assert graphs[3].const_memory == g.const_memory, where
+                    for low, other in zip(graphs[3].memory, g.memory, strict=True):
+                        assert bool(((low <= other * (1 + 1e-12)) | (low == other)).all()), where
+                    assert least_memory(graphs[3]) <= least_memory(g) * (1 + 1e-12), where
+                    compared += 1
+                # the test can fail: stage 3 holds strictly less on some option
+                strict += any(
+                    bool((a < b).any())
+                    for a, b in zip(graphs[3].memory, graphs[0].memory, strict=True)
+                )
+    assert compared >= 36 and strict >= 8, (compared, strict)
+
+
+def test_a_mesh_whose_zero_3_does_not_fit_is_not_built_at_other_stages(monkeypatch) -> None:
+    """Only ZeRO 3's graph of such a mesh is built, and its floor stands for every stage: each
+    stage not built, built, holds at least that floor (so the search would have skipped it);
+    a search on that mesh alone, where nothing fits, names ZeRO 3's least-memory plan."""
+    from autoshard.search.plans import ZERO_LEVELS
+    from autoshard.search.pruning import bare_graph, bare_graphs, search_session
+
+    captured = _meta_model("llama", 2, 256, 128)[2]  # batch 2: dp 32 cannot split it
+    cluster = cluster_spec("dgx-h100", 32)
+    shapes = driver.mesh_shapes(32, cluster)
+    with search_session():
+        floors = {m: least_memory(bare_graph(captured, m, cluster, None, 3, 1.0)) for m in shapes}
+    low, high = min(floors.values()), max(floors.values())
+    assert low < high, floors
+    limit = (low + high) / 2
+    out = {m for m in shapes if floors[m] > limit}
+    built: list[tuple] = []
+
+    def counted(og, mesh, *args):
+        built.append((mesh, args[2]))
+        return bare_graph(og, mesh, *args)
+
+    monkeypatch.setattr(pruning, "bare_graph", counted)
+    with search_session():
+        graphs, got_floors = bare_graphs(captured, shapes, ZERO_LEVELS, cluster, None, 1.0, limit)
+    meshes = [m for m in shapes for _ in ZERO_LEVELS]
+    assert len(graphs) == len(meshes) == len(got_floors)
+    for k, (mesh, graph) in enumerate(zip(meshes, graphs, strict=True)):
+        zero = ZERO_LEVELS[k % len(ZERO_LEVELS)]
+        if mesh not in out:
+            assert graph is not None and graph.zero == zero and graph.mesh == mesh
+            continue
+        assert got_floors[k] == floors[mesh] > limit
+        assert (graph is None) == (zero != 3), (mesh, zero)
+        whole = build_cost_graph(captured, mesh, cluster, zero=zero, edges=False)
+        assert least_memory(whole) >= floors[mesh] * (1 - 1e-12), (mesh, zero)
+    assert {(m.sizes, z) for m, z in built if m in out} == {(m.sizes, 3) for m in out}
+    monkeypatch.undo()
+    mesh = min(out, key=lambda m: m.sizes)
+    with pytest.raises(PlanningError, match="ZeRO 3"):
+        driver.run_search(captured, 32, cluster, memory_limit=limit, mesh=mesh)

@@ -30,7 +30,7 @@ from autoshard.search.plans import (
     input_layouts,
 )
 from autoshard.search.pruning import (
-    bare_graph,
+    bare_graphs,
     moves_once,
     priced_as,
     search_session,
@@ -192,17 +192,20 @@ def _run_search(
     meshes = [m for m in shapes for _ in levels]
     # first each mesh's options without the moves between them (cheap): a lower bound that
     # orders the meshes and skips those that cannot win before their moves are priced
-    graphs = [bare_graph(og, m, cluster, depth, z, step_share) for m in shapes for z in levels]
+    graphs, floors = bare_graphs(og, shapes, levels, cluster, depth, step_share, limit)
     tried: list[dict[str, Any]] = []
     # at an equal bound the higher ZeRO stage first: its optimum may serve the lower's
     # (``solved_alike``)
-    ranked = sorted(range(len(meshes)), key=lambda k: (lower_bound(graphs[k]), -graphs[k].zero))
+    ranked = sorted(range(len(meshes)), key=lambda k: _rank(graphs[k], floors[k]))
     solved: list[tuple[CostGraph, Solution, float]] = []
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     whole = moves_once(og, cluster, depth, step_share)
     for k in ranked:
-        row: dict[str, Any] = {"mesh": graphs[k].mesh.as_dict(), "zero": graphs[k].zero}
+        row: dict[str, Any] = {"mesh": meshes[k].as_dict(), "zero": levels[k % len(levels)]}
+        if graphs[k] is None:  # not built: ZeRO 3 on this mesh does not fit, so nothing does
+            tried.append({**row, "skipped": "memory", "least_memory": floors[k]})
+            continue
         past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
         graph = whole_within(graphs, k, past, row, whole, limit, relax=search == "optimal")
         if graph is None:
@@ -219,10 +222,21 @@ def _run_search(
                 best = (k, sol)
         tried.append(row)
     if best is None:
-        raise PlanningError(_nothing_fits(og, graphs, meshes, cluster, limit, num_devices))
+        built = [k for k, g in enumerate(graphs) if g is not None]
+        raise PlanningError(_nothing_fits(og, [graphs[k] for k in built],
+                                          [meshes[k] for k in built], cluster, limit,
+                                          num_devices))  # fmt: skip
     k, sol = _final(og, found, best, meshes, graphs, cluster, precision)
     seconds = time.perf_counter() - start
     return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision)
+
+
+def _rank(graph: CostGraph | None, floor: float) -> tuple[bool, float, int]:
+    """The order meshes are tried in: by lower bound, the higher ZeRO stage first at a tie;
+    the graphs not built last, by their floor."""
+    if graph is None:
+        return (True, floor, 0)
+    return (False, lower_bound(graph), -graph.zero)
 
 
 #: a ratio: solutions whose search objective is within (1 + this) of the best one are the

@@ -89,6 +89,34 @@ def bare_graph(
     return _SESSION.bare[key][1]
 
 
+def bare_graphs(
+    og: OpGraph,
+    shapes: list[MeshInfo],
+    levels: tuple[int, ...],
+    cluster: ClusterSpec,
+    depth: Mapping[str, int] | None,
+    step_share: float,
+    limit: float,
+) -> tuple[list[CostGraph | None], list[float]]:
+    """Each (mesh, ZeRO stage)'s graph without its moves, in ``meshes`` order; None for the
+    stages of a mesh on which ZeRO 3 does not fit: every option holds fewest bytes at ZeRO 3
+    (a parameter's state there is its share of what any lower stage holds whole or in part),
+    so no stage fits (``floors``: the ZeRO 3 graph's least memory, a floor for all of them)."""
+    graphs: list[CostGraph | None] = []
+    floors: list[float] = []
+    for m in shapes:
+        floor = 0.0
+        if 3 in levels and len(levels) > 1:
+            floor = least_memory(bare_graph(og, m, cluster, depth, 3, step_share))
+        fits = floor <= limit
+        for z in levels:
+            graphs.append(
+                bare_graph(og, m, cluster, depth, z, step_share) if fits or z == 3 else None
+            )
+            floors.append(floor)
+    return graphs, floors
+
+
 def _items(depth: Mapping[str, int] | None) -> tuple:
     return tuple(sorted((depth or {}).items()))
 
@@ -183,6 +211,7 @@ def whole_within(
 
 __all__ = [
     "bare_graph",
+    "bare_graphs",
     "least_memory",
     "moves_once",
     "priced_as",
