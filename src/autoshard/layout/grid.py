@@ -5,6 +5,7 @@ and the DTensor boundary reads placements off it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -101,29 +102,42 @@ def common_grid(
     dim_bounds = [{1, size} for size in shape]
     for bounds, extra in zip(dim_bounds, extra_dims, strict=False):
         bounds |= set(extra)
-    for layout in layouts:
-        mesh_bounds |= suffix_products(layout.mesh)
-        for dim, factors in enumerate(layout.factors):
-            dim_bounds[dim] |= suffix_products([s for s, _ in factors])
+    made = [_bounds_of(layout) for layout in layouts]
+    for mesh_products, dim_products, _ in made:
+        mesh_bounds |= mesh_products
+        for dim, products in enumerate(dim_products):
+            dim_bounds[dim] |= products
     changed = True
     while changed:
         if not is_chain(mesh_bounds) or not all(is_chain(b) for b in dim_bounds):
             return None
         changed = False
-        for layout in layouts:
-            for dim, factors in enumerate(layout.factors):
-                flo = 1
-                for size, axis in reversed(factors):
-                    if axis != NOT_SPLIT:
-                        alo = math.prod(layout.mesh[axis + 1 :])
-                        new_mesh = {alo * x // flo for x in dim_bounds[dim] if flo < x < flo * size}
-                        new_dim = {flo * y // alo for y in mesh_bounds if alo < y < alo * size}
-                        if not new_mesh <= mesh_bounds or not new_dim <= dim_bounds[dim]:
-                            mesh_bounds |= new_mesh
-                            dim_bounds[dim] |= new_dim
-                            changed = True
-                    flo *= size
+        for _, _, splits in made:
+            for dim, flo, size, alo in splits:
+                new_mesh = {alo * x // flo for x in dim_bounds[dim] if flo < x < flo * size}
+                new_dim = {flo * y // alo for y in mesh_bounds if alo < y < alo * size}
+                if not new_mesh <= mesh_bounds or not new_dim <= dim_bounds[dim]:
+                    mesh_bounds |= new_mesh
+                    dim_bounds[dim] |= new_dim
+                    changed = True
     return Grid(sizes_of(mesh_bounds), tuple(sizes_of(b) for b in dim_bounds))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _bounds_of(layout: Any) -> tuple[frozenset[int], tuple[frozenset[int], ...], tuple]:
+    """What ``common_grid`` reads of a layout, made once a layout (the search prices each
+    against tens of others): its device matrix's boundaries, each dim's factor boundaries,
+    and each split factor as (dim, elements below it in the dim, its size, devices below
+    its axis), in the order the refinement visits them."""
+    splits = []
+    for dim, factors in enumerate(layout.factors):
+        flo = 1
+        for size, axis in reversed(factors):
+            if axis != NOT_SPLIT:
+                splits.append((dim, flo, size, math.prod(layout.mesh[axis + 1 :])))
+            flo *= size
+    dims = tuple(frozenset(suffix_products([s for s, _ in f])) for f in layout.factors)
+    return frozenset(suffix_products(layout.mesh)), dims, tuple(splits)
 
 
 # On small worlds the mesh axes are cut into primes, so a collective may use part of an axis
