@@ -110,6 +110,19 @@ def build_program(graph: CostGraph, memory_limit: float) -> tuple[Program, np.nd
     return program, c, (start, cells % program.num_vars, value)
 
 
+#: HiGHS options turned off in integer solves: the restart after the root's presolve, and
+#: the primal heuristics
+_OFF_IN_INTEGER_SOLVES = (
+    "mip_allow_restart",
+    "mip_heuristic_run_feasibility_jump",
+    "mip_heuristic_run_rins",
+    "mip_heuristic_run_rens",
+    "mip_heuristic_run_root_reduced_cost",
+    "mip_heuristic_run_zi_round",
+    "mip_heuristic_run_shifting",
+)
+
+
 @dataclass
 class Solved:
     x: np.ndarray | None  # None: no optimum (infeasible)
@@ -143,9 +156,12 @@ def solve_program(program: Program, c: np.ndarray, a: Any, integral: bool) -> So
         highs.setOptionValue("mip_rel_gap", 1e-9)
         # Presolve shrinks these programs little and took most of a relaxation's time (a
         # fifth without it); a restart after the root's presolve rounds, a third of a hard
-        # integer solve's. Same optima, measured on the bench's programs (docs/search.md).
+        # integer solve's; the primal heuristics, two fifths of what was left: the root's
+        # relaxation and cuts solve these programs in a few nodes. Same optima, measured on
+        # the bench's programs (docs/search.md). (An option a HiGHS lacks is refused, quietly.)
         if integral:
-            highs.setOptionValue("mip_allow_restart", False)
+            for option in _OFF_IN_INTEGER_SOLVES:
+                highs.setOptionValue(option, False)
         else:
             highs.setOptionValue("presolve", "off")
         highs.passModel(lp)
