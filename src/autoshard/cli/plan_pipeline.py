@@ -30,7 +30,7 @@ def pipeline_plan(
     """The fastest pipeline configuration that fits (the flags given fixed). ``baseline``
     (``--pp auto``): the plan without stages, (its step, a function that shows it), shown
     instead where it is faster or no pipeline fits. ``policy``: the precision a run keeps."""
-    from autoshard.graph import BlocksDiffer, capture, check_depth
+    from autoshard.graph import BlocksDiffer
     from autoshard.search import PlanningError
     from autoshard.search.pipelined import search_pipeline
 
@@ -47,18 +47,7 @@ def pipeline_plan(
         print(f"autoshard: error: --microbatches {given['microbatches']} does not divide "
               f"--batch {batch}", file=sys.stderr)  # fmt: skip
         return 2
-    graphs: dict[int, Any] = {}
-    captured_s = [0.0]
-
-    def micro(m: int) -> Any:
-        began = time.perf_counter()
-        part = tuple(t[: t.shape[0] // m] for t in example)
-        dtype = policy.compute if policy is not None else None
-        graphs[m] = capture(model, part, {}, loss_fn=loss_fn, train=True, dtype=dtype)
-        check_depth(graphs[m], depth)
-        captured_s[0] += time.perf_counter() - began
-        return graphs[m]
-
+    micro, captured_s = _micro_graphs(model, example, loss_fn, policy, given, depth)
     try:
         best, tried, search_s = search_pipeline(
             micro, batch, spec.num_devices, spec, given, args.search, depth, args.tp_across_nodes
@@ -84,6 +73,32 @@ def pipeline_plan(
         print("\n".join(pipeline_lines(data, spec)))
         print(format_search(data, best.result, best.stage))
     return 0
+
+
+def _micro_graphs(model, example, loss_fn, policy, given: dict, depth) -> tuple[Any, list]:
+    """The model's graph for one of ``m`` micro-batches, as a function of ``m``, and the
+    seconds spent making them (a one-item list, added to as they are made). Where micro-batch
+    counts are searched, one export with the batch free serves every size (``Batches``)."""
+    from autoshard.graph import capture, check_depth
+    from autoshard.graph.batches import Batches
+
+    batch = example[0].shape[0]
+    dtype = policy.compute if policy is not None else None
+    sizes = Batches(model, example, loss_fn=loss_fn, dtype=dtype)
+    captured_s = [0.0]
+
+    def micro(m: int) -> Any:
+        began = time.perf_counter()
+        if given.get("microbatches"):
+            part = tuple(t[: t.shape[0] // m] for t in example)
+            graph = capture(model, part, {}, loss_fn=loss_fn, train=True, dtype=dtype)
+        else:
+            graph = sizes.at(batch // m)
+        check_depth(graph, depth)
+        captured_s[0] += time.perf_counter() - began
+        return graph
+
+    return micro, captured_s
 
 
 def _plan_data(best, tried, search_s: float, spec, given: dict, baseline) -> dict:

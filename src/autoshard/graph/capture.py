@@ -75,29 +75,63 @@ def capture(
     target and the captured function returns the loss. With ``dtype``, the model is captured
     as if its floating parameters, buffers and inputs were of that dtype (mixed precision's
     compute dtype), on the meta device; the model itself is left as it is."""
-    root: nn.Module = model if loss_fn is None else _WithLoss(model, loss_fn)
     prefix = "" if loss_fn is None else "model."
-    was_training = model.training
-    model.train(train)
-    args, kwargs = _unaliased(tuple(args), kwargs or {})
-    # A model built on the meta device is captured there, inputs included.
-    meta = dtype is not None or any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     held = Held()  # torch's log of the export: printed if it succeeds, filed if not
     try:
-        with experts_as_ops(model), _state_in(model, dtype, meta), torch_logs_held(held):
-            if meta:
-                args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
-            program = torch.export.export(root, args, kwargs, strict=False)
-            program = program.run_decompositions({})
+        program = _exported(model, args, kwargs, loss_fn, train, dtype, held)
     except ExpertsError:
         raise
     except Exception as err:  # one line: the user's source line and the op; the rest filed
         one_line_on_rank_zero()
         raise CaptureError(describe_failure(model, err, held)) from None
-    finally:
-        model.train(was_training)
     replay(held)
     return _from_program(program, model, prefix, train)
+
+
+def exported(
+    model: nn.Module,
+    args: Sequence[Any],
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    dynamic_shapes: Any = None,
+) -> ExportedProgram:
+    """The training-mode export :func:`capture` makes, with torch's ``dynamic_shapes`` (for
+    the positional ``args``); torch's errors as they are."""
+    held = Held()
+    program = _exported(model, args, {}, loss_fn, True, dtype, held, dynamic_shapes)
+    replay(held)
+    return program
+
+
+def _exported(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    train: bool,
+    dtype: torch.dtype | None,
+    held: Held,
+    dynamic_shapes: Any = None,
+) -> ExportedProgram:
+    root: nn.Module = model if loss_fn is None else _WithLoss(model, loss_fn)
+    was_training = model.training
+    model.train(train)
+    args, kwargs = _unaliased(tuple(args), kwargs or {})
+    # A model built on the meta device is captured there, inputs included.
+    meta = dtype is not None or any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    try:
+        with experts_as_ops(model), _state_in(model, dtype, meta), torch_logs_held(held):
+            if meta:
+                args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
+            if loss_fn is not None and dynamic_shapes is not None:
+                dynamic_shapes = (dynamic_shapes,)  # _WithLoss takes them as one *args
+            program = torch.export.export(
+                root, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
+            )
+            return program.run_decompositions({})
+    finally:
+        model.train(was_training)
 
 
 def _on_meta(x: Any, dtype: torch.dtype | None) -> Any:
@@ -168,8 +202,15 @@ def capture_modes(
     }
 
 
-def _from_program(program: ExportedProgram, model: nn.Module, prefix: str, train: bool) -> OpGraph:
-    graph = program.graph_module.graph
+def _from_program(
+    program: ExportedProgram,
+    model: nn.Module,
+    prefix: str,
+    train: bool,
+    graph: fx.Graph | None = None,
+) -> OpGraph:
+    """The OpGraph of ``program`` (of ``graph``, a copy of its graph, where given)."""
+    graph = program.graph_module.graph if graph is None else graph
     signature = program.graph_signature
     kinds = {
         InputKind.PARAMETER: "param",
@@ -249,4 +290,4 @@ def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
             }
 
 
-__all__ = ["CaptureError", "capture", "capture_modes", "tied_names"]
+__all__ = ["CaptureError", "capture", "capture_modes", "exported", "tied_names"]

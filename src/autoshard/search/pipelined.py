@@ -345,17 +345,27 @@ def plan_with_stages(
     import torch.utils._pytree as pytree
 
     from autoshard.graph import capture
+    from autoshard.graph.batches import Batches
 
     tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
     batch = tensors[0].shape[0]
 
+    precision = given.get("precision")
+    dtype = precision.compute if precision is not None else None
+    # micro-batch counts searched, positional inputs: one export with the batch free serves
+    # every size (``Batches``)
+    sizes = None
+    if not given.get("microbatches") and not example_kwargs:
+        sizes = Batches(model, tuple(example_inputs), loss_fn=loss_fn, dtype=dtype)
+
     def micro(m: int) -> OpGraph:
+        if sizes is not None:
+            return sizes.at(batch // m)
+
         def first(x: Any) -> Any:
             return x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.dim() else x
 
         part, kwargs = pytree.tree_map(first, (tuple(example_inputs), example_kwargs))
-        precision = given.get("precision")
-        dtype = precision.compute if precision is not None else None
         return capture(model, part, kwargs, loss_fn=loss_fn, train=True, dtype=dtype)
 
     if given.get("microbatches") and batch % given["microbatches"]:

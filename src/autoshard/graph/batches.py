@@ -1,0 +1,139 @@
+"""One model's graph at many batch sizes from one export: a pipeline search prices a stage at
+each micro-batch size it tries (GPT-3 175B: seven), and an export with its decompositions
+took about 0.5 s of each.
+
+:class:`Batches` exports the model once with the batch dim of its inputs symbolic, then makes
+the graph at a size by putting the size in for the symbol: the nodes that compute sizes are
+evaluated and their uses get the numbers, and every value is made again on the meta device
+(its shape and dtype). The graph is the one a capture at that size makes, which the tests
+check op by op. Where torch cannot export the batch dim as free (the model branches on it, a
+size under 2), each size is captured on its own, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from autoshard.graph.capture import _from_program, capture, exported
+from autoshard.graph.opgraph import OpGraph
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class Batches:
+    """``model`` (and ``loss_fn``) at any batch size up to the batch of ``args``: the rows
+    of each input that has that batch as its first dim, cut to the size (``at``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: Sequence[Any],
+        *,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model, self.args, self.loss_fn, self.dtype = model, tuple(args), loss_fn, dtype
+        tensors = [t for t in self.args if isinstance(t, torch.Tensor) and t.dim()]
+        self.batch = tensors[0].shape[0] if tensors else 0
+        self.program: ExportedProgram | None = None
+        self.tried = False
+        #: sizes made from the one export, and sizes captured on their own
+        self.made: list[int] = []
+        self.captured: list[int] = []
+
+    def at(self, size: int) -> OpGraph:
+        """The training graph at batch ``size``."""
+        if not self.tried:
+            self.tried = True
+            self.program = self._export()
+        if self.program is not None and size >= 2:
+            made = _from_program(
+                self.program, self.model, "" if self.loss_fn is None else "model.", True,
+                graph=_at_size(self.program, size),
+            )  # fmt: skip
+            self.made.append(size)
+            return made
+        self.captured.append(size)
+        return capture(self.model, self._rows(size), {}, loss_fn=self.loss_fn, train=True,
+                       dtype=self.dtype)  # fmt: skip
+
+    def _rows(self, size: int) -> tuple:
+        return tuple(self._cut(x, size) for x in self.args)
+
+    def _cut(self, x: Any, size: int) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.batch:
+            return x[:size]
+        return x
+
+    def _export(self) -> ExportedProgram | None:
+        """The export with the batch dim free; None where torch cannot free it."""
+        if self.batch < 2:
+            return None
+        dim = torch.export.Dim("batch", min=2, max=max(self.batch, 2))
+        free = tuple(
+            {0: dim} if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.batch
+            else None
+            for x in self.args
+        )  # fmt: skip
+        try:
+            return exported(self.model, self.args, loss_fn=self.loss_fn, dtype=self.dtype,
+                            dynamic_shapes=free)  # fmt: skip
+        except Exception:  # e.g. the model branches on its batch: each size captured alone
+            return None
+
+
+def _at_size(program: ExportedProgram, size: int) -> fx.Graph:
+    """A copy of ``program``'s graph with its batch symbol at ``size``: sizes computed from it
+    are numbers in the arguments that read them, every value a meta tensor of its shape."""
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    result, output = graph.graph_copy(program.graph_module.graph, copies, return_output_node=True)
+    graph.output(result).meta = dict(output.meta)
+    values: dict[fx.Node, Any] = {}
+    symbolic: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            value = _on_meta(val, size)
+        elif node.op == "call_function":
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+            value = node.target(*args, **kwargs)
+        else:
+            raise ValueError(f"{node.op} node {node.name} in an exported graph")
+        values[node] = value
+        if isinstance(val, _SYMBOLIC):
+            symbolic.append(node)
+            for user in list(node.users):
+                user.args, user.kwargs = fx.node.map_arg(
+                    (user.args, user.kwargs), lambda n, node=node, value=value: value if n is node
+                    else n
+                )  # fmt: skip
+        else:
+            node.meta["val"] = pytree.tree_map_only(torch.Tensor, _meta_like, value)
+    for node in reversed(symbolic):
+        graph.erase_node(node)
+    return graph
+
+
+def _on_meta(val: Any, size: int) -> Any:
+    """A placeholder's value at the batch ``size``: its symbolic dims are the batch."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = [size if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
+    return torch.empty(shape, dtype=val.dtype, device="meta")
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+__all__ = ["Batches"]
