@@ -76,6 +76,25 @@ def test_a_size_made_from_the_one_export_is_its_capture(name: str, dtype) -> Non
     assert sizes.made == [6, 4, 3] and sizes.captured == []
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_model_with_its_weights_is_made_alike(name: str) -> None:
+    """A model on the CPU with its weights (not on the meta device), in float64: the graph's
+    own tensors (positions, masks) are made on the CPU beside the inputs."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = GPT(GPTConfig(block_size=32, hidden=32, num_heads=4, vocab_size=64, num_layers=2))
+    else:
+        model = Llama(LlamaConfig(max_seq=32, num_kv_heads=2, ffn_hidden=64, hidden=32,
+                                  num_heads=4, vocab_size=64, num_layers=2))  # fmt: skip
+    model = model.double()
+    idx = torch.randint(0, 64, (8, 32))
+    sizes = Batches(model, (idx, idx.clone()), loss_fn=_loss)
+    for size in (4, 2):
+        alone = capture(model, (idx[:size], idx[:size].clone()), {}, loss_fn=_loss, train=True)
+        assert _facts(sizes.at(size)) == _facts(alone), size
+    assert sizes.made == [4, 2]
+
+
 class _Branches(nn.Module):
     """A model whose ops depend on its batch size: torch cannot export the batch as free."""
 

@@ -4,10 +4,10 @@ took about 0.5 s of each.
 
 :class:`Batches` exports the model once with the batch dim of its inputs symbolic, then makes
 the graph at a size by putting the size in for the symbol: the nodes that compute sizes are
-evaluated and their uses get the numbers, and every value is made again on the meta device
-(its shape and dtype). The graph is the one a capture at that size makes, which the tests
-check op by op. Where torch cannot export the batch dim as free (the model branches on it, a
-size under 2), each size is captured on its own, as before.
+evaluated and their uses get the numbers, and every value is made again as a fake tensor of
+its shape, strides, dtype and device. The graph is the one a capture at that size makes,
+which the tests check op by op. Where torch cannot export the batch dim as free (the model
+branches on it, a size under 2), or a size cannot be made so, that size is captured alone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 
 from autoshard.graph.capture import _from_program, capture, exported
@@ -54,12 +54,15 @@ class Batches:
             self.tried = True
             self.program = self._export()
         if self.program is not None and size >= 2:
-            made = _from_program(
-                self.program, self.model, "" if self.loss_fn is None else "model.", True,
-                graph=_at_size(self.program, size),
-            )  # fmt: skip
-            self.made.append(size)
-            return made
+            try:
+                graph = _at_size(self.program, size)
+            except Exception:  # an op the sizes cannot be run through: captured alone
+                graph = None
+            if graph is not None:
+                prefix = "" if self.loss_fn is None else "model."
+                made = _from_program(self.program, self.model, prefix, True, graph=graph)
+                self.made.append(size)
+                return made
         self.captured.append(size)
         return capture(self.model, self._rows(size), {}, loss_fn=self.loss_fn, train=True,
                        dtype=self.dtype)  # fmt: skip
@@ -91,49 +94,61 @@ class Batches:
 
 def _at_size(program: ExportedProgram, size: int) -> fx.Graph:
     """A copy of ``program``'s graph with its batch symbol at ``size``: sizes computed from it
-    are numbers in the arguments that read them, every value a meta tensor of its shape."""
+    are numbers in the arguments that read them, every value a fake tensor of its shape, on
+    its device (torch's own fake tensors, in a mode of their own)."""
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     result, output = graph.graph_copy(program.graph_module.graph, copies, return_output_node=True)
     graph.output(result).meta = dict(output.meta)
     values: dict[fx.Node, Any] = {}
     symbolic: list[fx.Node] = []
-    for node in graph.nodes:
-        if node.op == "output":
-            continue
-        val = node.meta.get("val")
-        if node.op == "placeholder":
-            value = _on_meta(val, size)
-        elif node.op == "call_function":
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
-            value = node.target(*args, **kwargs)
-        else:
-            raise ValueError(f"{node.op} node {node.name} in an exported graph")
-        values[node] = value
-        if isinstance(val, _SYMBOLIC):
-            symbolic.append(node)
-            for user in list(node.users):
-                user.args, user.kwargs = fx.node.map_arg(
-                    (user.args, user.kwargs), lambda n, node=node, value=value: value if n is node
-                    else n
-                )  # fmt: skip
-        else:
-            node.meta["val"] = pytree.tree_map_only(torch.Tensor, _meta_like, value)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for node in graph.nodes:
+            if node.op == "output":
+                continue
+            val = node.meta.get("val")
+            if node.op == "placeholder":
+                value = _placeholder(val, size)
+            elif node.op == "call_function":
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+                value = node.target(*args, **kwargs)
+            else:
+                raise ValueError(f"{node.op} node {node.name} in an exported graph")
+            values[node] = value
+            if isinstance(val, _SYMBOLIC):
+                symbolic.append(node)
+                _put_in(node, value)
+            else:
+                node.meta["val"] = value
     for node in reversed(symbolic):
         graph.erase_node(node)
     return graph
 
 
-def _on_meta(val: Any, size: int) -> Any:
-    """A placeholder's value at the batch ``size``: its symbolic dims are the batch."""
+def _put_in(node: fx.Node, value: Any) -> None:
+    """``value`` in place of ``node`` in the arguments of the nodes that read it."""
+    for user in list(node.users):
+        user.args, user.kwargs = fx.node.map_arg(
+            (user.args, user.kwargs), lambda n: value if n is node else n
+        )
+
+
+def _placeholder(val: Any, size: int) -> Any:
+    """A placeholder's value at the batch ``size``: its shape and strides with the batch
+    symbol at ``size``, its dtype and device (made in the fake mode: no storage)."""
     if not isinstance(val, torch.Tensor):
         return val
-    shape = [size if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
-    return torch.empty(shape, dtype=val.dtype, device="meta")
+    shape = [_at(d, size) for d in val.shape]
+    stride = [_at(d, size) for d in val.stride()]
+    return torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
 
 
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_meta else torch.empty(t.shape, dtype=t.dtype, device="meta")
+def _at(value: Any, size: int) -> int:
+    """A size or stride with the batch symbol (the export's only one) at ``size``."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    expr = value.node.expr
+    return int(expr.subs({symbol: size for symbol in expr.free_symbols}))
 
 
 __all__ = ["Batches"]
