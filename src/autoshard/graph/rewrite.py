@@ -9,7 +9,6 @@ split inside one dim, which a layout cannot hold without moving it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -35,8 +34,8 @@ def rows_through_views(graph: fx.Graph) -> int:
         with graph.inserting_before(lin):
             rows = graph.call_function(aten.view.default, (src, [*lead, k]))
         rows.meta = dict(merged.meta)
-        value = src.meta["val"]  # export's fake tensor, or a meta tensor (graph.batches)
-        with getattr(value, "fake_mode", None) or contextlib.nullcontext():
+        value = src.meta["val"]
+        with value.fake_mode:
             rows.meta["val"] = value.view(*lead, k)
         lin.args = (rows, *lin.args[1:])
         lin.meta["val"] = back.meta["val"]
