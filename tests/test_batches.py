@@ -152,3 +152,18 @@ def test_a_batch_of_one_is_captured_alone() -> None:
         capture(model, (idx[:1], idx[:1].clone()), {}, loss_fn=_loss, train=True)
     )
     assert sizes.captured == [1]
+
+
+def test_micro_batch_graphs_serve_the_cli_and_plan_alike() -> None:
+    """What both planners call for one of ``m`` micro-batches: made from the one export when
+    counts are searched, captured when one count is given; the same graph either way."""
+    from autoshard.graph.batches import micro_batch_graphs
+
+    model = _reference("llama")
+    idx = torch.zeros(8, 64, dtype=torch.long)
+    searched = micro_batch_graphs(model, (idx, idx.clone()), loss_fn=_loss, searched=True)
+    given = micro_batch_graphs(model, (idx, idx.clone()), loss_fn=_loss, searched=False)
+    for m in (2, 4):
+        alone = capture(model, (idx[: 8 // m], idx[: 8 // m].clone()), {}, loss_fn=_loss,
+                        train=True)  # fmt: skip
+        assert _facts(searched(m)) == _facts(alone) == _facts(given(m)), m

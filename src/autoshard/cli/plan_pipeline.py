@@ -76,24 +76,22 @@ def pipeline_plan(
 
 
 def _micro_graphs(model, example, loss_fn, policy, given: dict, depth) -> tuple[Any, list]:
-    """The model's graph for one of ``m`` micro-batches, as a function of ``m``, and the
-    seconds spent making them (a one-item list, added to as they are made). Where micro-batch
-    counts are searched, one export with the batch free serves every size (``Batches``)."""
-    from autoshard.graph import capture, check_depth
-    from autoshard.graph.batches import Batches
+    """The model's graph for one of ``m`` micro-batches, as a function of ``m``, each checked
+    against the depth it is priced at, and the seconds spent making them (a one-item list,
+    added to as they are made)."""
+    from autoshard.graph import check_depth
+    from autoshard.graph.batches import micro_batch_graphs
 
-    batch = example[0].shape[0]
-    dtype = policy.compute if policy is not None else None
-    sizes = Batches(model, example, loss_fn=loss_fn, dtype=dtype)
+    made = micro_batch_graphs(
+        model, example, loss_fn=loss_fn,
+        dtype=policy.compute if policy is not None else None,
+        searched=not given.get("microbatches"),
+    )  # fmt: skip
     captured_s = [0.0]
 
     def micro(m: int) -> Any:
         began = time.perf_counter()
-        if given.get("microbatches"):
-            part = tuple(t[: t.shape[0] // m] for t in example)
-            graph = capture(model, part, {}, loss_fn=loss_fn, train=True, dtype=dtype)
-        else:
-            graph = sizes.at(batch // m)
+        graph = made(m)
         check_depth(graph, depth)
         captured_s[0] += time.perf_counter() - began
         return graph

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 
@@ -92,6 +93,33 @@ class Batches:
             return None
 
 
+def micro_batch_graphs(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    searched: bool = True,
+) -> Callable[[int], OpGraph]:
+    """The training graph for one of ``m`` micro-batches of the examples' batch (their rows
+    cut to ``batch // m``), as a function of ``m``. ``searched``: several counts will be asked
+    for, so one export with the batch free serves them all (``Batches``, positional inputs
+    only); else each is captured alone."""
+    if searched and not example_kwargs:
+        sizes = Batches(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
+        return lambda m: sizes.at(sizes.batch // m)
+
+    def micro(m: int) -> OpGraph:
+        def first(x: Any) -> Any:
+            return x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.dim() else x
+
+        part, kwargs = pytree.tree_map(first, (tuple(example_inputs), example_kwargs or {}))
+        return capture(model, part, kwargs, loss_fn=loss_fn, train=True, dtype=dtype)
+
+    return micro
+
+
 def _at_size(program: ExportedProgram, size: int) -> fx.Graph:
     """A copy of ``program``'s graph with its batch symbol at ``size``: sizes computed from it
     are numbers in the arguments that read them, every value a fake tensor of its shape, on
@@ -151,4 +179,4 @@ def _at(value: Any, size: int) -> int:
     return int(expr.subs({symbol: size for symbol in expr.free_symbols}))
 
 
-__all__ = ["Batches"]
+__all__ = ["Batches", "micro_batch_graphs"]

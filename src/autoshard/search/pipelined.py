@@ -344,29 +344,16 @@ def plan_with_stages(
     import torch
     import torch.utils._pytree as pytree
 
-    from autoshard.graph import capture
-    from autoshard.graph.batches import Batches
+    from autoshard.graph.batches import micro_batch_graphs
 
     tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
     batch = tensors[0].shape[0]
-
     precision = given.get("precision")
-    dtype = precision.compute if precision is not None else None
-    # micro-batch counts searched, positional inputs: one export with the batch free serves
-    # every size (``Batches``)
-    sizes = None
-    if not given.get("microbatches") and not example_kwargs:
-        sizes = Batches(model, tuple(example_inputs), loss_fn=loss_fn, dtype=dtype)
-
-    def micro(m: int) -> OpGraph:
-        if sizes is not None:
-            return sizes.at(batch // m)
-
-        def first(x: Any) -> Any:
-            return x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.dim() else x
-
-        part, kwargs = pytree.tree_map(first, (tuple(example_inputs), example_kwargs))
-        return capture(model, part, kwargs, loss_fn=loss_fn, train=True, dtype=dtype)
+    micro = micro_batch_graphs(
+        model, example_inputs, example_kwargs, loss_fn=loss_fn,
+        dtype=precision.compute if precision is not None else None,
+        searched=not given.get("microbatches"),
+    )  # fmt: skip
 
     if given.get("microbatches") and batch % given["microbatches"]:
         raise ValueError(f"microbatches={given['microbatches']} does not divide the batch {batch}")
