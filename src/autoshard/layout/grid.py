@@ -10,7 +10,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from autoshard.layout.normal import NOT_SPLIT
 
@@ -19,19 +19,10 @@ def suffix_products(sizes: Sequence[int]) -> set[int]:
     return {math.prod(sizes[i:]) for i in range(len(sizes) + 1)}
 
 
-def is_chain(bounds: set[int]) -> bool:
-    ordered = sorted(bounds)
-    return all(b % a == 0 for a, b in zip(ordered, ordered[1:], strict=False))
+class GridState(NamedTuple):
+    """A state of the redistribution search (a tuple: the search hashes and compares
+    hundreds of thousands of them)."""
 
-
-def sizes_of(bounds: set[int]) -> tuple[int, ...]:
-    """Major-first sizes of the axes a divisibility chain of boundaries describes."""
-    ordered = sorted(bounds, reverse=True)
-    return tuple(a // b for a, b in zip(ordered, ordered[1:], strict=False))
-
-
-@dataclass(frozen=True)
-class GridState:
     assign: tuple[tuple[int, ...], ...]  # per dim, per grid factor: grid axis or NOT_SPLIT
     partial: frozenset[int]
     frame: int = 0  # 0: source ranks, 1: destination ranks (only when they differ)
@@ -45,13 +36,24 @@ class Grid:
     def axis_starts(self) -> list[int]:
         return [math.prod(self.axes[j + 1 :]) for j in range(len(self.axes))]
 
+    @functools.cached_property
+    def _places(self) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """What encoding reads of the grid, made once: each axis's devices below it, and per
+        dim each factor's elements below it."""
+        lows = tuple(
+            tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes))) for sizes in self.dims
+        )
+        return self.axis_starts(), lows
+
     def encode(self, layout: Any) -> GridState:
-        starts = self.axis_starts()
+        starts, lows = self._places
         assign = []
-        for dim, grid_sizes in enumerate(self.dims):
-            row = []
-            grid_lo = [math.prod(grid_sizes[i + 1 :]) for i in range(len(grid_sizes))]
+        for dim, grid_lo in enumerate(lows):
             factors = layout.factors[dim]
+            if all(fac_axis == NOT_SPLIT for _, fac_axis in factors):
+                assign.append((NOT_SPLIT,) * len(grid_lo))
+                continue
+            row = []
             for lo in grid_lo:
                 flo = 1
                 axis = NOT_SPLIT
@@ -97,30 +99,47 @@ def common_grid(
     """The coarsest grid on which every layout's split factors are whole grid axes, or None
     when the layouts' device matrices or factors have no common refinement."""
     shape = layouts[0].shape
-    num = len(layouts[0].ranks)
-    mesh_bounds: set[int] = set(extra_mesh) | {1, num}
+    mesh_bounds: set[int] = set(extra_mesh) | {1, len(layouts[0].ranks)}
     dim_bounds = [{1, size} for size in shape]
     for bounds, extra in zip(dim_bounds, extra_dims, strict=False):
         bounds |= set(extra)
-    made = [_bounds_of(layout) for layout in layouts]
-    for mesh_products, dim_products, _ in made:
+    splits = []
+    for mesh_products, dim_products, own in map(_bounds_of, layouts):
         mesh_bounds |= mesh_products
         for dim, products in enumerate(dim_products):
             dim_bounds[dim] |= products
-    changed = True
+        splits += own
+    # Refined to a fixed point, then checked: the sets only grow, and a set that is not a
+    # divisibility chain never becomes one again (its two offending bounds stay), so one
+    # check at the end answers as a check after every round would.
+    changed = bool(splits)
     while changed:
-        if not is_chain(mesh_bounds) or not all(is_chain(b) for b in dim_bounds):
-            return None
         changed = False
-        for _, _, splits in made:
-            for dim, flo, size, alo in splits:
-                new_mesh = {alo * x // flo for x in dim_bounds[dim] if flo < x < flo * size}
-                new_dim = {flo * y // alo for y in mesh_bounds if alo < y < alo * size}
-                if not new_mesh <= mesh_bounds or not new_dim <= dim_bounds[dim]:
-                    mesh_bounds |= new_mesh
-                    dim_bounds[dim] |= new_dim
-                    changed = True
-    return Grid(sizes_of(mesh_bounds), tuple(sizes_of(b) for b in dim_bounds))
+        for dim, flo, size, alo in splits:
+            bounds, high, top = dim_bounds[dim], flo * size, alo * size
+            new_mesh = {alo * x // flo for x in bounds if flo < x < high}
+            new_dim = {flo * y // alo for y in mesh_bounds if alo < y < top}
+            if not new_mesh <= mesh_bounds or not new_dim <= bounds:
+                mesh_bounds |= new_mesh
+                bounds |= new_dim
+                changed = True
+    mesh_sizes = _chain_sizes(mesh_bounds)
+    dim_sizes = tuple(map(_chain_sizes, dim_bounds))
+    if mesh_sizes is None or None in dim_sizes:
+        return None
+    return Grid(mesh_sizes, dim_sizes)
+
+
+def _chain_sizes(bounds: set[int]) -> tuple[int, ...] | None:
+    """Major-first sizes of the axes a divisibility chain of boundaries describes; None where
+    ``bounds`` is not a chain."""
+    ordered = sorted(bounds, reverse=True)
+    sizes = []
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if a % b:
+            return None
+        sizes.append(a // b)
+    return tuple(sizes)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -41,7 +41,14 @@ from autoshard.layout.grid import (
     prime_cuts,
     suffix_products,
 )
-from autoshard.redistribution.search import candidate_steps, local_numel, search, step_bytes
+from autoshard.redistribution.search import (
+    bytes_of_step,
+    candidate_steps,
+    local_numel,
+    search,
+    search_splits,
+    step_bytes,
+)
 
 __all__ = [
     "RedistributionPlan",
@@ -322,22 +329,23 @@ def step_costs(src: Layout, dst: Layout) -> tuple[StepCost, ...]:
         goal = grid.encode(dst)
         if tuple(src.ranks) != tuple(dst.ranks):
             goal = GridState(goal.assign, goal.partial, 1)
-        path = search(grid, start, goal, False)
+        path = search_splits(grid, start, goal)
     if grid is None or path is None:
         return tuple(StepCost.of(step) for step in redistribution_plan(src, dst).steps)
     frames = (tuple(src.ranks), tuple(dst.ranks))
-    itemsize = src.dtype.itemsize
+    numel_bytes = math.prod(src.shape) * src.dtype.itemsize
     out = []
-    for kind, axes, before, _ in path:
-        local = local_numel(grid, before) * itemsize
+    for kind, axes, split, frame in path:
+        local = numel_bytes // split
         if kind == "send_recv":
             nbytes, group = local, (frames[0][0], frames[1][0])
         else:
-            nbytes = step_bytes(kind, grid, axes, before, itemsize)
+            size = math.prod(grid.axes[a] for a in axes)
+            nbytes = bytes_of_step(kind, size, local)
             groups = (
-                _swap_pairs(grid, axes, frames[before.frame])
+                _swap_pairs(grid, axes, frames[frame])
                 if kind == "permute"
-                else _groups(grid, axes, frames[before.frame])
+                else _groups(grid, axes, frames[frame])
             )
             group = groups[0] if groups else ()
         out.append(StepCost(kind, nbytes, local, group))

@@ -15,7 +15,14 @@ from autoshard import comm
 from autoshard.layout import NOT_SPLIT, LayoutError
 from autoshard.layout.grid import Grid, GridState
 
-__all__ = ["candidate_steps", "local_numel", "search", "step_bytes"]
+__all__ = [
+    "bytes_of_step",
+    "candidate_steps",
+    "local_numel",
+    "search",
+    "search_splits",
+    "step_bytes",
+]
 
 
 def local_numel(grid: Grid, state: GridState) -> int:
@@ -42,8 +49,11 @@ class _Places:
     def __init__(self, grid: Grid, free: list[tuple[int, int]], target: dict, exhaustive: bool):
         goals = set(target.values())
         self.options: dict[int, tuple[list, list]] = {}
+        of_size: dict[int, list[tuple[int, int]]] = {}
+        for slot in free:
+            of_size.setdefault(grid.dims[slot[0]][slot[1]], []).append(slot)
         for axis, size in enumerate(grid.axes):
-            slots = [s for s in free if grid.dims[s[0]][s[1]] == size]
+            slots = of_size.get(size, [])
             if exhaustive:
                 self.options[axis] = (slots, [])
             elif target.get(axis) in slots:
@@ -74,15 +84,11 @@ class _Places:
 def _with(
     state: GridState, moves: dict[int, tuple[int, int] | None], partial: frozenset[int]
 ) -> GridState:
-    assign = [list(row) for row in state.assign]
-    for row in assign:
-        for i, axis in enumerate(row):
-            if axis in moves:
-                row[i] = NOT_SPLIT
+    assign = [[NOT_SPLIT if axis in moves else axis for axis in row] for row in state.assign]
     for axis, slot in moves.items():
         if slot is not None:
             assign[slot[0]][slot[1]] = axis
-    return GridState(tuple(tuple(r) for r in assign), partial, state.frame)
+    return GridState(tuple(map(tuple, assign)), partial, state.frame)
 
 
 def _role(state: GridState, axis: int) -> Any:
@@ -110,18 +116,24 @@ def candidate_steps(
     the other (a slice is free; ring all-gather and reduce-scatter bytes telescope), so the
     search loses no plan, and :func:`_merged` joins such runs into one step again. All-reduces
     and all-to-alls over several axes are cheaper together, and are offered together."""
-    where = {
+    return _candidates(grid, state, goal, exhaustive, _placed(goal))
+
+
+def _placed(state: GridState) -> dict[int, tuple[int, int]]:
+    """Each split axis of ``state``: the (dim, factor) it splits."""
+    return {
         axis: (d, i)
         for d, row in enumerate(state.assign)
         for i, axis in enumerate(row)
         if axis != NOT_SPLIT
     }
-    target = {
-        axis: (d, i)
-        for d, row in enumerate(goal.assign)
-        for i, axis in enumerate(row)
-        if axis != NOT_SPLIT
-    }
+
+
+def _candidates(
+    grid: Grid, state: GridState, goal: GridState, exhaustive: bool, target: dict
+) -> Iterator[tuple[str, tuple[int, ...], GridState]]:
+    """:func:`candidate_steps`, the goal's split axes given (``_placed(goal)``)."""
+    where = _placed(state)
     free = [
         (d, i) for d, row in enumerate(state.assign) for i, a in enumerate(row) if a == NOT_SPLIT
     ]
@@ -240,6 +252,39 @@ def search(
     return _merged(steps)
 
 
+def search_splits(
+    grid: Grid, start: GridState, goal: GridState
+) -> tuple[tuple[str, tuple[int, ...], int, int], ...] | None:
+    """:func:`search`'s path as pricing reads it: each step's kind, grid axes, the product of
+    the grid axes split before it (a state's local size is the tensor's over it: a split
+    factor is as large as its axis) and the frame before it; None past the budget. It needs
+    no state on ``grid``, so the pattern's path is not mapped back."""
+    pattern, slots = _pattern(grid, start, goal)
+    ends = [
+        GridState((tuple(state.assign[d][i] for d, i in slots),), state.partial, state.frame)
+        for state in (start, goal)
+    ]
+    path = _search_pattern(pattern, ends[0], ends[1], False)
+    if path is None:
+        return None
+    axes_sizes = grid.axes
+    return tuple(
+        (kind, axes, math.prod(axes_sizes[a] for a in before.assign[0] if a != NOT_SPLIT),
+         before.frame)
+        for kind, axes, before, _ in _merged(path)
+    )  # fmt: skip
+
+
+def bytes_of_step(kind: str, group_size: int, local_bytes: int) -> int:
+    """Bytes per rank of a step over a group of ``group_size`` from a local part of
+    ``local_bytes`` (:func:`step_bytes` once the local size is known)."""
+    if kind in ("split", "to_partial"):
+        return 0
+    if kind == "permute":
+        return comm.collective_bytes("send_recv", 2, local_bytes)
+    return comm.collective_bytes(kind, group_size, local_bytes)
+
+
 def _pattern(grid: Grid, start: GridState, goal: GridState) -> tuple[Grid, list[tuple[int, int]]]:
     """The one-row grid the search runs on, and the factor of ``grid`` each place stands for."""
     count = {size: grid.axes.count(size) for size in grid.axes}
@@ -258,10 +303,11 @@ def _pattern(grid: Grid, start: GridState, goal: GridState) -> tuple[Grid, list[
     return Grid(grid.axes, (tuple(key[0] for key, _ in keyed),)), [slot for _, slot in keyed]
 
 
-def _units(grid: Grid, state: GridState) -> int:
+def _units(grid: Grid, state: GridState, total: int | None = None) -> int:
     """The local size of ``state`` in units of the tensor's size over the grid's product
-    squared (so that every ring formula's division is exact)."""
-    total = math.prod(grid.axes)
+    squared (so that every ring formula's division is exact); ``total``: the grid's product."""
+    if total is None:
+        total = math.prod(grid.axes)
     split = math.prod(grid.axes[a] for row in state.assign for a in row if a != NOT_SPLIT)
     return total * total // split
 
@@ -275,7 +321,14 @@ def _roles(state: GridState) -> dict[int, Any]:
     return roles
 
 
-def _still_to_pay(grid: Grid, state: GridState, goal: GridState, goal_roles: dict) -> int:
+def _still_to_pay(
+    grid: Grid,
+    state: GridState,
+    goal: GridState,
+    goal_roles: dict,
+    total: int | None = None,
+    goal_units: int | None = None,
+) -> int:
     """A lower bound of the bytes (in :func:`_units`) from ``state`` to ``goal``, the sum of
     three kinds of work no step shares (P is the grid's product, the least local size):
 
@@ -295,32 +348,43 @@ def _still_to_pay(grid: Grid, state: GridState, goal: GridState, goal_roles: dic
     the local size but an all-gather, whose bytes are exactly its growth ((g-1) * input): so the
     goal's local size less the state's is a bound too, and the larger of the two is taken. (A
     search with no bound finds paths of the same bytes on every pattern GPT-3 175B's plan
-    prices.)"""
-    total = math.prod(grid.axes)
-    pending = gathered = moving = 1
-    for axis, role in _roles(state).items():
-        size = grid.axes[axis]
-        want = goal_roles.get(axis, "replicated")
-        if role == want or want == "partial":
-            continue
-        if role == "partial":
-            pending *= size
-        elif want == "replicated":
-            gathered *= size
-        else:
-            moving *= size
+    prices.) ``total`` (the grid's product) and ``goal_units`` (``_units`` of the goal) may be
+    given, as one search does, once for all its states."""
+    sizes = grid.axes
+    if total is None:
+        total = math.prod(sizes)
+    pending = gathered = moving = split = 1
+    for axis in state.partial:  # unsplit: a pending sum's axis holds no factor
+        if goal_roles.get(axis) != "partial":
+            pending *= sizes[axis]
+    for d, row in enumerate(state.assign):
+        for i, axis in enumerate(row):
+            if axis == NOT_SPLIT:
+                continue
+            split *= sizes[axis]
+            want = goal_roles.get(axis, "replicated")
+            if want == "replicated":
+                gathered *= sizes[axis]
+            elif want != "partial" and want != (d, i):
+                moving *= sizes[axis]
     frame = 1 if state.frame != goal.frame else 0
     bound = math.floor(total * (pending + gathered - 1 - 1 / moving + frame))
     if not goal.partial:
-        bound = max(bound, _units(grid, goal) - _units(grid, state))
+        if goal_units is None:
+            goal_units = _units(grid, goal)
+        bound = max(bound, goal_units - total * total // split)
     return bound
 
 
 #: grids of up to this many axes offer all-to-alls over every set of axes; wider ones, over
 #: one or two axes or every misplaced one
 EXACT_MAX_AXES = 5
-#: the most steps one search weighs; past it the plan goes through the whole tensor
-SEARCH_BUDGET = 20000
+#: the most steps one search weighs; past it the plan goes through the whole tensor. On every
+#: shape ``python -m bench plan`` plans, no search that ends weighs more than 4,400 (most a few
+#: hundred), and those that do not end have wide grids of like axes (five of size 2) whose
+#: moves tie in bytes on many paths: they end past 30,000-90,000, where a larger budget only
+#: spends time (a quarter of a second each at 20,000) to go through the whole tensor anyway
+SEARCH_BUDGET = 8000
 
 
 @lru_cache(maxsize=16384)
@@ -331,9 +395,16 @@ def _search_pattern(
     bytes; None past :data:`SEARCH_BUDGET` candidate steps (remembered like any answer)."""
     counter = itertools.count()
     goal_roles = _roles(goal)
+    total = math.prod(grid.axes)
+    goal_units = _units(grid, goal, total)
+    target = _placed(goal)
+
+    def to_pay(state: GridState) -> int:
+        return _still_to_pay(grid, state, goal, goal_roles, total, goal_units)
+
     best: dict[GridState, tuple[int, int]] = {start: (0, 0)}
     back: dict[GridState, tuple[GridState, str, tuple[int, ...]]] = {}
-    heap = [(_still_to_pay(grid, start, goal, goal_roles), 0, next(counter), 0, start)]
+    heap = [(to_pay(start), 0, next(counter), 0, start)]
     weighed = 0
     while heap:
         _, steps, _, cost, state = heapq.heappop(heap)
@@ -341,8 +412,8 @@ def _search_pattern(
             break
         if best.get(state, (math.inf, 0)) < (cost, steps):
             continue
-        local = _units(grid, state)
-        candidates = list(candidate_steps(grid, state, goal, exhaustive))
+        local = _units(grid, state, total)
+        candidates = list(_candidates(grid, state, goal, exhaustive, target))
         weighed += len(candidates)
         if weighed > SEARCH_BUDGET and not exhaustive:
             return None
@@ -359,7 +430,7 @@ def _search_pattern(
             if key < best.get(nxt, (math.inf, 0)):
                 best[nxt] = key
                 back[nxt] = (state, kind, axes)
-                rest = _still_to_pay(grid, nxt, goal, goal_roles)
+                rest = to_pay(nxt)
                 heapq.heappush(heap, (key[0] + rest, key[1], next(counter), key[0], nxt))
     if goal not in best:
         raise LayoutError("no redistribution path found (internal error)")
