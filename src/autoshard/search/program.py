@@ -121,6 +121,8 @@ _OFF_IN_INTEGER_SOLVES = (
     "mip_heuristic_run_zi_round",
     "mip_heuristic_run_shifting",
 )
+#: and turned on: presolve at the root node only (not again in the tree's nodes)
+_ON_IN_INTEGER_SOLVES = ("mip_root_presolve_only",)
 
 
 @dataclass
@@ -157,11 +159,15 @@ def solve_program(program: Program, c: np.ndarray, a: Any, integral: bool) -> So
         # Presolve shrinks these programs little and took most of a relaxation's time (a
         # fifth without it); a restart after the root's presolve rounds, a third of a hard
         # integer solve's; the primal heuristics, two fifths of what was left: the root's
-        # relaxation and cuts solve these programs in a few nodes. Same optima, measured on
-        # the bench's programs (docs/search.md). (An option a HiGHS lacks is refused, quietly.)
+        # relaxation and cuts solve these programs in a few nodes; presolving each node again
+        # cost more than it saved (Mixtral's hardest program: 2.8 s, 0.6 s at the root only).
+        # Same optima, measured on the bench's programs (docs/search.md). (An option a HiGHS
+        # lacks is refused, quietly.)
         if integral:
             for option in _OFF_IN_INTEGER_SOLVES:
                 highs.setOptionValue(option, False)
+            for option in _ON_IN_INTEGER_SOLVES:
+                highs.setOptionValue(option, True)
         else:
             highs.setOptionValue("presolve", "off")
         highs.passModel(lp)
