@@ -210,12 +210,10 @@ def step_bytes(
     kind: str, grid: Grid, axes: tuple[int, ...], state: GridState, itemsize: int
 ) -> int:
     """Bytes per rank of a step from ``state`` over grid ``axes`` (ring formulas)."""
-    group_size = math.prod(grid.axes[a] for a in axes)
     if kind in ("split", "to_partial"):
         return 0
-    if kind == "permute":
-        return comm.collective_bytes("send_recv", 2, local_numel(grid, state) * itemsize)
-    return comm.collective_bytes(kind, group_size, local_numel(grid, state) * itemsize)
+    group_size = math.prod(grid.axes[a] for a in axes)
+    return bytes_of_step(kind, group_size, local_numel(grid, state) * itemsize)
 
 
 def search(
