@@ -5,11 +5,13 @@ test_runtime.py (4 ranks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -20,7 +22,7 @@ from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture
 from autoshard.mesh import MeshInfo
 from autoshard.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, MLPConfig
-from autoshard.search import PlanningError, driver, pruning, solvers
+from autoshard.search import PlanningError, driver, program, pruning, solvers
 from autoshard.search.costgraph import build_cost_graph
 from autoshard.search.exhaustive import brute_force
 from autoshard.search.pruning import least_memory, whole_within
@@ -110,6 +112,51 @@ def test_optimal_equals_brute_force_on_small_graphs() -> None:
                     compared += 1
     assert compared >= 20, compared
     assert read_off >= 5, read_off  # the relaxations' optima were read off and checked
+
+
+def test_the_program_by_option_classes_solves_and_relaxes_as_by_option_pairs(monkeypatch) -> None:
+    """An edge's variables per pair of option classes (equal rows or columns of its move
+    matrix), or none where an end has one class: the same optimum and the same relaxation as
+    a variable per pair of options, in fewer variables."""
+
+    def solved(graph, limit):
+        made, c, a = program.build_program(graph, limit)
+        values = [program.solve_program(made, c, a, integral).fun for integral in (True, False)]
+        return made.num_vars, len(graph.edges) - len(made.classes), values
+
+    def one_class_ends(graph):  # an edge whose rows are all alike, one whose columns are
+        edges = dict(graph.edges)
+        for key, axis in zip(list(edges)[:2], (0, 1), strict=False):
+            m = edges[key]
+            edges[key] = np.repeat(m.take([0], axis), m.shape[axis], axis) + 0.0
+        return dataclasses.replace(graph, edges=edges)
+
+    compared = shrunk = linear = enumerated = 0
+    for title, captured in small_graphs():
+        for mesh in MESHES:
+            built = build_cost_graph(captured, mesh, cluster_spec("dgx-h100", mesh.num_devices))
+            for graph in (built, one_class_ends(built)):
+                middle = (least_memory(graph) + graph.objective([0] * len(graph.names))[1]) / 2
+                for limit in (math.inf, middle):
+                    size, lines, by_classes = solved(graph, limit)
+                    with monkeypatch.context() as m:  # every option its own class
+                        m.setattr(program, "_classes", lambda x: (*map(np.arange, x.shape), x))
+                        full, _, by_pairs = solved(graph, limit)
+                    where = f"{title} on {mesh.sizes}, limit {limit}"
+                    assert by_classes == pytest.approx(by_pairs, rel=1e-9, abs=1e-6), where
+                    few = math.prod(len(o) for o in graph.options) <= 2_000_000
+                    exact = brute_force(graph, limit) if few else None
+                    if exact is not None:  # the optimum, in the program's unit
+                        optimum = (exact.seconds - graph.const_time) * program.SCALE
+                        assert by_classes[0] == pytest.approx(optimum, rel=1e-6), where
+                        enumerated += 1
+                    shrunk += size < full
+                    linear += lines > 0
+                    compared += 1
+    assert compared >= 80 and shrunk >= compared // 2 and linear >= compared // 3, (
+        compared, shrunk, linear,
+    )  # fmt: skip
+    assert enumerated >= 20, enumerated
 
 
 def test_a_mesh_nothing_fits_on_is_skipped_and_the_first_is_relaxed_first(monkeypatch) -> None:

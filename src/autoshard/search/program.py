@@ -1,14 +1,15 @@
 """The integer program of a cost graph and HiGHS on it (docs/search.md): a binary per
-(node, option), a continuous variable per (edge, option pair) tied to both ends, one memory
-row, and the exposed gradient sums; ``solvers.solve_optimal`` and ``relaxed_bound`` solve it
-whole and relaxed."""
+(node, option), a continuous variable per (edge, pair of option classes) tied to both ends,
+one memory row, and the exposed gradient sums; ``solvers.solve_optimal`` and
+``relaxed_bound`` solve it whole and relaxed."""
 
 from __future__ import annotations
 
 import math
 import os
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,13 @@ SCALE = 1e6
 class Program:
     """The integer program of a cost graph: binaries per (node, option), then continuous edge
     variables tied to both ends (their rows and columns sum to the end's binaries), and the
-    constraint rows in coordinate form."""
+    constraint rows in coordinate form.
+
+    An edge's options are taken in classes: options of one end whose rows (columns) of the
+    move matrix are equal cost the same against every option of the other end, so a variable
+    per pair of classes, tied to the sums of its classes' binaries, prices the moves as one
+    per pair of options does, relaxed as well (``_classes``; docs/search.md). An edge one of
+    whose ends has one class is linear in the other's binaries: it is priced on them."""
 
     def __init__(self, graph: CostGraph) -> None:
         self.offsets, n = [], 0
@@ -33,15 +40,25 @@ class Program:
             self.offsets.append(n)
             n += len(opts)
         self.num_x = n
-        self.edge_offsets = {}
-        for key, m in graph.edges.items():
-            self.edge_offsets[key] = n
-            n += m.size
+        self.linear = np.zeros(n)  # the moves of one-class edges, on the binaries
+        self.edge_offsets: dict[tuple[int, int], int] = {}
+        self.classes: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for (i, j), m in graph.edges.items():
+            rows, cols, cost = _classes(m)
+            if cost.shape[0] == 1:
+                self.linear[self.offsets[j] : self.offsets[j] + m.shape[1]] += cost[0, cols]
+            elif cost.shape[1] == 1:
+                self.linear[self.offsets[i] : self.offsets[i] + m.shape[0]] += cost[rows, 0]
+            else:
+                self.classes[(i, j)] = (rows, cols, cost)
+                self.edge_offsets[(i, j)] = n
+                n += cost.size
         self.exposed = n  # the bucketed gradient sums that outlast backward
         self.num_vars = n + 1
-        self.rows: list[int] = []
-        self.cols: list[int] = []
-        self.vals: list[float] = []
+        # the constraint rows in coordinate form, in chunks (``coordinates``)
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
         self.lo: list[float] = []
         self.hi: list[float] = []
 
@@ -51,18 +68,34 @@ class Program:
         for i, u in enumerate(graph.unary):
             hidden = graph.overlap[i] if graph.overlap else 0.0
             c[self.offsets[i] : self.offsets[i] + len(u)] = (u - hidden) * scale
-        for key, m in graph.edges.items():
-            c[self.edge_offsets[key] : self.edge_offsets[key] + m.size] = m.ravel() * scale
+        c[: self.num_x] += self.linear * scale
+        for key, (_, _, cost) in self.classes.items():
+            c[self.edge_offsets[key] : self.edge_offsets[key] + cost.size] = cost.ravel() * scale
         c[self.exposed] = 1.0  # already in the scaled unit (``exposure``)
         return c
 
-    def row(self, cols: list[int], vals: list[float], lo: float, hi: float) -> None:
-        r = len(self.lo)
-        self.rows.extend([r] * len(cols))
-        self.cols.extend(cols)
-        self.vals.extend(vals)
-        self.lo.append(lo)
-        self.hi.append(hi)
+    def row(self, cols: Any, vals: Any, lo: float, hi: float) -> None:
+        self.block(np.zeros(len(cols), np.int64), cols, vals, [lo], [hi])
+
+    def block(
+        self,
+        rows: Any,
+        cols: Any,
+        vals: Any,
+        lo: Sequence[float],
+        hi: Sequence[float] | None = None,
+    ) -> None:
+        """``len(lo)`` rows at once (``rows`` numbers them from 0), between ``lo`` and ``hi``
+        (None: equal to ``lo``)."""
+        self.rows.append(np.asarray(rows, np.int64) + len(self.lo))
+        self.cols.append(np.asarray(cols, np.int64))
+        self.vals.append(np.asarray(vals, float))
+        self.lo.extend(lo)
+        self.hi.extend(lo if hi is None else hi)
+
+    def coordinates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row, column, value) of every entry added."""
+        return tuple(np.concatenate(x) for x in (self.rows, self.cols, self.vals))  # type: ignore[return-value]
 
     def exposure(self, graph: CostGraph) -> None:
         """The exposed sums (in the objective's unit: rows in seconds would sit below the
@@ -78,22 +111,65 @@ class Program:
         self.row(cols, vals, -graph.const_window * SCALE, np.inf)
 
     def constraints(self, graph: CostGraph, memory_limit: float) -> None:
-        for i, opts in enumerate(graph.options):  # one option per node
-            self.row([self.offsets[i] + s for s in range(len(opts))], [1.0] * len(opts), 1, 1)
-        for (i, j), m in graph.edges.items():  # edge marginals: each row (column) sums to x
-            si, sj = m.shape
-            cells = np.arange(si * sj).reshape(si, sj) + self.edge_offsets[(i, j)]
-            for node, groups in ((i, cells), (j, cells.T)):
-                for s, group in enumerate(groups):
-                    cols = [*group.tolist(), self.offsets[node] + s]
-                    self.row(cols, [1.0] * len(group) + [-1.0], 0.0, 0.0)
+        num_nodes = len(graph.options)
+        nodes = np.repeat(np.arange(num_nodes), [len(o) for o in graph.options])
+        self.block(nodes, np.arange(self.num_x), np.ones(self.num_x), [1.0] * num_nodes)
+        for (i, j), (rows, cols, cost) in self.classes.items():
+            # edge marginals: each class's row (column) of the edge's variables sums to the
+            # binaries of its options
+            ci, cj = cost.shape
+            cells = np.arange(ci * cj)
+            edge = self.edge_offsets[(i, j)] + cells
+            ends = [self.offsets[i] + np.arange(len(rows)), self.offsets[j] + np.arange(len(cols))]
+            self.block(
+                np.concatenate([cells // cj, ci + cells % cj, rows, ci + cols]),
+                np.concatenate([edge, edge, *ends]),
+                np.concatenate([np.ones(2 * cells.size), -np.ones(len(rows) + len(cols))]),
+                [0.0] * (ci + cj),
+            )
         if graph.overlap:
             self.exposure(graph)
         if math.isfinite(memory_limit):
             mem_scale = max(1.0, max((float(m.max()) for m in graph.memory), default=1.0))
-            cols = [self.offsets[i] + s for i, m in enumerate(graph.memory) for s in range(len(m))]
-            vals = [v / mem_scale for m in graph.memory for v in m]
-            self.row(cols, vals, -np.inf, (memory_limit - graph.const_memory) / mem_scale)
+            vals = np.concatenate(graph.memory) / mem_scale
+            self.row(
+                np.arange(self.num_x),
+                vals,
+                -np.inf,
+                (memory_limit - graph.const_memory) / mem_scale,
+            )
+
+
+#: each move matrix's classes (``_classes``), kept while the matrix lives: a mesh's moves are
+#: shared by the programs of its ZeRO stages and memory limits; id -> (weak reference, classes)
+_CLASSES: dict[int, tuple[weakref.ref, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+
+def _classes(m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A move matrix by classes: each row's class, each column's, and the matrix of the
+    classes (rows equal in every entry are one class; columns so too)."""
+    key = id(m)
+    kept = _CLASSES.get(key)
+    if kept is not None and kept[0]() is m:
+        return kept[1]
+    row_of, firsts = _first_of_equal(m)
+    col_of, col_firsts = _first_of_equal(np.ascontiguousarray(m[firsts].T))
+    out = (row_of, col_of, m[np.ix_(firsts, col_firsts)])
+    _CLASSES[key] = (weakref.ref(m, lambda _: _CLASSES.pop(key, None)), out)
+    return out
+
+
+def _first_of_equal(m: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Each row's class (classes numbered in order of first appearance) and the first row of
+    each class."""
+    seen: dict[bytes, int] = {}
+    firsts: list[int] = []
+    of = np.empty(len(m), np.int64)
+    for r, row in enumerate(m):
+        of[r] = seen.setdefault(row.tobytes(), len(seen))
+        if of[r] == len(firsts):
+            firsts.append(r)
+    return of, firsts
 
 
 def build_program(graph: CostGraph, memory_limit: float) -> tuple[Program, np.ndarray, Any]:
@@ -102,10 +178,9 @@ def build_program(graph: CostGraph, memory_limit: float) -> tuple[Program, np.nd
     program = Program(graph)
     c = program.objective(graph)
     program.constraints(graph, memory_limit)
-    cells, where = np.unique(
-        np.asarray(program.rows, np.int64) * program.num_vars + program.cols, return_inverse=True
-    )
-    value = np.bincount(where, weights=program.vals, minlength=len(cells))
+    rows, cols, vals = program.coordinates()
+    cells, where = np.unique(rows * program.num_vars + cols, return_inverse=True)
+    value = np.bincount(where, weights=vals, minlength=len(cells))
     start = np.searchsorted(cells // program.num_vars, np.arange(len(program.lo) + 1))
     return program, c, (start, cells % program.num_vars, value)
 
