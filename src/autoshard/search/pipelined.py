@@ -150,18 +150,19 @@ def search_pipeline(
         # memory); where no configuration of it fits, searched again under a limit that much
         # smaller than its own memory as the least pipeline was over the device's, so that it
         # shards what speed alone would replicate (a fixed tensor-parallel degree's weights)
-        limit = math.inf
+        # (up to TIGHTENINGS times, and only while the least pipeline's memory comes down)
+        limit, before = math.inf, math.inf
         for _ in range(TIGHTENINGS + 1):
             try:
                 fitted, lowest, stage = price_with(pp, m, zero, limit)
             except PlanningError:  # nothing fits the stage search's limit
                 return False
-            if fitted or lowest is None:
+            if fitted or lowest is None or lowest >= before:
                 return fitted
             tighter = stage.predicted.peak_memory * cluster.memory_bytes / lowest
             if tighter >= limit:
                 return False
-            limit = tighter
+            limit, before = tighter, lowest
         return False
 
     def price_with(pp: int, m: int, zero: int, limit: float) -> tuple[bool, float | None, Plan]:
