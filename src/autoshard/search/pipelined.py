@@ -24,8 +24,9 @@ from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
 from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search
+from autoshard.search.helper import Helper, helper_cores
 from autoshard.search.plans import Plan, PlanningError
-from autoshard.search.pruning import search_session
+from autoshard.search.pruning import adopt, built_for, search_session
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,14 @@ def search_pipeline(
     search: str = "optimal",
     depth: Any = None,
     tp_across_nodes: bool = False,
+    helper: bool | None = None,
 ) -> tuple[PipelinePlan, list[Tried], float]:
     """The fastest pipeline configuration that fits: ``given`` fixes any of ``pp``,
     ``microbatches``, ``schedule``, ``virtual_stages`` and ``recompute``; the others are
     searched. ``capture(m)`` is the model's graph for one of ``m`` micro-batches of the
     ``batch``. Returns the plan, every configuration priced and the seconds spent.
+    ``helper``: the first stage search of each later degree runs in a second process
+    (``search.helper``; None: where there is a core for it); the plan is the same.
 
     The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
     recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
@@ -126,6 +130,35 @@ def search_pipeline(
     subs: dict[int, ClusterSpec] = {}
 
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
+
+    def stage_search(job: tuple[int, int, int, float]) -> tuple[SearchResult, Any]:
+        """The stage plan's search for ``pp`` ranks, ``m`` micro-batches, ``zero`` and
+        ``limit``, and the cost graphs it built (for this process's session, where the
+        helper ran it)."""
+        pp, m, zero, limit = job
+        og = graph(m)
+        # one spec a sub-mesh size: the session's pricing is kept by the spec's id
+        sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
+        result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
+                            memory_limit=limit, tp_across_nodes=tp_across_nodes,
+                            zero=zero, step_share=1 / m, cp=given.get("cp") or 1,
+                            attention=given.get("attention"),
+                            sequence_parallel=bool(given.get("sequence_parallel")),
+                            precision=given.get("precision"), tp=given.get("tp"))  # fmt: skip
+        return result, built_for(og, sub)
+
+    helpers: list[Helper] = []
+    first_zero = given["zero"] if given.get("zero") is not None else 0
+
+    def ahead(jobs: list[tuple[int, int]]) -> None:
+        """The first stage searches of ``jobs`` ((pp, m), none run yet) in a helper."""
+        if not jobs or not (helper if helper is not None else helper_cores() > 0):
+            return
+        try:
+            helpers.append(Helper([(pp, m, first_zero, math.inf) for pp, m in jobs],
+                                  stage_search, (PlanningError,)))  # fmt: skip
+        except (OSError, AssertionError, ValueError):  # no fork here (a daemonic process)
+            pass
 
     unfit = math.inf  # the fastest configuration priced at this ZeRO stage that does not fit
 
@@ -173,14 +206,18 @@ def search_pipeline(
         key = (num_devices // pp, batch // m, zero, limit)
         fitted, lowest = False, None
         if key not in stage_plans:
-            # one spec a sub-mesh size: the session's pricing is kept by the spec's id
             sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
-            result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
-                                memory_limit=limit, tp_across_nodes=tp_across_nodes,
-                                zero=zero, step_share=1 / m, cp=given.get("cp") or 1,
-                                attention=given.get("attention"),
-                                sequence_parallel=bool(given.get("sequence_parallel")),
-                                precision=given.get("precision"), tp=given.get("tp"))  # fmt: skip
+            outcome = next(filter(None, (h.take((pp, m, zero, limit)) for h in helpers)), None)
+            if outcome is None:
+                began = time.perf_counter()
+                result = stage_search((pp, m, zero, limit))[0]
+                for h in helpers:
+                    h.ran_here(time.perf_counter() - began)
+            elif outcome[0] == "error":
+                raise outcome[1]
+            else:
+                result, built = outcome[1]
+                adopt(og, sub, built)
             stage_plans[key] = (build_plan(og, result, sub), result)
         stage, result = stage_plans[key]
         closed: set[tuple[str, int]] = set()
@@ -217,14 +254,24 @@ def search_pipeline(
                 best = plan
         return fitted, lowest, stage
 
-    for pp in pps:
-        counts = [given["microbatches"]] if given.get("microbatches") else _counts(batch, pp)
-        if counts:
-            price(pp, counts[0])
-    if best is not None and not given.get("microbatches"):
-        top = best.schedule.num_ranks
-        for m in _counts(batch, top)[1:]:
-            price(top, m)
+    def first_counts(pp: int) -> list[int]:
+        return [given["microbatches"]] if given.get("microbatches") else _counts(batch, pp)
+
+    try:
+        # coarse: every degree at its first count (the helper searches ahead of this process)
+        firsts = [(pp, first_counts(pp)[0]) for pp in pps if first_counts(pp)]
+        ahead(firsts[1:])
+        for pp, m in firsts:
+            price(pp, m)
+        if best is not None and not given.get("microbatches"):  # fine: the best degree's
+            top = best.schedule.num_ranks
+            later = _counts(batch, top)[1:]
+            ahead([(top, m) for m in later[1:]])
+            for m in later:
+                price(top, m)
+    finally:
+        for h in helpers:
+            h.stop()
     if best is None:
         raise PlanningError(_nothing_fits(tried, least, cluster, num_devices))
     validate(best.schedule)

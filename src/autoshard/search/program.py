@@ -231,6 +231,9 @@ def solve_program(program: Program, c: np.ndarray, a: Any, integral: bool) -> So
         highs = highspy.Highs()
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("mip_rel_gap", 1e-9)
+        # one thread: no worker threads a fork (the pipeline search's helper) would lack;
+        # these programs gained nothing from more
+        highs.setOptionValue("threads", 1)
         # Presolve shrinks these programs little and took most of a relaxation's time (a
         # fifth without it); a restart after the root's presolve rounds, a third of a hard
         # integer solve's; the primal heuristics, two fifths of what was left: the root's

@@ -89,6 +89,32 @@ def bare_graph(
     return _SESSION.bare[key][1]
 
 
+def built_for(og: OpGraph, cluster: ClusterSpec) -> tuple[Any, list, list]:
+    """What the session built for ``og`` on ``cluster``: its pricing context, and each bare
+    graph and mesh's moves under the rest of its key (``adopt`` takes them in another
+    process, where ``og`` and ``cluster`` are copies at other ids)."""
+    mine = (id(og), id(cluster))
+    bare = [(key[1], *key[3:], graph) for key, (_, graph) in _SESSION.bare.items()
+            if (key[0], key[2]) == mine]  # fmt: skip
+    moves = [(key[1], key[3], made) for key, (_, made) in _SESSION.moves.items()
+             if (key[0], key[2]) == mine]  # fmt: skip
+    return _SESSION.context, bare, moves
+
+
+def adopt(og: OpGraph, cluster: ClusterSpec, built: tuple[Any, list, list]) -> None:
+    """``built_for``'s graphs (built for a copy of ``og`` and ``cluster``) kept as if built
+    here, where this session prices under the same context (one that prices otherwise
+    forgets them as it would its own)."""
+    context, bare, moves = built
+    priced_as(context)
+    for mesh, depth, zero, share, graph in bare:
+        _SESSION.bare.setdefault(
+            (id(og), mesh, id(cluster), depth, zero, share), ((og, cluster), graph)
+        )
+    for mesh, depth, made in moves:
+        _SESSION.moves.setdefault((id(og), mesh, id(cluster), depth), ((og, cluster), made))
+
+
 def bare_graphs(
     og: OpGraph,
     shapes: list[MeshInfo],
@@ -210,7 +236,9 @@ def whole_within(
 
 
 __all__ = [
+    "adopt",
     "bare_graph",
+    "built_for",
     "bare_graphs",
     "least_memory",
     "moves_once",

@@ -1,0 +1,120 @@
+"""The pipeline search's helper process (search/helper.py): the plan and every configuration
+priced are the same with it as without it, and a helper that fails, dies or sticks leaves its
+jobs to the search, which neither hangs nor loses them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pytest
+import torch
+
+from autoshard.cost import cluster_spec
+from autoshard.graph import capture
+from autoshard.models import build, reference_config
+from autoshard.search import helper as helper_module
+from autoshard.search.helper import Helper
+from autoshard.search.pipelined import search_pipeline
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity"), reason="the helper is a fork: Linux only"
+)
+
+
+@pytest.fixture(scope="module")
+def model_graph():
+    config = reference_config("gpt", layers=2, hidden=1024, heads=16, vocab=32000, seq=1024)
+    with torch.device("meta"):
+        model = build(config).to(torch.bfloat16)
+        example = config.example_batch(4)
+    return capture(model, example, {}, train=True)
+
+
+_TAKE = Helper.take
+
+
+def _searched(og, spec, monkeypatch, helper: bool):
+    delivered = []
+
+    def counted(self, job):
+        outcome = _TAKE(self, job)
+        delivered.extend([job] if outcome is not None else [])
+        return outcome
+
+    monkeypatch.setattr(Helper, "take", counted)
+    best, tried, _ = search_pipeline(
+        lambda m: og, 32, 16, spec, {}, depth={"layers": 8}, helper=helper
+    )
+    return best, tried, delivered
+
+
+@pytest.mark.parametrize("gib", [0.5, 80])
+def test_the_helper_finds_the_plan_and_prices_what_the_search_alone_does(
+    model_graph, monkeypatch, gib
+) -> None:
+    spec = dataclasses.replace(cluster_spec("dgx-h100", 16), memory_bytes=gib * 2**30)
+    alone, tried_alone, none = _searched(model_graph, spec, monkeypatch, helper=False)
+    helped, tried_helped, delivered = _searched(model_graph, spec, monkeypatch, helper=True)
+    assert none == []
+    # the later degrees' first stage searches came from the helper: degrees 4 and 8 of 16
+    # devices (8 blocks), then the best degree's last micro-batch count
+    assert len(delivered) >= 2, delivered
+    assert {job[0] for job in delivered} >= {4, 8}
+    assert tried_helped == tried_alone  # every configuration, its step and its memory
+    for plan in (helped, alone):
+        assert plan.predicted.peak_memory <= spec.memory_bytes
+    assert helped.predicted == alone.predicted
+    assert (helped.schedule.name, helped.schedule.num_ranks, helped.schedule.microbatches) == (
+        alone.schedule.name, alone.schedule.num_ranks, alone.schedule.microbatches,
+    )  # fmt: skip
+    assert helped.recompute == alone.recompute
+    assert helped.stage.json["strategies"] == alone.stage.json["strategies"]
+    assert helped.stage.json["mesh"] == alone.stage.json["mesh"]
+    assert helped.result.graph.zero == alone.result.graph.zero
+
+
+def _square(job: int) -> int:
+    if job == 2:
+        raise ZeroDivisionError("a bug in the helper")
+    if job == 3:
+        raise KeyError("its own answer")
+    return job * job
+
+
+def test_a_helper_s_failures_come_back_as_run_here_or_as_the_job_s_own_error() -> None:
+    with Helper([1, 2, 3, 4], _square, (KeyError,)) as h:
+        assert h.take(5) is None  # not one of its jobs
+        assert h.take(1) == ("ok", 1)
+        assert h.take(2) is None  # failed there: run here, where its error shows as it would
+        outcome = h.take(3)
+        assert outcome[0] == "error" and isinstance(outcome[1], KeyError)
+        assert h.take(4) == ("ok", 16)
+        assert h.delivered == 3
+
+
+def _dies(job: int) -> int:
+    if job == 2:
+        os._exit(1)
+    return job
+
+
+def _sticks(job: int) -> int:
+    if job == 2:
+        time.sleep(600)
+    return job
+
+
+def test_a_helper_that_dies_or_sticks_is_stopped_and_its_jobs_run_here(monkeypatch) -> None:
+    with Helper([1, 2, 3], _dies) as h:
+        assert h.take(1) == ("ok", 1)
+        assert h.take(2) is None and h.take(3) is None
+        assert h.proc is None  # stopped and reaped
+    monkeypatch.setattr(helper_module, "PATIENCE_S", 1.0)
+    began = time.perf_counter()
+    with Helper([1, 2, 3], _sticks) as h:
+        assert h.take(1) == ("ok", 1)
+        assert h.take(2) is None and h.take(3) is None
+        assert h.proc is None
+    assert time.perf_counter() - began < 30
