@@ -118,3 +118,25 @@ def test_a_helper_that_dies_or_sticks_is_stopped_and_its_jobs_run_here(monkeypat
         assert h.take(2) is None and h.take(3) is None
         assert h.proc is None
     assert time.perf_counter() - began < 30
+
+
+def _slow_first(job: int) -> int:
+    if job == 1:
+        time.sleep(0.5)
+    return job * 10
+
+
+def test_the_latest_offer_replaces_the_offers_not_begun() -> None:
+    with Helper([1], _slow_first) as h:
+        h.offer([2])  # while job 1 runs: replaced by the next offer before it begins
+        h.offer([3, 4])
+        assert h.take(1) == ("ok", 10)
+        while 4 not in h.begun and h._receive(5.0):  # the offer's jobs begin in its order
+            pass
+        assert h.take(3) == ("ok", 30) and h.take(4) == ("ok", 40)
+        assert h.take(2) is None  # never begun: run here
+        assert 2 not in h.begun
+        h.offer([3])  # taken already: offered again, run again
+        while 3 not in h.got and h._receive(5.0):
+            pass
+        assert h.take(3) == ("ok", 30)

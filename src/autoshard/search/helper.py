@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import sys
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -35,9 +36,12 @@ def helper_cores() -> int:
 
 
 class Helper:
-    """``run(job)`` for each of ``jobs`` in a forked process, in order; ``take(job)`` is the
-    outcome: ("ok", value), ("error", exception) for an exception ``raised`` lists (the job's
-    own answer), or None where this process must run it itself."""
+    """``run(job)`` for each of ``jobs`` in a forked process, in order, then for each job of
+    the latest ``offer``; ``take(job)`` is the outcome: ("ok", value),
+    ("error", exception) for an exception ``raised`` lists (the job's own answer), or None
+    where this process must run it itself. ``take`` waits for a job of ``jobs``, and for an
+    offered one the helper has begun; an offered one it has not begun is run here (and its
+    outcome there, if it comes, is dropped)."""
 
     def __init__(
         self,
@@ -47,46 +51,84 @@ class Helper:
     ) -> None:
         import multiprocessing
 
-        self.jobs, self.got, self.delivered = list(jobs), {}, 0
+        self.jobs, self.waited = set(jobs), set(jobs)
+        self.begun: set[Hashable] = set()
+        self.offered: list[Hashable] = []
+        self.got: dict[Hashable, tuple[str, Any]] = {}
+        self.delivered = 0
         context = multiprocessing.get_context("fork")
-        self.conn, sending = context.Pipe(duplex=False)
-        self.proc = context.Process(
-            target=_serve, args=(self.jobs, run, raised, sending), daemon=True
+        self.results, sending = context.Pipe(duplex=False)
+        receiving, self.offers = context.Pipe(duplex=False)
+        self.proc: Any = context.Process(
+            target=_serve, args=(list(jobs), run, raised, sending, receiving), daemon=True
         )
         self.proc.start()
         sending.close()
+        receiving.close()
         self.longest = 0.0  # the longest job this process ran itself (seconds)
 
     def ran_here(self, seconds: float) -> None:
         """A job this process ran itself took ``seconds`` (what the patience scales with)."""
         self.longest = max(self.longest, seconds)
 
+    def offer(self, jobs: Sequence[Hashable]) -> None:
+        """More jobs, after those given, in place of those offered before and not begun."""
+        jobs = list(dict.fromkeys(jobs))
+        if jobs == self.offered or self.proc is None:
+            return
+        try:
+            self.offers.send(jobs)
+        except OSError:
+            self.stop()
+            return
+        self.jobs.update(jobs)
+        self.offered = jobs
+
     def take(self, job: Hashable) -> tuple[str, Any] | None:
         if job not in self.jobs:
             return None
+        self._receive(0.0)
         patience = max(PATIENCE_S, PATIENCE_SEARCHES * self.longest)
-        while job not in self.got and self.proc is not None:
-            try:
-                if not self.conn.poll(patience):
-                    raise TimeoutError
-                done, outcome = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError, TimeoutError, pickle.UnpicklingError):
-                self.stop()  # gone, stuck or garbled: what it has not sent is run here
+        while job not in self.got and (job in self.waited or job in self.begun):
+            if not self._receive(patience):
                 break
-            self.got[done] = outcome
+        self.jobs.discard(job)  # taken, or run here: a later outcome of it is dropped
         outcome = self.got.pop(job, None)
         if outcome is not None and outcome[0] != "failed":
             self.delivered += 1
             return outcome
         return None
 
+    def _receive(self, patience: float) -> bool:
+        """What the helper sent: all that is there (``patience`` 0), or the next message,
+        waiting up to ``patience`` seconds; False where the helper is gone, stuck (nothing
+        within the patience) or garbled, and stopped: what it has not sent is run here."""
+        try:
+            while self.proc is not None and self.results.poll(patience):
+                job, outcome = pickle.loads(self.results.recv_bytes())
+                if outcome[0] == "begun":
+                    self.begun.add(job)
+                elif job in self.jobs:
+                    self.got[job] = outcome
+                if patience:
+                    return True
+            if not patience:
+                return self.proc is not None
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass
+        self.stop()
+        return False
+
     def stop(self) -> None:
         if self.proc is None:
             return
         self.proc.kill()
         self.proc.join()
-        self.conn.close()
+        self.results.close()
+        self.offers.close()
         self.proc = None
+        self.waited.clear()
+        self.begun.clear()
 
     def __enter__(self) -> Helper:
         return self
@@ -95,11 +137,20 @@ class Helper:
         self.stop()
 
 
-def _serve(jobs: list, run: Callable, raised: tuple, conn: Any) -> None:
-    """The helper's life: each job's outcome sent as it is done. A Ctrl-C is the parent's to
-    act on (it stops the helper)."""
+def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) -> None:
+    """The helper's life: each job begun and its outcome sent as it is done, then each job
+    offered; it ends when the parent stops it or closes the offers. A Ctrl-C is the parent's
+    to act on (it stops the helper)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for job in jobs:
+    queue, offered = deque(jobs), deque()
+    while True:
+        try:
+            while offers.poll() or not (queue or offered):  # (waits once all is done)
+                offered = deque(offers.recv())  # the latest offer replaces those not begun
+        except (EOFError, OSError):
+            return
+        job = queue.popleft() if queue else offered.popleft()
+        results.send_bytes(pickle.dumps((job, ("begun", None))))
         try:
             outcome: tuple[str, Any] = ("ok", run(job))
         except raised as err:
@@ -110,8 +161,7 @@ def _serve(jobs: list, run: Callable, raised: tuple, conn: Any) -> None:
             data = pickle.dumps((job, outcome), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             data = pickle.dumps((job, ("failed", None)))
-        conn.send_bytes(data)
-    conn.close()
+        results.send_bytes(data)
 
 
 __all__ = ["Helper", "helper_cores"]

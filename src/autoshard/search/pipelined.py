@@ -257,18 +257,23 @@ def search_pipeline(
     def first_counts(pp: int) -> list[int]:
         return [given["microbatches"]] if given.get("microbatches") else _counts(batch, pp)
 
+    def fine(pp: int) -> list[tuple[int, int]]:
+        return [] if given.get("microbatches") else [(pp, m) for m in _counts(batch, pp)[1:]]
+
     try:
-        # coarse: every degree at its first count (the helper searches ahead of this process)
+        # coarse: every degree at its first count (the helper searches ahead of this process,
+        # then the other counts of the best degree so far)
         firsts = [(pp, first_counts(pp)[0]) for pp in pps if first_counts(pp)]
         ahead(firsts[1:])
         for pp, m in firsts:
             price(pp, m)
-        if best is not None and not given.get("microbatches"):  # fine: the best degree's
-            top = best.schedule.num_ranks
-            later = _counts(batch, top)[1:]
-            ahead([(top, m) for m in later[1:]])
-            for m in later:
-                price(top, m)
+            if helpers and best is not None:
+                helpers[0].offer(
+                    [(*job, first_zero, math.inf) for job in fine(best.schedule.num_ranks)]
+                )
+        if best is not None:  # fine: the best degree's other counts
+            for pp, m in fine(best.schedule.num_ranks):
+                price(pp, m)
     finally:
         for h in helpers:
             h.stop()
