@@ -14,7 +14,9 @@ import torch
 from autoshard.cost import cluster_spec
 from autoshard.graph import capture
 from autoshard.models import build, reference_config
+from autoshard.search import ahead
 from autoshard.search import helper as helper_module
+from autoshard.search.driver import run_search
 from autoshard.search.helper import Helper
 from autoshard.search.pipelined import search_pipeline
 
@@ -40,7 +42,8 @@ def _searched(og, spec, monkeypatch, helper: bool):
 
     def counted(self, job):
         outcome = _TAKE(self, job)
-        delivered.extend([job] if outcome is not None else [])
+        if outcome is not None and isinstance(job, tuple):  # (not a mesh's moves)
+            delivered.append(job)
         return outcome
 
     monkeypatch.setattr(Helper, "take", counted)
@@ -140,3 +143,45 @@ def test_the_latest_offer_replaces_the_offers_not_begun() -> None:
         while 3 not in h.got and h._receive(5.0):
             pass
         assert h.take(3) == ("ok", 30)
+
+
+def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch) -> None:
+    """The optimal search's helper prices the moves of the meshes after the first; the
+    search takes them where it builds those meshes: the same plan and the same table."""
+    config = reference_config("llama", layers=2, hidden=512, heads=8, kv_heads=4, ffn=1536,
+                              vocab=32000, seq=512)  # fmt: skip
+    with torch.device("meta"):
+        model = build(config)
+        example = config.example_batch(64)
+    og = capture(model, example, {}, train=True)
+    spec = cluster_spec("dgx-h100", 32)
+    taken = []
+
+    def counted(self, job):
+        outcome = _TAKE(self, job)
+        taken.extend([job] if outcome is not None else [])
+        return outcome
+
+    monkeypatch.setattr(Helper, "take", counted)
+
+    def searched():
+        result = run_search(og, 32, spec, depth={"layers": 16})
+        rows = [{k: v for k, v in row.items() if k != "solve_s"} for row in result.tried]
+        return result.mesh, result.graph.zero, result.solution.choice, rows
+
+    helped = searched()
+    assert len(taken) >= 1, taken  # moves the helper priced were used
+    monkeypatch.setattr(ahead, "helper_cores", lambda: 0)
+    del taken[:]
+    alone = searched()
+    assert taken == []
+    assert helped == alone
+
+
+def test_no_helper_where_the_user_says_so_or_inside_a_helper(monkeypatch) -> None:
+    monkeypatch.setenv("AUTOSHARD_PLAN_HELPERS", "0")
+    assert helper_module.helper_cores() == 0
+    monkeypatch.delenv("AUTOSHARD_PLAN_HELPERS")
+    assert helper_module.helper_cores() == len(os.sched_getaffinity(0)) - 1
+    monkeypatch.setattr(helper_module, "_IN_HELPER", [True])
+    assert helper_module.helper_cores() == 0

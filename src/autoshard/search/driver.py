@@ -21,6 +21,7 @@ from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
+from autoshard.search.ahead import MeshesAhead
 from autoshard.search.costgraph import CostGraph
 from autoshard.search.plans import (
     FORMAT,
@@ -201,26 +202,29 @@ def _run_search(
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     whole = moves_once(og, cluster, depth, step_share)
-    for k in ranked:
-        row: dict[str, Any] = {"mesh": meshes[k].as_dict(), "zero": levels[k % len(levels)]}
-        if graphs[k] is None:  # not built: ZeRO 3 on this mesh does not fit, so nothing does
-            tried.append({**row, "skipped": "memory", "least_memory": floors[k]})
-            continue
-        past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
-        graph = whole_within(graphs, k, past, row, whole, limit, relax=search == "optimal")
-        if graph is None:
+    # the moves of the meshes after the first priced by a helper meanwhile (optimal search)
+    with MeshesAhead(og, cluster, graphs, ranked, whole, limit, search == "optimal") as ahead:
+        for k in ranked:
+            row: dict[str, Any] = {"mesh": meshes[k].as_dict(), "zero": levels[k % len(levels)]}
+            if graphs[k] is None:  # not built: ZeRO 3 on this mesh does not fit: nothing does
+                tried.append({**row, "skipped": "memory", "least_memory": floors[k]})
+                continue
+            past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
+            graph = whole_within(graphs, k, past, row, ahead.build(k), limit,
+                                 relax=search == "optimal")  # fmt: skip
+            if graph is None:
+                tried.append(row)
+                continue
+            solve = _solver(search, graph, fixed, solved)
+            sol = _fitting(og, solve, graph, meshes[k], cluster, limit)
+            if sol is None:
+                row["fits"] = False
+            else:
+                row.update(step_s=sol.seconds, memory=sol.memory, solve_s=sol.solve_seconds)
+                found.append((k, sol, row))
+                if best is None or _better(sol, meshes[k], best[1], meshes[best[0]]):
+                    best = (k, sol)
             tried.append(row)
-            continue
-        solve = _solver(search, graph, fixed, solved)
-        sol = _fitting(og, solve, graph, meshes[k], cluster, limit)
-        if sol is None:
-            row["fits"] = False
-        else:
-            row.update(step_s=sol.seconds, memory=sol.memory, solve_s=sol.solve_seconds)
-            found.append((k, sol, row))
-            if best is None or _better(sol, meshes[k], best[1], meshes[best[0]]):
-                best = (k, sol)
-        tried.append(row)
     if best is None:
         built = [k for k, g in enumerate(graphs) if g is not None]
         raise PlanningError(_nothing_fits(og, [graphs[k] for k in built],

@@ -27,12 +27,20 @@ PATIENCE_S = 30.0
 PATIENCE_SEARCHES = 20
 
 
+#: helpers running now (made by this process), and whether this process is one
+_LIVE = [0]
+_IN_HELPER = [False]
+
+
 def helper_cores() -> int:
-    """The cores a helper may take: the usable ones less this process's; 0 where there is no
-    fork (not Linux) or no second core."""
-    if not sys.platform.startswith("linux"):
+    """The cores another helper may take: the usable ones less this process's and its
+    running helpers'; 0 where there is no fork (not Linux), no core left, in a helper, or
+    where the environment sets ``AUTOSHARD_PLAN_HELPERS=0``."""
+    if not sys.platform.startswith("linux") or _IN_HELPER[0]:
         return 0
-    return max(len(os.sched_getaffinity(0)) - 1, 0)
+    if os.environ.get("AUTOSHARD_PLAN_HELPERS", "1") == "0":  # the user's: no forks
+        return 0
+    return max(len(os.sched_getaffinity(0)) - 1 - _LIVE[0], 0)
 
 
 class Helper:
@@ -63,6 +71,7 @@ class Helper:
             target=_serve, args=(list(jobs), run, raised, sending, receiving), daemon=True
         )
         self.proc.start()
+        _LIVE[0] += 1
         sending.close()
         receiving.close()
         self.longest = 0.0  # the longest job this process ran itself (seconds)
@@ -127,6 +136,7 @@ class Helper:
         self.results.close()
         self.offers.close()
         self.proc = None
+        _LIVE[0] -= 1
         self.waited.clear()
         self.begun.clear()
 
@@ -142,6 +152,7 @@ def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) 
     offered; it ends when the parent stops it or closes the offers. A Ctrl-C is the parent's
     to act on (it stops the helper)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _IN_HELPER[0], _LIVE[0] = True, 0
     queue, offered = deque(jobs), deque()
     while True:
         try:

@@ -89,16 +89,21 @@ def bare_graph(
     return _SESSION.bare[key][1]
 
 
-def built_for(og: OpGraph, cluster: ClusterSpec) -> tuple[Any, list, list]:
-    """What the session built for ``og`` on ``cluster``: its pricing context, and each bare
-    graph and mesh's moves under the rest of its key (``adopt`` takes them in another
-    process, where ``og`` and ``cluster`` are copies at other ids)."""
-    mine = (id(og), id(cluster))
-    bare = [(key[1], *key[3:], graph) for key, (_, graph) in _SESSION.bare.items()
-            if (key[0], key[2]) == mine]  # fmt: skip
-    moves = [(key[1], key[3], made) for key, (_, made) in _SESSION.moves.items()
-             if (key[0], key[2]) == mine]  # fmt: skip
-    return _SESSION.context, bare, moves
+def built_for(
+    og: OpGraph, cluster: ClusterSpec, mesh: MeshInfo | None = None, bare: bool = True
+) -> tuple[Any, list, list]:
+    """What the session built for ``og`` on ``cluster`` (on ``mesh`` only, if given; its
+    moves only, without ``bare``): its pricing context, and each bare graph and mesh's moves
+    under the rest of its key (``adopt`` takes them in another process, where ``og`` and
+    ``cluster`` are copies at other ids)."""
+
+    def mine(key: tuple) -> bool:
+        return (key[0], key[2]) == (id(og), id(cluster)) and mesh in (None, key[1])
+
+    graphs = [(key[1], *key[3:], graph) for key, (_, graph) in _SESSION.bare.items()
+              if bare and mine(key)]  # fmt: skip
+    moves = [(key[1], key[3], made) for key, (_, made) in _SESSION.moves.items() if mine(key)]
+    return _SESSION.context, graphs, moves
 
 
 def adopt(og: OpGraph, cluster: ClusterSpec, built: tuple[Any, list, list]) -> None:
