@@ -34,12 +34,15 @@ _IN_HELPER = [False]
 
 def helper_cores() -> int:
     """The cores another helper may take: the usable ones less this process's and its
-    running helpers'; 0 where there is no fork (not Linux), no core left, in a helper, or
-    where the environment sets ``AUTOSHARD_PLAN_HELPERS=0``."""
+    running helpers'; 0 where there is no fork (not Linux), no core left, in a helper, in a
+    rank of a process group, or where the environment sets ``AUTOSHARD_PLAN_HELPERS=0``."""
     if not sys.platform.startswith("linux") or _IN_HELPER[0]:
         return 0
     if os.environ.get("AUTOSHARD_PLAN_HELPERS", "1") == "0":  # the user's: no forks
         return 0
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return 0  # a rank: its node's cores are its peers', and its threads not the fork's
     return max(len(os.sched_getaffinity(0)) - 1 - _LIVE[0], 0)
 
 
