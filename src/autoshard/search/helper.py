@@ -1,15 +1,15 @@
-"""A second process for the pipeline search (docs/parallelism/pipeline.md): the stage searches
-that depend on nothing the search learns on its way (each later pipeline degree's first: for
-speed alone, at its first ZeRO stage), run on another core while this process prices the
-degrees before them. Each result comes back by pipe with the cost graphs its search built,
-and is used as if searched here: the search is the same function on the same graphs, so the
-plan is the one a search without the helper finds (the tests check it).
+"""A second process for a search: work that does not depend on what the search learns on its
+way, run on another core while this process goes on. The pipeline search gives it each later
+pipeline degree's first stage search (docs/parallelism/pipeline.md), the optimal search the
+moves of the meshes after the first (``search.ahead``). Each outcome comes back by pipe and
+is used as if found here: the same function on the same graphs, so the plan is the one found
+without a helper (the tests check it).
 
-The helper is a fork of this process made when the search starts (Linux, two usable cores or
-more); it solves its own integer programs, so HiGHS runs single-threaded everywhere
-(``program.solve_program``): a fork holds none of the parent's threads. Where the helper
-fails, is slow past all reason or is not there, the search runs the job here itself; it is
-stopped when the search ends."""
+The helper is a fork of this process (Linux, a core left for it: ``helper_cores``); it may
+solve integer programs, so HiGHS runs single-threaded everywhere (``program.solve_program``):
+a fork holds none of the parent's threads. Where the helper fails, is stuck past the
+patience below or is not there, this process does the job itself; the helper is stopped
+when its search ends."""
 
 from __future__ import annotations
 
@@ -164,7 +164,10 @@ def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) 
         except (EOFError, OSError):
             return
         job = queue.popleft() if queue else offered.popleft()
-        results.send_bytes(pickle.dumps((job, ("begun", None))))
+        try:
+            results.send_bytes(pickle.dumps((job, ("begun", None))))
+        except OSError:  # the parent is gone
+            return
         try:
             outcome: tuple[str, Any] = ("ok", run(job))
         except raised as err:
@@ -175,7 +178,10 @@ def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) 
             data = pickle.dumps((job, outcome), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             data = pickle.dumps((job, ("failed", None)))
-        results.send_bytes(data)
+        try:
+            results.send_bytes(data)
+        except OSError:  # the parent is gone
+            return
 
 
 __all__ = ["Helper", "helper_cores"]
