@@ -138,6 +138,7 @@ def run_search(
     sequence_parallel: bool = False,
     precision: Precision | None = None,
     tp: int | None = None,
+    then_bare: tuple[int, ...] = (),
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``, or those of
     tensor-parallel degree ``tp``) and ZeRO
@@ -146,7 +147,9 @@ def run_search(
     over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice);
     ``sequence_parallel``: every op split over the tensor-parallel axes where it can be;
     ``precision``: the mixed precision policy a run keeps the parameters under (``og``
-    captured in its compute dtype; the master weights in its resolved ``master``)."""
+    captured in its compute dtype; the master weights in its resolved ``master``).
+    ``then_bare``: ZeRO stages whose graphs without moves are built after the search, kept
+    in the session for later searches (the pipeline search's helper builds them ahead)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
@@ -161,8 +164,11 @@ def run_search(
         priced_as((attention, sequence, sequence_parallel, precision))
         context = options.searching(attention, sequence, sequence_parallel)
         with paused_gc(), context, pricing.priced_under(precision):
-            return _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
-                               depth, fixed, zero, step_share, precision)  # fmt: skip
+            result = _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
+                                 depth, fixed, zero, step_share, precision)  # fmt: skip
+            for z in then_bare:
+                bare_graphs(og, mesh_list, (z,), cluster, depth, step_share, math.inf)
+            return result
 
 
 def _sequence(og: OpGraph, meshes: list[MeshInfo]) -> int | None:

@@ -131,11 +131,14 @@ def search_pipeline(
 
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
 
-    def stage_search(job: tuple[int, int, int, float]) -> tuple[SearchResult, Any]:
+    def stage_search(job: tuple[int, int, int, float], ahead: bool = False) -> tuple:
         """The stage plan's search for ``pp`` ranks, ``m`` micro-batches, ``zero`` and
         ``limit``, and the cost graphs it built (for this process's session, where the
-        helper ran it)."""
+        helper ran it; ``ahead``: with the graphs without moves of the later ZeRO stages
+        ``price`` may try, which the helper builds ahead)."""
         pp, m, zero, limit = job
+        levels = [0, 1, 2, 3] if m == 1 else [0, 1, 2]
+        later = tuple(z for z in levels if z > zero) if ahead and given.get("zero") is None else ()
         og = graph(m)
         # one spec a sub-mesh size: the session's pricing is kept by the spec's id
         sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
@@ -144,7 +147,8 @@ def search_pipeline(
                             zero=zero, step_share=1 / m, cp=given.get("cp") or 1,
                             attention=given.get("attention"),
                             sequence_parallel=bool(given.get("sequence_parallel")),
-                            precision=given.get("precision"), tp=given.get("tp"))  # fmt: skip
+                            precision=given.get("precision"), tp=given.get("tp"),
+                            then_bare=later)  # fmt: skip
         return result, built_for(og, sub)
 
     helpers: list[Helper] = []
@@ -156,7 +160,8 @@ def search_pipeline(
             return
         try:
             helpers.append(Helper([(pp, m, first_zero, math.inf) for pp, m in jobs],
-                                  stage_search, (PlanningError,)))  # fmt: skip
+                                  functools.partial(stage_search, ahead=True),
+                                  (PlanningError,)))  # fmt: skip
         except (OSError, AssertionError, ValueError):  # no fork here (a daemonic process)
             pass
 
