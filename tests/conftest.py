@@ -1,4 +1,5 @@
-"""Shared fixtures: the small MLP captured once per test module."""
+"""Shared fixtures: the small MLP and a two-block bfloat16 GPT on the meta device, captured
+once per test module."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from autoshard.graph.capture import capture
-from autoshard.models import MLP, MLPConfig
+from autoshard.models import MLP, MLPConfig, build, reference_config
 from autoshard.testing import preload
 
 
@@ -17,6 +18,17 @@ def mlp_graph():
     config = MLPConfig(hidden=30)
     model = MLP(config)
     return capture(model, config.example_batch(8))
+
+
+@pytest.fixture(scope="module")
+def gpt_meta_graph():
+    """The train graph of a two-block GPT (hidden 1024, 16 heads, sequence 1024) in bfloat16
+    on the meta device, on a batch of 4 (the pipeline search's small stage)."""
+    config = reference_config("gpt", layers=2, hidden=1024, heads=16, vocab=32000, seq=1024)
+    with torch.device("meta"):
+        model = build(config).to(torch.bfloat16)
+        example = config.example_batch(4)
+    return capture(model, example, {}, train=True)
 
 
 # transformers' model code is seconds of imports; the ranks' fork server imports it once

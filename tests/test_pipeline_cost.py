@@ -9,13 +9,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from autoshard.cli.main import main
 from autoshard.cost import cluster_spec
 from autoshard.cost.pipeline import model_pieces, price_pipeline
-from autoshard.graph import capture
-from autoshard.models import build, reference_config
 from autoshard.schedule import make_schedule
 from autoshard.search.pipelined import search_pipeline
 
@@ -23,12 +20,8 @@ LAYERS = 8
 
 
 @pytest.fixture(scope="module")
-def stage():
-    config = reference_config("gpt", layers=2, hidden=1024, heads=16, vocab=32000, seq=1024)
-    with torch.device("meta"):
-        model = build(config).to(torch.bfloat16)
-        example = config.example_batch(4)
-    og = capture(model, example, {}, train=True)
+def stage(gpt_meta_graph):
+    og = gpt_meta_graph
     spec = cluster_spec("dgx-h100", 16)
     given = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "recompute": "none"}
     best, tried, _ = search_pipeline(lambda m: og, 4 * 8, 16, spec, given, depth={"layers": LAYERS})

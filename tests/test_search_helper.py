@@ -25,15 +25,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def model_graph():
-    config = reference_config("gpt", layers=2, hidden=1024, heads=16, vocab=32000, seq=1024)
-    with torch.device("meta"):
-        model = build(config).to(torch.bfloat16)
-        example = config.example_batch(4)
-    return capture(model, example, {}, train=True)
-
-
 _TAKE = Helper.take
 
 
@@ -55,11 +46,11 @@ def _searched(og, spec, monkeypatch, helper: bool):
 
 @pytest.mark.parametrize("gib", [0.5, 80])
 def test_the_helper_finds_the_plan_and_prices_what_the_search_alone_does(
-    model_graph, monkeypatch, gib
+    gpt_meta_graph, monkeypatch, gib
 ) -> None:
     spec = dataclasses.replace(cluster_spec("dgx-h100", 16), memory_bytes=gib * 2**30)
-    alone, tried_alone, none = _searched(model_graph, spec, monkeypatch, helper=False)
-    helped, tried_helped, delivered = _searched(model_graph, spec, monkeypatch, helper=True)
+    alone, tried_alone, none = _searched(gpt_meta_graph, spec, monkeypatch, helper=False)
+    helped, tried_helped, delivered = _searched(gpt_meta_graph, spec, monkeypatch, helper=True)
     assert none == []
     # the later degrees' first stage searches came from the helper: degrees 4 and 8 of 16
     # devices (8 blocks), then the best degree's last micro-batch count
