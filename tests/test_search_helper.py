@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from autoshard.cost import cluster_spec
 from autoshard.graph import capture
@@ -136,15 +137,37 @@ def test_the_latest_offer_replaces_the_offers_not_begun() -> None:
         assert h.take(3) == ("ok", 30)
 
 
-def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch) -> None:
+def _hf_loss(out, targets):
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
+
+
+def _llama_graph(kind: str):
+    """A two-block Llama on the meta device: the reference one, or transformers' built from
+    a config (captured with its loss)."""
+    if kind == "reference":
+        config = reference_config("llama", layers=2, hidden=512, heads=8, kv_heads=4,
+                                  ffn=1536, vocab=32000, seq=512)  # fmt: skip
+        with torch.device("meta"):
+            model, example = build(config), config.example_batch(64)
+        return capture(model, example, {}, train=True)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+        use_cache=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        idx = torch.zeros(64, 512, dtype=torch.long)
+    return capture(model, (idx, idx), {}, loss_fn=_hf_loss, train=True)
+
+
+@pytest.mark.parametrize("kind", ["reference", "transformers"])
+def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch, kind) -> None:
     """The optimal search's helper prices the moves of the meshes after the first; the
     search takes them where it builds those meshes: the same plan and the same table."""
-    config = reference_config("llama", layers=2, hidden=512, heads=8, kv_heads=4, ffn=1536,
-                              vocab=32000, seq=512)  # fmt: skip
-    with torch.device("meta"):
-        model = build(config)
-        example = config.example_batch(64)
-    og = capture(model, example, {}, train=True)
+    og = _llama_graph(kind)
     spec = cluster_spec("dgx-h100", 32)
     taken = []
 
@@ -157,7 +180,7 @@ def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch) -> None:
     monkeypatch.setattr(driver, "AHEAD_AFTER_S", 0.0)  # a helper however small the graphs
 
     def searched():
-        result = run_search(og, 32, spec, depth={"layers": 16})
+        result = run_search(og, 32, spec, depth={"layers": 16} if kind == "reference" else None)
         rows = [{k: v for k, v in row.items() if k != "solve_s"} for row in result.tried]
         return result.mesh, result.graph.zero, result.solution.choice, rows
 
