@@ -126,7 +126,7 @@ class Helper:
                     return True
             if not patience:
                 return self.proc is not None
-        except (EOFError, OSError, pickle.UnpicklingError):
+        except Exception:  # EOF, a closed pipe, or a message that does not unpickle here
             pass
         self.stop()
         return False
