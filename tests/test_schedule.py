@@ -92,6 +92,29 @@ def test_transfer_time_delays_the_stage_after() -> None:
     assert bytes_.peak_activation_bytes == (20.0, 10.0)
 
 
+def test_every_action_has_its_place_on_the_timeline() -> None:
+    # a send or a receive takes no time: it starts and ends on its rank's clock
+    one = simulate(make_schedule("1f1b", 2, 1), unit_cost, transfer=lambda send: 0.5)
+    assert [[(str(e.action), e.start, e.end) for e in rank] for rank in one.events] == [
+        [("RECV_B0.0<1", 0, 0), ("F0.0", 0, 1), ("SEND_F0.0>1", 1, 1), ("B0.0", 5, 7),
+         ("REDUCE_GRAD0", 7, 7)],
+        [("RECV_F1.0<0", 0, 0), ("F1.0", 1.5, 2.5), ("B1.0", 2.5, 4.5), ("SEND_B1.0>0", 4.5, 4.5),
+         ("REDUCE_GRAD1", 4.5, 4.5)],
+    ]  # fmt: skip
+    for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 1)):
+        schedule = make_schedule(name, 4, 8, v)
+        timeline = simulate(schedule, unit_cost, transfer=lambda send: 0.25)
+        for rank, events in enumerate(timeline.events):
+            assert tuple(e.action for e in events) == schedule.actions[rank]
+            clock = 0.0
+            for e in events:
+                assert e.start >= clock and e.end == e.start + unit_cost(e.action)
+                assert e.action.is_compute or e.start == clock  # posted on the rank's clock
+                clock = e.end
+        assert timeline.step == max(e.end for rank in timeline.events for e in rank)
+        assert timeline.compute_time(0) == sum(unit_cost(a) for a in schedule.actions[0])
+
+
 def test_actions_read_back_from_their_text() -> None:
     for text in ("F3.1", "SEND_F3.1>4", "RECV_B2.0<3", "REDUCE_GRAD2", "W0.11"):
         assert str(parse_action(text)) == text

@@ -15,7 +15,8 @@ from __future__ import annotations
 import weakref
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from autoshard.schedule.actions import Action, Schedule, ScheduleError
@@ -34,17 +35,32 @@ class Timed(NamedTuple):
 
 @dataclass(frozen=True)
 class Timeline:
-    """Every action's start and end, per rank in its order; the step; the bubble (the share
-    of the ranks' time, from the first compute to the last, that no compute runs); each
-    stage's most micro-batches in flight (forward started, backward not finished) and, when
-    activation bytes were given, each rank's peak of them."""
+    """Every action's start and end, per rank in its order (``events``); the step; the
+    bubble (the share of the ranks' time, from the first compute to the last, that no compute
+    runs); each stage's most micro-batches in flight (forward started, backward not finished)
+    and, when activation bytes were given, each rank's peak of them."""
 
     schedule: Schedule
-    events: tuple[tuple[Timed, ...], ...]
     step: float
     bubble: float
     in_flight: tuple[int, ...]
     peak_activation_bytes: tuple[float, ...]
+    #: the replay and each of its steps' start and end, which ``events`` is made of when read
+    #: (pricing reads the step and the peaks only, many times a search)
+    played: tuple[_Replay, tuple[float, ...], tuple[float, ...]] = field(repr=False, compare=False)
+
+    @cached_property
+    def events(self) -> tuple[tuple[Timed, ...], ...]:
+        replay, starts, ends = self.played
+        out = []
+        for rank, steps in enumerate(replay.steps_of):
+            # an untimed step starts and ends on its rank's clock: the timed step before's end
+            out.append(tuple(
+                Timed(rank, a, starts[t], ends[t]) if timed
+                else Timed(rank, a, ends[t] if t >= 0 else 0.0, ends[t] if t >= 0 else 0.0)
+                for a, timed, t in steps
+            ))  # fmt: skip
+        return tuple(out)
 
     def compute_time(self, rank: int) -> float:
         return sum(e.end - e.start for e in self.events[rank] if e.action.is_compute)
@@ -161,47 +177,110 @@ def simulate(
     send's tensor arrives ``transfer(send)`` seconds after it is posted (default: at once);
     ``activation_bytes(stage)``: what one micro-batch's forward of a stage keeps for its
     backward."""
-    transfer = transfer or (lambda a: 0.0)
-    order = _played(schedule)
-    ends = [0.0] * len(order)
-    arrives = [0.0] * len(order)
+    replay = _replayed(schedule)
+    seconds = [cost(a) for a in replay.actions]
+    hops = [transfer(a) for a in replay.sends] if transfer else [0.0] * len(replay.sends)
+    # a send and a receive take no time of their rank: only the timed steps are replayed, a
+    # send's tensor arriving ``hop`` after the end of its rank's timed step before it
+    starts = [0.0] * len(seconds)
+    ends = [0.0] * (len(seconds) + 1)  # ends[-1]: a rank's clock before its first timed step
     clock = [0.0] * schedule.num_ranks
-    events: list[list[Timed]] = [[] for _ in range(schedule.num_ranks)]
-    for j, (rank, a, after, arrived, timed, sends) in enumerate(order):
+    steps = zip(replay.ranks, replay.after, replay.arrived, seconds, strict=True)
+    for j, (rank, after, arrived, took) in enumerate(steps):
         start = clock[rank]
         for k in after:
             if ends[k] > start:
                 start = ends[k]
-        for k in arrived:
-            if arrives[k] > start:
-                start = arrives[k]
-        end = start + cost(a) if timed else start
-        if sends:
-            arrives[j] = start + transfer(a)
-        ends[j] = clock[rank] = end
-        events[rank].append(Timed(rank, a, start, end))
-    return _timeline(schedule, events, activation_bytes)
+        for k, send in arrived:
+            if ends[k] + hops[send] > start:
+                start = ends[k] + hops[send]
+        starts[j] = start
+        ends[j] = clock[rank] = start + took
+    ends.pop()
+    return _timeline(schedule, replay, starts, ends, activation_bytes)
 
 
 #: one step of a played schedule: (rank, action, the steps whose ends it waits for, the sends
 #: whose arrivals it waits for, whether it takes its cost, whether it is a send)
 Played = tuple[int, Action, tuple[int, ...], tuple[int, ...], bool, bool]
-_PLAYED: dict[int, tuple[weakref.ref, tuple[Played, ...]]] = {}
 
 
-def _played(schedule: Schedule) -> tuple[Played, ...]:
+@dataclass(frozen=True)
+class _Replay:
+    """A schedule's played order, what the simulator replays of it: its timed steps (compute
+    and ``REDUCE_GRAD``) as columns, each with the timed steps whose ends it waits for and
+    the sends whose arrivals it waits for (the timed step before the send on its rank, -1 for
+    none, and the send's number); the sends; and what the timeline reads: each rank's steps
+    in its own order (a step: timed ``True`` and its number, or ``False`` and the number of
+    the rank's timed step before it), its compute steps, and its changes of micro-batches in
+    flight."""
+
+    ranks: tuple[int, ...]
+    actions: tuple[Action, ...]
+    after: tuple[tuple[int, ...], ...]
+    arrived: tuple[tuple[tuple[int, int], ...], ...]
+    sends: tuple[Action, ...]
+    steps_of: tuple[tuple[tuple[Action, bool, int], ...], ...]
+    compute_of: tuple[tuple[int, ...], ...]  # per rank, its compute steps in its order
+    #: per rank: (timed step, +1 at its start (a forward) or -1 at its end (what frees), stage)
+    changes_of: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    @staticmethod
+    def of(schedule: Schedule, order: tuple[Played, ...]) -> _Replay:
+        # Whole: one pass over the played order, renumbering its steps
+        frees = "W" if schedule.split_backward else "B"
+        timed_at: dict[int, int] = {}  # played step -> timed step
+        before = [-1] * schedule.num_ranks  # each rank's last timed step so far
+        send_at: dict[int, tuple[int, int]] = {}  # played send -> (timed before, send number)
+        ranks, actions, after, arrived, sends = [], [], [], [], []
+        steps_of: list[list] = [[] for _ in range(schedule.num_ranks)]
+        compute_of: list[list[int]] = [[] for _ in range(schedule.num_ranks)]
+        changes_of: list[list[tuple[int, int, int]]] = [[] for _ in range(schedule.num_ranks)]
+        for j, (rank, a, own, sent, timed, send) in enumerate(order):
+            if send:
+                send_at[j] = (before[rank], len(sends))
+                sends.append(a)
+            if not timed:
+                steps_of[rank].append((a, False, before[rank]))
+                continue
+            t = timed_at[j] = before[rank] = len(ranks)
+            ranks.append(rank)
+            actions.append(a)
+            after.append(tuple(timed_at[k] for k in own))
+            arrived.append(tuple(send_at[k] for k in sent))
+            steps_of[rank].append((a, True, t))
+            if a.is_compute:
+                compute_of[rank].append(t)
+                if a.kind in ("F", frees):
+                    changes_of[rank].append((t, 1 if a.kind == "F" else -1, a.stage))
+        return _Replay(
+            tuple(ranks),
+            tuple(actions),
+            tuple(after),
+            tuple(arrived),
+            tuple(sends),
+            tuple(map(tuple, steps_of)),
+            tuple(map(tuple, compute_of)),
+            tuple(map(tuple, changes_of)),
+        )
+
+
+_REPLAYS: dict[int, tuple[weakref.ref, _Replay]] = {}
+
+
+def _replayed(schedule: Schedule) -> _Replay:
     """The order in which ranks can run the actions of ``schedule``, each with what it waits
     for; ScheduleError for a dependency out of order or a deadlock. Whether an action can run
     depends only on what ran before it, never on times, so the order is found once per
     schedule and every pricing of it replays the order with its own costs."""
-    known = _PLAYED.get(id(schedule))
+    known = _REPLAYS.get(id(schedule))
     if known is not None and known[0]() is schedule:
         return known[1]
-    order = _play(schedule)
-    for key in [k for k, (ref, _) in _PLAYED.items() if ref() is None]:
-        del _PLAYED[key]
-    _PLAYED[id(schedule)] = (weakref.ref(schedule), order)
-    return order
+    replay = _Replay.of(schedule, _play(schedule))
+    for key in [k for k, (ref, _) in _REPLAYS.items() if ref() is None]:
+        del _REPLAYS[key]
+    _REPLAYS[id(schedule)] = (weakref.ref(schedule), replay)
+    return replay
 
 
 def _play(schedule: Schedule) -> tuple[Played, ...]:
@@ -219,21 +298,19 @@ def _play(schedule: Schedule) -> tuple[Played, ...]:
         actions = schedule.actions[rank]
         while position[rank] < len(actions):
             a = actions[position[rank]]
-            inputs = _inputs_ready(schedule, rank, a, ends, arrivals, posted)
-            if inputs is None:
+            waits = _waits(schedule, rank, a, ends, arrivals, posted)
+            if waits is None:
                 break
-            j = len(order)
-            if a.kind.startswith("SEND"):
-                arrivals[("RECV" + a.kind[4:], a.peer, a.microbatch)] = j
+            j, kind = len(order), a.kind
+            send = kind == "SEND_F" or kind == "SEND_B"
+            if send:
+                arrivals[("RECV" + kind[4:], a.peer, a.microbatch)] = j
                 ready.append(schedule.placement[a.peer])
-            elif a.kind.startswith("RECV"):
-                posted.add((a.kind, a.stage, a.microbatch))
+            elif kind == "RECV_F" or kind == "RECV_B":
+                posted.add((kind, a.stage, a.microbatch))
             else:
-                ends[(a.kind, a.stage, a.microbatch)] = j
-            timed = a.is_compute or a.kind == "REDUCE_GRAD"
-            own = tuple(k for kind, k in inputs if kind == "end")
-            sent = tuple(k for kind, k in inputs if kind == "arrival")
-            order.append((rank, a, own, sent, timed, a.kind.startswith("SEND")))
+                ends[(kind, a.stage, a.microbatch)] = j
+            order.append((rank, a, waits[0], waits[1], kind in _TIMED, send))
             position[rank] += 1
     if len(order) < total:
         waiting = [
@@ -245,98 +322,101 @@ def _play(schedule: Schedule) -> tuple[Played, ...]:
     return tuple(order)
 
 
-def _inputs_ready(
+_TIMED = frozenset(("F", "B", "I", "W", "REDUCE_GRAD"))  # the actions that take their cost
+
+
+def _waits(
     schedule: Schedule,
     rank: int,
     a: Action,
     ends: dict[Key, int],
     arrivals: dict[tuple[str, int, int], int],
     posted: set[tuple[str, int, int]],
-) -> list[tuple[str, int]] | None:
-    """What ``a`` waits for, ("end", step) or ("arrival", send step), or None while
-    something it needs has not run. A dependency that belongs earlier on this rank and is not
-    done is a ScheduleError."""
-    needs: list[tuple[str, int] | None] = []
-    s, i, last = a.stage, a.microbatch, schedule.num_stages - 1
-    if a.kind == "F" and s > 0:
-        needs.append(_from(schedule, rank, "F", s - 1, i, "RECV_F", s, ends, arrivals, posted))
-    if a.kind in ("B", "I"):
-        needs.append(_own(rank, a, ("F", s, i), ends))
-        if s < last:
-            back = "I" if schedule.split_backward else "B"
-            needs.append(_from(schedule, rank, back, s + 1, i, "RECV_B", s, ends, arrivals, posted))
-    if a.kind == "W":
-        needs.append(_own(rank, a, ("I", s, i), ends))
-    if a.kind.startswith("SEND"):
-        made = (
-            ("F", s, i) if a.kind == "SEND_F" else ("I" if schedule.split_backward else "B", s, i)
-        )
-        needs.append(_own(rank, a, made, ends))
-    if a.kind == "REDUCE_GRAD":
-        kind = "W" if schedule.split_backward else "B"
-        needs += [_own(rank, a, (kind, s, j), ends) for j in range(schedule.microbatches)]
-    if any(n is None for n in needs):
-        return None
-    return [n for n in needs if n is not None]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """What ``a`` waits for: the steps whose ends (on this rank) and the sends whose
+    arrivals it needs; None while a send it needs has not run. A dependency that belongs
+    earlier on this rank and is not done is a ScheduleError."""
+    # Whole: one case per kind of action, as the module's docstring lists them
+    kind, s, i = a.kind, a.stage, a.microbatch
+    if kind == "F":
+        return ((), ()) if s == 0 else _from(schedule, rank, a, "F", s - 1, "RECV_F", ends,
+                                             arrivals, posted)  # fmt: skip
+    if kind == "B" or kind == "I":
+        own = _own(rank, a, ("F", s, i), ends)
+        if s == schedule.num_stages - 1:
+            return (own,), ()
+        back = "I" if schedule.split_backward else "B"
+        other = _from(schedule, rank, a, back, s + 1, "RECV_B", ends, arrivals, posted)
+        return None if other is None else ((own, *other[0]), other[1])
+    if kind == "W":
+        return (_own(rank, a, ("I", s, i), ends),), ()
+    if kind == "SEND_F":
+        return (_own(rank, a, ("F", s, i), ends),), ()
+    if kind == "SEND_B":
+        return (_own(rank, a, ("I" if schedule.split_backward else "B", s, i), ends),), ()
+    if kind == "REDUCE_GRAD":
+        summed = "W" if schedule.split_backward else "B"
+        return tuple(_own(rank, a, (summed, s, j), ends) for j in range(schedule.microbatches)), ()
+    return (), ()  # a receive is posted: it waits for nothing
 
 
-def _own(rank: int, a: Action, key: Key, ends: dict[Key, int]) -> tuple[str, int]:
-    if key not in ends:
+def _own(rank: int, a: Action, key: Key, ends: dict[Key, int]) -> int:
+    """The step of this rank's ``key`` that ``a`` waits for, which must have run."""
+    j = ends.get(key)
+    if j is None:
         raise ScheduleError(f"rank {rank} runs {a} before {Action(*key)}, which it needs")
-    return ("end", ends[key])
+    return j
 
 
-def _from(schedule, rank, kind, stage, i, recv, to, ends, arrivals, posted):
-    """The input made by (kind, stage, i) for stage ``to`` on ``rank``: its end on this rank,
-    or its arrival, which a receive posted before must be waiting for (None: not sent yet)."""
+def _from(schedule, rank, a, kind, stage, recv, ends, arrivals, posted):
+    """What ``a`` (on stage ``a.stage``) waits for of the input (kind, stage, a.microbatch)
+    makes: its end on this rank, or its arrival, which a receive posted before must be waiting
+    for (None: not sent yet)."""
+    i, to = a.microbatch, a.stage
     if schedule.placement[stage] == rank:
-        return _own(rank, Action(kind, to, i), (kind, stage, i), ends)
+        return (_own(rank, a, (kind, stage, i), ends),), ()
     if (recv, to, i) not in posted:
-        raise ScheduleError(
-            f"rank {rank} runs {Action(kind, to, i)} before it posts {recv}{to}.{i}"
-        )
+        raise ScheduleError(f"rank {rank} runs {a} before it posts {recv}{to}.{i}")
     sent = arrivals.get((recv, to, i))
-    return None if sent is None else ("arrival", sent)
+    return None if sent is None else ((), (sent,))
 
 
 def _timeline(
     schedule: Schedule,
-    events: list[list[Timed]],
+    replay: _Replay,
+    starts: list[float],
+    ends: list[float],
     activation_bytes: Callable[[int], float] | None,
 ) -> Timeline:
-    compute = [e for rank in events for e in rank if e.action.is_compute]
-    first = min((e.start for e in compute), default=0.0)
-    last = max((e.end for e in compute), default=0.0)
+    compute = [j for steps in replay.compute_of for j in steps]  # rank by rank, in order
+    first = min((starts[j] for j in compute), default=0.0)
+    last = max((ends[j] for j in compute), default=0.0)
     span = (last - first) * schedule.num_ranks
-    busy = sum(e.end - e.start for e in compute)
-    step = max((e.end for rank in events for e in rank), default=0.0)
+    busy = sum(ends[j] - starts[j] for j in compute)
+    step = max(ends, default=0.0)  # an untimed step ends on a timed one's end (or at 0)
     # in flight from a forward's start to the end of the backward that frees it
-    frees = "W" if schedule.split_backward else "B"
-    changes: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    for e in compute:
-        if e.action.kind == "F":
-            changes[e.action.stage].append((e.start, 1))
-        elif e.action.kind == frees:
-            changes[e.action.stage].append((e.end, -1))
+    held_by = [activation_bytes(s) if activation_bytes else 0.0 for s in range(schedule.num_stages)]
     in_flight = [0] * schedule.num_stages
     peak_bytes = [0.0] * schedule.num_ranks
-    for rank in range(schedule.num_ranks):
+    for rank, changes in enumerate(replay.changes_of):
         held, peak = 0.0, 0.0
         moves = sorted(
-            (t, d, s) for s in schedule.stages_of(rank) for t, d in changes[s]
+            (starts[j] if d > 0 else ends[j], d, s) for j, d, s in changes
         )  # a free at time t comes before a forward starting at t (-1 sorts first)
-        counts: Counter[int] = Counter()
+        counts = [0] * schedule.num_stages
         for _, d, s in moves:
             counts[s] += d
-            in_flight[s] = max(in_flight[s], counts[s])
-            held += d * (activation_bytes(s) if activation_bytes else 0.0)
-            peak = max(peak, held)
+            if counts[s] > in_flight[s]:
+                in_flight[s] = counts[s]
+            held += d * held_by[s]
+            if held > peak:
+                peak = held
         peak_bytes[rank] = peak
     return Timeline(
         schedule,
-        tuple(tuple(e) for e in events),
         step,
         1.0 - busy / span if span else 0.0,
         tuple(in_flight),
         tuple(peak_bytes),
+        (replay, tuple(starts), tuple(ends)),
     )
