@@ -89,10 +89,13 @@ def test_a_helper_s_failures_come_back_as_run_here_or_as_the_job_s_own_error() -
         assert h.delivered == 3
 
 
-def _dies(job: int) -> int:
-    if job == 2:
+def _dies(job: tuple[int, str]) -> int:
+    n, go = job
+    if n == 2:  # once job 1's outcome was taken (a death loses what is not sent yet)
+        while not os.path.exists(go):
+            time.sleep(0.01)
         os._exit(1)
-    return job
+    return n
 
 
 def _sticks(job: int) -> int:
@@ -101,10 +104,15 @@ def _sticks(job: int) -> int:
     return job
 
 
-def test_a_helper_that_dies_or_sticks_is_stopped_and_its_jobs_run_here(monkeypatch) -> None:
-    with Helper([1, 2, 3], _dies) as h:
-        assert h.take(1) == ("ok", 1)
-        assert h.take(2) is None and h.take(3) is None
+def test_a_helper_that_dies_or_sticks_is_stopped_and_its_jobs_run_here(
+    monkeypatch, tmp_path
+) -> None:
+    go = str(tmp_path / "go")
+    jobs = [(n, go) for n in (1, 2, 3)]
+    with Helper(jobs, _dies) as h:
+        assert h.take(jobs[0]) == ("ok", 1)
+        open(go, "w").close()
+        assert h.take(jobs[1]) is None and h.take(jobs[2]) is None
         assert h.proc is None  # stopped and reaped
     monkeypatch.setattr(helper_module, "PATIENCE_S", 1.0)
     began = time.perf_counter()
@@ -135,6 +143,26 @@ def test_the_latest_offer_replaces_the_offers_not_begun() -> None:
         while 3 not in h.got and h._receive(5.0):
             pass
         assert h.take(3) == ("ok", 30)
+
+
+def _large_then_marked(job: tuple[int, str]) -> bytes:
+    n, marker = job
+    if n == 2:  # begun: the first outcome did not hold the helper
+        open(marker, "w").close()
+    return bytes(n << 20)
+
+
+def test_a_large_outcome_does_not_hold_the_helper_until_it_is_taken(tmp_path) -> None:
+    # an outcome past a pipe's 64 KiB waits to be read; the helper goes on to its next job
+    marker = str(tmp_path / "second-begun")
+    jobs = [(1, marker), (2, marker)]
+    with Helper(jobs, _large_then_marked) as h:
+        waited = time.perf_counter()
+        while not os.path.exists(marker) and time.perf_counter() - waited < 30:
+            time.sleep(0.01)
+        assert os.path.exists(marker), "the helper waited for its first outcome to be read"
+        assert h.take(jobs[0]) == ("ok", bytes(1 << 20))
+        assert h.take(jobs[1]) == ("ok", bytes(2 << 20))
 
 
 def _hf_loss(out, targets):

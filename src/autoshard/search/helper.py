@@ -17,8 +17,10 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from queue import SimpleQueue
 from typing import Any
 
 #: seconds waited for the helper's next result at least, and in stage searches of this
@@ -153,21 +155,31 @@ class Helper:
 def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) -> None:
     """The helper's life: each job begun and its outcome sent as it is done, then each job
     offered; it ends when the parent stops it or closes the offers. A Ctrl-C is the parent's
-    to act on (it stops the helper)."""
+    to act on (it stops the helper). Messages go out from a thread of their own: a pipe holds
+    64 KiB, and an outcome larger than that would otherwise hold the helper until the parent
+    next reads, which it does only where it needs a job's outcome."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _IN_HELPER[0], _LIVE[0] = True, 0
+    outbox: SimpleQueue[bytes] = SimpleQueue()
+    gone = threading.Event()  # the parent: a send failed
+
+    def post() -> None:
+        try:
+            while True:
+                results.send_bytes(outbox.get())
+        except OSError:
+            gone.set()
+
+    threading.Thread(target=post, daemon=True).start()
     queue, offered = deque(jobs), deque()
-    while True:
+    while not gone.is_set():
         try:
             while offers.poll() or not (queue or offered):  # (waits once all is done)
                 offered = deque(offers.recv())  # the latest offer replaces those not begun
         except (EOFError, OSError):
             return
         job = queue.popleft() if queue else offered.popleft()
-        try:
-            results.send_bytes(pickle.dumps((job, ("begun", None))))
-        except OSError:  # the parent is gone
-            return
+        outbox.put(pickle.dumps((job, ("begun", None))))
         try:
             outcome: tuple[str, Any] = ("ok", run(job))
         except raised as err:
@@ -175,13 +187,9 @@ def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) 
         except Exception:  # run here instead, where the error shows as it would without
             outcome = ("failed", None)
         try:
-            data = pickle.dumps((job, outcome), protocol=pickle.HIGHEST_PROTOCOL)
+            outbox.put(pickle.dumps((job, outcome), protocol=pickle.HIGHEST_PROTOCOL))
         except Exception:
-            data = pickle.dumps((job, ("failed", None)))
-        try:
-            results.send_bytes(data)
-        except OSError:  # the parent is gone
-            return
+            outbox.put(pickle.dumps((job, ("failed", None))))
 
 
 __all__ = ["Helper", "helper_cores"]
