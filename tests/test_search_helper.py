@@ -27,10 +27,12 @@ pytestmark = pytest.mark.skipif(
 
 
 _TAKE = Helper.take
+_STEAL = Helper.steal
+_SERVE = helper_module._serve
 
 
 def _searched(og, spec, monkeypatch, helper: bool):
-    delivered = []
+    delivered, stolen = [], []
 
     def counted(self, job):
         outcome = _TAKE(self, job)
@@ -38,25 +40,47 @@ def _searched(og, spec, monkeypatch, helper: bool):
             delivered.append(job)
         return outcome
 
+    def counted_steal(self):
+        job = _STEAL(self)
+        stolen.extend([job] if job is not None else [])
+        return job
+
     monkeypatch.setattr(Helper, "take", counted)
+    monkeypatch.setattr(Helper, "steal", counted_steal)
     best, tried, _ = search_pipeline(
         lambda m: og, 32, 16, spec, {}, depth={"layers": 8}, helper=helper
     )
-    return best, tried, delivered
+    return best, tried, delivered, stolen
 
 
-@pytest.mark.parametrize("gib", [0.5, 80])
+def _slow_serve(jobs, run, *rest):
+    """The helper, a second slower at each job than the search."""
+
+    def slow(job):
+        time.sleep(1.0)
+        return run(job)
+
+    return _SERVE(jobs, slow, *rest)
+
+
+@pytest.mark.parametrize(("gib", "slow"), [(0.5, False), (80, False), (80, True)])
 def test_the_helper_finds_the_plan_and_prices_what_the_search_alone_does(
-    gpt_meta_graph, monkeypatch, gib
+    gpt_meta_graph, monkeypatch, gib, slow
 ) -> None:
     spec = dataclasses.replace(cluster_spec("dgx-h100", 16), memory_bytes=gib * 2**30)
-    alone, tried_alone, none = _searched(gpt_meta_graph, spec, monkeypatch, helper=False)
-    helped, tried_helped, delivered = _searched(gpt_meta_graph, spec, monkeypatch, helper=True)
+    alone, tried_alone, none, _ = _searched(gpt_meta_graph, spec, monkeypatch, helper=False)
+    if slow:  # the search takes the helper's later jobs off its list rather than wait
+        monkeypatch.setattr(helper_module, "_serve", _slow_serve)
+    helped, tried_helped, delivered, stolen = _searched(
+        gpt_meta_graph, spec, monkeypatch, helper=True
+    )
     assert none == []
-    # the later degrees' first stage searches came from the helper: degrees 4 and 8 of 16
-    # devices (8 blocks), then the best degree's last micro-batch count
-    assert len(delivered) >= 2, delivered
-    assert {job[0] for job in delivered} >= {4, 8}
+    # the later degrees' first stage searches came from the helper or were taken off its
+    # list: degrees 4 and 8 of 16 devices (8 blocks), then the best degree's last count
+    assert delivered, stolen
+    assert {job[0] for job in delivered + stolen} >= {4, 8}
+    if slow:
+        assert stolen, delivered
     assert tried_helped == tried_alone  # every configuration, its step and its memory
     for plan in (helped, alone):
         assert plan.predicted.peak_memory <= spec.memory_bytes
@@ -163,6 +187,29 @@ def test_a_large_outcome_does_not_hold_the_helper_until_it_is_taken(tmp_path) ->
         assert os.path.exists(marker), "the helper waited for its first outcome to be read"
         assert h.take(jobs[0]) == ("ok", bytes(1 << 20))
         assert h.take(jobs[1]) == ("ok", bytes(2 << 20))
+
+
+def _marked(job: tuple[int, str]) -> int:
+    n, folder = job
+    open(os.path.join(folder, str(n)), "w").close()
+    if n == 1:
+        time.sleep(0.5)
+    return n * 10
+
+
+def test_jobs_not_begun_are_taken_off_the_helper_s_list_to_run_here(tmp_path) -> None:
+    jobs = [(n, str(tmp_path)) for n in (1, 2, 3)]
+    with Helper(jobs, _marked) as h:
+        while jobs[0] not in h.begun and h._receive(5.0):
+            pass
+        assert h.would_wait(jobs[0]) and h.would_wait(jobs[2])
+        assert h.steal() == jobs[2] and h.steal() == jobs[1]  # from the last
+        assert h.steal() is None  # the first is begun
+        assert not h.would_wait(jobs[2]) and h.take(jobs[2]) is None  # run here
+        assert h.take(jobs[0]) == ("ok", 10)
+        assert h.take(jobs[1]) is None
+        time.sleep(0.2)
+    assert sorted(os.listdir(tmp_path)) == ["1"]  # the helper ran neither taken job
 
 
 def _hf_loss(out, targets):

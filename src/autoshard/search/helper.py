@@ -54,7 +54,8 @@ class Helper:
     ("error", exception) for an exception ``raised`` lists (the job's own answer), or None
     where this process must run it itself. ``take`` waits for a job of ``jobs``, and for an
     offered one the helper has begun; an offered one it has not begun is run here (and its
-    outcome there, if it comes, is dropped)."""
+    outcome there, if it comes, is dropped). Rather than wait, this process may take the
+    last of ``jobs`` the helper has not begun off its list (``steal``) and run it itself."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class Helper:
         import multiprocessing
 
         self.jobs, self.waited = set(jobs), set(jobs)
+        self.given = list(jobs)
         self.begun: set[Hashable] = set()
         self.offered: list[Hashable] = []
         self.got: dict[Hashable, tuple[str, Any]] = {}
@@ -91,12 +93,39 @@ class Helper:
         if jobs == self.offered or self.proc is None:
             return
         try:
-            self.offers.send(jobs)
+            self.offers.send(("offer", jobs))
         except OSError:
             self.stop()
             return
         self.jobs.update(jobs)
         self.offered = jobs
+
+    def would_wait(self, job: Hashable) -> bool:
+        """Whether ``take(job)`` would wait now: a job of ``jobs`` or one the helper has
+        begun, whose outcome has not come."""
+        self._receive(0.0)
+        waits = job in self.waited or job in self.begun
+        return self.proc is not None and job in self.jobs and job not in self.got and waits
+
+    def steal(self) -> Hashable | None:
+        """The last job of ``jobs`` the helper has not begun (as far as this process has
+        heard), taken off its list to be run here (None: none is left). Where the helper
+        begins it before it hears, its outcome is dropped. (Offered jobs are not taken: they
+        come after, and this process would run them in place of its own next work.)"""
+        self._receive(0.0)
+        if self.proc is None:
+            return None
+        for job in reversed(self.given):
+            if job in self.jobs and job not in self.begun and job not in self.got:
+                try:
+                    self.offers.send(("drop", job))
+                except OSError:
+                    self.stop()
+                    return None
+                self.jobs.discard(job)
+                self.waited.discard(job)
+                return job
+        return None
 
     def take(self, job: Hashable) -> tuple[str, Any] | None:
         if job not in self.jobs:
@@ -175,7 +204,12 @@ def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) 
     while not gone.is_set():
         try:
             while offers.poll() or not (queue or offered):  # (waits once all is done)
-                offered = deque(offers.recv())  # the latest offer replaces those not begun
+                kind, what = offers.recv()
+                if kind == "offer":  # the latest offer replaces those not begun
+                    offered = deque(what)
+                else:  # dropped: the parent runs it
+                    queue = deque(j for j in queue if j != what)
+                    offered = deque(j for j in offered if j != what)
         except (EOFError, OSError):
             return
         job = queue.popleft() if queue else offered.popleft()

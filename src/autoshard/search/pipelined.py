@@ -203,6 +203,32 @@ def search_pipeline(
             limit, before = tighter, lowest
         return False
 
+    stolen: dict[tuple, tuple[str, Any]] = {}  # jobs taken off the helper's list, run here
+
+    def run_here(job: tuple[int, int, int, float]) -> tuple[str, Any]:
+        began = time.perf_counter()
+        try:
+            return "here", stage_search(job)[0]
+        except PlanningError as err:
+            return "error", err
+        finally:
+            for h in helpers:
+                h.ran_here(time.perf_counter() - began)
+
+    def searched(job: tuple[int, int, int, float]) -> tuple[str, Any]:
+        """The stage search of ``job``: ("here", result) where this process ran it, ("ok",
+        (result, graphs built)) where the helper did, ("error", PlanningError). Where the
+        helper runs it (or holds it to run), this process runs the jobs it has not begun,
+        from its last, instead of waiting (their outcomes kept for when they are priced)."""
+        for h in helpers:
+            while h.would_wait(job):
+                other = h.steal()
+                if other is None or other == job:
+                    break
+                stolen[other] = run_here(other)
+        outcome = stolen.pop(job, None) or next(filter(None, (h.take(job) for h in helpers)), None)
+        return outcome or run_here(job)
+
     def price_with(pp: int, m: int, zero: int, limit: float) -> tuple[bool, float | None, Plan]:
         """Every variant of the stage plan searched at ``zero`` under ``limit``: whether one
         fits, the least peak memory priced, and the stage plan."""
@@ -212,14 +238,11 @@ def search_pipeline(
         fitted, lowest = False, None
         if key not in stage_plans:
             sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
-            outcome = next(filter(None, (h.take((pp, m, zero, limit)) for h in helpers)), None)
-            if outcome is None:
-                began = time.perf_counter()
-                result = stage_search((pp, m, zero, limit))[0]
-                for h in helpers:
-                    h.ran_here(time.perf_counter() - began)
-            elif outcome[0] == "error":
+            outcome = searched((pp, m, zero, limit))
+            if outcome[0] == "error":
                 raise outcome[1]
+            if outcome[0] == "here":
+                result = outcome[1]
             else:
                 result, built = outcome[1]
                 adopt(og, sub, built)
@@ -273,9 +296,8 @@ def search_pipeline(
         for pp, m in firsts:
             price(pp, m)
             if helpers and best is not None:
-                helpers[0].offer(
-                    [(*job, first_zero, math.inf) for job in fine(best.schedule.num_ranks)]
-                )
+                jobs = [(*job, first_zero, math.inf) for job in fine(best.schedule.num_ranks)]
+                helpers[0].offer([job for job in jobs if job not in stolen])
         if best is not None:  # fine: the best degree's other counts
             for pp, m in fine(best.schedule.num_ranks):
                 price(pp, m)
