@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -411,3 +412,54 @@ def test_one_long_sequence_on_one_node_fits_by_context_parallelism_and_recompute
         if not given:
             assert "recompute selective, ZeRO 3" in head, head
     assert steps[0] < steps[1], steps
+
+
+def _shows(code: int):
+    def run(json_path):
+        print("the plan with stages")
+        print("a warning", file=sys.stderr)
+        if json_path is not None:
+            with open(json_path, "w") as f:
+                f.write("{}")
+        if code < 0:
+            raise RuntimeError("a bug")
+        return code
+
+    return run
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a fork: Linux only")
+def test_stages_ahead_shows_what_it_held_only_when_let_out(tmp_path, capfd) -> None:
+    from autoshard.cli.stages_ahead import StagesAhead
+
+    plan = tmp_path / "plan.json"
+    ahead = StagesAhead(_shows(3), str(plan))
+    assert ahead.finish() == 3  # its output and file, once let out
+    out, err = capfd.readouterr()
+    assert (out, err) == ("the plan with stages\n", "a warning\n")
+    assert plan.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    plan.unlink()
+    ahead = StagesAhead(_shows(0), str(plan))
+    time.sleep(0.5)  # (it has run: its file held)
+    ahead.stop()  # a plan fit without stages: nothing shown, no file left
+    assert capfd.readouterr() == ("", "") and list(tmp_path.iterdir()) == []
+    ahead = StagesAhead(_shows(-1), None)
+    assert ahead.finish() is None  # it raised: the planning process searches itself
+    assert capfd.readouterr() == ("", "")
+
+
+def _sticks(json_path):
+    time.sleep(600)  # no processor time: as a fork stuck on a lock
+    return 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a fork: Linux only")
+def test_stages_ahead_stuck_is_stopped_and_searched_here(monkeypatch, capfd) -> None:
+    from autoshard.cli import stages_ahead
+
+    monkeypatch.setattr(stages_ahead, "STUCK_S", 1.0)
+    began = time.perf_counter()
+    ahead = stages_ahead.StagesAhead(_sticks, None)
+    assert ahead.finish() is None and ahead.pid is None
+    assert time.perf_counter() - began < 30
+    assert capfd.readouterr() == ("", "")

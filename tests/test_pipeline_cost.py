@@ -5,6 +5,9 @@ fit without stages; no ranks needed."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
 import subprocess
 import sys
 
@@ -87,17 +90,52 @@ def test_searching_zero_finds_what_fixing_any_zero_stage_finds(stage, gib) -> No
     assert free < fixed[0] * 0.99, (free, fixed)
 
 
+def _untimed(text: str) -> str:
+    """A plan's output, the seconds planning took left out."""
+    return re.sub(r"\d+(\.\d+)? s\b", "<s>", text)
+
+
+def _plan_of(path) -> dict:
+    """A plan JSON without the seconds its planning took."""
+
+    def untimed(x):
+        if isinstance(x, dict):
+            return {k: untimed(v) for k, v in x.items() if not _timing(k)}
+        return [untimed(v) for v in x] if isinstance(x, list) else x
+
+    return untimed(json.loads(path.read_text()))
+
+
+def _timing(key: str) -> bool:
+    return key in ("search_s", "capture_s", "end_to_end_s", "solve_s")
+
+
 def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> None:
     args = [sys.executable, "-m", "autoshard.cli", "plan", "--model", "gpt", "--layers", "32",
             "--hidden", "4096", "--heads", "32", "--seq", "2048", "--batch", "512", "--vocab",
             "51200", "--cluster", "dgx-h100", "--nodes", "1"]  # fmt: skip
     flat = subprocess.run([*args, "--pp", "1"], capture_output=True, text=True, timeout=300)
     assert flat.returncode == 3 and "no plan fits in 80.00 GiB" in flat.stderr
-    # without --pp: nothing fits without stages, so the stages are searched
-    searched = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    # without --pp: nothing fits without stages, so the stages are searched (begun ahead in
+    # a fork of the command; the same plan and output as the command alone finds)
+    ahead = [*args, "--json", str(tmp_path / "ahead.json")]
+    searched = subprocess.run(ahead, capture_output=True, text=True, timeout=300)
     assert searched.returncode == 0, searched.stderr
     assert "no plan fits in 80.00 GiB" in searched.stderr and "pipeline: pp(" in searched.stdout
+    assert searched.stderr.index("no plan fits") < searched.stderr.index("searching pipeline")
     assert "(microbatches, pp, recompute, schedule searched)" in searched.stdout
+    alone = subprocess.run(
+        [*args, "--json", str(tmp_path / "alone.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"AUTOSHARD_PLAN_HELPERS": "0"},
+    )
+    assert alone.returncode == 0, alone.stderr
+    assert _untimed(searched.stdout) == _untimed(alone.stdout)
+    assert searched.stderr == alone.stderr
+    assert _plan_of(tmp_path / "ahead.json") == _plan_of(tmp_path / "alone.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ahead.json", "alone.json"]
     staged = subprocess.run(
         [*args, "--pp", "4", "--microbatches", "64", "--recompute", "full", "--schedule",
          "1f1b", "--json", str(tmp_path / "plan.json")],

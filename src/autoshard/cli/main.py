@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 import warnings
+from typing import Any
 
 import torch
 
@@ -182,17 +183,50 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _planned(args, spec, model, example, depth, loss_fn, policy, start: float) -> int:
     """The plan of ``model`` (``depth``: its block lists' real depth, fewer captured)."""
-    import time
-
     from autoshard.cli.plan_pipeline import given_pipeline, pipeline_plan
-    from autoshard.graph import capture, check_depth
-    from autoshard.search import PlanningError, run_search
-    from autoshard.search.driver import build_plan
 
     staged = given_pipeline(args)
     if args.pp != "auto" and (staged.get("pp", 1) > 1 or set(staged) - {"pp"}):
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
+    ahead = _stages_ahead(args, spec, model, example, depth, loss_fn, start, policy)
+    try:
+        return _searched(args, spec, model, example, depth, loss_fn, policy, start, ahead)
+    finally:
+        if ahead is not None:
+            ahead.stop()
+
+
+def _stages_ahead(args, spec, model, example, depth, loss_fn, start, policy) -> Any:
+    """The search with stages begun in a fork (``cli.stages_ahead``), where the command is
+    this process's own and may need it: no ``--pp`` given (``auto`` compares the two)."""
+    from autoshard.cli.plan_pipeline import pipeline_plan
+    from autoshard.cli.stages_ahead import StagesAhead
+    from autoshard.search.helper import helper_cores
+
+    if not _OWN_PROCESS[0] or args.pp is not None or helper_cores() == 0:
+        return None
+
+    def run(json: str | None) -> int:
+        held = argparse.Namespace(**{**vars(args), "json": json or args.json})
+        return pipeline_plan(held, spec, model, example, depth, loss_fn, start, policy=policy)
+
+    try:
+        return StagesAhead(run, args.json)
+    except OSError:  # no fork here
+        return None
+
+
+def _searched(args, spec, model, example, depth, loss_fn, policy, start, ahead) -> int:
+    """The plan without stages, or with them where none fits without (the fork's, where it
+    searched them ahead)."""
+    import time
+
+    from autoshard.cli.plan_pipeline import pipeline_plan
+    from autoshard.graph import capture, check_depth
+    from autoshard.search import PlanningError, run_search
+    from autoshard.search.driver import build_plan
+
     captured = capture(model, example, {}, loss_fn=loss_fn, train=True, dtype=policy.compute)
     check_depth(captured, depth)
     captured_s = time.perf_counter() - start
@@ -217,7 +251,12 @@ def _planned(args, spec, model, example, depth, loss_fn, policy, start: float) -
             return 3
         print(f"without pipeline stages: {_one_line(err)}\nsearching pipeline stages",
               file=sys.stderr)  # fmt: skip
+        code = ahead.finish() if ahead is not None else None
+        if code is not None:
+            return code
         return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
+    if ahead is not None:  # a plan fits without stages: the fork's is not wanted
+        ahead.stop()
     built = build_plan(captured, result, spec)
 
     def show() -> int:
@@ -348,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     ends = argv is None and args.run in (_plan_command, _simulate_command)
+    _OWN_PROCESS[0] = ends
     if ends:
         # the collector stays off to the end of a process that plans and exits: the search
         # pauses it (``paused_gc``), and turning it on again after the search would start a
@@ -390,6 +430,12 @@ def _end_process(code: int) -> None:
         except OSError:
             code = code or 1
     os._exit(code)
+
+
+#: whether the command running is this process's own (``python -m autoshard.cli``, the
+#: ``autoshard`` script), not a call of ``main`` from Python: only it forks the search with
+#: stages ahead (``cli.stages_ahead``), whose output it lets out before the process ends
+_OWN_PROCESS = [False]
 
 
 def _one_line(err: BaseException) -> str:
