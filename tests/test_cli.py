@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -463,3 +464,41 @@ def test_stages_ahead_stuck_is_stopped_and_searched_here(monkeypatch, capfd) -> 
     assert ahead.finish() is None and ahead.pid is None
     assert time.perf_counter() - began < 30
     assert capfd.readouterr() == ("", "")
+
+
+def _forks_and_sticks(json_path):
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+    child.start()
+    with open(json_path, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)
+    return 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a fork: Linux only")
+def test_stages_ahead_stopped_takes_its_helpers_along(tmp_path) -> None:
+    from autoshard.cli.stages_ahead import StagesAhead
+
+    plan = tmp_path / "plan.json"
+    ahead = StagesAhead(_forks_and_sticks, str(plan))
+    held = tmp_path / f"plan.json.{os.getpid()}.partial"
+    waited = time.perf_counter()
+    while not (held.exists() and held.read_text()) and time.perf_counter() - waited < 30:
+        time.sleep(0.05)
+    helper = int(held.read_text())
+    ahead.stop()
+    waited = time.perf_counter()
+    while _running(helper) and time.perf_counter() - waited < 10:
+        time.sleep(0.05)
+    assert not _running(helper), "a helper of the fork outlived it"
+    assert list(tmp_path.iterdir()) == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie is gone)
+    except OSError:
+        return False

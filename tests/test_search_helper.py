@@ -275,3 +275,13 @@ def test_no_helper_where_the_user_says_so_or_inside_a_helper(monkeypatch) -> Non
     assert helper_module.helper_cores() == len(os.sched_getaffinity(0)) - 1
     monkeypatch.setattr(helper_module, "_IN_HELPER", [True])
     assert helper_module.helper_cores() == 0
+
+
+def test_a_helper_ends_when_its_parent_s_end_of_the_offers_closes() -> None:
+    # as where the parent dies without stopping it: it holds no copy of the parent's end
+    h = Helper([], _square)
+    h.offers.close()
+    h.proc.join(timeout=20)
+    assert h.proc.exitcode is not None, "the helper outlived its parent's end of the offers"
+    h.proc = None
+    helper_module._LIVE[0] -= 1

@@ -45,6 +45,10 @@ class StagesAhead:
             os.close(self.go)
             os.close(self.done)
             _serve(run, self.held, go_read, done_write)
+        # a process group of its own, which its helper joins: stopped, all of it goes (a
+        # helper left behind would hold this command's output open); set on both sides of
+        # the fork, so that it is there whichever runs first
+        _own_group(self.pid)
         os.close(go_read)
         os.close(done_write)
 
@@ -117,11 +121,20 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def _kill(pid: int) -> None:
+def _own_group(pid: int) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+        os.setpgid(pid, pid)
+    except OSError:  # already so, or already gone
         pass
+
+
+def _kill(pid: int) -> None:
+    """``pid`` and its process group (its helper) killed."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _serve(run: Callable[[str | None], int], held: str | None, go: int, done: int) -> None:
@@ -130,6 +143,7 @@ def _serve(run: Callable[[str | None], int], held: str | None, go: int, done: in
     search raised)."""
     # Whole: one sequence of steps that must each happen in this order
     try:
+        _own_group(0)
         os.nice(19)  # a core the planning process and its helpers leave idle, no more
         from autoshard.search import helper
 

@@ -75,7 +75,9 @@ class Helper:
         self.results, sending = context.Pipe(duplex=False)
         receiving, self.offers = context.Pipe(duplex=False)
         self.proc: Any = context.Process(
-            target=_serve, args=(list(jobs), run, raised, sending, receiving), daemon=True
+            target=_serve,
+            args=(list(jobs), run, raised, sending, receiving, (self.results, self.offers)),
+            daemon=True,
         )
         self.proc.start()
         _LIVE[0] += 1
@@ -181,7 +183,9 @@ class Helper:
         self.stop()
 
 
-def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) -> None:
+def _serve(
+    jobs: list, run: Callable, raised: tuple, results: Any, offers: Any, theirs: tuple = ()
+) -> None:
     """The helper's life: each job begun and its outcome sent as it is done, then each job
     offered; it ends when the parent stops it or closes the offers. A Ctrl-C is the parent's
     to act on (it stops the helper). Messages go out from a thread of their own: a pipe holds
@@ -189,6 +193,8 @@ def _serve(jobs: list, run: Callable, raised: tuple, results: Any, offers: Any) 
     next reads, which it does only where it needs a job's outcome."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _IN_HELPER[0], _LIVE[0] = True, 0
+    for end in theirs:  # the parent's ends: where it dies, the offers end and so does this
+        end.close()
     outbox: SimpleQueue[bytes] = SimpleQueue()
     gone = threading.Event()  # the parent: a send failed
 
