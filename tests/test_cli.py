@@ -415,6 +415,10 @@ def test_one_long_sequence_on_one_node_fits_by_context_parallelism_and_recompute
     assert steps[0] < steps[1], steps
 
 
+#: the plan's fork runs on Linux only (elsewhere the command searches without it)
+_LINUX_FORK = pytest.mark.skipif(sys.platform != "linux", reason="the plan's fork: Linux only")
+
+
 def _shows(code: int):
     def run(json_path):
         print("the plan with stages")
@@ -429,7 +433,7 @@ def _shows(code: int):
     return run
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a fork: Linux only")
+@_LINUX_FORK
 def test_stages_ahead_shows_what_it_held_only_when_let_out(tmp_path, capfd) -> None:
     from autoshard.cli.stages_ahead import StagesAhead
 
@@ -454,7 +458,7 @@ def _sticks(json_path):
     return 0
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a fork: Linux only")
+@_LINUX_FORK
 def test_stages_ahead_stuck_is_stopped_and_searched_here(monkeypatch, capfd) -> None:
     from autoshard.cli import stages_ahead
 
@@ -477,7 +481,7 @@ def _forks_and_sticks(json_path):
     return 0
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a fork: Linux only")
+@_LINUX_FORK
 def test_stages_ahead_stopped_takes_its_helpers_along(tmp_path) -> None:
     from autoshard.cli.stages_ahead import StagesAhead
 
