@@ -28,6 +28,7 @@ from autoshard.graph.failure import (
 )
 from autoshard.graph.opgraph import OpGraph, annotate, module_path
 from autoshard.graph.rewrite import rows_through_views
+from autoshard.graph.traced import Traced, traced
 
 _DROPPED = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -78,7 +79,7 @@ def capture(
     prefix = "" if loss_fn is None else "model."
     held = Held()  # torch's log of the export: printed if it succeeds, filed if not
     try:
-        program = _exported(model, args, kwargs, loss_fn, train, dtype, held)
+        program = _exported(model, args, kwargs, loss_fn, train, dtype, held, one_trace=True)
     except ExpertsError:
         raise
     except Exception as err:  # one line: the user's source line and the op; the rest filed
@@ -113,7 +114,10 @@ def _exported(
     dtype: torch.dtype | None,
     held: Held,
     dynamic_shapes: Any = None,
-) -> ExportedProgram:
+    one_trace: bool = False,
+) -> ExportedProgram | Traced:
+    """The export of the model; with ``one_trace``, the same graph made in one trace where
+    that can be (``traced``)."""
     root: nn.Module = model if loss_fn is None else _WithLoss(model, loss_fn)
     was_training = model.training
     model.train(train)
@@ -124,6 +128,10 @@ def _exported(
         with experts_as_ops(model), _state_in(model, dtype, meta), torch_logs_held(held):
             if meta:
                 args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
+            if one_trace:  # where export's second trace would change nothing
+                made = traced(root, tuple(args), kwargs)
+                if made is not None:
+                    return made
             if loss_fn is not None and dynamic_shapes is not None:
                 dynamic_shapes = (dynamic_shapes,)  # _WithLoss takes them as one *args
             program = torch.export.export(
@@ -203,7 +211,7 @@ def capture_modes(
 
 
 def _from_program(
-    program: ExportedProgram,
+    program: ExportedProgram | Traced,
     model: nn.Module,
     prefix: str,
     train: bool,
