@@ -1,6 +1,9 @@
 """One export at many batch sizes (``graph/batches.py``): the graph made at a size is the one a
 capture at that size makes, op by op, for the reference models and transformers' ones, in
-float32 and bfloat16; a model torch cannot export with a free batch is captured size by size."""
+float32 and bfloat16; a model torch cannot export with a free batch is captured size by size.
+The sizes captured in one trace each (where the model can be) are those graphs too.
+
+These tests make the sizes from the export (``_export_only``), except where they say."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+import autoshard.graph.batches as batches_module
 from autoshard.graph import capture
 from autoshard.graph.batches import Batches
 from autoshard.models import GPT, GPTConfig, Llama, LlamaConfig
@@ -22,6 +26,14 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 def _loss(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     logits = y.logits if hasattr(y, "logits") else y
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1))
+
+
+@pytest.fixture(autouse=True)
+def _export_only(monkeypatch, request):
+    """Sizes made from the one export, not captured in one trace each (``one_trace`` tests:
+    both)."""
+    if "one_trace" not in request.node.name:
+        monkeypatch.setattr(batches_module, "captured_in_one_trace", lambda *a, **k: None)
 
 
 def _facts(og) -> list:
@@ -167,3 +179,36 @@ def test_micro_batch_graphs_serve_the_cli_and_plan_alike() -> None:
         alone = capture(model, (idx[: 8 // m], idx[: 8 // m].clone()), {}, loss_fn=_loss,
                         train=True)  # fmt: skip
         assert _facts(searched(m)) == _facts(alone) == _facts(given(m)), m
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "transformers-llama"])
+def test_sizes_captured_in_one_trace_are_the_sizes_made_from_the_export_one_trace(name) -> None:
+    """Where the model is captured in one trace, each size is, and it is the graph the one
+    export makes at that size; a model that needs export turns to the export."""
+    model = _transformers_llama() if name == "transformers-llama" else _reference(name)
+    idx = torch.zeros(12, 64, dtype=torch.long)
+    one = Batches(model, (idx, idx.clone()), loss_fn=_loss, dtype=torch.bfloat16)
+    exported = Batches(model, (idx, idx.clone()), loss_fn=_loss, dtype=torch.bfloat16)
+    exported.one_trace = False
+    for size in (6, 4, 3):
+        assert _facts(one.at(size)) == _facts(exported.at(size)), (name, size)
+    assert one.traced == [6, 4, 3] and one.made == [] and exported.made == [6, 4, 3]
+
+
+class _InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w(x).relu_()
+
+
+def test_a_model_that_needs_export_is_made_from_the_export_one_trace() -> None:
+    model = _InPlace()
+    x, t = torch.randn(8, 8), torch.randn(8, 8)
+    sizes = Batches(model, (x, t), loss_fn=F.mse_loss)
+    for size in (8, 4):
+        alone = capture(model, (x[:size], t[:size]), {}, loss_fn=F.mse_loss, train=True)
+        assert _facts(sizes.at(size)) == _facts(alone), size
+    assert sizes.traced == [] and sizes.made == [8, 4]

@@ -89,6 +89,24 @@ def capture(
     return _from_program(program, model, prefix, train)
 
 
+def captured_in_one_trace(
+    model: nn.Module,
+    args: Sequence[Any],
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> OpGraph | None:
+    """The training graph :func:`capture` makes, where it is made in one trace (``traced``);
+    None where it would need export."""
+    held = Held()
+    program = _exported(model, args, {}, loss_fn, True, dtype, held, one_trace=True,
+                        export=False)  # fmt: skip
+    if program is None:
+        return None
+    replay(held)
+    return _from_program(program, model, "" if loss_fn is None else "model.", True)
+
+
 def exported(
     model: nn.Module,
     args: Sequence[Any],
@@ -115,9 +133,10 @@ def _exported(
     held: Held,
     dynamic_shapes: Any = None,
     one_trace: bool = False,
-) -> ExportedProgram | Traced:
+    export: bool = True,
+) -> ExportedProgram | Traced | None:
     """The export of the model; with ``one_trace``, the same graph made in one trace where
-    that can be (``traced``)."""
+    that can be (``traced``), and without ``export`` None where it cannot."""
     root: nn.Module = model if loss_fn is None else _WithLoss(model, loss_fn)
     was_training = model.training
     model.train(train)
@@ -130,7 +149,7 @@ def _exported(
                 args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
             if one_trace:  # where export's second trace would change nothing
                 made = traced(root, tuple(args), kwargs)
-                if made is not None:
+                if made is not None or not export:
                     return made
             if loss_fn is not None and dynamic_shapes is not None:
                 dynamic_shapes = (dynamic_shapes,)  # _WithLoss takes them as one *args
@@ -298,4 +317,11 @@ def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
             }
 
 
-__all__ = ["CaptureError", "capture", "capture_modes", "exported", "tied_names"]
+__all__ = [
+    "CaptureError",
+    "capture",
+    "capture_modes",
+    "captured_in_one_trace",
+    "exported",
+    "tied_names",
+]
