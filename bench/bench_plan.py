@@ -122,16 +122,17 @@ def _one(shape: str, search: str) -> dict:
 
 
 #: a fresh process that captures the least model there is (one nn.Linear) as autoshard
-#: captures (torch.export, whose first call imports torch._dynamo, then its decompositions),
-#: and the same importing transformers: the floor under every figure above
-_EXPORT = (
-    "import torch; torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),), "
-    "strict=False).run_decompositions({})"
-)
+#: captures it (in one trace, graph/traced.py: its first trace imports torch._dynamo and
+#: torch._inductor, which torch's tracer needs), and the same importing transformers: the
+#: floor under every figure above; and, for comparison, the same through torch.export
+_LINEAR = "torch.nn.Linear(4, 4), (torch.randn(2, 4),)"
+_CAPTURE = f"import torch; from autoshard.graph import capture; capture({_LINEAR})"
+_EXPORT = f"import torch; torch.export.export({_LINEAR}, strict=False).run_decompositions({{}})"
 FLOORS = {
     "torch": "import torch",
-    "capture": _EXPORT,
-    "capture + transformers": "import transformers; " + _EXPORT,
+    "capture": _CAPTURE,
+    "capture + transformers": "import transformers; " + _CAPTURE,
+    "export": _EXPORT,
 }
 
 
