@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoshard import CaptureError
 from autoshard.graph import OpGraph, capture
 from autoshard.graph import traced as traced_module
 from autoshard.graph.traced import traced
@@ -108,8 +109,9 @@ def _transformers(kind: str) -> nn.Module:
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral", "gpt2"])
 def test_transformers_models_are_captured_as_export_captures_them(kind: str) -> None:
-    """Mixtral's router divides its weights in place: export's."""
-    model, one = _transformers(kind), kind != "mixtral"
+    """Mixtral's router divides its weights in place (``/=``): made functional, as export
+    makes it."""
+    model, one = _transformers(kind), True
     idx = torch.randint(0, 128, (2, 16))
     for train in (True, False):
         _both(model, (idx, idx.clone()), loss_fn=_loss, train=train, one_trace=one)
@@ -130,16 +132,6 @@ class _Encoder(nn.Module):
 def test_torch_s_encoder_layer_is_captured_as_export_captures_it() -> None:
     torch.manual_seed(0)
     _both(_Encoder(), (torch.randn(4, 6, 32), torch.randint(0, 8, (4,))), loss_fn=F.cross_entropy)
-
-
-class _InPlace(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.act = nn.ReLU(inplace=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.fc(x))
 
 
 class _Norm(nn.Module):
@@ -172,10 +164,49 @@ class _Constant(nn.Module):
         return self.fc(x) + self.offset
 
 
-@pytest.mark.parametrize("model", [_InPlace, _Norm, _Constant])
+class _OnAView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        y[:, :4].mul_(2)  # through a view: y changes too
+        return y
+
+
+class _OnAnInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.fc(x)
+
+
+class _Fresh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        y /= y.sum(dim=-1, keepdim=True)
+        z = self.fc(y).relu_()
+        return (y * z).div(3)
+
+
+def test_in_place_ops_on_fresh_values_are_captured_as_export_captures_them() -> None:
+    torch.manual_seed(0)
+    _both(_Fresh(), (torch.randn(4, 8),))
+    _both(_Fresh(), (torch.randn(4, 8),), train=False)
+
+
+@pytest.mark.parametrize("model", [_OnAView, _Norm, _Constant])
 def test_what_export_changes_is_left_to_export(model: type) -> None:
-    """A mutation (in-place op, a buffer updated in training) or a constant: no one trace;
-    the capture is export's."""
+    """A mutation of a view's base, of an input or of a buffer (training's statistics), or a
+    constant: no one trace; the capture is export's."""
     root, x = model(), torch.randn(4, 8)
     root.train()
     assert traced(root, (x,), {}) is None
@@ -183,6 +214,13 @@ def test_what_export_changes_is_left_to_export(model: type) -> None:
     if model is _Norm:
         assert og.mutations  # the running statistics, as export reports them
     assert any(info.kind == "op" for info in og)
+
+
+def test_a_mutated_input_is_refused_as_export_refuses_it() -> None:
+    root = _OnAnInput()
+    assert traced(root, (torch.randn(4, 8),), {}) is None
+    with pytest.raises(CaptureError, match="USER_INPUT_MUTATION"):
+        capture(root, (torch.randn(4, 8),))
 
 
 def test_a_no_grad_region_is_left_to_export() -> None:

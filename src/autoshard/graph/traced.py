@@ -12,8 +12,11 @@ compares the two on every reference model and transformers' models). It takes a 
 of export's time: Llama's two blocks 0.15 s against 0.7 s, and none of export's first
 call's setup.
 
-:func:`traced` makes it, or answers None where export is needed: an op that mutates (in-place
-ops, a buffer updated in training), an op no aten op names (a ``no_grad`` region, a
+An in-place op on a value an op made, which no view shares (``x /= s`` in Mixtral's router),
+is made functional as export's functionalization makes it (``div_`` to ``div``, the nodes
+named again in order). :func:`traced` makes the graph, or answers None where export is
+needed: another mutation (of an input, a parameter, a buffer updated in training, a value a
+view shares), an op no aten op names (a ``no_grad`` region, a
 higher-order op), a tensor the code makes that is not an input (a constant), a shape that
 depends on the data, inputs or outputs other than tensors, or a torch without the pieces
 this uses. Export then runs as before, with its errors.
@@ -94,7 +97,7 @@ def traced(root: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Traced | Non
             gm = tracer.trace(run, {**params, **buffers}, args, kwargs)
     except Exception:  # export says what it is, in its words
         return None
-    if not _plain(gm.graph):
+    if not _functional(gm.graph) or not _plain(gm.graph):
         return None
     output = gm.graph.output_node()
     output.args = (tuple(output.args[0]),)  # export's output: a tuple
@@ -200,6 +203,75 @@ class _Decomposed(dict):
     def get(self, op: Any, default: Any = None) -> Any:
         found = self._of(op)
         return default if found is None else found
+
+
+def _functional(graph: fx.Graph) -> bool:
+    """In-place ops on values no view shares and no input is made functional (``x /= s`` in
+    Mixtral's router: ``div_`` to ``div``), and the graph's names made again in order, as
+    export's functionalization names them; False where a mutation is of anything else."""
+    made = False
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if not target._schema.is_mutable:
+            continue
+        functional = _functional_of(target)
+        if functional is None or not _fresh(node.args[0], node):
+            return False
+        node.target = functional
+        made = True
+    if made:
+        _named_again(graph)
+    return True
+
+
+def _functional_of(op: torch._ops.OpOverload) -> Any:
+    """The functional op of an in-place one (``aten.div_.Tensor``: ``aten.div.Tensor``) that
+    writes its first argument only; None for any other mutation."""
+    schema = op._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    name = op.overloadpacket.__name__
+    if len(written) != 1 or written[0] is not schema.arguments[0] or not name.endswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None) if op.namespace == "aten" else None
+    functional = getattr(packet, op._overloadname, None) if packet is not None else None
+    if not isinstance(functional, torch._ops.OpOverload) or functional._schema.is_mutable:
+        return None
+    return functional
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether the node's value may share memory with its inputs (a view, an in-place op)."""
+    target = node.target
+    if target is operator.getitem:
+        return _aliases(node.args[0]) if isinstance(node.args[0], fx.Node) else True
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    return any(r.alias_info is not None for r in target._schema.returns)
+
+
+def _fresh(value: Any, mutation: fx.Node) -> bool:
+    """A value an op made (not an input, parameter or view) that no view of shares."""
+    if not isinstance(value, fx.Node) or value.op != "call_function" or _aliases(value):
+        return False
+    return all(user is mutation or not _aliases(user) for user in value.users)
+
+
+def _named_again(graph: fx.Graph) -> None:
+    """Every node named again in graph order as the tracer names them (an op by its name,
+    ``div``, ``div_1``...), the placeholders as they are: export's second trace names them so."""
+    names = fx.graph._Namespace()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload):
+                target = target.overloadpacket.__name__
+            candidate = graph._target_to_str(target)
+        else:
+            candidate = node.name
+        node.name = names.create_name(candidate, node)
+    graph._graph_namespace = names
 
 
 def _plain(graph: fx.Graph) -> bool:
