@@ -203,10 +203,22 @@ def test_in_place_ops_on_fresh_values_are_captured_as_export_captures_them() -> 
     _both(_Fresh(), (torch.randn(4, 8),), train=False)
 
 
-@pytest.mark.parametrize("model", [_OnAView, _Norm, _Constant])
+class _Promoting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x).half()
+        y.mul_(self.scale)  # stays float16 in place; mul would promote to float32
+        return y.float()
+
+
+@pytest.mark.parametrize("model", [_OnAView, _Norm, _Constant, _Promoting])
 def test_what_export_changes_is_left_to_export(model: type) -> None:
-    """A mutation of a view's base, of an input or of a buffer (training's statistics), or a
-    constant: no one trace; the capture is export's."""
+    """A mutation of a view's base, of a buffer (training's statistics) or one whose
+    functional op would promote, or a constant: no one trace; the capture is export's."""
     root, x = model(), torch.randn(4, 8)
     root.train()
     assert traced(root, (x,), {}) is None

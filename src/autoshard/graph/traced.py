@@ -217,7 +217,7 @@ def _functional(graph: fx.Graph) -> bool:
         if not target._schema.is_mutable:
             continue
         functional = _functional_of(target)
-        if functional is None or not _fresh(node.args[0], node):
+        if functional is None or not _fresh(node.args[0], node) or not _same_result(node):
             return False
         node.target = functional
         made = True
@@ -256,6 +256,19 @@ def _fresh(value: Any, mutation: fx.Node) -> bool:
     if not isinstance(value, fx.Node) or value.op != "call_function" or _aliases(value):
         return False
     return all(user is mutation or not _aliases(user) for user in value.users)
+
+
+def _same_result(node: fx.Node) -> bool:
+    """The functional op's result has the in-place one's shape and dtype: every tensor
+    argument of the written one's dtype (no promotion) and broadcast to its shape."""
+    written = node.args[0].meta.get("val")
+    values = [a.meta.get("val") for a in node.args[1:] if isinstance(a, fx.Node)]
+    if not isinstance(written, torch.Tensor) or not all(
+        isinstance(v, torch.Tensor) and v.dtype == written.dtype for v in values
+    ):
+        return False
+    shape = torch.broadcast_shapes(written.shape, *(v.shape for v in values))
+    return tuple(shape) == tuple(written.shape)
 
 
 def _named_again(graph: fx.Graph) -> None:
