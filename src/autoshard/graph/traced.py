@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.config
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import (
@@ -93,7 +94,7 @@ def traced(root: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Traced | Non
     tracer = tools.tracer({}, "fake", False, True, True, False, True)
     tracer.decomposition_table = _Decomposed(tools, tracer.decomposition_table)
     try:
-        with _backends_off(), tools.exporting(), tools.torch_functions(), tools.builtins():
+        with _as_export_traces(tools):
             gm = tracer.trace(run, {**params, **buffers}, args, kwargs)
     except Exception:  # export says what it is, in its words
         return None
@@ -112,6 +113,14 @@ def traced(root: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Traced | Non
 
 
 @contextmanager
+def _as_export_traces(tools: _Tools) -> Iterator[None]:
+    """The contexts export traces in, and no stack traces recorded."""
+    with _backends_off(), _no_stack_traces(), tools.exporting(), tools.torch_functions():
+        with tools.builtins():
+            yield
+
+
+@contextmanager
 def _backends_off() -> Iterator[None]:
     """cuDNN, oneDNN and NNPACK off, as export traces (ops that read the flags record them:
     ``layer_norm``'s ``cudnn_enable``); their flags as they were afterwards."""
@@ -122,6 +131,18 @@ def _backends_off() -> Iterator[None]:
     finally:
         for backend, flags in zip(backends, kept, strict=True):
             backend.set_flags(*flags)
+
+
+@contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """No Python stack trace recorded on each node: nothing reads them, and filtering them
+    imports torch.export's tracer (and networkx) and walks the stack at every op."""
+    kept = fx.config.do_not_emit_stack_traces
+    fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx.config.do_not_emit_stack_traces = kept
 
 
 @dataclass
