@@ -282,6 +282,8 @@ def _fresh(value: Any, mutation: fx.Node) -> bool:
 def _same_result(node: fx.Node) -> bool:
     """The functional op's result has the in-place one's shape and dtype: every tensor
     argument of the written one's dtype (no promotion) and broadcast to its shape."""
+    if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return False  # a tensor by keyword: not looked into
     written = node.args[0].meta.get("val")
     values = [a.meta.get("val") for a in node.args[1:] if isinstance(a, fx.Node)]
     if not isinstance(written, torch.Tensor) or not all(
@@ -309,8 +311,8 @@ def _named_again(graph: fx.Graph) -> None:
 
 
 def _plain(graph: fx.Graph) -> bool:
-    """No op that mutates, no call other than aten ops and getitem, no constant, no shape
-    that depends on the data: what export would change or refuse."""
+    """No call other than aten ops and getitem, no constant, no shape that depends on the
+    data: what export would change or refuse (mutations: ``_functional``, before)."""
     for node in graph.nodes:
         if node.op == "get_attr":
             return False
@@ -319,12 +321,7 @@ def _plain(graph: fx.Graph) -> bool:
         target = node.target
         if target is operator.getitem:
             continue
-        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
-            return False
-        written = (
-            a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments
-        )
-        if any(written):
+        if not isinstance(target, torch._ops.OpOverload):
             return False
         values = node.meta.get("val")
         for value in values if isinstance(values, list | tuple) else [values]:
