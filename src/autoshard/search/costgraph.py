@@ -394,6 +394,24 @@ def with_moves(bare: CostGraph, moves: Moves) -> CostGraph:
     return dataclasses.replace(bare, unary=unary, edges=moves.edges)
 
 
+def restricted(graph: CostGraph, kept: Sequence[np.ndarray]) -> CostGraph:
+    """``graph`` with node i's options ``kept[i]`` only (option s of the result is option
+    ``kept[i][s]`` of ``graph``), priced as in ``graph``."""
+
+    def each(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [a[k] for a, k in zip(arrays, kept, strict=True)]
+
+    return dataclasses.replace(
+        graph,
+        options=[[opts[s] for s in k] for opts, k in zip(graph.options, kept, strict=True)],
+        unary=each(graph.unary),
+        memory=each(graph.memory),
+        overlap=each(graph.overlap) if graph.overlap else [],
+        window=each(graph.window) if graph.window else [],
+        edges={(i, j): m[np.ix_(kept[i], kept[j])] for (i, j), m in graph.edges.items()},
+    )
+
+
 def build_cost_graph(
     og: OpGraph,
     mesh: MeshInfo,

@@ -204,6 +204,8 @@ _ON_IN_INTEGER_SOLVES = ("mip_root_presolve_only",)
 class Solved:
     x: np.ndarray | None  # None: no optimum (infeasible)
     fun: float
+    #: the columns' reduced costs (a relaxation's; None for an integer solve)
+    reduced: np.ndarray | None = None
 
 
 def solve_program(program: Program, c: np.ndarray, a: Any, integral: bool) -> Solved:
@@ -252,8 +254,10 @@ def solve_program(program: Program, c: np.ndarray, a: Any, integral: bool) -> So
         highs.run()
     if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return Solved(None, math.inf)
-    x = np.asarray(highs.getSolution().col_value)
-    return Solved(x, highs.getInfo().objective_function_value)
+    solution = highs.getSolution()
+    x = np.asarray(solution.col_value)
+    reduced = None if integral else np.asarray(solution.col_dual)
+    return Solved(x, highs.getInfo().objective_function_value, reduced)
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.search.costgraph import CostGraph
+from autoshard.search.costgraph import CostGraph, restricted
 from autoshard.search.options import Option
 from autoshard.search.program import SCALE, Program, build_program, solve_program
 
@@ -31,28 +31,47 @@ class Solution:
     solve_seconds: float = 0.0
 
 
-#: optima that ``relaxed_bound`` found on the way: id(graph) -> (a weak reference to it,
-#: {memory limit: its optimum}); the weak reference tells a graph from a later one at its id
-_RELAXED_OPTIMA: dict[int, tuple[weakref.ref, dict[float, Solution]]] = {}
+@dataclass
+class _Relaxed:
+    """What ``relaxed_bound`` learnt of a graph under one memory limit, for ``solve_optimal``."""
+
+    bound: float  # the relaxation's optimum, in the program's unit, less ``const_time``
+    x: np.ndarray  # the binaries' values
+    reduced: np.ndarray  # the binaries' reduced costs
+    optimum: Solution | None  # the integer optimum, where the relaxation proved it
+
+
+#: what ``relaxed_bound`` found: id(graph) -> (a weak reference to it, {memory limit: what it
+#: learnt}); the weak reference tells a graph from a later one at its id
+_RELAXED: dict[int, tuple[weakref.ref, dict[float, _Relaxed]]] = {}
 
 
 def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution | None:
     """The exact optimum of the cost graph under the memory limit (None when nothing fits):
-    the one ``relaxed_bound`` proved on its way where it did, else the integer program's."""
+    the one ``relaxed_bound`` proved on its way where it did, else the integer program's, on
+    the options its relaxation leaves in the running where it was solved (``_in_the_running``)."""
     start = time.perf_counter()
-    kept = _RELAXED_OPTIMA.get(id(graph))
-    if kept is not None and kept[0]() is graph and memory_limit in kept[1]:
-        sol = kept[1][memory_limit]
+    learnt = _RELAXED.get(id(graph))
+    learnt = learnt[1] if learnt is not None and learnt[0]() is graph else {}
+    proved = learnt.get(memory_limit)
+    if proved is not None and proved.optimum is not None:
+        sol = proved.optimum
         return Solution(list(sol.choice), sol.seconds, sol.memory, sol.search, sol.solve_seconds)
-    program, c, a = build_program(graph, memory_limit)
+    # a relaxation under a larger limit bounds every plan under this one as well
+    looser = [limit for limit in learnt if limit >= memory_limit]
+    kept = _in_the_running(graph, memory_limit, learnt[min(looser)]) if looser else None
+    solved = graph if kept is None else restricted(graph, kept)
+    program, c, a = build_program(solved, memory_limit)
     result = solve_program(program, c, a, integral=True)
     if result.x is None:
         return None
     offsets = program.offsets
     choice = [
         int(np.argmax(result.x[offsets[i] : offsets[i] + len(o)]))
-        for i, o in enumerate(graph.options)
+        for i, o in enumerate(solved.options)
     ]
+    if kept is not None:
+        choice = [int(k[s]) for k, s in zip(kept, choice, strict=True)]
     seconds, memory = graph.objective(choice)
     return Solution(choice, seconds, memory, "optimal", time.perf_counter() - start)
 
@@ -64,31 +83,78 @@ def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
     start = time.perf_counter()
     program, c, a = build_program(graph, memory_limit)
     result = solve_program(program, c, a, integral=False)
-    if result.x is None:
+    if result.x is None or result.reduced is None:
         return math.inf
     bound = graph.const_time + float(result.fun) / SCALE
-    _keep_if_optimal(graph, memory_limit, program, result.x, bound, start)
+    optimum = _if_optimal(graph, memory_limit, program, result.x, bound, start)
+    key, n = id(graph), program.num_x
+    if key not in _RELAXED or _RELAXED[key][0]() is not graph:
+        _RELAXED[key] = (weakref.ref(graph, lambda _: _RELAXED.pop(key, None)), {})
+    _RELAXED[key][1][memory_limit] = _Relaxed(
+        float(result.fun), result.x[:n], result.reduced[:n], optimum
+    )
     return bound
 
 
-def _keep_if_optimal(
+def _if_optimal(
     graph: CostGraph, limit: float, program: Program, x: np.ndarray, bound: float, start: float
-) -> None:
+) -> Solution | None:
     """The relaxation's solution, read as one option per node, is the integer optimum when it
-    fits ``limit`` and takes no longer than the relaxation's bound (no plan does less): kept
-    for ``solve_optimal``. In the search about half of the relaxations are integral so."""
-    offsets = program.offsets
-    choice = [
-        int(np.argmax(x[offsets[i] : offsets[i] + len(o)])) for i, o in enumerate(graph.options)
-    ]
+    fits ``limit`` and takes no longer than the relaxation's bound (no plan does less). In
+    the search about half of the relaxations are integral so."""
+    choice = _rounded(graph, x)
     seconds, memory = graph.objective(choice)
     if memory > limit or seconds > bound + abs(bound) * 1e-9:
-        return
-    key = id(graph)
-    if key not in _RELAXED_OPTIMA or _RELAXED_OPTIMA[key][0]() is not graph:
-        _RELAXED_OPTIMA[key] = (weakref.ref(graph, lambda _: _RELAXED_OPTIMA.pop(key, None)), {})
-    spent = time.perf_counter() - start
-    _RELAXED_OPTIMA[key][1][limit] = Solution(choice, seconds, memory, "optimal", spent)
+        return None
+    return Solution(choice, seconds, memory, "optimal", time.perf_counter() - start)
+
+
+def _rounded(graph: CostGraph, x: np.ndarray) -> list[int]:
+    """Each node's option of most weight in a relaxation's binaries ``x``."""
+    choice, at = [], 0
+    for opts in graph.options:
+        choice.append(int(np.argmax(x[at : at + len(opts)])))
+        at += len(opts)
+    return choice
+
+
+def _in_the_running(graph: CostGraph, limit: float, relaxed: _Relaxed) -> list[np.ndarray] | None:
+    """Each node's options that the optimum under ``limit`` may take (None: all of them):
+    reduced-cost fixing. Every plan that fits costs at least the relaxation's optimum plus
+    the reduced cost of each binary it sets (LP duality: the other terms are not negative),
+    so an option whose reduced cost is more than a plan that fits (``_incumbent``) costs over
+    that optimum is in no optimum."""
+    seconds = _incumbent(graph, limit, relaxed.x)
+    if seconds is None:
+        return None
+    incumbent = (seconds - graph.const_time) * SCALE
+    slack = incumbent - relaxed.bound + 1e-6 * abs(incumbent) + 1e-2  # (the duals' rounding)
+    kept, at = [], 0
+    for opts in graph.options:
+        kept.append(np.flatnonzero(relaxed.reduced[at : at + len(opts)] <= slack))
+        at += len(opts)
+    if sum(len(k) for k in kept) == at or any(len(k) == 0 for k in kept):
+        return None
+    return kept
+
+
+def _incumbent(graph: CostGraph, limit: float, x: np.ndarray) -> float | None:
+    """The seconds of a plan that fits ``limit``, near the relaxation ``x``: ``x`` rounded,
+    swept op by op, and brought under the limit where it is over (None: none found)."""
+    nbrs, order = graph.neighbours(), range(len(graph.names))
+    rounded = _rounded(graph, x)
+    swept = list(rounded)
+    _sweep(graph, nbrs, order, swept, 0.0, 4)
+    best = None
+    for choice in (rounded, swept):
+        seconds, memory = graph.objective(choice)
+        if memory > limit:
+            fitted = _repair(graph, nbrs, order, choice, limit)
+            if fitted is None:
+                continue
+            seconds = fitted.seconds
+        best = seconds if best is None else min(best, seconds)
+    return best
 
 
 def _local_cost(graph, nbrs, i, s, choice, lam):
