@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch.fx as fx
@@ -25,6 +26,7 @@ from autoshard.mesh import MeshInfo
 from autoshard.ops import SUM, SpaceRule, Strategy, rule_for, tensor_inputs
 from autoshard.search import pricing
 from autoshard.search.options import Option, options
+from autoshard.search.params import ParamTerms
 from autoshard.search.plans import PlanningError
 
 # -- classification -------------------------------------------------------------------------------
@@ -171,11 +173,10 @@ class _Builder:
         depth: Mapping[str, int] | None,
         group_layers: bool,
         optimizer_states: int,
-        zero: int = 0,
         step_share: float = 1.0,
     ) -> None:
         self.og, self.mesh, self.cluster = og, mesh, cluster
-        self.depth, self.optimizer_states, self.zero = depth, optimizer_states, zero
+        self.depth, self.optimizer_states = depth, optimizer_states
         self.step_share = step_share
         graph = og.graph
         self.weight, self.decision = _classify(graph)
@@ -190,6 +191,7 @@ class _Builder:
             }
         self._representatives()
         self.opts = [options(n, mesh) for n in self.reps]
+        self.offsets = np.cumsum([0] + [len(o) for o in self.opts]).tolist()
         self.unary = [np.zeros(len(o)) for o in self.opts]
         self.memory = [np.zeros(len(o)) for o in self.opts]
         self.overlap = [np.zeros(len(o)) for o in self.opts]
@@ -205,11 +207,12 @@ class _Builder:
         out_node = next(n for n in graph.nodes if n.op == "output")
         self.outputs = set(tensor_inputs(out_node))
         self.region = pricing.Region(
-            self.followers, self.const_layout, self.owner, mesh, cluster, self.outputs, zero
+            self.followers, self.const_layout, self.owner, mesh, cluster, self.outputs
         )
         self.region.leading = {
             n for n in graph.nodes if n.op == "placeholder" and og[n].fqn in og.leading
         }
+        self.params = ParamTerms(cluster, optimizer_states, self.region.leading)
 
     def _representatives(self) -> None:
         """Block i's k-th decision node stands for block first's k-th."""
@@ -277,24 +280,19 @@ class _Builder:
             self.edges[(j, i)] = self.edges.get((j, i), 0) + mat.T
 
     def own_inputs(
-        self, node: fx.Node, strategy: Strategy, seconds: float, mem: float
-    ) -> tuple[float, float, float]:
-        """A decision op's own inputs under one option: the parameters it owns (their bytes,
-        optimizer step and gradient sum), moves of other weight-like values, gradient sums;
-        added to the region's ``seconds`` and ``mem`` in this order, as the estimate adds them.
-        Also returned: the bucketed gradient sums among the seconds added."""
-        bucketed = 0.0
+        self, node: fx.Node, strategy: Strategy, seconds: float
+    ) -> tuple[float, float, list[pricing.ParamUse]]:
+        """A decision op's own inputs under one option: moves of weight-like values, gradient
+        sums, added to the region's ``seconds``; the bucketed gradient sums among the seconds
+        added; and the parameters it owns (their bytes, optimizer step and gradient sum are
+        priced apart, ``ParamTerms``)."""
+        bucketed, owned = 0.0, []
         for i, arg in enumerate(tensor_inputs(node)):
             want, grad = strategy.ins[i], strategy.grads[i]
-            zp = None
             if arg in self.weight and self.owner.get(arg) is node and arg.op == "placeholder":
-                whole = want.without_partial()
-                zp = pricing.zero_terms(
-                    arg, whole, grad, self.zero, self.optimizer_states, self.cluster
-                )
-                mem += pricing.param_bytes(arg, whole, self.optimizer_states, zp)
-                seconds += self.step_share * pricing.param_time(arg, whole, self.cluster, zp)
-            elif arg in self.weight and arg in self.const_layout:
+                owned.append(pricing.ParamUse(arg, want.without_partial(), grad, want))
+                continue
+            if arg in self.weight and arg in self.const_layout:
                 have = self.const_layout[arg]
                 if have != want:  # the move's backward sums the gradient too (backward_plan)
                     pending = pricing.pending_sum(want, grad)
@@ -303,12 +301,12 @@ class _Builder:
             elif arg in self.weight:
                 continue  # a parameter owned by another decision node
             in_line, in_bucket = pricing.grad_reduce_parts(
-                arg, grad, want, self.cluster, zp, arg in self.region.leading
+                arg, grad, want, self.cluster, None, arg in self.region.leading
             )
             if arg.op == "placeholder":  # a parameter's sum: once a step, not a micro-batch
                 in_line, in_bucket = self.step_share * in_line, self.step_share * in_bucket
             seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
-        return seconds, mem, bucketed
+        return seconds, bucketed, owned
 
     def decision_node(self, node: fx.Node) -> float:
         """Add a decision node's region under each option, and the edges to the decision nodes
@@ -321,12 +319,16 @@ class _Builder:
         region_opts = options(node, self.mesh)
         edge_terms: dict[fx.Node, np.ndarray] = {}
         for s, opt in enumerate(region_opts):
-            seconds, mem, values, (bucketed, backward) = self.region.price(
-                node, opt.strategy, self.optimizer_states
+            seconds, mem, values, (bucketed, backward), owned = self.region.price(
+                node, opt.strategy
             )
+            for use in owned:  # a follower's, priced whole each micro-batch
+                self.params.add(self.offsets[r] + s, use, k, 1.0)
             if node.op == "call_function":
-                seconds, mem, own_bucketed = self.own_inputs(node, opt.strategy, seconds, mem)
+                seconds, own_bucketed, owned = self.own_inputs(node, opt.strategy, seconds)
                 bucketed += own_bucketed
+                for use in owned:
+                    self.params.add(self.offsets[r] + s, use, k, self.step_share)
             self.unary[r][s] += k * seconds
             self.memory[r][s] += k * mem
             self.overlap[r][s] += k * bucketed
@@ -394,25 +396,15 @@ def with_moves(bare: CostGraph, moves: Moves) -> CostGraph:
     return dataclasses.replace(bare, unary=unary, edges=moves.edges)
 
 
-def restricted(graph: CostGraph, kept: Sequence[np.ndarray]) -> CostGraph:
-    """``graph`` with node i's options ``kept[i]`` only (option s of the result is option
-    ``kept[i][s]`` of ``graph``), priced as in ``graph``."""
-
-    def each(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [a[k] for a, k in zip(arrays, kept, strict=True)]
-
-    return dataclasses.replace(
-        graph,
-        options=[[opts[s] for s in k] for opts, k in zip(graph.options, kept, strict=True)],
-        unary=each(graph.unary),
-        memory=each(graph.memory),
-        overlap=each(graph.overlap) if graph.overlap else [],
-        window=each(graph.window) if graph.window else [],
-        edges={(i, j): m[np.ix_(kept[i], kept[j])] for (i, j), m in graph.edges.items()},
-    )
-
-
 def build_cost_graph(
+    og: OpGraph, mesh: MeshInfo, cluster: ClusterSpec, *, zero: int = 0, **how: Any
+) -> CostGraph:
+    """The cost graph of ``og`` on ``mesh`` with its parameters at ZeRO stage ``zero``
+    (docs/zero.md); ``how``: ``cost_graphs``'s keywords."""
+    return cost_graphs(og, mesh, cluster, **how).at(zero)
+
+
+def cost_graphs(
     og: OpGraph,
     mesh: MeshInfo,
     cluster: ClusterSpec,
@@ -420,47 +412,71 @@ def build_cost_graph(
     depth: Mapping[str, int] | None = None,
     group_layers: bool = True,
     optimizer_states: int = ADAM_STATES,
-    zero: int = 0,
     step_share: float = 1.0,
     edges: bool = True,
-) -> CostGraph:
-    """The cost graph of ``og`` on ``mesh``. ``depth`` prices a repeated block list as if it
-    held more blocks than were captured (``{"layers": 80}`` with two blocks captured);
-    ``zero`` prices the parameters at that ZeRO stage (docs/zero.md). ``step_share``: the
-    weight of what runs once a step (parameters' gradient sums, the optimizer) against what
-    runs once a batch: ``1 / microbatches`` for a pipeline stage's micro-batch.
-    ``edges=False``: the options' own costs only, without the moves between them (most of
-    the pricing; a lower bound still holds, since moves cost nothing less than zero)."""
+) -> ByZero:
+    """The cost graph of ``og`` on ``mesh`` at every ZeRO stage (``ByZero.at``), priced
+    once but for the parameters' terms. ``depth`` prices a repeated block list as if it held
+    more blocks than were captured (``{"layers": 80}`` with two blocks captured).
+    ``step_share``: the weight of what runs once a step (parameters' gradient sums, the
+    optimizer) against what runs once a batch: ``1 / microbatches`` for a pipeline stage's
+    micro-batch. ``edges=False``: the options' own costs only, without the moves between them
+    (most of the pricing; a lower bound still holds, since moves cost nothing less than
+    zero)."""
     start = time.perf_counter()
-    b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states, zero, step_share)
+    b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states, step_share)
     b.with_edges = edges
-    const_time, const_memory, const_window = b.constants()
-    total_flops = sum(b.decision_node(node) for node in b.order)
+    constants = b.constants()
+    flops = sum(b.decision_node(node) for node in b.order)
     if edges:
         b.tied_parameters()
-    # hidden = e * min(bucketed, backward) = min(e * bucketed, e * backward): the efficiency
-    # scales both sides (docs/search.md)
-    e = cluster.overlap_efficiency
-    overlap, window = [e * o for o in b.overlap], [e * w for w in b.window]
-    return CostGraph(
-        mesh=mesh,
-        names=[n.name for n in b.reps],
-        options=b.opts,
-        unary=b.unary,
-        memory=b.memory,
-        edges=b.edges,
-        weight=b.weights,
-        instances={n.name: b.rep.get(n, n).name for n in b.order},
-        const_time=const_time,
-        const_memory=const_memory,
-        model_flops=total_flops,
-        overlap=overlap,
-        window=window,
-        const_window=e * const_window,
-        build_seconds=time.perf_counter() - start,
-        depth=dict(depth) if depth else None,
-        zero=zero,
-    )
+    return ByZero(b, constants, flops, time.perf_counter() - start)
 
 
-__all__ = ["CostGraph", "Moves", "build_cost_graph", "moves_of", "with_moves"]
+class ByZero:
+    """A mesh's cost graph priced but for the parameters' terms, which ``at`` adds for one
+    ZeRO stage (they are all the stage changes: ``params.ParamTerms``)."""
+
+    def __init__(
+        self, b: _Builder, constants: tuple[float, float, float], flops: float, seconds: float
+    ) -> None:
+        self.b, self.constants, self.flops, self.seconds = b, constants, flops, seconds
+
+    def at(self, zero: int) -> CostGraph:
+        start, b = time.perf_counter(), self.b
+        seconds, memory, bucketed = b.params.at(zero, b.offsets[-1])
+        cuts = b.offsets[1:-1]
+        const_time, const_memory, const_window = self.constants
+        # hidden = e * min(bucketed, backward) = min(e * bucketed, e * backward): the
+        # efficiency scales both sides (docs/search.md)
+        e = b.cluster.overlap_efficiency
+        return CostGraph(
+            mesh=b.mesh,
+            names=[n.name for n in b.reps],
+            options=b.opts,
+            unary=[u + x for u, x in zip(b.unary, np.split(seconds, cuts), strict=True)],
+            memory=[m + x for m, x in zip(b.memory, np.split(memory, cuts), strict=True)],
+            edges=dict(b.edges),
+            weight=b.weights,
+            instances={n.name: b.rep.get(n, n).name for n in b.order},
+            const_time=const_time,
+            const_memory=const_memory,
+            model_flops=self.flops,
+            overlap=[e * (o + x) for o, x in zip(b.overlap, np.split(bucketed, cuts), strict=True)],
+            window=[e * w for w in b.window],
+            const_window=e * const_window,
+            build_seconds=self.seconds + time.perf_counter() - start,
+            depth=dict(b.depth) if b.depth else None,
+            zero=zero,
+        )
+
+
+__all__ = [
+    "ByZero",
+    "CostGraph",
+    "Moves",
+    "build_cost_graph",
+    "cost_graphs",
+    "moves_of",
+    "with_moves",
+]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import torch.fx as fx
@@ -278,6 +279,27 @@ def weight_layouts(
     return layouts, owner
 
 
+class ParamUse(NamedTuple):
+    """A parameter a region owns: stored as ``whole``, with the gradient ``grad`` its
+    reader's option gives it and the layout ``want`` it reads: what pricing its terms at a
+    ZeRO stage needs (``params.ParamTerms``)."""
+
+    param: fx.Node
+    whole: Layout
+    grad: Layout
+    want: Layout
+
+
+class Priced(NamedTuple):
+    """A region's price under one option (``Region.price``)."""
+
+    seconds: float
+    memory: float
+    values: dict[fx.Node, Layout]
+    overlap: tuple[float, float]  # (bucketed gradient sums, backward compute)
+    params: tuple[ParamUse, ...]
+
+
 class Region:
     """Prices a decision node with the ops that follow it (its region) under one option."""
 
@@ -289,35 +311,28 @@ class Region:
         mesh: MeshInfo,
         cluster: ClusterSpec,
         outputs: set[fx.Node],
-        zero: int = 0,
     ) -> None:
         self.followers, self.const_layout, self.owner = followers, const_layout, owner
         self.leading: set[fx.Node] = set()  # OpGraph.leading's placeholders
         self.mesh, self.cluster, self.outputs = mesh, cluster, outputs
-        self.zero = zero  # the ZeRO stage the parameters are priced at
-        self.owns = False  # whether the region priced last owns a parameter
 
-    def price(
-        self, node: fx.Node, strategy: Strategy, optimizer_states: int
-    ) -> tuple[float, float, dict[fx.Node, Layout], tuple[float, float]]:
+    def price(self, node: fx.Node, strategy: Strategy) -> Priced:
         """Seconds and bytes of the region under one option of ``node``, the layouts of every
-        value it produces (not to be changed: shared), and (the bucketed gradient sums among
-        those seconds, its backward compute): what the overlap term of the objective needs.
-        Kept for the search's other graphs of the mesh: a region that owns no parameter
-        costs the same at every ZeRO stage."""
-        key = (node, id(strategy), optimizer_states, self.mesh, id(self.cluster))
+        value it produces (not to be changed: shared), (the bucketed gradient sums among
+        those seconds, its backward compute): what the overlap term of the objective needs;
+        and the parameters it owns, whose terms are priced apart (``params.ParamTerms``: all
+        else is the same at every ZeRO stage). Kept for the search's other graphs of the mesh."""
+        key = (node, id(strategy), self.mesh, id(self.cluster))
         kept = _PRICES.get(key)
-        if kept is not None and kept[1] in (None, self.zero):
-            return kept[2]
-        self.owns = False  # set by ``_follower`` where the region owns a parameter
-        priced = self._price(node, strategy, optimizer_states)
-        _PRICES[key] = (strategy, self.zero if self.owns else None, priced)
+        if kept is not None:
+            return kept[1]
+        priced = self._price(node, strategy)
+        _PRICES[key] = (strategy, priced)
         return priced
 
-    def _price(
-        self, node: fx.Node, strategy: Strategy, optimizer_states: int
-    ) -> tuple[float, float, dict[fx.Node, Layout], tuple[float, float]]:
+    def _price(self, node: fx.Node, strategy: Strategy) -> Priced:
         values: dict[fx.Node, Layout] = {}
+        params: list[ParamUse] = []
         seconds = memory = bucketed = backward = 0.0
         if node.op == "placeholder":
             values[node] = strategy.outs[0]
@@ -332,21 +347,20 @@ class Region:
         for f in self.followers[node]:
             if node_info(f).kind == "getitem":
                 continue  # its layout came with its producer's outputs
-            f_seconds, f_memory, (f_bucketed, f_backward) = self._follower(
-                f, values, optimizer_states
-            )
+            f_seconds, f_memory, (f_bucketed, f_backward) = self._follower(f, values, params)
             seconds, memory = seconds + f_seconds, memory + f_memory
             bucketed, backward = bucketed + f_bucketed, backward + f_backward
         for value in self.outputs & set(values):
             src = values[value]
             whole = Layout.replicated(src.shape, self.mesh.num_devices, dtype=src.dtype)
             seconds += transition(src, whole, self.cluster).seconds
-        return seconds, memory, values, (bucketed, backward)
+        return Priced(seconds, memory, values, (bucketed, backward), tuple(params))
 
     def _follower(
-        self, f: fx.Node, values: dict[fx.Node, Layout], optimizer_states: int
+        self, f: fx.Node, values: dict[fx.Node, Layout], params: list[ParamUse]
     ) -> tuple[float, float, tuple[float, float]]:
-        """A follower follows its inputs' layouts; the parameters it owns take what it wants."""
+        """A follower follows its inputs' layouts; the parameters it owns take what it wants
+        (added to ``params``)."""
         args = tensor_inputs(f)
         ins: list[Layout | None] = []
         for a in args:
@@ -363,16 +377,8 @@ class Region:
         for a, have, want, grad in zip(args, ins, strategy.ins, strategy.grads, strict=True):
             if have is None:
                 if a.op == "placeholder":
-                    self.owns = True
-                    whole = want.without_partial()
-                    values[a] = whole
-                    zp = zero_terms(a, whole, grad, self.zero, optimizer_states, self.cluster)
-                    memory += param_bytes(a, whole, optimizer_states, zp)
-                    seconds += param_time(a, whole, self.cluster, zp)
-                    in_line, in_bucket = grad_reduce_parts(
-                        a, grad, want, self.cluster, zp, a in self.leading
-                    )
-                    seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
+                    values[a] = want.without_partial()
+                    params.append(ParamUse(a, values[a], grad, want))
                 continue
             if have != want:  # the move's backward sums the gradient too (backward_plan)
                 seconds += move(a, have, want, self.cluster, pending_sum(want, grad))
@@ -393,15 +399,14 @@ class Region:
         if own is own_src:
             i = tensor_inputs(own).index(p)
             return strategy.ins[i].without_partial(), strategy.grads[i]
-        _, _, values, _ = self.price(own_src, strategy, 0)
+        values = self.price(own_src, strategy).values
         args = tensor_inputs(own)
         ins = [None if a is p else values.get(a, self.const_layout.get(a)) for a in args]
         return values[p], follow(own, ins, self.mesh).grads[args.index(p)]
 
 
-#: (node, option, ...) -> (its strategy, kept alive while its id keys this; the ZeRO stage
-#: the price holds for, None for any; the price)
-_PRICES: dict[tuple, tuple[Strategy, int | None, tuple]] = {}
+#: (node, option, ...) -> (its strategy, kept alive while its id keys this; the price)
+_PRICES: dict[tuple, tuple[Strategy, Priced]] = {}
 
 _FOLLOWS: dict[tuple, Strategy] = {}
 
@@ -452,6 +457,8 @@ def clear_caches() -> None:
 
 
 __all__ = [
+    "ParamUse",
+    "Priced",
     "Region",
     "policy",
     "priced_under",

@@ -16,9 +16,11 @@ from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.search import options, pricing
 from autoshard.search.costgraph import (
+    ByZero,
     CostGraph,
     Moves,
     build_cost_graph,
+    cost_graphs,
     moves_of,
     with_moves,
 )
@@ -34,12 +36,14 @@ class _Session:
         self.depth = 0
         self.context: tuple | None = None
         self.bare: dict[tuple, tuple[Any, CostGraph]] = {}
+        self.priced: dict[tuple, tuple[Any, ByZero]] = {}  # the bare graphs at every stage
         self.moves: dict[tuple, tuple[Any, Moves]] = {}
 
     def clear(self) -> None:
         options.clear_caches()
         pricing.clear_caches()
         self.bare.clear()
+        self.priced.clear()
         self.moves.clear()
         self.context = None
 
@@ -79,13 +83,15 @@ def bare_graph(
     zero: int,
     step_share: float,
 ) -> CostGraph:
-    """``build_cost_graph`` without the moves, once a session for its arguments."""
+    """``build_cost_graph`` without the moves, once a session for its arguments; priced once
+    for all ZeRO stages but for the parameters' terms (``cost_graphs``)."""
     key = (id(og), mesh, id(cluster), _items(depth), zero, step_share)
     if key not in _SESSION.bare:
-        graph = build_cost_graph(
-            og, mesh, cluster, depth=depth, zero=zero, step_share=step_share, edges=False
-        )
-        _SESSION.bare[key] = ((og, cluster), graph)
+        stages = (id(og), mesh, id(cluster), _items(depth), step_share)
+        if stages not in _SESSION.priced:
+            priced = cost_graphs(og, mesh, cluster, depth=depth, step_share=step_share, edges=False)
+            _SESSION.priced[stages] = ((og, cluster), priced)
+        _SESSION.bare[key] = ((og, cluster), _SESSION.priced[stages][1].at(zero))
     return _SESSION.bare[key][1]
 
 

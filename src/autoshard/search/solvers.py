@@ -8,16 +8,17 @@ breadth first; ``exhaustive.brute_force`` enumerates small graphs and is the tes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from autoshard.search.costgraph import CostGraph, restricted
+from autoshard.search.costgraph import CostGraph
 from autoshard.search.options import Option
 from autoshard.search.program import SCALE, Program, build_program, solve_program
 
@@ -136,6 +137,24 @@ def _in_the_running(graph: CostGraph, limit: float, relaxed: _Relaxed) -> list[n
     if sum(len(k) for k in kept) == at or any(len(k) == 0 for k in kept):
         return None
     return kept
+
+
+def restricted(graph: CostGraph, kept: Sequence[np.ndarray]) -> CostGraph:
+    """``graph`` with node i's options ``kept[i]`` only (option s of the result is option
+    ``kept[i][s]`` of ``graph``), priced as in ``graph``."""
+
+    def each(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [a[k] for a, k in zip(arrays, kept, strict=True)]
+
+    return dataclasses.replace(
+        graph,
+        options=[[opts[s] for s in k] for opts, k in zip(graph.options, kept, strict=True)],
+        unary=each(graph.unary),
+        memory=each(graph.memory),
+        overlap=each(graph.overlap) if graph.overlap else [],
+        window=each(graph.window) if graph.window else [],
+        edges={(i, j): m[np.ix_(kept[i], kept[j])] for (i, j), m in graph.edges.items()},
+    )
 
 
 def _incumbent(graph: CostGraph, limit: float, x: np.ndarray) -> float | None:
