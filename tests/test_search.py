@@ -122,6 +122,38 @@ def test_optimal_equals_brute_force_on_small_graphs(monkeypatch) -> None:
     assert len(narrowed) >= 8, len(narrowed)
 
 
+class _Normed(nn.Module):
+    """A linear layer and a norm after it: the norm's weight and bias belong to an op that
+    follows the linear's decision node."""
+
+    def __init__(self, affine: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 64)
+        self.norm = nn.LayerNorm(64, elementwise_affine=affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)).square().mean()
+
+
+def test_every_parameters_step_and_sum_weigh_once_a_step_in_a_micro_batch_graph() -> None:
+    """A pipeline stage's micro-batch graph (``step_share`` 1/m) weighs the optimizer step and
+    gradient sum of every parameter by the share, a norm's weight (owned by an op after a
+    decision node) too: its terms are the seconds the share takes off, none stay whole."""
+    mesh = MeshInfo(("dp",), (4,), ("dp",))
+    cluster = cluster_spec("dgx-h100", 4)
+    off = {}
+    for affine in (True, False):
+        captured = capture(_Normed(affine), (torch.randn(32, 16),), {})
+        graphs = [build_cost_graph(captured, mesh, cluster, step_share=s) for s in (1, 0.5, 0)]
+        choice = [solvers._data_parallel_option(opts) for opts in graphs[0].options]
+        full, half, none = (g.objective(choice)[0] for g in graphs)
+        assert full - none == pytest.approx(2 * (half - none), rel=1e-9)
+        assert [g.objective(choice)[1] for g in graphs] == [graphs[0].objective(choice)[1]] * 3
+        off[affine] = full - none
+    # the norm's weight and bias: a step and a gradient sum each, which the share takes off
+    assert off[True] > off[False] * 1.2, off
+
+
 def test_the_program_by_option_classes_solves_and_relaxes_as_by_option_pairs(monkeypatch) -> None:
     """An edge's variables per pair of option classes (equal rows or columns of its move
     matrix), or none where an end has one class: the same optimum and the same relaxation as

@@ -322,13 +322,11 @@ class _Builder:
             seconds, mem, values, (bucketed, backward), owned = self.region.price(
                 node, opt.strategy
             )
-            for use in owned:  # a follower's, priced whole each micro-batch
-                self.params.add(self.offsets[r] + s, use, k, 1.0)
             if node.op == "call_function":
-                seconds, own_bucketed, owned = self.own_inputs(node, opt.strategy, seconds)
-                bucketed += own_bucketed
-                for use in owned:
-                    self.params.add(self.offsets[r] + s, use, k, self.step_share)
+                seconds, own_bucketed, mine = self.own_inputs(node, opt.strategy, seconds)
+                bucketed, owned = bucketed + own_bucketed, owned + tuple(mine)
+            for use in owned:  # its step and gradient sum: once a step, not a micro-batch
+                self.params.add(self.offsets[r] + s, use, k, self.step_share)
             self.unary[r][s] += k * seconds
             self.memory[r][s] += k * mem
             self.overlap[r][s] += k * bucketed
