@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import warnings
@@ -120,6 +121,34 @@ def test_optimal_equals_brute_force_on_small_graphs(monkeypatch) -> None:
     assert read_off >= 5, read_off  # the relaxations' optima were read off and checked
     # and options were left out by their reduced costs, the optimum still found
     assert len(narrowed) >= 8, len(narrowed)
+
+
+def test_a_narrowed_program_found_infeasible_falls_back_to_the_whole(monkeypatch) -> None:
+    """Where HiGHS calls the program narrowed by reduced costs infeasible (it holds a plan
+    that fits, but tolerances), the whole program answers: the optimum, not "nothing fits"."""
+    whole = program.solve_program
+    failed = []
+
+    def narrowed_fails(made, c, a, integral):
+        if integral and made.num_x < sum(len(o) for o in graph.options):
+            failed.append(made.num_x)
+            return program.Solved(None, math.inf)
+        return whole(made, c, a, integral)
+
+    monkeypatch.setattr(solvers, "solve_program", narrowed_fails)
+    for title, captured in small_graphs():
+        for mesh, preset in itertools.product(MESHES, ("cpu", "dgx-h100")):
+            graph = build_cost_graph(captured, mesh, cluster_spec(preset, mesh.num_devices))
+            if math.prod(len(o) for o in graph.options) > 2_000_000:
+                continue
+            memories = sorted(graph.objective(c)[1] for c in _some_choices(graph))
+            limit = memories[len(memories) // 3]
+            relaxed_bound(graph, limit)
+            found, exact = solve_optimal(graph, limit), brute_force(graph, limit)
+            assert (found is None) == (exact is None), title
+            if exact is not None:
+                assert found.seconds == pytest.approx(exact.seconds, rel=1e-9), title
+    assert failed  # some were narrowed, and fell back
 
 
 class _Normed(nn.Module):

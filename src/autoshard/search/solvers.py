@@ -64,6 +64,12 @@ def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution 
     solved = graph if kept is None else restricted(graph, kept)
     program, c, a = build_program(solved, memory_limit)
     result = solve_program(program, c, a, integral=True)
+    if result.x is None and kept is not None:
+        # the narrowed program holds a plan that fits (the incumbent); were it found
+        # infeasible all the same (HiGHS's tolerances), the whole program answers
+        solved, kept = graph, None
+        program, c, a = build_program(solved, memory_limit)
+        result = solve_program(program, c, a, integral=True)
     if result.x is None:
         return None
     offsets = program.offsets
