@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from test_capture_traced import _OnAView
 
 import autoshard.graph.batches as batches_module
 from autoshard.graph import capture
@@ -195,19 +196,8 @@ def test_sizes_captured_in_one_trace_are_the_sizes_made_from_the_export_one_trac
     assert one.traced == [6, 4, 3] and one.made == [] and exported.made == [6, 4, 3]
 
 
-class _InPlace(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.w(x)
-        y[:, :4].mul_(2)  # through a view: export functionalizes it
-        return y
-
-
 def test_a_model_that_needs_export_is_made_from_the_export_one_trace() -> None:
-    model = _InPlace()
+    model = _OnAView()  # a write through a view: export functionalizes it
     x, t = torch.randn(8, 8), torch.randn(8, 8)
     sizes = Batches(model, (x, t), loss_fn=F.mse_loss)
     for size in (8, 4):
