@@ -714,6 +714,48 @@ def test_an_optimum_serves_a_zero_stage_that_prices_every_plan_alike() -> None:
         assert solved_alike([(two, two_best, limit)], one, two_best.memory) is None
 
 
+def test_whole_within_spares_the_relaxation_of_a_stage_an_alike_one_answers(monkeypatch) -> None:
+    """ZeRO 1 beside ZeRO 2 of one mesh: where ZeRO 2's optimum is known, ZeRO 1 is kept
+    without a relaxation (the solve reads it off); where only ZeRO 2's relaxed bound is, that
+    bound skips ZeRO 1 when it is past what there is to beat, and no more is relaxed. The
+    bound is a true one: no plan of ZeRO 1 is faster (its own relaxation agrees)."""
+    from autoshard.search import pruning
+    from autoshard.search.pruning import bare_graph, moves_once, search_session
+
+    captured = _meta_model("llama", 8, 256, 128)[2]
+    cluster = cluster_spec("dgx-h100", 8)
+    mesh = MeshInfo(("dp", "tp"), (4, 2), ("dp",))
+    relaxed: list[int] = []
+    original = pruning.relaxed_bound
+
+    def counted(graph, limit=math.inf):
+        relaxed.append(graph.zero)
+        return original(graph, limit)
+
+    monkeypatch.setattr(pruning, "relaxed_bound", counted)
+    with search_session():
+        whole = moves_once(captured, cluster, None, 1.0)
+        one, two = (whole(bare_graph(captured, mesh, cluster, None, z, 1.0)) for z in (1, 2))
+        limit = cluster.memory_bytes
+        two_best = solve_optimal(two, limit)
+        graphs = [two, one]
+        row: dict = {}
+        kept = whole_within(graphs, 1, two_best.seconds * 2, row, lambda g: g, limit,
+                            solved=[(two, two_best, limit)])  # fmt: skip
+        assert kept is one and relaxed == [] and "skipped" not in row
+        # only ZeRO 2's relaxation known, past what there is to beat: ZeRO 1 skipped by it
+        bound = counted(two, limit)
+        past = bound * (1 - 1e-3)
+        row = {}
+        assert whole_within(graphs, 1, past, row, lambda g: g, limit) is None
+        assert relaxed == [2] and row["skipped"] == "bound", (relaxed, row)
+        assert bound * (1 - 1e-5) <= row["bound_s"] <= original(one, limit) * (1 + 1e-9)
+        # under more room than ZeRO 2 was relaxed in, its bound proves nothing
+        row = {}
+        whole_within(graphs, 1, past, row, lambda g: g, limit * 2)
+        assert relaxed == [2, 1], relaxed
+
+
 def test_every_option_holds_fewest_bytes_at_zero_3() -> None:
     """What lets the search skip a mesh's other stages when ZeRO 3 does not fit: each option's
     bytes at ZeRO 3 are at most its bytes at 0, 1 and 2, under fp32 and under the bf16 policy,

@@ -203,11 +203,11 @@ def _run_search(
     helped = search == "optimal" and time.perf_counter() - start >= AHEAD_AFTER_S  # (worth it)
     tried: list[dict[str, Any]] = []
     # at an equal bound the higher ZeRO stage first: its optimum may serve the lower's
-    # (``solved_alike``)
     ranked = sorted(range(len(meshes)), key=lambda k: _rank(graphs[k], floors[k]))
     solved: list[tuple[CostGraph, Solution, float]] = []
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
+    estimated = _Estimates(og, cluster, precision)
     whole = moves_once(og, cluster, depth, step_share)
     # the meshes after the first: their moves priced by a helper meanwhile (optimal search)
     with MeshesAhead(og, cluster, graphs, ranked, whole, limit, helped) as ahead:
@@ -218,12 +218,12 @@ def _run_search(
                 continue
             past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
             graph = whole_within(graphs, k, past, row, ahead.build(k), limit,
-                                 relax=search == "optimal")  # fmt: skip
+                                 relax=search == "optimal", solved=solved)  # fmt: skip
             if graph is None:
                 tried.append(row)
                 continue
             solve = _solver(search, graph, fixed, solved)
-            sol = _fitting(og, solve, graph, meshes[k], cluster, limit)
+            sol = _fitting(estimated, solve, graph, meshes[k], limit)
             if sol is None:
                 row["fits"] = False
             else:
@@ -237,7 +237,7 @@ def _run_search(
         raise PlanningError(_nothing_fits(og, [graphs[k] for k in built],
                                           [meshes[k] for k in built], cluster, limit,
                                           num_devices))  # fmt: skip
-    k, sol = _final(og, found, best, meshes, graphs, cluster, precision)
+    k, sol = _final(estimated, found, best, meshes, graphs)
     seconds = time.perf_counter() - start
     return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision)
 
@@ -260,14 +260,27 @@ AHEAD_AFTER_S = 0.1
 FINALIST_MARGIN = 0.05
 
 
+class _Estimates:
+    """``build_plan`` of a search's solutions, once each (``_fitting``'s, then ``_final``'s)."""
+
+    def __init__(self, og: OpGraph, cluster: ClusterSpec, precision: Precision | None) -> None:
+        self.og, self.cluster, self.precision = og, cluster, precision
+        self.built: dict[tuple, Plan] = {}
+
+    def __call__(self, mesh: MeshInfo, graph: CostGraph, sol: Solution) -> Plan:
+        key = (id(graph), tuple(sol.choice))  # (the graphs outlive the search)
+        if key not in self.built:
+            result = SearchResult(mesh, graph, sol, [], 0.0, self.precision)
+            self.built[key] = build_plan(self.og, result, self.cluster)
+        return self.built[key]
+
+
 def _final(
-    og: OpGraph,
+    estimated: _Estimates,
     found: list[tuple[int, Solution, dict[str, Any]]],
     best: tuple[int, Solution],
     meshes: list[MeshInfo],
     graphs: list[CostGraph],
-    cluster: ClusterSpec,
-    precision: Precision | None,
 ) -> tuple[int, Solution]:
     """The finalist the estimate predicts fastest (the search's best when it is alone)."""
     finalists = [f for f in found if f[1].seconds <= best[1].seconds * (1 + FINALIST_MARGIN)]
@@ -275,10 +288,8 @@ def _final(
         return best
     chosen, fastest, tie = best, math.inf, (math.inf, math.inf)
     for k, sol, row in finalists:
-        result = SearchResult(meshes[k], graphs[k], sol, [], 0.0, precision)
-        built = build_plan(og, result, cluster)
-        row["predicted_s"] = built.predicted.step_time
-        row["predicted_memory"] = built.predicted.peak_memory
+        predicted = estimated(meshes[k], graphs[k], sol).predicted
+        row["predicted_s"], row["predicted_memory"] = predicted.step_time, predicted.peak_memory
         order = (meshes[k].sizes[-1], row["predicted_memory"])  # as fast: fewer tp, less memory
         if row["predicted_s"] < fastest * (1 - 1e-9) or (
             row["predicted_s"] <= fastest * (1 + 1e-9) and order < tie
@@ -313,7 +324,7 @@ def _solver(
 
 
 def _fitting(
-    og: OpGraph, solve: Any, graph: CostGraph, mesh: MeshInfo, cluster: ClusterSpec, limit: float
+    estimated: _Estimates, solve: Any, graph: CostGraph, mesh: MeshInfo, limit: float
 ) -> Solution | None:
     """The search's solution under ``limit``, with room for what ZeRO's units hold beside the
     sum over ops (two units' gathered parameters and gradient buffers, which depend on the
@@ -324,8 +335,7 @@ def _fitting(
         sol = solve(room)
         if sol is None or graph.zero < 2:
             return sol
-        built = build_plan(og, SearchResult(mesh, graph, sol, [], 0.0, pricing.policy()), cluster)
-        over = built.predicted.peak_memory - limit
+        over = estimated(mesh, graph, sol).predicted.peak_memory - limit
         if over <= 0:
             return sol
         room -= over

@@ -24,7 +24,7 @@ from autoshard.search.costgraph import (
     moves_of,
     with_moves,
 )
-from autoshard.search.solvers import Solution, lower_bound, relaxed_bound
+from autoshard.search.solvers import Solution, lower_bound, relaxed_bound, relaxed_known
 
 
 class _Session:
@@ -209,6 +209,14 @@ def _alike(a: CostGraph, b: CostGraph) -> bool:
     return same and fewer
 
 
+def _alike_bound(graphs: list[CostGraph | None], k: int, limit: float) -> float:
+    """The largest relaxed bound under ``limit`` known of a graph alike ``graphs[k]`` in no
+    more bytes, which bounds ``graphs[k]`` as well (0: none is known)."""
+    bounds = [relaxed_known(g, limit) for g in graphs if g is not None and g is not graphs[k]
+              and g.mesh == graphs[k].mesh and _alike(g, graphs[k])]  # fmt: skip
+    return max((b for b in bounds if b is not None), default=0.0)
+
+
 def least_memory(graph: CostGraph) -> float:
     """No plan on this graph holds fewer bytes: each node at its option of least memory (the
     memory row of the integer program is this sum; moves hold none)."""
@@ -223,13 +231,16 @@ def whole_within(
     build: Any,
     limit: float = math.inf,
     relax: bool = False,
+    solved: list[tuple[CostGraph, Solution, float]] = (),  # type: ignore[assignment]
 ) -> CostGraph | None:
     """Mesh ``k``'s cost graph with its moves (``build`` of the one without, which
     ``graphs[k]`` holds until then), or None when a lower bound shows no plan on it under
     ``limit`` bytes comes in under ``past`` seconds, or that none fits in ``limit`` (``row``
     says which). ``relax``: the linear relaxation is solved even with nothing to beat
     (``past`` infinite), for the optimum it may prove on its way (``relaxed_bound``): the
-    optimal search's first mesh."""
+    optimal search's first mesh. The relaxation is spared where ``solved`` holds the optimum
+    already (``solved_alike``), or a graph alike with no more bytes has a relaxed bound
+    (that graph's plans include every plan of this one, as fast) past ``past``."""
     row["bound_s"] = lower_bound(graphs[k])
     least = least_memory(graphs[k])
     if least > limit:  # every option's own bytes, each node at its least: nothing fits
@@ -239,6 +250,11 @@ def whole_within(
         graphs[k] = build(graphs[k])
         row["bound_s"] = max(row["bound_s"], lower_bound(graphs[k]))
     if row["bound_s"] < past and (math.isfinite(past) or relax):  # where it can tell
+        known = solved_alike(solved, graphs[k], limit)
+        if known is not None:
+            return graphs[k]
+        row["bound_s"] = max(row["bound_s"], _alike_bound(graphs, k, limit) * (1 - 1e-6))
+    if row["bound_s"] < past and (math.isfinite(past) or relax):
         row["bound_s"] = max(row["bound_s"], relaxed_bound(graphs[k], limit) * (1 - 1e-6))
     if row["bound_s"] >= past:
         row["skipped"] = "bound"

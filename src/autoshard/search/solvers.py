@@ -103,6 +103,16 @@ def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
     return bound
 
 
+def relaxed_known(graph: CostGraph, memory_limit: float) -> float | None:
+    """The bound a relaxation of ``graph`` already solved under ``memory_limit`` or more room
+    gives under ``memory_limit`` (None: none was solved)."""
+    learnt = _RELAXED.get(id(graph))
+    if learnt is None or learnt[0]() is not graph:
+        return None
+    bounds = [r.bound for limit, r in learnt[1].items() if limit >= memory_limit]
+    return graph.const_time + max(bounds) / SCALE if bounds else None
+
+
 def _if_optimal(
     graph: CostGraph, limit: float, program: Program, x: np.ndarray, bound: float, start: float
 ) -> Solution | None:
