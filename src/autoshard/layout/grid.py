@@ -159,6 +159,14 @@ def _bounds_of(layout: Any) -> tuple[frozenset[int], tuple[frozenset[int], ...],
     return frozenset(suffix_products(layout.mesh)), dims, tuple(splits)
 
 
+def grid_key(a: Any, b: Any) -> tuple:
+    """All that ``common_grid((a, b))`` reads of ``a`` and ``b`` (not their dtypes, pending
+    sums or which ranks): equal keys, equal grids. Unordered where the shapes agree, since
+    the grid refines to the one fixed point whichever layout comes first."""
+    ka, kb = _bounds_of(a), _bounds_of(b)
+    return (a.shape, len(a.ranks), frozenset((ka, kb)) if a.shape == b.shape else (ka, kb))
+
+
 # On small worlds the mesh axes are cut into primes, so a collective may use part of an axis
 # (reduce-scatter over half of a 4-way partial axis); the state space grows quickly with the
 # number of axes, so larger worlds search the coarsest grid.
@@ -199,6 +207,7 @@ __all__ = [
     "PRIME_GRID_MAX_RANKS",
     "chunk_cuts",
     "common_grid",
+    "grid_key",
     "prime_cuts",
     "suffix_products",
 ]

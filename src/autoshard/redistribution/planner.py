@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from autoshard.layout import Layout, LayoutError
 from autoshard.layout.grid import (
@@ -38,6 +39,7 @@ from autoshard.layout.grid import (
     GridState,
     chunk_cuts,
     common_grid,
+    grid_key,
     prime_cuts,
     suffix_products,
 )
@@ -285,7 +287,22 @@ def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPl
 
 
 def _grid_of(src: Layout, dst: Layout) -> Grid | None:
-    """The common grid a plan between ``src`` and ``dst`` is searched on (None: none)."""
+    """The common grid a plan between ``src`` and ``dst`` is searched on (None: none), made
+    once for what it reads of the two (``grid_key``): the grid of ``src`` and ``dst`` is
+    that of ``dst`` and ``src``, and of many pairs with other dtypes, pending sums or ranks."""
+    key = grid_key(src, dst)
+    grid = _GRIDS.get(key, _GRIDS)
+    if grid is _GRIDS:
+        if len(_GRIDS) >= 1 << 16:
+            _GRIDS.clear()
+        grid = _GRIDS[key] = _new_grid(src, dst)
+    return grid
+
+
+_GRIDS: dict[Any, Grid | None] = {}
+
+
+def _new_grid(src: Layout, dst: Layout) -> Grid | None:
     grid = common_grid((src, dst))
     if grid is not None and len(src.ranks) <= PRIME_GRID_MAX_RANKS:
         grid = common_grid((src, dst), extra_mesh=prime_cuts(grid.axes)) or grid
@@ -323,10 +340,10 @@ def step_costs(src: Layout, dst: Layout) -> tuple[StepCost, ...]:
     if src == dst:
         return ()
     grid = None if len(src.ranks) != len(dst.ranks) else _grid_of(src, dst)
-    start = None if grid is None else grid.encode(src)
+    start = None if grid is None else _encoded(grid, src)
     path = None
     if grid is not None and src.shape == dst.shape and src.dtype == dst.dtype:
-        goal = grid.encode(dst)
+        goal = _encoded(grid, dst)
         if tuple(src.ranks) != tuple(dst.ranks):
             goal = GridState(goal.assign, goal.partial, 1)
         path = search_splits(grid, start, goal)
@@ -350,6 +367,13 @@ def step_costs(src: Layout, dst: Layout) -> tuple[StepCost, ...]:
             group = groups[0] if groups else ()
         out.append(StepCost(kind, nbytes, local, group))
     return tuple(out)
+
+
+@lru_cache(maxsize=1 << 16)
+def _encoded(grid: Grid, layout: Layout) -> GridState:
+    """``grid.encode(layout)``, once: a layout meets the same grid against many others (the
+    search's pricing encodes each about four times)."""
+    return grid.encode(layout)
 
 
 def redistribution_plan(src: Layout, dst: Layout) -> RedistributionPlan:
