@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from autoshard.cost import cluster_spec
 from autoshard.graph import capture
 from autoshard.models import build, reference_config
-from autoshard.search import ahead, driver
+from autoshard.search import ahead, driver, solvers
 from autoshard.search import helper as helper_module
 from autoshard.search.driver import run_search
 from autoshard.search.helper import Helper
@@ -240,18 +240,25 @@ def _llama_graph(kind: str):
 
 @pytest.mark.parametrize("kind", ["reference", "transformers"])
 def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch, kind) -> None:
-    """The optimal search's helper prices the moves of the meshes after the first; the
-    search takes them where it builds those meshes: the same plan and the same table."""
+    """The optimal search's helper prices the moves of the meshes after the first and solves
+    their relaxations; the search takes them where it builds those meshes: the same plan and
+    the same table, with fewer relaxations solved in this process."""
     og = _llama_graph(kind)
     spec = cluster_spec("dgx-h100", 32)
-    taken = []
+    taken, relaxed = [], []
+    solve_program = solvers.solve_program
 
     def counted(self, job):
         outcome = _TAKE(self, job)
         taken.extend([job] if outcome is not None else [])
         return outcome
 
+    def counted_solve(program, c, a, integral):
+        relaxed.extend([] if integral else [os.getpid()])
+        return solve_program(program, c, a, integral)
+
     monkeypatch.setattr(Helper, "take", counted)
+    monkeypatch.setattr(solvers, "solve_program", counted_solve)
     monkeypatch.setattr(driver, "AHEAD_AFTER_S", 0.0)  # a helper however small the graphs
 
     def searched():
@@ -261,11 +268,13 @@ def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch, kind) -> N
 
     helped = searched()
     assert len(taken) >= 1, taken  # moves the helper priced were used
+    relaxed_helped = len(relaxed)
     monkeypatch.setattr(ahead, "helper_cores", lambda: 0)
-    del taken[:]
+    del taken[:], relaxed[:]
     alone = searched()
     assert taken == []
     assert helped == alone
+    assert relaxed_helped < len(relaxed), (relaxed_helped, len(relaxed))
 
 
 def test_no_helper_where_the_user_says_so_or_inside_a_helper(monkeypatch) -> None:

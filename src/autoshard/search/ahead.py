@@ -1,9 +1,10 @@
 """The optimal search's meshes priced ahead (docs/search.md): while this process works on the
 mesh its bounds rank first, a helper process (``search.helper``) prices the moves of the
-others in the same order, as this process would. Where the search builds a mesh's graph, it
-takes the helper's moves (waiting for them where the helper has begun them) instead of
-pricing them; it decides with its own bounds which meshes to build, so the plan is the one
-found without the helper."""
+others in the same order, as this process would, and solves each of their ZeRO stages' linear
+relaxations under the memory limit. Where the search builds a mesh's graph, it takes the
+helper's moves and relaxations (waiting for them where the helper has begun them) instead of
+making them; it decides with its own bounds which meshes to build and to solve, so the plan
+is the one found without the helper."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.search.costgraph import CostGraph
 from autoshard.search.helper import Helper, helper_cores
-from autoshard.search.pruning import adopt, built_for, least_memory
+from autoshard.search.pruning import adopt, alike, built_for, least_memory
+from autoshard.search.solvers import learn_relaxed, relaxed_bound, relaxed_learnt
 
 
 class MeshesAhead:
@@ -34,8 +36,9 @@ class MeshesAhead:
         limit: float,
         helped: bool = True,
     ) -> None:
-        self.og, self.cluster, self.whole = og, cluster, whole
+        self.og, self.cluster, self.whole, self.limit = og, cluster, whole, limit
         self.helper: Helper | None = None
+        self.relaxed: dict[MeshInfo, dict[int, Any]] = {}  # the helper's, by ZeRO stage
         if not helped:
             return
         first: dict[MeshInfo, int] = {}  # each mesh's first graph to be built, in rank order
@@ -47,7 +50,21 @@ class MeshesAhead:
 
         def run(mesh: MeshInfo) -> Any:
             whole(graphs[first[mesh]])
-            return built_for(og, cluster, mesh, bare=False)
+            return built_for(og, cluster, mesh, bare=False), relaxations(mesh)
+
+        def relaxations(mesh: MeshInfo) -> list[tuple[int, Any]]:
+            """Each stage's relaxation but where an alike stage's bounds it (``whole_within``)."""
+            done: list[CostGraph] = []
+            for k in ranked:
+                bare = graphs[k]
+                if bare is None or bare.mesh != mesh or least_memory(bare) > limit:
+                    continue
+                graph = whole(bare)
+                if not any(alike(other, graph) for other in done):
+                    relaxed_bound(graph, limit)
+                    done.append(graph)
+            learnt = [(g.zero, relaxed_learnt(g).get(limit)) for g in done]
+            return [(zero, relaxed) for zero, relaxed in learnt if relaxed is not None]
 
         if jobs and helper_cores() > 0:
             try:
@@ -63,8 +80,13 @@ class MeshesAhead:
         def build(bare: CostGraph) -> CostGraph:
             outcome = self.helper.take(bare.mesh) if self.helper is not None else None
             if outcome is not None and outcome[0] == "ok":
-                adopt(self.og, self.cluster, outcome[1])
-            return self.whole(bare)
+                adopt(self.og, self.cluster, outcome[1][0])
+                self.relaxed[bare.mesh] = dict(outcome[1][1])
+            graph = self.whole(bare)
+            relaxed = self.relaxed.get(bare.mesh, {}).get(graph.zero)
+            if relaxed is not None:  # solved by the helper on a graph equal to this one
+                learn_relaxed(graph, self.limit, relaxed)
+            return graph
 
         return build
 

@@ -184,7 +184,7 @@ def solved_alike(
     every plan the same and in no more bytes (ZeRO 2 beside 1 of one mesh): the plans that
     fit ``graph`` fit it too, so its optimum, if it fits ``graph``, is ``graph``'s."""
     for other, sol, other_room in solved:
-        if other_room < room or not _alike(other, graph):
+        if other_room < room or not alike(other, graph):
             continue
         seconds, memory = graph.objective(sol.choice)
         if memory <= room:
@@ -192,7 +192,7 @@ def solved_alike(
     return None
 
 
-def _alike(a: CostGraph, b: CostGraph) -> bool:
+def alike(a: CostGraph, b: CostGraph) -> bool:
     """Every plan takes as long on ``a`` as on ``b``, in no more bytes."""
     if a.mesh != b.mesh or a.edges is not b.edges:
         return False
@@ -213,7 +213,7 @@ def _alike_bound(graphs: list[CostGraph | None], k: int, limit: float) -> float:
     """The largest relaxed bound under ``limit`` known of a graph alike ``graphs[k]`` in no
     more bytes, which bounds ``graphs[k]`` as well (0: none is known)."""
     bounds = [relaxed_known(g, limit) for g in graphs if g is not None and g is not graphs[k]
-              and g.mesh == graphs[k].mesh and _alike(g, graphs[k])]  # fmt: skip
+              and g.mesh == graphs[k].mesh and alike(g, graphs[k])]  # fmt: skip
     return max((b for b in bounds if b is not None), default=0.0)
 
 
@@ -264,6 +264,7 @@ def whole_within(
 
 __all__ = [
     "adopt",
+    "alike",
     "bare_graph",
     "built_for",
     "bare_graphs",

@@ -52,8 +52,7 @@ def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution 
     the one ``relaxed_bound`` proved on its way where it did, else the integer program's, on
     the options its relaxation leaves in the running where it was solved (``_in_the_running``)."""
     start = time.perf_counter()
-    learnt = _RELAXED.get(id(graph))
-    learnt = learnt[1] if learnt is not None and learnt[0]() is graph else {}
+    learnt = relaxed_learnt(graph)
     proved = learnt.get(memory_limit)
     if proved is not None and proved.optimum is not None:
         sol = proved.optimum
@@ -86,7 +85,11 @@ def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution 
 def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
     """No plan on this mesh under the memory limit is faster (seconds; infinity when none
     fits): the integer program's linear relaxation, a tenth of the integer solve or less and
-    far tighter than ``lower_bound``, since it keeps the moves' marginals and the limit."""
+    far tighter than ``lower_bound``, since it keeps the moves' marginals and the limit.
+    Solved once a graph and limit (or learnt from a helper: ``learn_relaxed``)."""
+    known = relaxed_learnt(graph).get(memory_limit)
+    if known is not None:
+        return graph.const_time + known.bound / SCALE
     start = time.perf_counter()
     program, c, a = build_program(graph, memory_limit)
     result = solve_program(program, c, a, integral=False)
@@ -94,22 +97,32 @@ def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
         return math.inf
     bound = graph.const_time + float(result.fun) / SCALE
     optimum = _if_optimal(graph, memory_limit, program, result.x, bound, start)
-    key, n = id(graph), program.num_x
-    if key not in _RELAXED or _RELAXED[key][0]() is not graph:
-        _RELAXED[key] = (weakref.ref(graph, lambda _: _RELAXED.pop(key, None)), {})
-    _RELAXED[key][1][memory_limit] = _Relaxed(
-        float(result.fun), result.x[:n], result.reduced[:n], optimum
+    n = program.num_x
+    learn_relaxed(
+        graph, memory_limit, _Relaxed(float(result.fun), result.x[:n], result.reduced[:n], optimum)
     )
     return bound
+
+
+def relaxed_learnt(graph: CostGraph) -> dict[float, _Relaxed]:
+    """What the relaxations of ``graph`` solved so far learnt, by memory limit."""
+    learnt = _RELAXED.get(id(graph))
+    return learnt[1] if learnt is not None and learnt[0]() is graph else {}
+
+
+def learn_relaxed(graph: CostGraph, memory_limit: float, relaxed: _Relaxed) -> None:
+    """``graph``'s relaxation under ``memory_limit`` is ``relaxed`` (solved here, or by a
+    helper on a graph equal to it)."""
+    key = id(graph)
+    if key not in _RELAXED or _RELAXED[key][0]() is not graph:
+        _RELAXED[key] = (weakref.ref(graph, lambda _: _RELAXED.pop(key, None)), {})
+    _RELAXED[key][1][memory_limit] = relaxed
 
 
 def relaxed_known(graph: CostGraph, memory_limit: float) -> float | None:
     """The bound a relaxation of ``graph`` already solved under ``memory_limit`` or more room
     gives under ``memory_limit`` (None: none was solved)."""
-    learnt = _RELAXED.get(id(graph))
-    if learnt is None or learnt[0]() is not graph:
-        return None
-    bounds = [r.bound for limit, r in learnt[1].items() if limit >= memory_limit]
+    bounds = [r.bound for limit, r in relaxed_learnt(graph).items() if limit >= memory_limit]
     return graph.const_time + max(bounds) / SCALE if bounds else None
 
 
