@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from autoshard.cost import cluster_spec
 from autoshard.graph import capture
 from autoshard.models import build, reference_config
-from autoshard.search import ahead, driver, solvers
+from autoshard.search import ahead, solvers
 from autoshard.search import helper as helper_module
 from autoshard.search.driver import run_search
 from autoshard.search.helper import Helper
@@ -240,9 +240,10 @@ def _llama_graph(kind: str):
 
 @pytest.mark.parametrize("kind", ["reference", "transformers"])
 def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch, kind) -> None:
-    """The optimal search's helper prices the moves of the meshes after the first and solves
-    their relaxations; the search takes them where it builds those meshes: the same plan and
-    the same table, with fewer relaxations solved in this process."""
+    """The optimal search's helper builds the later half of the meshes' graphs without moves,
+    then prices the moves of those the search ranks after the first and solves their
+    relaxations; the search takes them where it builds those meshes: the same plan and the
+    same table, with fewer relaxations solved in this process."""
     og = _llama_graph(kind)
     spec = cluster_spec("dgx-h100", 32)
     taken, relaxed = [], []
@@ -259,7 +260,7 @@ def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch, kind) -> N
 
     monkeypatch.setattr(Helper, "take", counted)
     monkeypatch.setattr(solvers, "solve_program", counted_solve)
-    monkeypatch.setattr(driver, "AHEAD_AFTER_S", 0.0)  # a helper however small the graphs
+    monkeypatch.setattr(ahead, "AHEAD_AFTER_S", 0.0)  # a helper however small the graphs
 
     def searched():
         result = run_search(og, 32, spec, depth={"layers": 16} if kind == "reference" else None)
@@ -267,7 +268,8 @@ def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch, kind) -> N
         return result.mesh, result.graph.zero, result.solution.choice, rows
 
     helped = searched()
-    assert len(taken) >= 1, taken  # moves the helper priced were used
+    # graphs the helper built without moves, then moves it priced, were used
+    assert {job[0] for job in taken} == {"bare", "moves"}, taken
     relaxed_helped = len(relaxed)
     monkeypatch.setattr(ahead, "helper_cores", lambda: 0)
     del taken[:], relaxed[:]

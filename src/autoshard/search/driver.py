@@ -197,20 +197,20 @@ def _run_search(
     limit = cluster.memory_bytes if memory_limit is None else memory_limit
     levels = ZERO_LEVELS if zero is None else (zero,)
     meshes = [m for m in shapes for _ in levels]
-    # first each mesh's options without the moves between them (cheap): a lower bound that
-    # orders the meshes and skips those that cannot win before their moves are priced
-    graphs, floors = bare_graphs(og, shapes, levels, cluster, depth, step_share, limit)
-    helped = search == "optimal" and time.perf_counter() - start >= AHEAD_AFTER_S  # (worth it)
     tried: list[dict[str, Any]] = []
-    # at an equal bound the higher ZeRO stage first: its optimum may serve the lower's
-    ranked = sorted(range(len(meshes)), key=lambda k: _rank(graphs[k], floors[k]))
     solved: list[tuple[CostGraph, Solution, float]] = []
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     estimated = _Estimates(og, cluster, precision)
     whole = moves_once(og, cluster, depth, step_share)
-    # the meshes after the first: their moves priced by a helper meanwhile (optimal search)
-    with MeshesAhead(og, cluster, graphs, ranked, whole, limit, helped) as ahead:
+    how = (shapes, levels, depth, step_share)  # (optimal search: a helper shares the work)
+    with MeshesAhead(og, cluster, how, whole, limit, search == "optimal") as ahead:
+        # first each mesh's options without the moves between them (cheap): a lower bound
+        # that orders the meshes and skips those that cannot win before their moves are
+        # priced; at an equal bound the higher ZeRO stage first (its optimum may serve the
+        # lower's)
+        graphs, floors = ahead.bare()
+        ranked = sorted(range(len(meshes)), key=lambda k: _rank(graphs[k], floors[k]))
         for k in ranked:
             row: dict[str, Any] = {"mesh": meshes[k].as_dict(), "zero": levels[k % len(levels)]}
             if graphs[k] is None:  # not built: ZeRO 3 on this mesh does not fit: nothing does
@@ -249,10 +249,6 @@ def _rank(graph: CostGraph | None, floor: float) -> tuple[bool, float, int]:
         return (True, floor, 0)
     return (False, lower_bound(graph), -graph.zero)
 
-
-#: seconds the graphs without moves took to build, at least, for a helper to price the moves
-#: of the meshes after the first (``search.ahead``): below, forking costs more than it saves
-AHEAD_AFTER_S = 0.1
 
 #: a ratio: solutions whose search objective is within (1 + this) of the best one are the
 #: finalists the estimate prices, whose timeline sees the overlap a sum over ops cannot
