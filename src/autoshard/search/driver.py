@@ -93,6 +93,8 @@ class SearchResult:
     search_seconds: float
     #: the precision policy the parameters were priced under (None: the graph's dtypes)
     precision: Precision | None = None
+    #: the plan's estimate, where the search made it already (``build_plan`` reads it)
+    estimated: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def strategies(self) -> dict[str, Strategy]:
         """Every decision node's strategy (repeated layers share their representative's)."""
@@ -206,9 +208,8 @@ def _run_search(
     how = (shapes, levels, depth, step_share)  # (optimal search: a helper shares the work)
     with MeshesAhead(og, cluster, how, whole, limit, search == "optimal") as ahead:
         # first each mesh's options without the moves between them (cheap): a lower bound
-        # that orders the meshes and skips those that cannot win before their moves are
-        # priced; at an equal bound the higher ZeRO stage first (its optimum may serve the
-        # lower's)
+        # that orders the meshes (at a tie the higher ZeRO stage first: its optimum may serve
+        # the lower's) and skips those that cannot win before their moves are priced
         graphs, floors = ahead.bare()
         ranked = sorted(range(len(meshes)), key=lambda k: _rank(graphs[k], floors[k]))
         for k in ranked:
@@ -239,7 +240,8 @@ def _run_search(
                                           num_devices))  # fmt: skip
     k, sol = _final(estimated, found, best, meshes, graphs)
     seconds = time.perf_counter() - start
-    return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision)
+    return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision,
+                        estimated.made(graphs[k], sol))  # fmt: skip
 
 
 def _rank(graph: CostGraph | None, floor: float) -> tuple[bool, float, int]:
@@ -269,6 +271,11 @@ class _Estimates:
             result = SearchResult(mesh, graph, sol, [], 0.0, self.precision)
             self.built[key] = build_plan(self.og, result, self.cluster)
         return self.built[key]
+
+    def made(self, graph: CostGraph, sol: Solution) -> Any:
+        """The estimate of ``sol`` on ``graph``, where it was made (else None)."""
+        built = self.built.get((id(graph), tuple(sol.choice)))
+        return None if built is None else built.predicted
 
 
 def _final(
@@ -424,7 +431,9 @@ def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
     built = dataclasses.replace(
         built, zero=result.graph.zero, json=data, searched=True, precision=result.precision
     )
-    predicted = estimate(built, og, cluster, depth=result.graph.depth)
+    predicted = result.estimated
+    if predicted is None:
+        predicted = estimate(built, og, cluster, depth=result.graph.depth)
     pred = data["predicted"]
     pred["search_objective_s"] = pred["step_time_s"]
     pred["step_time_s"] = predicted.step_time
@@ -486,10 +495,4 @@ def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
     return cluster.peak_flops(getattr(torch, _compute_dtype(og)))
 
 
-__all__ = [
-    "SEARCHES",
-    "SearchResult",
-    "build_plan",
-    "mesh_shapes",
-    "run_search",
-]
+__all__ = ["SEARCHES", "SearchResult", "build_plan", "mesh_shapes", "run_search"]
