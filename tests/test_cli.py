@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -106,6 +107,7 @@ def test_redistribute_command_prints_the_least_bytes_plan(capsys) -> None:
     assert "all_to_all" not in text and "all_reduce" not in text
     code = main([*argv, "--src", "dp,_", "--dst", "_,tp", "--dtype", "f64"])
     assert code == 0 and "1024 B/rank" in capsys.readouterr().out
+    assert gc.isenabled()  # paused while the command was read, on again for the caller
 
 
 def test_redistribute_command_draws_both_layouts(tmp_path, capsys) -> None:
@@ -127,7 +129,7 @@ def test_redistribute_command_names_a_bad_mesh(capsys) -> None:
     argv = ["redistribute", "--mesh", "dp=2,tp=x", "--shape", "16,32"]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--src", "dp,_", "--dst", "_,tp"])
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 2 and gc.isenabled()
     err = capsys.readouterr().err
     assert err.startswith("autoshard: error: --mesh:") and "dp=2,tp=x" in err, err
 
