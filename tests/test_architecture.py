@@ -16,7 +16,7 @@ SRC = Path(autoshard.__file__).resolve().parent
 
 # Bottom first: a module may import its own package and the packages listed before it.
 LAYERS = [
-    ("watch",),
+    ("command", "watch"),
     ("comm", "mesh", "precision", "testing"),
     ("layout", "schedule"),
     ("redistribution",),

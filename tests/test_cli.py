@@ -110,6 +110,38 @@ def test_redistribute_command_prints_the_least_bytes_plan(capsys) -> None:
     assert gc.isenabled()  # paused while the command was read, on again for the caller
 
 
+def test_the_command_s_collector_is_off_from_import_and_on_again_unless_it_plans(
+    monkeypatch, capsys
+) -> None:
+    """The package's import pauses the garbage collector only in the ``autoshard`` command
+    (its script or ``-m autoshard.cli``); the command turns it on again unless it plans and
+    exits, and a library's import leaves it as it was."""
+    from autoshard import command as _command
+    from autoshard.cli.main import main
+
+    for argv, command in [
+        (["/usr/bin/python3", "/venv/bin/autoshard", "plan"], True),
+        (["python", "-m", "autoshard.cli", "plan"], True),
+        (["python", "-c", "import autoshard"], False),
+        (["python", "train.py", "autoshard"], False),
+        (["python"], False),
+    ]:
+        monkeypatch.setattr(sys, "orig_argv", argv)
+        assert _command.the_command() is command, argv
+    out = subprocess.run([sys.executable, "-c", "import autoshard, gc; print(gc.isenabled())"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert out.strip() == "True"
+    monkeypatch.setattr(_command, "PAUSED", True)
+    gc.disable()  # as the command's import left it
+    argv = ["redistribute", "--mesh", "dp=2,tp=2", "--shape", "16,32", "--src", "dp,_"]
+    try:
+        assert main([*argv, "--dst", "_,tp"]) == 0
+        assert gc.isenabled() and not _command.PAUSED
+    finally:
+        gc.enable()
+    capsys.readouterr()
+
+
 def test_redistribute_command_draws_both_layouts(tmp_path, capsys) -> None:
     from autoshard.cli.main import main
 

@@ -8,7 +8,10 @@ imports.
 import importlib
 from typing import Any
 
-from autoshard import data
+from autoshard import (
+    command,  # noqa: F401  (first: the command's start, before torch)
+    data,
+)
 from autoshard.cost import PRESETS, ClusterSpec
 from autoshard.graph import CaptureError, capture_modes
 from autoshard.layout import Factored, Layout, LayoutError
