@@ -1,11 +1,11 @@
 """The optimal search's meshes built ahead (docs/search.md): a helper process
 (``search.helper``) builds the later half of the meshes' graphs without moves while this
 process builds the rest; then, while this process works on the mesh its bounds rank first,
-the helper prices the moves of its meshes in rank order, as this process would, and solves
-each of their ZeRO stages' linear relaxations under the memory limit. Where the search builds
-a mesh's graph, it takes the helper's moves and relaxations (waiting for them where the
-helper has begun them) instead of making them; it decides with its own bounds which meshes
-to build and to solve, so the plan is the one found without the helper."""
+the helper prices the moves of its own meshes, as this process would, and solves each of
+their ZeRO stages' linear relaxations under the memory limit. Where the search builds one of
+those meshes' graphs, it takes the helper's moves and relaxations (waiting for them) instead
+of making them; it decides with its own bounds which meshes to build and to solve, so the
+plan is the one found without the helper."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class MeshesAhead:
     def _run(self, job: tuple[str, MeshInfo]) -> Any:
         """The helper's job: a mesh's graphs without moves, or its moves and relaxations."""
         kind, mesh = job
-        shapes, levels, depth, share = self.how
+        _, levels, depth, share = self.how
         og, cluster, limit = self.og, self.cluster, self.limit
         graphs, _ = bare_graphs(og, [mesh], levels, cluster, depth, share, limit)
         if kind == "bare":
