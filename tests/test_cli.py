@@ -110,12 +110,10 @@ def test_redistribute_command_prints_the_least_bytes_plan(capsys) -> None:
     assert gc.isenabled()  # paused while the command was read, on again for the caller
 
 
-def test_the_command_s_collector_is_off_from_import_and_on_again_unless_it_plans(
-    monkeypatch, capsys
-) -> None:
+def test_the_command_s_collector_is_off_while_the_package_is_imported(monkeypatch, capsys) -> None:
     """The package's import pauses the garbage collector only in the ``autoshard`` command
-    (its script or ``-m autoshard.cli``); the command turns it on again unless it plans and
-    exits, and a library's import leaves it as it was."""
+    (its script or ``-m autoshard.cli``), to the import's end; a library's import leaves it
+    as it was, and a command that does not plan leaves it on."""
     from autoshard import command as _command
     from autoshard.cli.main import main
 
@@ -132,13 +130,16 @@ def test_the_command_s_collector_is_off_from_import_and_on_again_unless_it_plans
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert out.strip() == "True"
     monkeypatch.setattr(_command, "PAUSED", True)
-    gc.disable()  # as the command's import left it
-    argv = ["redistribute", "--mesh", "dp=2,tp=2", "--shape", "16,32", "--src", "dp,_"]
+    gc.disable()  # as the command's start left it
     try:
-        assert main([*argv, "--dst", "_,tp"]) == 0
+        _command.resume()  # at the end of the package's import
         assert gc.isenabled() and not _command.PAUSED
+        _command.resume()  # (once)
+        assert gc.isenabled()
     finally:
         gc.enable()
+    argv = ["redistribute", "--mesh", "dp=2,tp=2", "--shape", "16,32", "--src", "dp,_"]
+    assert main([*argv, "--dst", "_,tp"]) == 0 and gc.isenabled()
     capsys.readouterr()
 
 

@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 from autoshard import (
-    command,  # noqa: F401  (first: the command's start, before torch)
+    command,  # (first: the command's start, before torch)
     data,
 )
 from autoshard.cost import PRESETS, ClusterSpec
@@ -27,6 +27,8 @@ from autoshard.redistribution import (
     shard_tensor,
 )
 from autoshard.search import Plan, PlanningError, plan
+
+command.resume()  # (the import's end: the command's collector on again)
 
 #: names of the runtime, imported from it on first use (``__getattr__``)
 _RUNTIME = (

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from autoshard import command as _command
 from autoshard.cli.args import DTYPES as _DTYPES
 from autoshard.cli.args import build_parser
 from autoshard.cli.plan_text import format_search, write_json
@@ -392,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|copyreg)(\.|$)")
     # no collection while the command is read: one there (the parser's imports may start
     # it) walks every object torch made on import (70 ms)
-    was, ends = gc.isenabled() or _command.PAUSED, False
-    _command.PAUSED = False  # (the package's import paused it for this call only)
+    was, ends = gc.isenabled(), False
     gc.disable()
     try:
         parser, args = _parsed(argv)
