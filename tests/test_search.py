@@ -834,3 +834,23 @@ def test_a_mesh_whose_zero_3_does_not_fit_is_not_built_at_other_stages(monkeypat
     mesh = min(out, key=lambda m: m.sizes)
     with pytest.raises(PlanningError, match="ZeRO 3"):
         driver.run_search(captured, 32, cluster, memory_limit=limit, mesh=mesh)
+
+
+def test_the_plan_reads_the_estimate_the_search_made_as_made_afresh() -> None:
+    """The search's finalists and ZeRO 2-3 solutions are estimated once (``_Estimates``); the
+    chosen one's estimate rides on the result to ``build_plan``, which gives the same plan,
+    prediction and JSON as estimating it again, also after the result is pickled (the
+    pipeline search's helper sends results so)."""
+    import dataclasses
+    import pickle
+
+    captured = _meta_model("llama", 16, 256, 128)[2]
+    cluster = cluster_spec("dgx-h100", 16)
+    for limit in (2e9, None):
+        result = driver.run_search(captured, 16, cluster, memory_limit=limit)
+        assert result.estimated is not None, (limit, result.graph.zero)
+        again = dataclasses.replace(result, estimated=None)
+        fresh = driver.build_plan(captured, again, cluster)
+        for read in (result, pickle.loads(pickle.dumps(result))):
+            built = driver.build_plan(captured, read, cluster)
+            assert built.predicted == fresh.predicted and built.json == fresh.json
