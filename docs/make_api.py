@@ -23,6 +23,8 @@ SECTIONS: list[tuple[str, list[str]]] = [
         "Parallelizing a model",
         [
             "parallelize",
+            "Options",
+            "Options.replace",
             "shard_inputs",
             "single_device",
             "capture_modes",

@@ -359,9 +359,9 @@ def test_train_names_pipeline_settings_it_cannot_take(tmp_path) -> None:
     plan.write_text("{}")
     with pytest.raises(ValueError, match=r"carries its own pipeline settings; leave out --pp"):
         check(TrainConfig("m:f", plan=str(plan), pp=2))
-    with pytest.raises(ValueError, match=r"schedule 'pipedream': expected one of gpipe, 1f1b"):
+    with pytest.raises(ValueError, match=r"schedule='pipedream': expected one of gpipe, 1f1b"):
         check(TrainConfig("m:f", schedule="pipedream"))
-    with pytest.raises(ValueError, match=r"recompute 'some': expected none, selective or full"):
+    with pytest.raises(ValueError, match=r"recompute='some': expected one of none, full"):
         check(TrainConfig("m:f", recompute="some"))
 
 

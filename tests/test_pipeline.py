@@ -449,7 +449,7 @@ def test_bad_pipeline_arguments_are_clear_errors() -> None:
     batch = _batches()[0]
     with pytest.raises(ValueError, match="does not split into 3 equal micro-batches"):
         parallelize(model, batch, {"pp": 1}, microbatches=3)
-    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+    with pytest.raises(ValueError, match="schedule='pipedream': expected one of gpipe"):
         parallelize(model, batch, {"pp": 1}, schedule="pipedream")
     with pytest.raises(ValueError, match="schedule='zb-h1' with zero=3: a split backward"):
         parallelize(model, batch, {"pp": 1}, schedule="zb-h1", zero=3)

@@ -16,6 +16,7 @@ import pytest
 from autoshard.cli.main import main
 from autoshard.cost import cluster_spec
 from autoshard.cost.pipeline import model_pieces, price_pipeline
+from autoshard.options import Options
 from autoshard.schedule import make_schedule
 from autoshard.search.pipelined import search_pipeline
 
@@ -27,7 +28,9 @@ def stage(gpt_meta_graph):
     og = gpt_meta_graph
     spec = cluster_spec("dgx-h100", 16)
     given = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "recompute": "none"}
-    best, tried, _ = search_pipeline(lambda m: og, 4 * 8, 16, spec, given, depth={"layers": LAYERS})
+    best, tried, _ = search_pipeline(
+        lambda m: og, 4 * 8, 16, spec, Options(**given), depth={"layers": LAYERS}
+    )
     assert len(tried) == 1  # all given: one configuration priced
     return og, spec, best
 
@@ -79,7 +82,7 @@ def test_searching_zero_finds_what_fixing_any_zero_stage_finds(stage, gib) -> No
     def best(**zero: int) -> float:
         given = {"pp": 4, "microbatches": 8, **zero}
         found, _, _ = search_pipeline(
-            lambda m: og, 4 * 8, 16, tight, given, depth={"layers": LAYERS}
+            lambda m: og, 4 * 8, 16, tight, Options(**given), depth={"layers": LAYERS}
         )
         assert found.predicted.peak_memory <= tight.memory_bytes
         return found.predicted.step_time
@@ -174,6 +177,6 @@ def test_pp_auto_shows_the_faster_and_a_stage_that_does_not_fit_is_named(capsys)
     # micro-batch); the error names the least of them, the rank and bytes
     assert main([*small, "--pp", "4", *pipeline, "--memory-gib", "0.1"]) == 3
     err = capsys.readouterr().err
-    assert "no pipeline configuration fits 0.1 GiB per device (3 tried)" in err
+    assert "no pipeline configuration fits 102.40 MiB per device (3 tried)" in err
     assert "recompute full, ZeRO 2: pipeline rank" in err
     assert "pipeline rank" in err and "optimizer" in err and "try more stages" in err

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from autoshard.cost import cluster_spec
 from autoshard.graph import capture
 from autoshard.models import build, reference_config
+from autoshard.options import Options
 from autoshard.search import ahead, solvers
 from autoshard.search import helper as helper_module
 from autoshard.search.driver import run_search
@@ -48,7 +49,7 @@ def _searched(og, spec, monkeypatch, helper: bool):
     monkeypatch.setattr(Helper, "take", counted)
     monkeypatch.setattr(Helper, "steal", counted_steal)
     best, tried, _ = search_pipeline(
-        lambda m: og, 32, 16, spec, {}, depth={"layers": 8}, helper=helper
+        lambda m: og, 32, 16, spec, Options(), depth={"layers": 8}, helper=helper
     )
     return best, tried, delivered, stolen
 

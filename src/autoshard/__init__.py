@@ -17,6 +17,7 @@ from autoshard.graph import CaptureError, capture_modes
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshError, init_mesh
 from autoshard.ops import StrategyError
+from autoshard.options import Options
 from autoshard.precision import Precision
 from autoshard.redistribution import (
     RedistributionPlan,
@@ -80,6 +81,7 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "PlanningError",
+    "Options",
     "Precision",
     "RedistributionPlan",
     "Step",

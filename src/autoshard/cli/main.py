@@ -183,10 +183,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _planned(args, spec, model, example, depth, loss_fn, policy, start: float) -> int:
     """The plan of ``model`` (``depth``: its block lists' real depth, fewer captured)."""
-    from autoshard.cli.plan_pipeline import given_pipeline, pipeline_plan
+    from autoshard.cli.plan_pipeline import pipeline_plan, plan_options
 
-    staged = given_pipeline(args)
-    if args.pp != "auto" and (staged.get("pp", 1) > 1 or set(staged) - {"pp"}):
+    opts = plan_options(args, policy)
+    if args.pp != "auto" and opts.replace(pp=None if opts.pp == 1 else opts.pp).staged:
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
     ahead = _stages_ahead(args, spec, model, example, depth, loss_fn, start, policy)
@@ -222,7 +222,7 @@ def _searched(args, spec, model, example, depth, loss_fn, policy, start, ahead) 
     searched them ahead)."""
     import time
 
-    from autoshard.cli.plan_pipeline import pipeline_plan
+    from autoshard.cli.plan_pipeline import pipeline_plan, plan_options
     from autoshard.graph import capture, check_depth
     from autoshard.search import PlanningError, run_search
     from autoshard.search.driver import build_plan
@@ -231,20 +231,9 @@ def _searched(args, spec, model, example, depth, loss_fn, policy, start, ahead) 
     check_depth(captured, depth)
     captured_s = time.perf_counter() - start
     try:
-        result = run_search(
-            captured,
-            spec.num_devices,
-            spec,
-            search=args.search,
-            depth=depth,
-            tp_across_nodes=args.tp_across_nodes,
-            cp=args.cp,
-            attention=args.attention,
-            sequence_parallel=args.sequence_parallel,
-            precision=policy,
-            tp=args.tp,
-            zero=args.zero,
-        )
+        opts = plan_options(args, policy)
+        result = run_search(captured, spec.num_devices, spec, depth=depth,
+                            **opts.search_keywords())  # fmt: skip
     except PlanningError as err:
         if args.pp is not None and args.pp != "auto":  # --pp 1: no stages
             print(f"autoshard: error: {err}", file=sys.stderr)

@@ -10,18 +10,18 @@ from typing import Any
 
 from autoshard.cli.plan_text import format_search, write_json
 from autoshard.cli.plan_text import human_bytes as size
+from autoshard.options import Options
 
 
-def given_pipeline(args: Any) -> dict[str, Any]:
-    """The pipeline flags the user set (``--pp auto`` sets none)."""
-    given = {
-        "pp": args.pp if isinstance(args.pp, int) else None,
-        "microbatches": args.microbatches,
-        "schedule": args.schedule,
-        "virtual_stages": args.virtual_stages,
-        "recompute": args.recompute,
-    }
-    return {k: v for k, v in given.items() if v is not None}
+def plan_options(args: Any, policy: Any) -> Options:
+    """The options ``autoshard plan``'s flags give (``--pp auto`` fixes no degree)."""
+    return Options(
+        search=args.search, tp=args.tp, cp=args.cp, tp_across_nodes=args.tp_across_nodes,
+        attention=args.attention, sequence_parallel=args.sequence_parallel, precision=policy,
+        zero=args.zero, pp=args.pp if isinstance(args.pp, int) else None,
+        microbatches=args.microbatches, schedule=args.schedule,
+        virtual_stages=args.virtual_stages, recompute=args.recompute,
+    )  # fmt: skip
 
 
 def pipeline_plan(
@@ -32,26 +32,17 @@ def pipeline_plan(
     instead where it is faster or no pipeline fits. ``policy``: the precision a run keeps."""
     from autoshard.graph import BlocksDiffer
     from autoshard.search import PlanningError
-    from autoshard.search.pipelined import search_pipeline
+    from autoshard.search.pipelined import search_pipeline, staged_json
 
-    given = given_pipeline(args) | {
-        "cp": args.cp,
-        "attention": args.attention,
-        "sequence_parallel": args.sequence_parallel,
-        "precision": policy,
-        "tp": args.tp,
-        "zero": args.zero,
-    }
+    opts = plan_options(args, policy)
     batch = example[0].shape[0]
-    if given.get("microbatches") and batch % given["microbatches"]:
-        print(f"autoshard: error: --microbatches {given['microbatches']} does not divide "
+    if opts.microbatches and batch % opts.microbatches:
+        print(f"autoshard: error: --microbatches {opts.microbatches} does not divide "
               f"--batch {batch}", file=sys.stderr)  # fmt: skip
         return 2
-    micro, captured_s = _micro_graphs(model, example, loss_fn, policy, given, depth)
+    micro, captured_s = _micro_graphs(model, example, loss_fn, opts, depth)
     try:
-        best, tried, search_s = search_pipeline(
-            micro, batch, spec.num_devices, spec, given, args.search, depth, args.tp_across_nodes
-        )
+        best, tried, search_s = search_pipeline(micro, batch, spec.num_devices, spec, opts, depth)
     except BlocksDiffer:
         raise  # the caller captures every block
     except (PlanningError, ValueError) as err:
@@ -65,7 +56,9 @@ def pipeline_plan(
               f"of {len(tried)} priced) {best.predicted.step_time * 1e3:.1f} ms: the plan "
               "without them", file=sys.stderr)  # fmt: skip
         return baseline[1]()
-    data = _plan_data(best, tried, search_s, spec, given, baseline)
+    data = staged_json(best, tried, search_s, opts)
+    if baseline is not None:
+        data["pipeline"]["without_stages_step_s"] = baseline[0]
     data["predicted"]["capture_s"] = captured_s[0]
     data["predicted"]["end_to_end_s"] = time.perf_counter() - start
     write_json(args.json, data)
@@ -75,7 +68,7 @@ def pipeline_plan(
     return 0
 
 
-def _micro_graphs(model, example, loss_fn, policy, given: dict, depth) -> tuple[Any, list]:
+def _micro_graphs(model, example, loss_fn, opts: Options, depth) -> tuple[Any, list]:
     """The model's graph for one of ``m`` micro-batches, as a function of ``m``, each checked
     against the depth it is priced at, and the seconds spent making them (a one-item list,
     added to as they are made)."""
@@ -84,8 +77,7 @@ def _micro_graphs(model, example, loss_fn, policy, given: dict, depth) -> tuple[
 
     made = micro_batch_graphs(
         model, example, loss_fn=loss_fn,
-        dtype=policy.compute if policy is not None else None,
-        searched=not given.get("microbatches"),
+        dtype=opts.policy.compute, searched=not opts.microbatches,
     )  # fmt: skip
     captured_s = [0.0]
 
@@ -97,22 +89,6 @@ def _micro_graphs(model, example, loss_fn, policy, given: dict, depth) -> tuple[
         return graph
 
     return micro, captured_s
-
-
-def _plan_data(best, tried, search_s: float, spec, given: dict, baseline) -> dict:
-    """The plan JSON with its ``pipeline`` section: the configuration, what was searched and
-    priced, and the step without stages (``--pp auto``)."""
-    from autoshard.search.pipelined import pipeline_json
-
-    data = dict(best.stage.json)
-    data["pipeline"] = pipeline_json(best, spec.num_devices)
-    data["pipeline"]["searched"] = sorted(set(("pp", "microbatches", "schedule", "recompute"))
-                                          - set(given))  # fmt: skip
-    data["pipeline"]["tried"] = [t.as_dict() for t in tried]
-    data["pipeline"]["search_s"] = search_s
-    if baseline is not None:
-        data["pipeline"]["without_stages_step_s"] = baseline[0]
-    return data
 
 
 def pipeline_lines(data: dict, spec: Any) -> list[str]:
@@ -188,4 +164,4 @@ def _same(t: dict, pipe: dict) -> bool:
     return all(t.get(k) == pipe.get(k) for k in keys)
 
 
-__all__ = ["given_pipeline", "pipeline_lines", "pipeline_plan", "tried_lines"]
+__all__ = ["pipeline_lines", "pipeline_plan", "plan_options", "tried_lines"]

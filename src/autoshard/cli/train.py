@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from autoshard.options import Options
+
 WORKER = "AUTOSHARD_TRAIN"  # the settings, as JSON, on the ranks launch() starts
 #: the types a setting may have, by its annotation (a TOML value is checked against them)
 _KINDS: dict[str, tuple[type, ...]] = {
@@ -61,6 +63,14 @@ class TrainConfig:
     schedule: str | None = None
     virtual_stages: int | None = None
     recompute: str | None = None
+
+    def options(self) -> Options:
+        """The options a rank parallelizes the model with (stages, where a pipeline setting
+        is given, searched as ``autoshard plan --pp`` searches them)."""
+        planned = {"plan": self.plan} if self.plan else {"search": self.search}
+        return Options(cluster=self.cluster, precision=self.precision, zero=self.zero or None,
+                       seed=self.seed, timeout_s=self.timeout, **planned,
+                       **self.pipeline)  # fmt: skip
 
     @property
     def pipeline(self) -> dict[str, Any]:
@@ -179,30 +189,14 @@ def _parallel(parts: dict[str, Any], example: tuple, cfg: TrainConfig) -> Any:
     from autoshard.runtime import parallelize
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    given = {"plan": cfg.plan} if cfg.plan else {"search": cfg.search, "cluster": cfg.cluster}
-    if cfg.pipeline and not cfg.plan:  # stages planned as `autoshard plan --pp` would
-        from autoshard.search import plan
-
-        made = plan(parts["model"], example, cfg.cluster, search=cfg.search, num_devices=world,
-                    loss_fn=parts.get("loss_fn"), **cfg.pipeline)  # fmt: skip
-        given = {"plan": made.json}
-    return parallelize(
-        parts["model"], example, None if cfg.plan else world, parts.get("loss_fn"),
-        precision=cfg.precision, zero=cfg.zero or None, seed=cfg.seed, timeout_s=cfg.timeout,
-        **given,
-    )  # fmt: skip
+    return parallelize(parts["model"], example, None if cfg.plan else world, None,
+                       parts.get("loss_fn"), options=cfg.options())  # fmt: skip
 
 
 def check(cfg: TrainConfig) -> None:
     """What can be checked before any rank starts: the settings, the target (imported and
     called: a missing module or function, or a result that is no model and data, is a
     ValueError naming it), and a first global batch of its data."""
-    from autoshard.precision import precision_policy
-    from autoshard.search.driver import SEARCHES
-
-    precision_policy(cfg.precision)
-    if cfg.plan is None and cfg.search not in SEARCHES:
-        raise ValueError(f"search {cfg.search!r}: expected one of {', '.join(SEARCHES)}")
     if cfg.plan is not None and not Path(cfg.plan).is_file():
         raise ValueError(f"plan {cfg.plan!r}: no such file")
     if cfg.plan is not None and cfg.pipeline:
@@ -210,12 +204,7 @@ def check(cfg: TrainConfig) -> None:
             f"--plan {cfg.plan} carries its own pipeline settings; leave out "
             + ", ".join(f"--{k.replace('_', '-')}" for k in cfg.pipeline)
         )
-    from autoshard.schedule import SCHEDULES
-
-    if cfg.schedule is not None and cfg.schedule not in SCHEDULES:
-        raise ValueError(f"schedule {cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if cfg.recompute not in (None, "none", "selective", "full"):
-        raise ValueError(f"recompute {cfg.recompute!r}: expected none, selective or full")
+    cfg.options()  # every option in range, each error naming it
     if cfg.picture is not None:
         try:
             import matplotlib  # noqa: F401

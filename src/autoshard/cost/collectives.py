@@ -14,6 +14,7 @@ from typing import Any
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.layout import Layout
 from autoshard.ops import rule_for
+from autoshard.options import BUCKET_CAP_MB
 from autoshard.redistribution import (
     RedistributionPlan,
     Step,
@@ -180,8 +181,6 @@ def grad_sync(partial: Layout, full: Layout, cluster: ClusterSpec) -> tuple[floa
     return t.seconds - bucket_latency(partial, cluster), copy, key
 
 
-#: the size of a gradient bucket, in MiB (DDP's default)
-BUCKET_CAP_MB = 25.0
 #: the first bucket of each group is smaller, so that communication starts early in backward
 #: (DDP's 1 MiB)
 FIRST_BUCKET_MB = 1.0

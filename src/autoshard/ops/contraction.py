@@ -36,12 +36,12 @@ from autoshard.ops.nodes import (
     tensor_inputs,
 )
 from autoshard.ops.work import Exchange
+from autoshard.options import ATTENTION_METHODS
 
 aten = torch.ops.aten
 
 #: how an attention whose query rows are split computes them (docs/parallelism/sequence.md):
 #: every key gathered, heads split by an all-to-all, or key/value blocks passed in a ring
-ATTENTION_METHODS = ("allgather", "ulysses", "ring")
 
 
 class Linear(SpaceRule):

@@ -10,21 +10,22 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.graph import OpGraph, capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.layout import Layout
 from autoshard.mesh import check_world, mesh_info
-from autoshard.precision import Precision, precision_policy
+from autoshard.options import BUCKET_CAP_MB, Options
+from autoshard.precision import Precision
 from autoshard.runtime.materialize import check_init
 from autoshard.runtime.parallel import ParallelModule
 from autoshard.runtime.pipeline_entry import parallelize_pipeline
 from autoshard.runtime.planned import (
-    _compare_plans,
-    _given_plan,
-    _plan_modes,
-    _search,
-    _zero_of,
+    check_fits,
+    compare_plans,
+    given_plan,
+    plan_modes,
+    search_plan,
+    zero_of,
 )
 from autoshard.search import Plan, load_plan
 
@@ -37,13 +38,17 @@ def parallelize(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     *,
     example_kwargs: dict[str, Any] | None = None,
+    captured: dict[bool, OpGraph] | None = None,
+    options: Options | None = None,
     input_layouts: Mapping[str, Layout] | None = None,
     seed: int = 0,
-    captured: dict[bool, OpGraph] | None = None,
     search: str | None = None,
     cluster: Any = None,
     plan: Any = None,
     memory_limit: float | None = None,
+    tp: int | None = None,
+    cp: int | None = None,
+    tp_across_nodes: bool = False,
     replicas: str = "broadcast",
     bucket_cap_mb: float = BUCKET_CAP_MB,
     precision: str | Precision | None = None,
@@ -51,10 +56,11 @@ def parallelize(
     reshard_after_forward: bool = True,
     init: Any = None,
     timeout_s: float | None = None,
+    pp: int | None = None,
     schedule: str | None = None,
     microbatches: int | None = None,
     stages: Sequence[str] | None = None,
-    virtual_stages: int = 1,
+    virtual_stages: int | None = None,
     recompute: str | Mapping[str, str] | None = None,
     attention: str | None = None,
     sequence_parallel: bool = False,
@@ -93,49 +99,39 @@ def parallelize(
     by sequence, so the norms, dropouts and residual adds between the tensor-parallel linears
     run on a block of the sequence (Megatron's sequence parallelism)."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
-    if search is not None and plan is not None:
-        raise ValueError("parallelize: give search= or plan=, not both")
-    if _pipelined(mesh, schedule, microbatches, stages, plan):
-        return parallelize_pipeline(
-            model, example_inputs, mesh, strategies, loss_fn, example_kwargs, input_layouts,
-            seed,
-            (replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute),
-            timeout_s, (schedule, microbatches, stages, virtual_stages),
-            (search, cluster, plan, captured), (attention, sequence_parallel),
-        )  # fmt: skip
+    opts = Options.from_call(locals(), options)
+    if _pipelined(opts):
+        return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
-    check_init(model, init)
-    policy = precision_policy(precision).resolve(model)
+    check_init(model, opts.init)
+    opts = opts.replace(precision=opts.policy.resolve(model))
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
-                                 dtype=policy.compute)  # fmt: skip
-    if search is not None:
-        given = strategies if search == "propagate" else None
-        plan = _search(model, example_inputs, captured, mesh, search, cluster, memory_limit,
-                       given, zero if isinstance(zero, int) else None, policy)  # fmt: skip
-    ready, mesh, strategies, input_layouts, source = _given_plan(
-        plan, captured[True], mesh, strategies, input_layouts
-    )
-    info = mesh_info(mesh)
-    rank = check_world(info, source, timeout_s)
-    plans = _plan_modes(
-        captured, info, ready, strategies, input_layouts, source, attention, sequence_parallel
-    )
-    plans[True] = dataclasses.replace(plans[True], zero=_zero_of(zero, plan, plans[True]))
-    _compare_plans(plans[True], rank)
-    options = (replicas, bucket_cap_mb, policy, reshard_after_forward, init, recompute)
-    return ParallelModule(model, captured, plans, rank, seed, *options)
+                                 dtype=opts.policy.compute)  # fmt: skip
+    if opts.search is not None:
+        made = search_plan(model, example_inputs, captured, opts)
+        opts = opts.replace(search=None, plan=made)
+    ready, opts, source = given_plan(opts, captured[True])
+    info = mesh_info(opts.mesh)
+    rank = check_world(info, source, opts.timeout_s)
+    plans = plan_modes(captured, info, ready, opts, source)
+    plans[True] = dataclasses.replace(plans[True], zero=zero_of(opts, plans[True]))
+    compare_plans(plans[True], rank)
+    if opts.memory_limit is not None and ready is None:
+        check_fits(plans[True], captured[True], opts)
+    return ParallelModule(model, captured, plans, rank, opts)
 
 
-def _pipelined(mesh: Any, schedule: Any, microbatches: Any, stages: Any, plan: Any) -> bool:
+def _pipelined(opts: Options) -> bool:
     """Whether ``parallelize`` makes pipeline stages: a ``pp`` axis, a pipeline keyword, or
     a plan with a ``pipeline`` section (a ``plan=`` sets the mesh, which is None then)."""
-    if schedule is not None or microbatches is not None or stages is not None:
+    if opts.staged:
         return True
-    if plan is not None:
-        data = plan.json if isinstance(plan, Plan) else load_plan(plan)
+    if opts.plan is not None:
+        data = opts.plan.json if isinstance(opts.plan, Plan) else load_plan(opts.plan)
         return bool(data) and "pipeline" in data
-    return mesh is not None and "pp" in mesh_info(mesh).names
+    mesh = opts.mesh
+    return mesh is not None and not isinstance(mesh, int) and "pp" in mesh_info(mesh).names
 
 
 __all__ = ["parallelize"]

@@ -17,11 +17,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard import watch
-from autoshard.cost.collectives import BUCKET_CAP_MB
 from autoshard.graph import OpGraph, capture_modes
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, check_recompute, lower
 from autoshard.mesh import MeshInfo
+from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
 from autoshard.runtime.grad_sync import GradSync
@@ -46,34 +46,33 @@ class ParallelModule(nn.Module):
         captured: dict[bool, OpGraph],
         plans: dict[bool, Plan],
         rank: int,
-        seed: int,
-        replicas: str = "broadcast",
-        bucket_cap_mb: float = BUCKET_CAP_MB,
-        precision: Precision | None = None,
-        reshard_after_forward: bool = True,
-        init: Any = None,
-        recompute: Any = "none",
+        options: Options,
     ) -> None:
+        """``options`` as ``parallelize`` made them (``options.precision`` resolved for
+        ``model``): the runtime reads its seed, replicas, buckets, precision, ZeRO 3's
+        resharding, init and recompute."""
         super().__init__()
-        self._recompute = check_recompute(recompute)
-        self.precision = precision or Precision()
+        #: every choice this module was made with (``autoshard.options.Options``)
+        self.options = options
+        self._recompute = check_recompute(options.recompute or "none")
+        self.precision = precision = options.policy
         # the plans as this module runs them: copies under its precision policy
         plans = {mode: dataclasses.replace(p, precision=precision) for mode, p in plans.items()}
         self.plan = plans[True]
         self._plans = plans
         self._captured = captured
         self._rank = rank
-        self._state = RunState(seed=seed)
-        self._grad_sync = GradSync(rank, bucket_cap_mb, self.precision.reduce)
+        self._state = RunState(seed=options.seed)
+        self._grad_sync = GradSync(rank, options.bucket_cap_mb, self.precision.reduce)
         self._full_keys = list(model.state_dict().keys())
         self._aliases = captured[True].aliases
         tensors, device = self._local_state(model, captured)
         real = {fqn: t for fqn, t in tensors.items() if not t.is_meta}
         layouts = {fqn: self._layouts[fqn] for fqn in real if fqn in self._layouts}
-        sync_replicas(real, layouts, rank, replicas)
+        sync_replicas(real, layouts, rank, options.replicas)
         self._zero, fetchers, shards = build_zero(
-            captured[True], self.plan, tensors, rank, self.precision.reduce, reshard_after_forward,
-            device,
+            captured[True], self.plan, tensors, rank, self.precision.reduce,
+            options.reshard_after_forward, device,
         )  # fmt: skip
         for fqn, shard in shards.items():  # the optimizer steps the shards
             self.register_parameter(attr_name(fqn), shard)
@@ -85,8 +84,8 @@ class ParallelModule(nn.Module):
         self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
         tensors |= fetchers
         self._programs = self._lower_programs(captured, plans, rank, device, tensors)
-        if init is not None:
-            fill(self, model, init, seed)
+        if options.init is not None:
+            fill(self, model, options.init, options.seed)
 
     def _lower_programs(
         self,
@@ -417,7 +416,9 @@ def single_device(
             model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=policy.compute
         )
     plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
-    return ParallelModule(model, captured, plans, 0, seed, precision=policy, init=init)
+    return ParallelModule(
+        model, captured, plans, 0, Options(seed=seed, precision=policy, init=init)
+    )
 
 
 def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:

@@ -4,19 +4,18 @@ sub-mesh, the stages cut, the schedule made and validated, this rank's stages lo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from autoshard.graph import capture_modes
+from autoshard.graph import OpGraph, capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
-from autoshard.layout import Layout
 from autoshard.lower import weight_readers
 from autoshard.mesh import check_world, mesh_info
-from autoshard.precision import precision_policy
+from autoshard.options import Options
 from autoshard.runtime.materialize import check_init
 from autoshard.runtime.pipeline import (
     Pipe,
@@ -27,7 +26,13 @@ from autoshard.runtime.pipeline import (
     pipeline_plans,
     stage_mesh,
 )
-from autoshard.runtime.planned import _compare_plans, _inputs_of, _plan_modes, _search
+from autoshard.runtime.planned import (
+    check_fits,
+    compare_plans,
+    inputs_of,
+    plan_modes,
+    search_plan,
+)
 from autoshard.schedule import make_schedule, validate
 from autoshard.search import Plan, load_plan
 from autoshard.search.plans import check_zero
@@ -36,74 +41,63 @@ from autoshard.search.plans import check_zero
 def parallelize_pipeline(
     model: nn.Module,
     example_inputs: Sequence[Any],
-    mesh: Any,
-    strategies: Mapping[str, Any] | None,
+    opts: Options,
     loss_fn: Callable[..., torch.Tensor] | None,
     example_kwargs: dict[str, Any] | None,
-    input_layouts: Mapping[str, Layout] | None,
-    seed: int,
-    options: tuple,
-    timeout_s: float | None,
-    pipeline: tuple,
-    planning: tuple,
-    sequence: tuple = (None, False),
+    captured: dict[bool, OpGraph] | None,
 ) -> PipelineModule:
-    """``parallelize`` of a mesh with a ``pp`` axis (its arguments, in its order; ``pipeline``:
-    schedule, microbatches, stages, virtual_stages; ``planning``: search, cluster, plan and
-    the capture of one micro-batch, if made already; ``sequence``: attention and
-    sequence_parallel)."""
+    """``parallelize`` with pipeline stages, under the same ``opts``; ``captured``: of one
+    micro-batch, if made already. A search plans the stages as ``autoshard.plan`` does (the
+    mesh's ``pp`` and sub-mesh fixed, the rest of the pipeline searched unless given)."""
     # Whole: parallelize's steps in its order (plan, capture, check, cut, lower), for stages
-    replicas, bucket_cap_mb, precision, zero, reshard_after_forward, init, recompute = options
-    stages = pipeline[2]
-    search, cluster, plan, captured = planning
-    data, source = _plan_data(plan)
+    if opts.search is not None:
+        made = search_plan(model, example_inputs, None, opts, loss_fn=loss_fn,
+                           example_kwargs=example_kwargs)  # fmt: skip
+        opts = opts.replace(search=None, plan=made)
+    data, source = _plan_data(opts.plan)
     if data is not None:
-        mesh, strategies = {"pp": data["pipeline"]["pp"], **data["mesh"]}, data["strategies"]
-        zero = data.get("zero", 0) if zero is None else zero
-    schedule, m, virtual_stages, recompute = _configuration(pipeline, recompute, data, source)
+        opts = opts.planned_under(data.get("options", {}), source)
+        zero = data.get("zero", 0) if opts.zero is None else opts.zero
+        mesh = {"pp": data["pipeline"]["pp"], **data["mesh"]}
+        opts = opts.replace(mesh=mesh, strategies=data["strategies"], zero=zero)
+    opts = _configuration(opts, data, source)
     one_line_on_rank_zero()
-    check_init(model, init)
-    info = mesh_info(mesh)
-    pp = info.size_of(["pp"]) if "pp" in info.names else 1
-    m = pp if m is None else m  # default: one micro-batch a pipeline rank
-    if not isinstance(m, int) or m < 1:
-        raise ValueError(f"microbatches={m!r}: expected a positive int")
-    plan_schedule = make_schedule(schedule, pp, m, virtual_stages)
+    check_init(model, opts.init)
+    info = mesh_info(opts.mesh)
+    if "pp" not in info.names:  # one stage: micro-batches, recompute, no pipeline ranks
+        info = mesh_info({"pp": 1, **info.as_dict()})
+    pp = info.size_of(["pp"])
+    m = pp if opts.microbatches is None else opts.microbatches  # one micro-batch a rank
+    plan_schedule = make_schedule(opts.schedule, pp, m, opts.stages_a_rank)
     validate(plan_schedule)
-    policy = precision_policy(precision).resolve(model)
+    opts = opts.replace(precision=opts.policy.resolve(model), microbatches=m)
     example, kwargs = microbatch_example(tuple(example_inputs), example_kwargs, m)
     if captured is None:
-        captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=policy.compute)
+        captured = capture_modes(model, example, kwargs, loss_fn=loss_fn,
+                                 dtype=opts.policy.compute)  # fmt: skip
     if any(og.mutations for og in captured.values()):
         raise ValueError(
             "pipeline stages: the model updates buffers in forward (batch norm's running "
             "statistics); that is not supported under a pp axis yet"
         )
-    ready = None
     if data is not None:
-        input_layouts = _inputs_of(captured[True], data, input_layouts, source)
-    elif search is not None:  # the stage's strategies searched for its sub-mesh
-        ready = _search(model, example, captured, stage_mesh(info).as_dict(), search, cluster,
-                        float("inf"), strategies if search == "propagate" else None, 0,
-                        policy)  # fmt: skip
-        strategies = ready.strategies
-    rank = check_world(info, source, timeout_s)
-    plans = _plan_modes(
-        captured, stage_mesh(info), ready, strategies, input_layouts, source, *sequence
-    )
-    plans[True] = dataclasses.replace(plans[True], zero=check_zero(zero or 0))
-    _compare_plans(plans[True], rank)
-    cuts = cut_modes(captured, plan_schedule.num_stages, list(stages) if stages else None)
+        layouts = inputs_of(captured[True], data, opts.input_layouts, source)
+        opts = opts.replace(input_layouts=layouts)
+    rank = check_world(info, source, opts.timeout_s)
+    plans = plan_modes(captured, stage_mesh(info), None, opts, source)
+    zero = opts.zero if opts.zero is not None else 0
+    plans[True] = dataclasses.replace(plans[True], zero=check_zero(zero))
+    compare_plans(plans[True], rank)
+    if opts.memory_limit is not None and data is None:
+        check_fits(plans[True], captured[True], opts, plan_schedule)
+    cuts = cut_modes(captured, plan_schedule.num_stages, list(opts.stages or []) or None)
     if plan_schedule.split_backward:
-        _check_split(captured[True], cuts[True], zero, schedule)
+        _check_split(captured[True], cuts[True], opts.zero, opts.schedule)
     groups = pipeline_groups(info)
     coordinate = next(c for c, g in enumerate(groups) if rank in g)
     pipe = Pipe(cuts, plan_schedule, groups, coordinate, groups[coordinate].index(rank))
     plans = pipeline_plans(plans, cuts, pipe.stages, groups[coordinate])
-    return PipelineModule(
-        model, captured, plans, rank, seed, replicas, bucket_cap_mb, policy,
-        reshard_after_forward, init, recompute, pipe=pipe, microbatches=m,
-    )  # fmt: skip
+    return PipelineModule(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
 
 
 def _plan_data(plan: Any) -> tuple[dict | None, str]:
@@ -121,14 +115,13 @@ def _plan_data(plan: Any) -> tuple[dict | None, str]:
     return data, source
 
 
-def _configuration(pipeline: tuple, recompute: Any, data: dict | None, source: str) -> tuple:
-    """(schedule, micro-batches, virtual stages, recompute): the keywords', else the plan's,
-    else the defaults (1F1B, one micro-batch a stage, no recompute); a keyword that differs
-    from the plan's is an error naming both."""
-    schedule, microbatches, _, virtual_stages = pipeline
-    given = {"schedule": schedule, "microbatches": microbatches,
-             "virtual_stages": virtual_stages if virtual_stages != 1 else None,
-             "recompute": recompute}  # fmt: skip
+def _configuration(opts: Options, data: dict | None, source: str) -> Options:
+    """The options with the schedule, micro-batches, virtual stages and recompute: the
+    keywords', else the plan's, else the defaults (1F1B, one micro-batch a stage, the stages
+    a rank the search would pick, no recompute); a keyword that differs from the plan's is
+    an error naming both."""
+    names = ("schedule", "microbatches", "virtual_stages", "recompute")
+    given = {n: getattr(opts, n) for n in names}
     if data is not None:
         planned = data["pipeline"]
         for key, value in given.items():
@@ -138,8 +131,11 @@ def _configuration(pipeline: tuple, recompute: Any, data: dict | None, source: s
                     f"{planned[key]!r}; leave it out or plan again"
                 )
             given[key] = planned[key]
-    return (given["schedule"] or "1f1b", given["microbatches"], given["virtual_stages"] or 1,
-            given["recompute"])  # fmt: skip
+    info = mesh_info(opts.mesh)
+    axis = info.size_of(["pp"]) if "pp" in info.names else 1
+    if opts.pp is not None and opts.pp != axis:
+        raise ValueError(f"pp={opts.pp}, but the mesh {info.describe(' x ')} has pp {axis}")
+    return opts.replace(schedule=given["schedule"] or "1f1b", **{n: given[n] for n in names[1:]})
 
 
 def _check_split(og: Any, cut: Any, zero: Any, schedule: str) -> None:

@@ -12,113 +12,107 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard import comm
+from autoshard.cost import cluster_spec, estimate
+from autoshard.cost.pipeline import price_pipeline
 from autoshard.graph import OpGraph
 from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshInfo, mesh_info
 from autoshard.ops import StrategyError
-from autoshard.search import Plan, check_zero, load_plan, plan_graph
+from autoshard.options import Options
+from autoshard.schedule import Schedule
+from autoshard.search import Plan, PlanningError, check_zero, load_plan, plan_graph
 from autoshard.search import input_layouts as plan_input_layouts
-from autoshard.search import plan as search_plan
+from autoshard.search import plan as search_plan_of
+from autoshard.search.driver import size_text
 
 
 class PlanMismatchError(ValueError):
     """Ranks planned differently (different strategies, model or inputs on some rank)."""
 
 
-def _search(
+def search_plan(
     model: nn.Module,
     example_inputs: Sequence[Any],
     captured: dict[bool, OpGraph],
-    mesh: Any,
-    search: str,
-    cluster: Any,
-    memory_limit: float | None,
-    strategies: Any,
-    zero: int | None,
-    precision: Any = None,
+    opts: Options,
+    **keywords: Any,
 ) -> Plan:
-    """The searched plan: an int ``mesh`` is a device count whose mesh shape is searched too;
-    the ZeRO stage is searched too unless ``zero`` is given."""
-    fixed = None if isinstance(mesh, int) else mesh
+    """The searched plan of ``opts``: an int mesh is a device count whose mesh shape is
+    searched too; the ZeRO stage is searched too unless one stage is given. ``keywords``
+    (the pipeline path's example and kwargs of the whole batch) go to ``autoshard.plan``."""
+    mesh = opts.mesh
     num = mesh if isinstance(mesh, int) else mesh_info(mesh).num_devices
-    return search_plan(
-        model, example_inputs, cluster, search=search, num_devices=num, mesh=fixed,
-        memory_limit=memory_limit, strategies=strategies, captured=captured, zero=zero,
-        precision=precision,
+    given = opts.strategies if opts.search == "propagate" else None
+    zero = opts.zero if isinstance(opts.zero, int) else None
+    return search_plan_of(
+        model, example_inputs, search=opts.search, num_devices=num, captured=captured,
+        options=opts.replace(mesh=None if isinstance(mesh, int) else mesh, strategies=given,
+                             zero=zero, search=None), **keywords,
     )  # fmt: skip
 
 
-def _zero_of(zero: Any, given: Any, planned: Plan) -> int | dict[str, int]:
-    """The ZeRO stages to run: ``zero`` when given, else the given plan's, else the plan's."""
-    if zero is not None:
-        return check_zero(zero)
-    if isinstance(given, Plan):
-        return given.zero
-    if given is not None:
-        return check_zero(load_plan(given).get("zero", 0))
+def zero_of(opts: Options, planned: Plan) -> int | dict[str, int]:
+    """The ZeRO stages to run: the options', else the given plan's, else the plan's."""
+    if opts.zero is not None:
+        return check_zero(dict(opts.zero) if isinstance(opts.zero, Mapping) else opts.zero)
+    if isinstance(opts.plan, Plan):
+        return opts.plan.zero
+    if opts.plan is not None:
+        return check_zero(load_plan(opts.plan).get("zero", 0))
     return planned.zero
 
 
-def _plan_modes(
+def plan_modes(
     captured: dict[bool, OpGraph],
     info: MeshInfo,
     ready: Plan | None,
-    strategies: Any,
-    input_layouts: Any,
+    opts: Options,
     source: str = "",
-    attention: str | None = None,
-    sequence_parallel: bool = False,
 ) -> dict[bool, Plan]:
     """The train graph's plan (``ready`` when given) and the eval graph's, which keeps the
-    train graph's parameter layouts. ``source``: the plan the strategies came from, named in
-    an error when they do not fit the model."""
+    train graph's parameter layouts, both under ``opts``' strategies, input layouts,
+    attention and sequence parallelism. ``source``: the plan the strategies came from, named
+    in an error when they do not fit the model."""
+    how = {"input_layouts": opts.input_layouts, "attention": opts.attention,
+           "sequence_parallel": opts.sequence_parallel}  # fmt: skip
     try:
-        train = ready or plan_graph(
-            captured[True], info, strategies, input_layouts=input_layouts, attention=attention,
-            sequence_parallel=sequence_parallel,
-        )  # fmt: skip
+        train = ready or plan_graph(captured[True], info, opts.strategies, **how)
     except StrategyError as err:
         if not source:
             raise
         raise StrategyError(f"{source} does not fit this model (made for another?): {err}") from err
     param_layouts = {fqn: p.layout for fqn, p in train.params.items()}
-    evaluate = plan_graph(
-        captured[False],
-        info,
-        strategies,
-        input_layouts=input_layouts,
-        param_layouts=param_layouts,
-        strict=False,  # dropout nodes exist in the train graph only
-        attention=attention,
-        sequence_parallel=sequence_parallel,
-    )
+    # strict=False: dropout nodes exist in the train graph only
+    evaluate = plan_graph(captured[False], info, opts.strategies, param_layouts=param_layouts,
+                          strict=False, **how)  # fmt: skip
     return {True: train, False: evaluate}
 
 
-def _given_plan(
-    plan: Any,
-    og: OpGraph,
-    mesh: Any,
-    strategies: Mapping[str, Any] | None,
-    input_layouts: Mapping[str, Layout] | None,
-) -> tuple[Plan | None, Any, Any, Any, str]:
-    """What a ``plan=`` argument sets: the train graph's Plan when it was made for ``og``
-    itself (no need to plan it again), the mesh, the strategies and input layouts that plan
-    the eval graph (and the train graph of another capture), and where the mesh came from."""
+def given_plan(opts: Options, og: OpGraph) -> tuple[Plan | None, Options, str]:
+    """What ``opts.plan`` sets: the train graph's Plan when it was made for ``og`` itself (no
+    need to plan it again), the options with its mesh, strategies and input layouts (that plan
+    the eval graph, and the train graph of another capture) and the options it was made under
+    (those the keywords left out), and where the mesh came from."""
+    plan = opts.plan
     if plan is None:
-        return None, mesh, strategies, input_layouts, ""
+        return None, opts, ""
+    ready = None
     if isinstance(plan, Plan):
-        ready = plan if plan.graph is og and not input_layouts else None
-        if plan.json is not None:
-            input_layouts = _inputs_of(og, plan.json, input_layouts, "the plan given")
-        return ready, plan.mesh, plan.strategies, input_layouts, "the plan given"
-    source = f"plan {plan}" if isinstance(plan, str | Path) else "the plan given"
-    data = load_plan(plan)
-    input_layouts = _inputs_of(og, data, input_layouts, source)
-    return None, data["mesh"], data["strategies"], input_layouts, source
+        source, data = "the plan given", plan.json
+        ready = plan if plan.graph is og and not opts.input_layouts else None
+    else:
+        source = f"plan {plan}" if isinstance(plan, str | Path) else "the plan given"
+        data = load_plan(plan)
+    mesh = plan.mesh if isinstance(plan, Plan) else data["mesh"]
+    strategies = plan.strategies if isinstance(plan, Plan) else data["strategies"]
+    layouts = opts.input_layouts
+    if data is not None:
+        layouts = inputs_of(og, data, opts.input_layouts, source)
+        opts = opts.planned_under(data.get("options", {}), source)
+    return ready, opts.replace(mesh=mesh, strategies=strategies, input_layouts=layouts), source
 
 
-def _inputs_of(og: OpGraph, data: Any, given: Any, source: str) -> dict[str, Layout]:
+def inputs_of(og: OpGraph, data: Any, given: Any, source: str) -> dict[str, Layout]:
     """The plan's input layouts for ``og``'s inputs, ``given`` ones first."""
     try:
         return {**plan_input_layouts(og, data), **(given or {})}
@@ -126,7 +120,28 @@ def _inputs_of(og: OpGraph, data: Any, given: Any, source: str) -> dict[str, Lay
         raise LayoutError(f"{source} does not fit this model (made for another?): {err}") from err
 
 
-def _compare_plans(plan: Plan, rank: int) -> None:
+def check_fits(plan: Plan, og: OpGraph, opts: Options, schedule: Schedule | None = None) -> None:
+    """A plan made from strategies keeps ``opts.memory_limit`` as a searched one does: its
+    peak per device, priced on ``opts.cluster`` (with ``schedule``: a stage's under it, the
+    micro-batches in flight), over the limit is a PlanningError naming its parts."""
+    spec = cluster_spec(opts.cluster, plan.mesh.num_devices)
+    est = estimate(plan, og, spec, bucket_cap_mb=opts.bucket_cap_mb)
+    peak, parts = est.peak_memory, dict(est.memory)
+    if schedule is not None:
+        mode = opts.recompute if isinstance(opts.recompute, str) else "none"
+        priced = price_pipeline(est, og, schedule, spec, mode)
+        peak = priced.peak_memory
+        parts = max(priced.memory, key=lambda m: sum(m.values()))
+    if peak > opts.memory_limit:
+        shown = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items())
+        raise PlanningError(
+            f"the plan needs {size_text(peak)} per device ({shown}), over memory_limit="
+            f"{opts.memory_limit:g} ({size_text(opts.memory_limit)}); search='optimal' finds "
+            "a plan that fits if one does (ZeRO, recompute, more devices)"
+        )
+
+
+def compare_plans(plan: Plan, rank: int) -> None:
     """Every rank must hold the same plan before the first collective of training."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
@@ -145,4 +160,13 @@ def _compare_plans(plan: Plan, rank: int) -> None:
                 )
 
 
-__all__ = ["PlanMismatchError"]
+__all__ = [
+    "PlanMismatchError",
+    "check_fits",
+    "compare_plans",
+    "given_plan",
+    "inputs_of",
+    "plan_modes",
+    "search_plan",
+    "zero_of",
+]

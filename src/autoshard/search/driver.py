@@ -19,6 +19,7 @@ from autoshard.cost.breakdown import breakdown_rows
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
+from autoshard.options import SEARCHES
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
 from autoshard.search.ahead import MeshesAhead
@@ -46,8 +47,6 @@ from autoshard.search.solvers import (
     solve_propagate,
     solve_recursive,
 )
-
-SEARCHES = ("optimal", "recursive", "propagate")
 
 
 def mesh_shapes(
@@ -359,22 +358,23 @@ def _nothing_fits(
     k = min(range(len(graphs)), key=lambda i: least[i].memory)
     result = SearchResult(meshes[k], graphs[k], least[k], [], 0.0, pricing.policy())
     est = build_plan(og, result, cluster).predicted
-    parts = ", ".join(f"{kind} {_size(v)}" for kind, v in est.memory.items())
+    parts = ", ".join(f"{kind} {size_text(v)}" for kind, v in est.memory.items())
     states = est.peak_memory - est.memory["activations"]
     if states > limit:
-        over = f"the model state alone ({_size(states)}) is over the limit"
+        over = f"the model state alone ({size_text(states)}) is over the limit"
         remedy = "more devices (ZeRO 3 divides the model state by the data-parallel ranks)"
     else:
-        over = f"the activations ({_size(est.memory['activations'])}) take what is left"
+        over = f"the activations ({size_text(est.memory['activations'])}) take what is left"
         remedy = "a smaller batch or sequence per device, or more devices"
     return (
-        f"no plan fits in {_size(limit)} per device on {num_devices} devices: the smallest "
-        f"peak found is {_size(est.peak_memory)} (mesh {meshes[k].describe(' x ')}, ZeRO "
+        f"no plan fits in {size_text(limit)} per device on {num_devices} devices: the smallest "
+        f"peak found is {size_text(est.peak_memory)} (mesh {meshes[k].describe(' x ')}, ZeRO "
         f"{graphs[k].zero}: {parts}); {over}. Needs {remedy}"
     )
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """Bytes in the largest unit they fill."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
@@ -495,4 +495,4 @@ def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
     return cluster.peak_flops(getattr(torch, _compute_dtype(og)))
 
 
-__all__ = ["SEARCHES", "SearchResult", "build_plan", "mesh_shapes", "run_search"]
+__all__ = ["SEARCHES", "SearchResult", "build_plan", "mesh_shapes", "run_search", "size_text"]

@@ -11,10 +11,11 @@ model's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,10 @@ from autoshard.cost import ClusterSpec, cluster_spec
 from autoshard.cost.pipeline import PipelineEstimate, busiest_rank_seconds, price_pipeline
 from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
+from autoshard.mesh import MeshInfo, mesh_info
+from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
-from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search
+from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search, size_text
 from autoshard.search.helper import Helper, helper_cores
 from autoshard.search.plans import Plan, PlanningError
 from autoshard.search.pruning import adopt, built_for, search_session
@@ -96,16 +99,16 @@ def search_pipeline(
     batch: int,
     num_devices: int,
     cluster: ClusterSpec,
-    given: Mapping[str, Any],
-    search: str = "optimal",
+    opts: Options,
     depth: Any = None,
-    tp_across_nodes: bool = False,
     helper: bool | None = None,
 ) -> tuple[PipelinePlan, list[Tried], float]:
-    """The fastest pipeline configuration that fits: ``given`` fixes any of ``pp``,
-    ``microbatches``, ``schedule``, ``virtual_stages`` and ``recompute``; the others are
-    searched. ``capture(m)`` is the model's graph for one of ``m`` micro-batches of the
-    ``batch``. Returns the plan, every configuration priced and the seconds spent.
+    """The fastest pipeline configuration that fits ``opts.memory_limit`` (default the
+    cluster's memory): ``opts`` fixes any of ``pp``, ``microbatches``, ``schedule``,
+    ``virtual_stages`` and ``recompute`` (and a stage's sub-mesh: its ``mesh`` less ``pp``);
+    the others are searched, each stage plan by ``opts.search`` under its other options.
+    ``capture(m)``: the graph of one of ``m`` micro-batches of the ``batch``. Returns the
+    plan, every configuration priced and the seconds spent.
     ``helper``: the first stage search of each later degree runs in a second process
     (``search.helper``; None: where there is a core for it); the plan is the same.
 
@@ -114,6 +117,9 @@ def search_pipeline(
     (about 4 a rank), then the other counts for the best degree (coarse to fine)."""
     # Whole: the coarse-to-fine order and the pruning rules share the search's state
     start = time.perf_counter()
+    if opts.memory_limit is not None:
+        cluster = dataclasses.replace(cluster, memory_bytes=opts.memory_limit)
+    fixed = _stage_mesh(opts.mesh)
     graphs: dict[int, OpGraph] = {}
 
     def graph(m: int) -> OpGraph:
@@ -121,9 +127,9 @@ def search_pipeline(
             graphs[batch // m] = capture(m)
         return graphs[batch // m]
 
-    pps = [given["pp"]] if given.get("pp") else _degrees(num_devices, graph, depth, batch)
-    within = (given.get("cp") or 1) * (given.get("tp") or 1)  # what a stage's sub-mesh holds
-    pps = [pp for pp in pps if (num_devices // pp) % within == 0]
+    pps = [opts.pp] if opts.pp else _degrees(num_devices, graph, depth, batch)
+    within = fixed.num_devices if fixed else (opts.cp or 1) * (opts.tp or 1)  # a stage's
+    pps = [pp for pp in pps if (num_devices // pp) % within == 0] or [1]  # a stage holds it
     tried: list[Tried] = []
     best: PipelinePlan | None = None
     stage_plans: dict[tuple[int, int, int, float], tuple[Plan, SearchResult]] = {}
@@ -138,21 +144,18 @@ def search_pipeline(
         ``price`` may try, which the helper builds ahead)."""
         pp, m, zero, limit = job
         levels = [0, 1, 2, 3] if m == 1 else [0, 1, 2]
-        later = tuple(z for z in levels if z > zero) if ahead and given.get("zero") is None else ()
+        later = tuple(z for z in levels if z > zero) if ahead and opts.zero is None else ()
         og = graph(m)
         # one spec a sub-mesh size: the session's pricing is kept by the spec's id
         sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
-        result = run_search(og, num_devices // pp, sub, search=search, depth=depth,
-                            memory_limit=limit, tp_across_nodes=tp_across_nodes,
-                            zero=zero, step_share=1 / m, cp=given.get("cp") or 1,
-                            attention=given.get("attention"),
-                            sequence_parallel=bool(given.get("sequence_parallel")),
-                            precision=given.get("precision"), tp=given.get("tp"),
+        how = opts.search_keywords() | {"zero": zero, "memory_limit": limit}
+        result = run_search(og, num_devices // pp, sub, depth=depth, mesh=fixed,
+                            step_share=1 / m, **how,
                             then_bare=later)  # fmt: skip
         return result, built_for(og, sub)
 
     helpers: list[Helper] = []
-    first_zero = given["zero"] if given.get("zero") is not None else 0
+    first_zero = opts.zero if opts.zero is not None else 0
 
     def ahead(jobs: list[tuple[int, int]]) -> None:
         """The first stage searches of ``jobs`` ((pp, m), none run yet) in a helper."""
@@ -174,9 +177,9 @@ def search_pipeline(
         # communication (ZeRO 3 regathers every micro-batch, which the pipeline's pricing
         # does not hold: with one only)
         nonlocal unfit
-        levels = [given["zero"]] if given.get("zero") is not None else [0, 1, 2, 3]
+        levels = [opts.zero] if opts.zero is not None else [0, 1, 2, 3]
         for z in levels:
-            if z == 3 and m > 1 and given.get("zero") is None:
+            if z == 3 and m > 1 and opts.zero is None:
                 break
             unfit = math.inf
             fitted = price_at(pp, m, z)
@@ -249,7 +252,7 @@ def search_pipeline(
             stage_plans[key] = (build_plan(og, result, sub), result)
         stage, result = stage_plans[key]
         closed: set[tuple[str, int]] = set()
-        for name, v, rc in _variants(given, pp, m, _blocks(og, depth)):
+        for name, v, rc in _variants(opts, pp, m, _blocks(og, depth)):
             # full recompute first: where it does not fit, less recompute keeps more; then
             # none, selective: once one fits, more recompute only adds time. Nor can a
             # configuration be faster whose busiest rank computes longer than the best step.
@@ -262,7 +265,7 @@ def search_pipeline(
             try:
                 plan = _priced(og, stage, result, cluster, pp, m, name, v, rc)
             except ScheduleError:  # e.g. interleaved with micro-batches not a multiple of pp
-                if given.get("schedule"):
+                if opts.schedule:
                     raise
                 closed.add((name, v))
                 continue
@@ -283,10 +286,10 @@ def search_pipeline(
         return fitted, lowest, stage
 
     def first_counts(pp: int) -> list[int]:
-        return [given["microbatches"]] if given.get("microbatches") else _counts(batch, pp)
+        return [opts.microbatches] if opts.microbatches else _counts(batch, pp)
 
     def fine(pp: int) -> list[tuple[int, int]]:
-        return [] if given.get("microbatches") else [(pp, m) for m in _counts(batch, pp)[1:]]
+        return [] if opts.microbatches else [(pp, m) for m in _counts(batch, pp)[1:]]
 
     try:
         # coarse: every degree at its first count (the helper searches ahead of this process,
@@ -363,24 +366,23 @@ def _counts(batch: int, pp: int) -> list[int]:
     return out or ([batch] if batch >= pp or pp == 1 else [])
 
 
-def _variants(given: Mapping[str, Any], pp: int, m: int, blocks: int) -> list[tuple]:
+def _variants(opts: Options, pp: int, m: int, blocks: int) -> list[tuple]:
     """(schedule, virtual stages, recompute) to price for ``pp`` ranks and ``m`` micro-
     batches: the given ones, else those the schedule can make with the model's blocks."""
-    v = given.get("virtual_stages")
+    v = opts.virtual_stages
     if pp == 1:  # one stage: recompute without a pipeline
         schedules = [("gpipe", 1)]
-    elif given.get("schedule"):
-        name = given["schedule"]
-        schedules = [(name, v or (2 if name == "interleaved-1f1b" else 1))]
+    elif opts.schedule:
+        schedules = [(opts.schedule, opts.stages_a_rank)]
     elif v and v > 1:
         schedules = [("interleaved-1f1b", v)]
     else:
         schedules = list(SEARCHED_SCHEDULES)
-    modes = [given["recompute"]] if given.get("recompute") else list(SEARCHED_RECOMPUTE)
+    modes = [opts.recompute] if opts.recompute else list(SEARCHED_RECOMPUTE)
     out = []
     for name, v in schedules:
         stages = 2 * pp if name == "zbv" else v * pp
-        if stages > blocks and not given.get("schedule"):  # a stage holds a block at least
+        if stages > blocks and not opts.schedule:  # a stage holds a block at least
             continue
         out += [(name, v, rc) for rc in modes]
     return out
@@ -394,13 +396,13 @@ def _nothing_fits(
                 "degree must divide the devices and the micro-batch count the batch)")  # fmt: skip
     p = least.predicted
     worst = max(range(len(p.memory)), key=lambda r: sum(p.memory[r].values()))
-    parts = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in p.memory[worst].items())
+    parts = ", ".join(f"{k} {size_text(v)}" for k, v in p.memory[worst].items())
     return (
-        f"no pipeline configuration fits {cluster.memory_bytes / 2**30:.1f} GiB per device "
+        f"no pipeline configuration fits {size_text(cluster.memory_bytes)} per device "
         f"({len(tried)} tried); the least memory: pp {least.schedule.num_ranks}, "
         f"{least.schedule.microbatches} micro-batches, {least.schedule.name}, recompute "
         f"{least.recompute}, ZeRO {least.stage.zero}: pipeline rank {worst} needs "
-        f"{p.peak_memory / 2**30:.1f} GiB "
+        f"{size_text(p.peak_memory)} "
         f"({parts}); try more stages, more micro-batches, recompute, ZeRO or more devices"
     )
 
@@ -410,17 +412,13 @@ def plan_with_stages(
     example_inputs: tuple,
     cluster: ClusterSpec,
     num_devices: int,
-    given: Mapping[str, Any],
-    search: str = "optimal",
+    opts: Options,
     loss_fn: Any = None,
     example_kwargs: dict | None = None,
-    tp_across_nodes: bool = False,
 ) -> Plan:
     """``autoshard.plan`` with pipeline stages: the stage plan whose JSON has the
-    ``pipeline`` section ``parallelize(plan=...)`` runs (``given`` fixes any of ``pp``,
+    ``pipeline`` section ``parallelize(plan=...)`` runs (``opts`` fixes any of ``pp``,
     ``microbatches``, ``schedule``, ``virtual_stages``, ``recompute``; the rest searched)."""
-    import dataclasses
-
     import torch
     import torch.utils._pytree as pytree
 
@@ -428,24 +426,37 @@ def plan_with_stages(
 
     tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
     batch = tensors[0].shape[0]
-    precision = given.get("precision")
-    micro = micro_batch_graphs(
-        model, example_inputs, example_kwargs, loss_fn=loss_fn,
-        dtype=precision.compute if precision is not None else None,
-        searched=not given.get("microbatches"),
-    )  # fmt: skip
+    micro = micro_batch_graphs(model, example_inputs, example_kwargs, loss_fn=loss_fn,
+                               dtype=opts.policy.compute,
+                               searched=not opts.microbatches)  # fmt: skip
+    if opts.microbatches and batch % opts.microbatches:
+        raise ValueError(f"microbatches={opts.microbatches} does not divide the batch {batch}")
+    best, tried, seconds = search_pipeline(micro, batch, num_devices, cluster, opts)
+    return dataclasses.replace(best.stage, json=staged_json(best, tried, seconds, opts))
 
-    if given.get("microbatches") and batch % given["microbatches"]:
-        raise ValueError(f"microbatches={given['microbatches']} does not divide the batch {batch}")
-    best, tried, seconds = search_pipeline(micro, batch, num_devices, cluster, given, search,
-                                           None, tp_across_nodes)  # fmt: skip
+
+def staged_json(best: PipelinePlan, tried: list[Tried], seconds: float, opts: Options) -> dict:
+    """The plan JSON of a pipeline search: the stage plan's, its ``pipeline`` section (with
+    what was searched and priced, and the search's seconds) and the ``options`` it ran under."""
     data = dict(best.stage.json)
+    num_devices = best.schedule.num_ranks * best.stage.mesh.num_devices
     data["pipeline"] = pipeline_json(best, num_devices) | {
-        "searched": sorted({"pp", "microbatches", "schedule", "recompute"} - set(given)),
+        "searched": [n for n in ("microbatches", "pp", "recompute", "schedule")
+                     if getattr(opts, n) is None],
         "tried": [t.as_dict() for t in tried],
         "search_s": seconds,
-    }
-    return dataclasses.replace(best.stage, json=data)
+    }  # fmt: skip
+    data["options"] = opts.as_json()
+    return data
+
+
+def _stage_mesh(mesh: Any) -> MeshInfo | None:
+    """A stage's sub-mesh where the options fix one: the mesh's axes but ``pp``."""
+    if mesh is None or isinstance(mesh, int):
+        return None
+    info = mesh_info(mesh)
+    kept = {n: s for n, s in zip(info.names, info.sizes, strict=True) if n != "pp"}
+    return mesh_info(kept or {"dp": 1})
 
 
 def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
@@ -482,5 +493,6 @@ __all__ = [
     "boundary_bytes",
     "pipeline_json",
     "plan_with_stages",
+    "staged_json",
     "search_pipeline",
 ]

@@ -1,0 +1,293 @@
+"""The options of a parallel training job: one immutable value holding every choice.
+
+``parallelize``, ``autoshard.plan``, ``autoshard plan`` and ``autoshard train`` fill an
+:class:`Options` from their keywords and flags, check it once here, and hand it whole to the
+one-program and pipeline paths, the search and the plan JSON (docs/options.md). A choice a
+path cannot honour is an error naming it, never a value dropped on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoshard.precision import Precision, precision_policy
+from autoshard.schedule import SCHEDULES
+
+SEARCHES = ("optimal", "recursive", "propagate")
+ATTENTION_METHODS = ("allgather", "ulysses", "ring")
+RECOMPUTE_MODES = ("none", "full", "selective")
+REPLICAS = ("broadcast", "check", "none")
+#: DDP's default bucket size: the gradient sums that overlap backward
+BUCKET_CAP_MB = 25.0
+#: the stages a rank of ``interleaved-1f1b`` where none is given: the pipeline search's pick
+INTERLEAVED_STAGES = 2
+#: the options a run takes from the plan it is given where its own leave them out
+RUN_AS_PLANNED = ("precision", "attention", "sequence_parallel")
+
+
+class FrozenDict(dict):
+    """A dict that cannot change after it is made (an option's mapping): reads, ``==``,
+    JSON and pickling as a dict's."""
+
+    def _frozen(self, *_: Any, **__: Any) -> None:
+        raise TypeError("an option's mapping cannot change; make new Options with replace()")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _frozen  # type: ignore[assignment]
+    __ior__ = _frozen  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple:
+        return FrozenDict, (dict(self),)
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(repr(sorted(self.items(), key=repr)))
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, FrozenDict) or not isinstance(value, Mapping):
+        return value
+    return FrozenDict(value)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every choice of how a model is planned and run. Defaults are what the search or the
+    runtime would pick; ``None`` means "not given" (searched, or the plan's)."""
+
+    #: {"dp": 2, "tp": 2}, "dp=2,tp=2", a device count (its shape searched) or None (the plan's)
+    mesh: Any = None
+    #: {module path or glob: strategy} (docs/strategies.md)
+    strategies: Mapping[str, Any] | None = None
+    #: {input name: Layout} for inputs not split by batch
+    input_layouts: Mapping[str, Any] | None = None
+    #: "optimal", "recursive" or "propagate": plan automatically
+    search: str | None = None
+    #: the cluster the search prices: a preset name, a JSON file or a ClusterSpec (None: cpu)
+    cluster: Any = None
+    #: a Plan, its JSON or a file of it; sets the mesh (and the pipeline's configuration)
+    plan: Any = None
+    #: bytes a device may hold; a plan over it is an error (default: the cluster's memory)
+    memory_limit: float | None = None
+    #: the tensor-parallel degree of the meshes searched
+    tp: int | None = None
+    #: the context-parallel degree of the meshes searched (a mesh's ``cp`` axes give it)
+    cp: int | None = None
+    #: whether a searched tensor-parallel group may span nodes
+    tp_across_nodes: bool = False
+    #: "fp32", "bf16", "fp16" or a Precision (docs/precision.md)
+    precision: Any = None
+    #: ZeRO stage 0-3, or {fqn pattern: stage} (None: the plan's, else searched or 0)
+    zero: int | Mapping[str, int] | None = None
+    #: ZeRO 3: drop gathered parameters after forward and gather them again in backward
+    reshard_after_forward: bool = True
+    #: "broadcast" rank 0's replicas, "check" they are equal, or "none"
+    replicas: str = "broadcast"
+    #: the size of the buckets whose gradient sums overlap backward
+    bucket_cap_mb: float = BUCKET_CAP_MB
+    #: a model built on meta: a checkpoint, "reset" or a function of a module (docs/meta.md)
+    init: Any = None
+    #: the seed of dropout's counter-based masks
+    seed: int = 0
+    #: the longest wait in a collective before every rank stops (docs/failures.md)
+    timeout_s: float | None = None
+    #: pipeline ranks (``autoshard.plan``; ``parallelize`` reads the mesh's ``pp`` axis)
+    pp: int | None = None
+    #: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1" or "zbv"
+    schedule: str | None = None
+    #: micro-batches a step (default: the pp size, or searched)
+    microbatches: int | None = None
+    #: module paths where stages 2, 3, ... begin (default: balanced between blocks)
+    stages: tuple[str, ...] | None = None
+    #: stages a rank of interleaved-1f1b (default INTERLEAVED_STAGES, as the search picks)
+    virtual_stages: int | None = None
+    #: "none", "full", "selective" or {module glob: mode}
+    recompute: str | Mapping[str, str] | None = None
+    #: how attention computes a split sequence: "allgather", "ulysses" or "ring"
+    attention: str | None = None
+    #: Megatron's sequence parallelism between the tensor-parallel linears
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("mesh", "strategies", "input_layouts", "zero", "recompute"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        if isinstance(self.stages, Sequence) and not isinstance(self.stages, str):
+            object.__setattr__(self, "stages", tuple(self.stages))
+        bad = _problems(self)
+        if bad:
+            raise ValueError("; ".join(bad))
+
+    @classmethod
+    def from_call(cls, given: Mapping[str, Any], base: Options | None = None) -> Options:
+        """Options from a function's keywords (``locals()`` of ``parallelize`` or ``plan``):
+        the fields named there; ``base`` fills those left at their defaults. A keyword that
+        differs from both its default and ``base``'s value is an error naming both."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name in given]
+        values = {n: given[n] for n in names}
+        if base is None:
+            return cls(**values)
+        defaults = cls()
+        clash = [n for n, v in values.items()
+                 if v != getattr(defaults, n) and v != getattr(base, n)
+                 and getattr(base, n) != getattr(defaults, n)]  # fmt: skip
+        if clash:
+            raise ValueError(
+                "options= and keywords disagree on " + ", ".join(
+                    f"{n} ({getattr(base, n)!r} against {values[n]!r})" for n in clash)
+            )  # fmt: skip
+        changed = {n: v for n, v in values.items() if v != getattr(defaults, n)}
+        return dataclasses.replace(base, **changed)
+
+    @classmethod
+    def check_keywords(cls, keywords: Mapping[str, Any], where: str) -> None:
+        """Unknown option names are an error naming the nearest known ones."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in keywords if k not in known]
+        if unknown:
+            near = {k: difflib.get_close_matches(k, known, 1) for k in unknown}
+            hints = ", ".join(f"{k}" + (f" (did you mean {v[0]}?)" if v else "")
+                              for k, v in near.items())  # fmt: skip
+            raise TypeError(f"{where}: unknown options {hints}; known: {', '.join(known)}")
+
+    def replace(self, **changes: Any) -> Options:
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    def planned_under(self, recorded: Mapping[str, Any], source: str) -> Options:
+        """These options with those a plan was made under (its JSON's ``options``) where
+        they were left out: the run keeps the plan's precision, attention and sequence
+        parallelism; one given that differs from the plan's is an error naming both."""
+        ours = self.as_json()
+        taken = {}
+        for name in RUN_AS_PLANNED:
+            if recorded.get(name) is None or recorded[name] == ours[name]:
+                continue
+            if ours[name] not in (None, False):
+                raise ValueError(
+                    f"{name}={ours[name]!r}, but {source} was made with {name} "
+                    f"{recorded[name]!r}; leave it out or plan again"
+                )
+            taken[name] = recorded[name]
+        return self.replace(**taken) if taken else self
+
+    def search_keywords(self) -> dict[str, Any]:
+        """What the search (``search.run_search``) takes of these options."""
+        return {
+            "search": self.search or SEARCHES[0],
+            "memory_limit": self.memory_limit,
+            "tp_across_nodes": self.tp_across_nodes,
+            "zero": self.zero if isinstance(self.zero, int) else None,
+            "cp": self.cp or 1,
+            "attention": self.attention,
+            "sequence_parallel": self.sequence_parallel,
+            "precision": self.policy,
+            "tp": self.tp,
+        }
+
+    @property
+    def staged(self) -> bool:
+        """Whether a pipeline keyword was given (any of them makes pipeline stages)."""
+        keys = (self.pp, self.schedule, self.microbatches, self.stages, self.virtual_stages)
+        return any(v is not None for v in keys)
+
+    @property
+    def stages_a_rank(self) -> int:
+        """Virtual stages a pipeline rank: the given ones, else what the search would pick."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return INTERLEAVED_STAGES if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def policy(self) -> Precision:
+        """The precision policy (not yet resolved against a model's dtype)."""
+        return precision_policy(self.precision)
+
+    def as_json(self) -> dict[str, Any]:
+        """The options that shape a plan, as the plan JSON's ``options`` section records
+        them (what the runtime alone reads, a seed or a timeout, is not a plan's)."""
+        precision = None
+        if self.precision is not None:  # as named or given; the master weights are the model's
+            precision = {k: v for k, v in self.policy.as_dict().items() if k != "master"}
+        return {
+            "search": self.search,
+            "memory_limit": self.memory_limit,
+            "tp": self.tp,
+            "cp": self.cp,
+            "tp_across_nodes": self.tp_across_nodes,
+            "precision": precision,
+            "zero": dict(self.zero) if isinstance(self.zero, Mapping) else self.zero,
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "stages": list(self.stages) if self.stages is not None else None,
+            "virtual_stages": self.virtual_stages,
+            "recompute": dict(self.recompute) if isinstance(self.recompute, Mapping)
+            else self.recompute,
+            "attention": self.attention,
+            "sequence_parallel": self.sequence_parallel,
+        }  # fmt: skip
+
+
+def _problems(o: Options) -> list[str]:
+    """Every option out of range, each naming itself, its value and what it may be."""
+    bad = [f"search={o.search!r}: expected one of {', '.join(SEARCHES)}"] * (
+        o.search is not None and o.search not in SEARCHES
+    )
+    if o.search is not None and o.plan is not None:
+        bad.append("search= and plan=: give one, not both")
+    positive = {"memory_limit": o.memory_limit, "timeout_s": o.timeout_s,
+                "bucket_cap_mb": o.bucket_cap_mb}  # fmt: skip
+    bad += [f"{n}={v!r}: expected a positive number" for n, v in positive.items()
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                                  or v <= 0)]  # fmt: skip
+    counts = {"tp": o.tp, "cp": o.cp, "pp": o.pp, "microbatches": o.microbatches,
+              "virtual_stages": o.virtual_stages}  # fmt: skip
+    bad += [
+        f"{n}={v!r}: expected a positive int"
+        for n, v in counts.items()
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
+    ]
+    flags = {"tp_across_nodes": o.tp_across_nodes, "sequence_parallel": o.sequence_parallel,
+             "reshard_after_forward": o.reshard_after_forward}  # fmt: skip
+    bad += [
+        f"{n}={v!r}: expected True or False" for n, v in flags.items() if not isinstance(v, bool)
+    ]
+    if isinstance(o.seed, bool) or not isinstance(o.seed, int):
+        bad.append(f"seed={o.seed!r}: expected an int")
+    choices = {"schedule": (o.schedule, SCHEDULES), "attention": (o.attention, ATTENTION_METHODS),
+               "replicas": (o.replicas, REPLICAS)}  # fmt: skip
+    bad += [
+        f"{n}={v!r}: expected one of {', '.join(c)}"
+        for n, (v, c) in choices.items()
+        if v is not None and v not in c
+    ]
+    modes = o.recompute.values() if isinstance(o.recompute, Mapping) else [o.recompute]
+    bad += [f"recompute={o.recompute!r}: expected one of {', '.join(RECOMPUTE_MODES)} "
+            "or a mapping of module globs to them"] * any(m is not None and m not in RECOMPUTE_MODES
+                                            for m in modes)  # fmt: skip
+    levels = o.zero.values() if isinstance(o.zero, Mapping) else [o.zero]
+    bad += [f"zero={o.zero!r}: expected 0-3 or a mapping of parameter patterns to them"] * any(
+        z is not None and (isinstance(z, bool) or z not in (0, 1, 2, 3)) for z in levels
+    )
+    if o.virtual_stages not in (None, 1) and o.schedule not in (None, "interleaved-1f1b"):
+        bad.append(f"virtual_stages={o.virtual_stages} with schedule={o.schedule!r} "
+                   ": stages a rank are interleaved-1f1b's")  # fmt: skip
+    if o.stages is not None and not all(isinstance(s, str) for s in o.stages):
+        bad.append(f"stages={o.stages!r}: expected the module paths where stages 2, 3, ... begin")
+    precision_policy(o.precision)  # its own error names what it expected
+    return bad
+
+
+__all__ = [
+    "ATTENTION_METHODS",
+    "BUCKET_CAP_MB",
+    "INTERLEAVED_STAGES",
+    "RECOMPUTE_MODES",
+    "REPLICAS",
+    "RUN_AS_PLANNED",
+    "SEARCHES",
+    "FrozenDict",
+    "Options",
+]
