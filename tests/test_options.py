@@ -41,7 +41,7 @@ def test_every_keyword_of_the_entry_points_is_an_option() -> None:
     ("given", "named"),
     [
         ({"search": "fastest"}, "search='fastest': expected one of optimal"),
-        ({"search": "optimal", "plan": "p.json"}, "search= and plan=: give one"),
+        ({"search": "optimal", "plan": "p.json"}, "give search= or plan=, not both"),
         ({"memory_limit": 0}, "memory_limit=0: expected a positive number"),
         ({"timeout_s": -1.0}, "timeout_s=-1.0: expected a positive number"),
         ({"microbatches": 0}, "microbatches=0: expected a positive int"),
@@ -103,6 +103,7 @@ def test_keywords_and_an_options_value_combine_or_name_the_clash() -> None:
 
 def test_a_plan_s_options_are_the_run_s_unless_given_otherwise() -> None:
     recorded = Options(precision="bf16", sequence_parallel=True, attention="ring").as_json()
+    assert recorded["precision"] == {"compute": "bfloat16", "reduce": None}
     taken = Options().planned_under(recorded, "plan p.json")
     assert {n: taken.as_json()[n] for n in RUN_AS_PLANNED} == {
         n: recorded[n] for n in RUN_AS_PLANNED

@@ -25,8 +25,9 @@ REPLICAS = ("broadcast", "check", "none")
 BUCKET_CAP_MB = 25.0
 #: the stages a rank of ``interleaved-1f1b`` where none is given: the pipeline search's pick
 INTERLEAVED_STAGES = 2
-#: the options a run takes from the plan it is given where its own leave them out
-RUN_AS_PLANNED = ("precision", "attention", "sequence_parallel")
+#: the options a run takes from the plan it is given where its own leave them out: those that
+#: shape the plan (a run's precision is its own choice: a plan runs under any)
+RUN_AS_PLANNED = ("attention", "sequence_parallel")
 
 
 class FrozenDict(dict):
@@ -157,8 +158,8 @@ class Options:
 
     def planned_under(self, recorded: Mapping[str, Any], source: str) -> Options:
         """These options with those a plan was made under (its JSON's ``options``) where
-        they were left out: the run keeps the plan's precision, attention and sequence
-        parallelism; one given that differs from the plan's is an error naming both."""
+        they were left out: the run keeps the plan's attention and sequence parallelism; one
+        given that differs from the plan's is an error naming both."""
         ours = self.as_json()
         taken = {}
         for name in RUN_AS_PLANNED:
@@ -182,7 +183,7 @@ class Options:
             "cp": self.cp or 1,
             "attention": self.attention,
             "sequence_parallel": self.sequence_parallel,
-            "precision": self.policy,
+            "precision": None if self.precision is None else self.policy,
             "tp": self.tp,
         }
 
@@ -236,7 +237,7 @@ def _problems(o: Options) -> list[str]:
         o.search is not None and o.search not in SEARCHES
     )
     if o.search is not None and o.plan is not None:
-        bad.append("search= and plan=: give one, not both")
+        bad.append("search= and plan=: give search= or plan=, not both")
     positive = {"memory_limit": o.memory_limit, "timeout_s": o.timeout_s,
                 "bucket_cap_mb": o.bucket_cap_mb}  # fmt: skip
     bad += [f"{n}={v!r}: expected a positive number" for n, v in positive.items()

@@ -292,10 +292,14 @@ def _planned_precision(args: argparse.Namespace, model, example):
 
 
 def _show_plan(args: argparse.Namespace, built, result, captured_s: float, start: float) -> int:
-    """The plan without stages: its JSON (``--json``), its table and its picture."""
+    """The plan without stages: its JSON (``--json``, with the options it was made under),
+    its table and its picture."""
     import time
 
+    from autoshard.cli.plan_pipeline import plan_options
+
     data = built.json
+    data["options"] = plan_options(args, built.precision).as_json()
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - start
     write_json(args.json, data)
