@@ -18,9 +18,11 @@ from autoshard.cost import cluster_spec
 from autoshard.cost.pipeline import model_pieces, price_pipeline
 from autoshard.options import Options
 from autoshard.schedule import make_schedule
+from autoshard.search import PlanningError
 from autoshard.search.pipelined import search_pipeline
 
 LAYERS = 8
+RECOMPUTE = ("none", "selective", "full")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,67 @@ def test_searching_zero_finds_what_fixing_any_zero_stage_finds(stage, gib) -> No
     free = best()
     assert free <= min(fixed.values()) * (1 + 1e-9), (free, fixed)
     assert free < fixed[0] * 0.99, (free, fixed)
+
+
+def test_recompute_leaves_the_forward_and_selective_costs_no_more_than_full(stage) -> None:
+    """Recompute runs more of the forward again in backward and keeps less: it changes no
+    forward, and selective (the forward of everything but the products again) costs no more
+    than full (the whole forward again) on the same stage plan."""
+    og, spec, planned = stage
+    est, boundary = planned.stage.predicted, planned.boundary_bytes
+    sched = make_schedule("interleaved-1f1b", 4, 8, 2)
+    priced = {r: price_pipeline(est, og, sched, spec, r, boundary) for r in RECOMPUTE}
+    forwards = {r: [f for f, _ in p.stage_seconds] for r, p in priced.items()}
+    assert forwards["selective"] == forwards["none"] == forwards["full"]
+    backward = {r: sum(b for _, b in p.stage_seconds) for r, p in priced.items()}
+    assert backward["none"] < backward["selective"] < backward["full"]
+    step = {r: p.step_time for r, p in priced.items()}
+    assert step["none"] <= step["selective"] <= step["full"]
+
+
+def test_a_lighter_recompute_given_is_not_priced_on_a_slower_stage_plan(stage) -> None:
+    """Where full recompute fits the fastest stage plan and selective does not, selective
+    given does not fit: the search does not shard the stage plan further (a slower forward)
+    to fit it, a plan slower than full recompute's."""
+    og, spec, _ = stage
+    given = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "zero": 0}
+
+    def search(cluster, recompute):
+        found, _, _ = search_pipeline(lambda m: og, 4 * 8, 16, cluster, given | recompute,
+                                      depth={"layers": LAYERS})  # fmt: skip
+        return found
+
+    full = search(spec, {"recompute": "full"})
+    selective = price_pipeline(full.stage.predicted, og, full.schedule, spec, "selective",
+                               full.boundary_bytes)  # fmt: skip
+    assert full.predicted.peak_memory < selective.peak_memory
+    tight = dataclasses.replace(
+        spec, memory_bytes=(full.predicted.peak_memory + selective.peak_memory) / 2
+    )
+    assert search(tight, {"recompute": "full"}).predicted.stage_seconds == (
+        full.predicted.stage_seconds
+    )
+    with pytest.raises(PlanningError, match="recompute selective"):
+        search(tight, {"recompute": "selective"})
+
+
+def test_sequence_parallel_reaches_the_stage_plans(tmp_path) -> None:
+    """``autoshard plan --sequence-parallel`` with stages splits the stage plan's norms and
+    residuals by sequence over tp: less activation memory on every pipeline rank than the
+    plan the search finds without it (a small GPT's, whose collectives cost more than its
+    norms)."""
+    args = ["plan", "--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "8",
+            "--seq", "128", "--batch", "8", "--vocab", "512", "--devices", "4", "--tp", "2",
+            "--pp", "2", "--microbatches", "4", "--schedule", "1f1b",
+            "--recompute", "none"]  # fmt: skip
+
+    def kept(*sp: str) -> list[float]:
+        path = tmp_path / f"plan{len(sp)}.json"
+        assert main([*args, *sp, "--json", str(path)]) == 0
+        return [m["activations"] for m in json.loads(path.read_text())["pipeline"]["memory_bytes"]]
+
+    split, whole = kept("--sequence-parallel"), kept()
+    assert all(s < w for s, w in zip(split, whole, strict=True)), (split, whole)
 
 
 def _untimed(text: str) -> str:

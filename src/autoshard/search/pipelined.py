@@ -188,10 +188,10 @@ def search_pipeline(
 
     def price_at(pp: int, m: int, zero: int) -> bool:
         # The stage plan is searched for speed alone first (the pipeline's pricing judges its
-        # memory); where no configuration of it fits, searched again under a limit that much
-        # smaller than its own memory as the least pipeline was over the device's, so that it
-        # shards what speed alone would replicate (a fixed tensor-parallel degree's weights)
-        # (up to TIGHTENINGS times, and only while the least pipeline's memory comes down)
+        # memory); where nothing fits (nor full recompute, where a lighter one is given: it
+        # leaves the stage plan as it is), again under a limit as much below its own memory as
+        # the least pipeline was over the device's, to shard what speed alone replicates (a
+        # fixed tp's weights) (up to TIGHTENINGS times, while the least memory comes down)
         limit, before = math.inf, math.inf
         for _ in range(TIGHTENINGS + 1):
             try:
@@ -234,20 +234,18 @@ def search_pipeline(
 
     def price_with(pp: int, m: int, zero: int, limit: float) -> tuple[bool, float | None, Plan]:
         """Every variant of the stage plan searched at ``zero`` under ``limit``: whether one
-        fits, the least peak memory priced, and the stage plan."""
+        fits, the least peak memory priced (None: search no tighter plan), the stage plan."""
         nonlocal best, least, unfit
         og = graph(m)
         key = (num_devices // pp, batch // m, zero, limit)
-        fitted, lowest = False, None
+        fitted, lowest, fuller = False, None, False
         if key not in stage_plans:
             sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
             outcome = searched((pp, m, zero, limit))
             if outcome[0] == "error":
                 raise outcome[1]
-            if outcome[0] == "here":
-                result = outcome[1]
-            else:
-                result, built = outcome[1]
+            result, built = outcome[1] if outcome[0] == "ok" else (outcome[1], None)
+            if built is not None:
                 adopt(og, sub, built)
             stage_plans[key] = (build_plan(og, result, sub), result)
         stage, result = stage_plans[key]
@@ -270,10 +268,12 @@ def search_pipeline(
                 closed.add((name, v))
                 continue
             fits = plan.predicted.peak_memory <= cluster.memory_bytes
+            if not fits and limit == math.inf and rc != "full" and given.get("recompute"):
+                full = _priced(og, stage, result, cluster, pp, m, name, v, "full").predicted
+                fuller |= full.peak_memory <= cluster.memory_bytes
             if least is None or plan.predicted.peak_memory < least.predicted.peak_memory:
                 least = plan
-            if lowest is None or plan.predicted.peak_memory < lowest:
-                lowest = plan.predicted.peak_memory
+            lowest = min(lowest or math.inf, plan.predicted.peak_memory)
             tried.append(Tried(pp, m, name, v, rc, plan.predicted.step_time,
                                plan.predicted.peak_memory, fits, zero))  # fmt: skip
             fitted |= fits
@@ -283,7 +283,7 @@ def search_pipeline(
                 closed.add((name, v))
             if fits and (best is None or plan.predicted.step_time < best.predicted.step_time):
                 best = plan
-        return fitted, lowest, stage
+        return fitted, None if fuller else lowest, stage
 
     def first_counts(pp: int) -> list[int]:
         return [opts.microbatches] if opts.microbatches else _counts(batch, pp)
