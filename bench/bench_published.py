@@ -41,14 +41,19 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench import published_h100
+
 NAME = "published"
 
 _GPT = {"seq": 2048, "vocab": 51200}
+#: what every A100 run shares: the model, Megatron-LM's fp16 and no ZeRO, Selene
+_A100 = {"model": "gpt", **_GPT, "zero": 0, "precision": "fp16", "cluster": "selene"}
 
 #: Korthikanti et al. 2022, Tables 3-4: (name, heads, hidden, layers, tp, pp, GPUs, batch,
 #: micro-batch, interleaved stages a rank, seconds with full recompute, seconds with selective
@@ -113,7 +118,7 @@ def runs() -> list[dict]:
                 "batch": batch, "microbatches": batch // (mbs * gpus // (tp * pp)),
                 "schedule": "interleaved-1f1b" if v > 1 else "1f1b", "virtual_stages": v,
                 "recompute": "full" if mode == "full" else "selective",
-                "sequence_parallel": mode != "full", "seconds": seconds,
+                "sequence_parallel": mode != "full", "seconds": seconds, **_A100,
             })  # fmt: skip
     for name, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN:
         dp = gpus // (tp * pp)
@@ -122,20 +127,24 @@ def runs() -> list[dict]:
             "layers": layers, "tp": tp, "pp": pp, "gpus": gpus, "batch": batch,
             "microbatches": batch // dp if pp > 1 else 1, "schedule": "1f1b",
             "virtual_stages": 1, "recompute": "full", "sequence_parallel": False,
-            "seconds": _narayanan_seconds(heads, hidden, layers, gpus, batch, tflops),
+            "seconds": _narayanan_seconds(heads, hidden, layers, gpus, batch, tflops), **_A100,
         })  # fmt: skip
-    return out
+    return out + published_h100.runs()
 
 
 def _argv(r: dict, out: Path, cluster: Path) -> list[str]:
     argv = [
-        "plan", "--model", "gpt", "--layers", str(r["layers"]), "--hidden", str(r["hidden"]),
-        "--heads", str(r["heads"]), "--seq", str(_GPT["seq"]), "--vocab", str(_GPT["vocab"]),
+        "plan", "--model", r["model"], "--layers", str(r["layers"]),
+        "--hidden", str(r["hidden"]), "--heads", str(r["heads"]),
+        *(["--kv-heads", str(r["kv_heads"]), "--ffn", str(r["ffn"])] if "ffn" in r else []),
+        "--seq", str(r["seq"]), "--vocab", str(r["vocab"]),
         "--batch", str(r["batch"]), "--cluster", str(cluster), "--devices", str(r["gpus"]),
-        "--precision", "fp16", "--zero", "0", "--tp", str(r["tp"]), "--pp", str(r["pp"]),
-        "--microbatches", str(r["microbatches"]), "--schedule", r["schedule"],
-        "--recompute", r["recompute"], "--json", str(out),
+        "--precision", r["precision"], "--zero", str(r["zero"]), "--tp", str(r["tp"]),
+        "--pp", str(r["pp"]), "--microbatches", str(r["microbatches"]),
+        "--schedule", r["schedule"], "--json", str(out),
     ]  # fmt: skip
+    if r["recompute"]:  # else searched
+        argv += ["--recompute", r["recompute"]]
     if r["virtual_stages"] > 1:
         argv += ["--virtual-stages", str(r["virtual_stages"])]
     if r["sequence_parallel"]:
@@ -143,10 +152,14 @@ def _argv(r: dict, out: Path, cluster: Path) -> list[str]:
     return argv
 
 
-def _plan(argv: list[str]) -> int:
+def _plan(argv: list[str], said: io.StringIO | None = None) -> int:
+    """``autoshard`` run on ``argv``, its output dropped (its errors into ``said``)."""
     from autoshard.cli.main import main
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(said or io.StringIO()),
+    ):
         return main(argv)
 
 
@@ -154,25 +167,33 @@ def _predict(r: dict, cluster: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         argv = _argv(r, out, cluster)
-        start = time.perf_counter()
-        code = _plan(argv)
-        lifted = code == 3  # over the device's memory in autoshard's model: priced regardless
+        start, said = time.perf_counter(), io.StringIO()
+        code = _plan(argv, said)
+        # over the device's memory in autoshard's model: an A100 run is priced regardless
+        # (its table says so); an H100 run is not (it must fit: the row says it does not)
+        lifted = code == 3 and r["cluster"] == "selene"
         if lifted:
             argv += ["--memory-gib", "100000"]
             code = _plan(argv)
         wall = time.perf_counter() - start
+        shown = [a if a != str(cluster) else cluster.name for a in argv]
+        command = "autoshard " + " ".join(a for a in shown if a not in ("--json", str(out)))
+        if code == 3:
+            least = re.search(r"needs ([0-9.]+) GiB", said.getvalue())
+            return {"predicted_s": None, "peak_gib": float(least[1]) if least else None,
+                    "over_memory": False, "plan_s": wall, "command": command}  # fmt: skip
         if code != 0:
             raise RuntimeError(f"autoshard {' '.join(argv)} exited {code}")
         data = json.loads(out.read_text())
     pipe = data["pipeline"]
-    shown = [a if a != str(cluster) else "selene-megatron.json" for a in argv]
     return {
         "predicted_s": pipe["step_time_s"],
         "peak_gib": pipe["peak_memory_bytes"] / 2**30,
         "over_memory": lifted,
         "bubble": pipe["bubble"],
+        "recompute_planned": pipe["recompute"],
         "plan_s": wall,
-        "command": "autoshard " + " ".join(a for a in shown if a not in ("--json", str(out))),
+        "command": command,
     }
 
 
@@ -233,14 +254,17 @@ def _grid(r: dict, cluster: Path) -> dict:
 def run(quick: bool) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = _cluster(Path(tmp))
-        for r in runs()[:2] if quick else runs():
-            got = _predict(r, cluster)
-            # throughput error: predicted tokens a second over published ones, less one
-            error = r["seconds"] / got["predicted_s"] - 1
+        clusters = {"selene": _cluster(Path(tmp))} | published_h100.clusters(Path(tmp))
+        chosen = runs()[:2] + published_h100.runs()[:2] if quick else runs()
+        for r in chosen:
+            got = _predict(r, clusters[r["cluster"]])
+            # throughput error: predicted tokens a second over published ones, less one (None:
+            # the configuration does not fit the device in autoshard's model)
+            error = r["seconds"] / got["predicted_s"] - 1 if got["predicted_s"] else None
             rows.append(r | got | {"error": error, "fit": (r["source"], r["run"]) in FIT})
         compared = [
-            {"run": r["run"], "published_config_s": row["predicted_s"]} | _grid(r, cluster)
+            {"run": r["run"], "published_config_s": row["predicted_s"]}
+            | _grid(r, clusters["selene"])
             for r, row in zip(runs(), rows, strict=False)
             if r["run"] in COMPARED and not quick
         ]
@@ -248,15 +272,54 @@ def run(quick: bool) -> dict:
 
 
 def _stats(rows: list[dict]) -> str:
-    errors = [abs(r["error"]) for r in rows]
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    misfits = len(rows) - len(errors)
+    unplanned = f"; {misfits} of {len(rows)} do not fit 80 GiB in autoshard's model" * (misfits > 0)
     if not errors:
-        return "none"
+        return "none planned" + unplanned
     mean, worst = statistics.mean(errors) * 100, max(errors) * 100
-    return f"mean {mean:.1f}%, max {worst:.1f}% over {len(errors)} runs"
+    return f"mean {mean:.1f}%, max {worst:.1f}% over {len(errors)} runs{unplanned}"
+
+
+def _table(rows: list[dict]) -> list[str]:
+    """The rows' table, then their errors: over all, over those no parameter was set from,
+    and by source."""
+    lines = [
+        "| source | run | tp | pp | GPUs | batch | micro-batches | schedule | recompute "
+        "| published s | predicted s | error | peak GiB |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        sched = r["schedule"] + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        rc = r["recompute"] or f"searched: {r.get('recompute_planned') or '-'}"
+        rc += " + sp" if r["sequence_parallel"] else ""
+        rc += f", ZeRO {r['zero']}" if r.get("zero") else ""
+        mark = " (fit)" if r["fit"] else ""
+        got = (
+            f"{r['predicted_s']:.2f} | {r['error'] * 100:+.1f}% | {r['peak_gib']:.1f}"
+            f"{' (over 80)' if r.get('over_memory') else ''}"
+            if r["predicted_s"]
+            else f"does not fit | | least {r['peak_gib']:.1f}"
+        )
+        lines.append(
+            f"| {r['source']} | {r['run']}{mark} | {r['tp']} | {r['pp']} | {r['gpus']} | "
+            f"{r['batch']} | {r['microbatches']} | {sched} | {rc} | {r['seconds']:.2f} | {got} |"
+        )
+    unfit = [r for r in rows if not r["fit"]]
+    lines += [
+        "",
+        f"- Absolute error, every run: {_stats(rows)}.",
+        f"- Runs not used to set any parameter: {_stats(unfit)}.",
+    ]
+    for source in sorted({r["source"] for r in rows}):
+        lines.append(f"- {source}: {_stats([r for r in rows if r['source'] == source])}.")
+    return lines
 
 
 def summary(result: dict) -> str:
     rows = result["rows"]
+    a100 = [r for r in rows if r.get("cluster", "selene") == "selene"]
+    h100 = [r for r in rows if r.get("cluster", "selene") != "selene"]
     score = "/".join(f"{b:g}" for b in result.get("score_bytes", SCORE_BYTES))
     lines = [
         "Published Megatron-LM runs on A100 80GB nodes: Narayanan et al. 2021 (SC21, "
@@ -274,28 +337,12 @@ def summary(result: dict) -> str:
         "published, less one (positive: predicted faster). One parameter fitted: the A100's "
         "large-product share, on the run marked (fit).",
         "",
-        "| source | run | tp | pp | GPUs | batch | micro-batches | schedule | recompute "
-        "| published s | predicted s | error | peak GiB |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        sched = r["schedule"] + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
-        rc = r["recompute"] + (" + sp" if r["sequence_parallel"] else "")
-        mark = " (fit)" if r["fit"] else ""
-        lines.append(
-            f"| {r['source']} | {r['run']}{mark} | {r['tp']} | {r['pp']} | {r['gpus']} | "
-            f"{r['batch']} | {r['microbatches']} | {sched} | {rc} | {r['seconds']:.2f} | "
-            f"{r['predicted_s']:.2f} | {r['error'] * 100:+.1f}% | {r['peak_gib']:.1f}"
-            f"{' (over 80)' if r.get('over_memory') else ''} |"
-        )
-    unfit = [r for r in rows if not r["fit"]]
-    lines += [
+        *_table(a100),
         "",
-        f"- Absolute error, every run: {_stats(rows)}.",
-        f"- Runs not used to set any parameter: {_stats(unfit)}.",
+        published_h100.DESCRIBED,
+        "",
+        *_table(h100),
     ]
-    for source in sorted({r["source"] for r in rows}):
-        lines.append(f"- {source}: {_stats([r for r in rows if r['source'] == source])}.")
     if result.get("compared"):
         lines += [
             "",

@@ -1,0 +1,123 @@
+"""The published H100 runs ``python -m bench published`` prices apart from the A100 ones.
+
+Sources (the numbers are theirs; the code that reads them is this file):
+
+- Megatron-LM's README, "Training Speed and Scalability" (NVIDIA/Megatron-LM, the model table
+  ``images/model_table.png`` added in commit f2e5db402c, 2024-07-15, kept unchanged since): the
+  weak-scaling GPT runs from 1.7B to 462B parameters on up to 6144 H100s with Megatron-Core
+  r0.8.0 (the strong-scaling figure's label), vocabulary 131072, sequence 4096, bf16; per run
+  the heads, hidden size, layers, tensor, pipeline and data-parallel sizes, GPUs, batch and
+  the achieved teraFLOP/s per GPU. Its throughput counts the FLOPs of Megatron-LM's
+  ``num_floating_point_operations`` of that commit, 12 B s l h^2 (1 + g/a + s/h + f/h +
+  V/(2 l h)) for a GPT of f = 4h and g = a (no recompute counted); the step time is those
+  FLOPs over the GPUs' achieved FLOP/s. The README names the software's overlaps: the
+  data-parallel gradient reduce-scatter and parameter all-gather (``--overlap-grad-reduce
+  --overlap-param-gather``, which run Megatron's distributed optimizer: ZeRO 1), the
+  tensor-parallel communication (``--tp-comm-overlap``, which runs sequence parallelism) and
+  the pipeline's. It is silent on the micro-batch, the schedule and recompute: one sequence a
+  micro-batch and 1F1B (Megatron's defaults); recompute is left to the search (Megatron's
+  default is none; autoshard's model of the larger runs does not fit 80 GiB without).
+- torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` (pytorch/torchtitan), Tables 1
+  and 3: Llama 3.1 8B with FSDP on 8 and 128 H100s (Grand Teton: 96 GB HBM2e at 2.4 TB/s,
+  NVLink in a host, 400 Gb/s RDMA a GPU, a 500 W power limit), local batch 2, selective
+  activation checkpointing, tokens a second a GPU; the rows without torch.compile or Float8
+  (bf16, the eager operators autoshard prices). The sequence (8192) and the selective policy
+  (``selective_ac_option = 'op'``: the matrix products' outputs kept, the rest run again, as
+  autoshard's ``selective``) are those of ``train_configs/llama3_8b.toml`` at the benchmark's
+  torchtitan commit 9dec370.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: Megatron-LM README, model table: (name, heads, hidden, layers, tp, pp, dp, GPUs, batch,
+#: achieved teraFLOP/s per GPU)
+MEGATRON_CORE = [
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8),
+    ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9),
+    ("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1),
+    ("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6),
+    ("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7),
+    ("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8),
+    ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
+]
+MEGATRON_SEQ, MEGATRON_VOCAB = 4096, 131072
+
+#: torchtitan's H100 benchmarks, Tables 1 and 3 (FSDP rows, no torch.compile nor Float8):
+#: (table, GPUs, global batch, tokens a second a GPU)
+TORCHTITAN = [("Table 1", 8, 16, 5762), ("Table 3", 128, 256, 5605)]
+LLAMA3_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+             "vocab": 128256, "seq": 8192}  # fmt: skip
+
+
+def _megatron_seconds(hidden, layers, gpus, batch, tflops) -> float:
+    s, v, h, n = MEGATRON_SEQ, MEGATRON_VOCAB, hidden, layers
+    flops = 12 * batch * s * n * h * h * (1 + 1 + s / h + 4 + v / (2 * n * h))
+    return flops / (gpus * tflops * 1e12)
+
+
+def runs() -> list[dict]:
+    """Every published H100 run: its source, shape, configuration and step seconds."""
+    out = []
+    for name, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops in MEGATRON_CORE:
+        assert tp * pp * dp == gpus
+        out.append({
+            "source": "megatron-core-readme", "run": name, "model": "gpt", "heads": heads,
+            "hidden": hidden, "layers": layers, "seq": MEGATRON_SEQ, "vocab": MEGATRON_VOCAB,
+            "tp": tp, "pp": pp, "gpus": gpus, "batch": batch,
+            "microbatches": batch // dp, "schedule": "1f1b", "virtual_stages": 1,
+            "recompute": None, "sequence_parallel": tp > 1, "zero": 1, "precision": "bf16",
+            "cluster": "mcore", "seconds": _megatron_seconds(hidden, layers, gpus, batch, tflops),
+        })  # fmt: skip
+    for table, gpus, batch, tps in TORCHTITAN:
+        out.append({
+            "source": "torchtitan-2024-12", "run": f"8B FSDP {gpus} ({table})", "model": "llama",
+            **LLAMA3_8B, "tp": 1, "pp": 1, "gpus": gpus, "batch": batch, "microbatches": 1,
+            "schedule": "1f1b", "virtual_stages": 1, "recompute": "selective",
+            "sequence_parallel": False, "zero": 3, "precision": "bf16", "cluster": "titan",
+            "seconds": batch * LLAMA3_8B["seq"] / (gpus * tps),
+        })  # fmt: skip
+    return out
+
+
+def clusters(folder: Path) -> dict[str, Path]:
+    """The H100 clusters the runs ran on, as cluster spec files: the ``dgx-h100`` preset as
+    it is for Megatron-Core's runs (fused attention; gradient sums overlapped with backward),
+    and Grand Teton's memory and network for torchtitan's (its 500 W peak is not published:
+    the preset's is kept)."""
+    from autoshard.cost import cluster_spec
+
+    base = cluster_spec("dgx-h100").to_json()
+    titan = base | {"memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9}
+    out = {}
+    for name, data in (("mcore", base), ("titan", titan)):
+        path = folder / f"h100-{name}.json"
+        path.write_text(json.dumps(data))
+        out[name] = path
+    return out
+
+
+#: how each H100 source's software and hardware is described in the table's text
+DESCRIBED = (
+    'Published H100 runs: Megatron-LM\'s README ("Training Speed and Scalability", the model '
+    "table added in commit f2e5db402c: GPT weak scaling on Megatron-Core r0.8.0, vocabulary "
+    "131072, sequence 4096, bf16; teraFLOP/s per GPU turned into seconds an iteration by "
+    "Megatron-LM's FLOPs count of that commit) and torchtitan's "
+    "`benchmarks/llama3_h100_202412_torchtitan.md` (Tables 1 and 3: Llama 3.1 8B, FSDP, "
+    "selective activation checkpointing, sequence 8192 from its `llama3_8b.toml`, the eager "
+    "bf16 rows; tokens a second a GPU). Megatron-Core's runs planned as given on the "
+    "`dgx-h100` preset unchanged (`h100-mcore.json`: fused attention, the gradient "
+    "reduce-scatter overlapped with backward) with the software the README names: the "
+    "distributed optimizer (`--zero 1`) and sequence parallelism where tp > 1 "
+    "(`--sequence-parallel`, which `--tp-comm-overlap` runs); where it is silent: one "
+    "sequence a micro-batch and 1F1B (Megatron's defaults), recompute left to the search "
+    "(Megatron's default is none, which autoshard's model of the larger runs does not fit in "
+    "80 GiB). torchtitan's on "
+    "Grand Teton (`h100-titan.json`: HBM2e 2.4 TB/s, 400 Gb/s a GPU; the 500 W peak is not "
+    "published, the preset's 989 TFLOP/s kept) with `--zero 3 --recompute selective`. No "
+    "parameter was set from these runs."
+)
