@@ -266,7 +266,7 @@ def run(quick: bool) -> dict:
             {"run": r["run"], "published_config_s": row["predicted_s"]}
             | _grid(r, clusters["selene"])
             for r, row in zip(runs(), rows, strict=False)
-            if r["run"] in COMPARED and not quick
+            if r["run"] in COMPARED and r["cluster"] == "selene" and not quick
         ]
     return {"rows": rows, "score_bytes": SCORE_BYTES, "compared": compared}
 
