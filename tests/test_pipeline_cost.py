@@ -119,7 +119,8 @@ def test_a_lighter_recompute_given_is_not_priced_on_a_slower_stage_plan(stage) -
     given = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "zero": 0}
 
     def search(cluster, recompute):
-        found, _, _ = search_pipeline(lambda m: og, 4 * 8, 16, cluster, given | recompute,
+        found, _, _ = search_pipeline(lambda m: og, 4 * 8, 16, cluster,
+                                      Options(**given, **recompute),
                                       depth={"layers": LAYERS})  # fmt: skip
         return found
 

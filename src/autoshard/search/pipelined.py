@@ -268,7 +268,7 @@ def search_pipeline(
                 closed.add((name, v))
                 continue
             fits = plan.predicted.peak_memory <= cluster.memory_bytes
-            if not fits and limit == math.inf and rc != "full" and given.get("recompute"):
+            if not fits and limit == math.inf and rc != "full" and opts.recompute:
                 full = _priced(og, stage, result, cluster, pp, m, name, v, "full").predicted
                 fuller |= full.peak_memory <= cluster.memory_bytes
             if least is None or plan.predicted.peak_memory < least.predicted.peak_memory:
