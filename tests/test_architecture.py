@@ -9,6 +9,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 
 import autoshard
 
@@ -34,6 +35,10 @@ LAYERS = [
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 TOP = len(LAYERS)  # autoshard/__init__.py: the public surface over everything
+
+#: a package's rooms (sub-packages), bottom first: a room imports the faces (``__init__``) of
+#: the rooms before it, never their modules, never a room after it
+ROOMS = {"runtime": ("state", "program", "pipeline", "entry")}
 
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
@@ -253,3 +258,73 @@ def test_no_layer_reads_an_upper_layers_object_untyped() -> None:
     as ``Any`` or through ``getattr``: what it reads is then named where it is defined."""
     found = [where for module in MODULES for where in _untyped_reads(module)]
     assert not found, found
+
+
+def _room(module: str) -> tuple[str, str] | None:
+    """(package, room) of a module inside a room, None elsewhere."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] in ROOMS and parts[2] in ROOMS[parts[1]]:
+        return parts[1], parts[2]
+    return None
+
+
+def test_rooms_import_the_faces_of_the_rooms_before_them() -> None:
+    bad = []
+    for module in MODULES:
+        mine = _room(module)
+        for target, _, line in _imports(module):
+            theirs = _room(target)
+            if theirs is None or theirs == mine:
+                continue
+            face = ".".join(["autoshard", *theirs])
+            if target != face:
+                bad.append(f"{module}:{line} imports {target}, inside the room {face}")
+            if mine is not None and mine[0] == theirs[0]:
+                order = ROOMS[mine[0]]
+                if order.index(theirs[1]) > order.index(mine[1]):
+                    bad.append(f"{module}:{line} imports {face}, a room after its own")
+    assert not bad, "\n".join(bad)
+
+
+def _private_names(path: Path) -> tuple[set[str], list[tuple[str, int]]]:
+    """The private attributes a module defines (on ``self``, in a class, as a method) and
+    those it reads off other objects, with their lines."""
+    defined, read = set(), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name.startswith("_"):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            if node.attr.startswith("__"):
+                continue
+            owner = ast.unparse(node.value)
+            if owner in ("self", "cls"):
+                if isinstance(node.ctx, ast.Store):
+                    defined.add(node.attr)
+            else:
+                read.append((node.attr, node.lineno))
+    return defined, read
+
+
+def test_no_room_reads_another_room_s_private_attributes() -> None:
+    """An object of one room is used through its public face in another: ``pm._zero`` read
+    by the pipeline's executor is an error, ``pm.zero_units`` is the way."""
+    names = {m: _private_names(p) for m, p in MODULES.items() if _room(m)}
+    torch_own = set(dir(torch.nn.Module()))  # nn.Module's own (_parameters, _buffers)
+    by_room: dict[tuple[str, str], set[str]] = {}
+    for module, (defined, _) in names.items():
+        by_room.setdefault(_room(module), set()).update(defined - torch_own)
+    bad = []
+    for module, (_, read) in names.items():
+        mine = _room(module)
+        others = set().union(*(v for k, v in by_room.items() if k != mine))
+        bad += [f"{module}:{line} reads {attr}" for attr, line in read
+                if attr in others and attr not in by_room[mine]]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_the_room_checks_see_a_violation() -> None:
+    assert _room("autoshard.runtime.pipeline.step") == ("runtime", "pipeline")
+    _, read = _private_names(MODULES["autoshard.runtime.pipeline.step"])
+    assert "_pipe" in {attr for attr, _ in read}  # the pipeline room's own, read by its executor
+    zero, _ = _private_names(MODULES["autoshard.runtime.program.parallel"])
+    assert "_zero" in zero  # so ``pm._zero`` read in the pipeline room would be named

@@ -310,7 +310,12 @@ def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
         "autoshard.runtime.save is autoshard.save)"
     )
     lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert lazy.stdout.split() == ["False", "True", "autoshard.runtime.entry", "True"], lazy
+    assert lazy.stdout.split() == [
+        "False",
+        "True",
+        "autoshard.runtime.entry.parallelizing",
+        "True",
+    ], lazy
 
 
 def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> None:

@@ -565,7 +565,7 @@ def _perturbed_start(replicas: str) -> dict:
     """Every rank builds the model from seed 0, rank 3 then perturbs its copy."""
     import torch.distributed as dist
 
-    from autoshard.runtime.replicas import ReplicaMismatchError
+    from autoshard.runtime.program.replicas import ReplicaMismatchError
 
     outcome = {}
     if replicas == "broadcast":  # first, before any group exists:
@@ -610,7 +610,7 @@ def test_replicas_start_equal_or_the_rank_that_differs_is_named() -> None:
 
 
 def test_an_unknown_replicas_mode_is_an_error() -> None:
-    from autoshard.runtime.replicas import sync_replicas
+    from autoshard.runtime.program.replicas import sync_replicas
 
     with pytest.raises(ValueError, match="replicas='bogus': expected one of broadcast, check"):
         sync_replicas({}, {}, 0, "bogus")

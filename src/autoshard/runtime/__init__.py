@@ -1,19 +1,27 @@
-"""The runtime: the parallel module each rank trains (``parallel``), its gradient buckets
-(``grad_sync``), ZeRO (``zero``), checkpoints (``checkpoint``), clipping (``clip``), loss scaling
-(``scaler``), replicas (``replicas``) and models built on the meta device (``materialize``)."""
+"""The runtime, in rooms whose faces the others use (docs/architecture.md): ``state``
+(checkpoints, models built on meta), ``program`` (the one-program module with its buckets,
+ZeRO and replicas), ``pipeline`` (stages and the executor of their schedule) and ``entry``
+(``parallelize`` and its plans), each room importing only the faces of those before it."""
 
-from autoshard.runtime.checkpoint import CheckpointDamaged, CheckpointError, latest, load, save
-from autoshard.runtime.clip import NonFiniteGradientError, clip_grad_norm_
-from autoshard.runtime.entry import parallelize
-from autoshard.runtime.grad_sync import GradSync
-from autoshard.runtime.materialize import materialize, meta_init
-from autoshard.runtime.parallel import (
+from autoshard.runtime.entry import PlanMismatchError, parallelize
+from autoshard.runtime.program import (
+    GradScaler,
+    GradSync,
+    NonFiniteGradientError,
     ParallelModule,
-    PlanMismatchError,
+    clip_grad_norm_,
     shard_inputs,
     single_device,
 )
-from autoshard.runtime.scaler import GradScaler
+from autoshard.runtime.state import (
+    CheckpointDamaged,
+    CheckpointError,
+    latest,
+    load,
+    materialize,
+    meta_init,
+    save,
+)
 
 __all__ = [
     "CheckpointDamaged",

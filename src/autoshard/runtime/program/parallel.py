@@ -24,13 +24,10 @@ from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
-from autoshard.runtime.grad_sync import GradSync
-from autoshard.runtime.materialize import check_init, fill
-from autoshard.runtime.planned import (
-    PlanMismatchError,
-)
-from autoshard.runtime.replicas import replica_group, sync_replicas
-from autoshard.runtime.zero import build_zero
+from autoshard.runtime.program.grad_sync import GradSync
+from autoshard.runtime.program.replicas import replica_group, sync_replicas
+from autoshard.runtime.program.zero import build_zero
+from autoshard.runtime.state import check_init, fill
 from autoshard.search import Plan, plan_graph
 
 
@@ -170,7 +167,7 @@ class ParallelModule(nn.Module):
             raise ValueError(f"inputs {spec} do not match the example inputs {captured.in_spec}")
         cast = self.precision.compute is not None
         local = [
-            _local_input(x, plan.inputs[name], self._rank, name, cast)
+            local_input(x, plan.inputs[name], self._rank, name, cast)
             for x, name in zip(flat, captured.inputs, strict=True)
         ]
         with self._zero.saving():
@@ -213,6 +210,33 @@ class ParallelModule(nn.Module):
     def input_names(self) -> list[str]:
         """The model's tensor inputs, in order (the keys of ``plan.inputs``)."""
         return list(self._captured[True].inputs)
+
+    # -- the faces a pipeline's executor steps through (runtime.pipeline) -----------------------
+
+    @property
+    def captured(self) -> dict[bool, OpGraph]:
+        """The captured graphs, by mode (train, eval)."""
+        return self._captured
+
+    @property
+    def plans(self) -> dict[bool, Plan]:
+        """The plans this module runs, by mode (train, eval), under its precision."""
+        return self._plans
+
+    @property
+    def programs(self) -> dict[bool, Any]:
+        """What this rank runs, by mode: a GraphModule (a pipeline's: one a stage)."""
+        return self._programs
+
+    @property
+    def grad_sync(self) -> GradSync:
+        """The gradient buckets whose sums overlap backward."""
+        return self._grad_sync
+
+    @property
+    def zero_units(self) -> Any:
+        """ZeRO's shards and units (``runtime.program.zero.Zero``)."""
+        return self._zero
 
     def program(self, train: bool = True) -> torch.fx.GraphModule:
         """The GraphModule this rank runs (``print(pm.program().code)``)."""
@@ -379,7 +403,7 @@ def _part_of(value: torch.Tensor, layout: Layout, key: str, rank: int) -> torch.
     return redistribute(local, src, layout)
 
 
-def _local_input(x: Any, layout: Layout, rank: int, name: str, cast: bool = False) -> Any:
+def local_input(x: Any, layout: Layout, rank: int, name: str, cast: bool = False) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     if cast and x.is_floating_point() and x.dtype != layout.dtype:
@@ -444,7 +468,7 @@ def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> A
 
 __all__ = [
     "ParallelModule",
-    "PlanMismatchError",
+    "local_input",
     "shard_inputs",
     "single_device",
 ]

@@ -16,7 +16,13 @@ from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.lower import weight_readers
 from autoshard.mesh import check_world, mesh_info
 from autoshard.options import Options
-from autoshard.runtime.materialize import check_init
+from autoshard.runtime.entry.planned import (
+    check_fits,
+    compare_plans,
+    inputs_of,
+    plan_modes,
+    search_plan,
+)
 from autoshard.runtime.pipeline import (
     Pipe,
     PipelineModule,
@@ -26,13 +32,7 @@ from autoshard.runtime.pipeline import (
     pipeline_plans,
     stage_mesh,
 )
-from autoshard.runtime.planned import (
-    check_fits,
-    compare_plans,
-    inputs_of,
-    plan_modes,
-    search_plan,
-)
+from autoshard.runtime.state import check_init
 from autoshard.schedule import make_schedule, validate
 from autoshard.search import Plan, load_plan
 from autoshard.search.plans import check_zero

@@ -16,10 +16,7 @@ from autoshard.layout import Layout
 from autoshard.mesh import check_world, mesh_info
 from autoshard.options import BUCKET_CAP_MB, Options
 from autoshard.precision import Precision
-from autoshard.runtime.materialize import check_init
-from autoshard.runtime.parallel import ParallelModule
-from autoshard.runtime.pipeline_entry import parallelize_pipeline
-from autoshard.runtime.planned import (
+from autoshard.runtime.entry.planned import (
     check_fits,
     compare_plans,
     given_plan,
@@ -27,6 +24,9 @@ from autoshard.runtime.planned import (
     search_plan,
     zero_of,
 )
+from autoshard.runtime.entry.staged import parallelize_pipeline
+from autoshard.runtime.program import ParallelModule
+from autoshard.runtime.state import check_init
 from autoshard.search import Plan, load_plan
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoshard.runtime.checkpoint import (
+from autoshard.runtime.state.checkpoint import (
     MANIFEST,
     CheckpointError,
     Chunks,

@@ -66,8 +66,8 @@ class Step:
         self.pm, self.mode, self.inputs = pm, mode, inputs
         self.pipe = pm._pipe
         self.cut = self.pipe.cuts[mode]
-        self.og, self.plan = pm._captured[mode], pm._plans[mode]
-        self.programs: dict[int, fx.GraphModule] = pm._programs[mode]
+        self.og, self.plan = pm.captured[mode], pm.plans[mode]
+        self.programs: dict[int, fx.GraphModule] = pm.programs[mode]
         self.last = self.cut.num_stages - 1
         self.leaves: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.outs: dict[tuple[int, int], tuple] = {}
@@ -91,7 +91,7 @@ class Step:
     def do(self, a: Action) -> None:
         # dropout's masks are those of the micro-batch's rows of the whole batch, also when a
         # backward runs a recomputed forward again
-        self.pm._state.microbatch = max(a.microbatch, 0)
+        self.pm.run_state.microbatch = max(a.microbatch, 0)
         if self.record is None:
             getattr(self, "_" + a.kind.lower())(a)
             return
@@ -196,13 +196,13 @@ class Step:
         s, i = a.stage, a.microbatch
         tensors, grads = self._targets(s, i)
         last = i == self.pm._last_backward[s]
-        self.pm._grad_sync.syncing = last
+        self.pm.grad_sync.syncing = last
         # the data-parallel sums (buckets, ZeRO's reduce-scatters) run in the stage's last
         # micro-batch's backward, over the gradients of all of them
-        with contextlib.nullcontext() if last else self.pm._zero.paused():
+        with contextlib.nullcontext() if last else self.pm.zero_units.paused():
             if tensors:
                 torch.autograd.backward(tensors, grads)
-        self.pm._grad_sync.syncing = True
+        self.pm.grad_sync.syncing = True
         self.grads_out[(s, i)] = [
             leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             for leaf in self._wanted_leaves(s, i)
@@ -222,7 +222,7 @@ class Step:
         inputs = leaves + [y for _, y in ys]
         got: list[torch.Tensor | None] = [None] * len(inputs)
         if tensors and inputs:
-            with self.pm._zero.paused():
+            with self.pm.zero_units.paused():
                 got = list(torch.autograd.grad(tensors, inputs, grads, retain_graph=True,
                                                allow_unused=True))  # fmt: skip
         self.grads_out[(s, i)] = [
@@ -240,9 +240,9 @@ class Step:
         meanwhile)."""
         s, i = a.stage, a.microbatch
         weights = self.pm._weights_of[s]
-        self.pm._grad_sync.syncing = False
+        self.pm.grad_sync.syncing = False
         try:
-            with self.pm._zero.paused():
+            with self.pm.zero_units.paused():
                 if (s, i) not in self.weight_grads:  # ``I`` left the whole backward here
                     self.ys.pop((s, i))
                     self.leaves.pop((s, i))
@@ -254,7 +254,7 @@ class Step:
                     if weights[k]:
                         torch.autograd.backward([y], [g], inputs=weights[k], retain_graph=True)
         finally:
-            self.pm._grad_sync.syncing = True
+            self.pm.grad_sync.syncing = True
 
     def _send_b(self, a: Action) -> None:
         grads = self.grads_out.pop((a.stage, a.microbatch))
@@ -265,8 +265,8 @@ class Step:
         """The stage's data-parallel sums: run in its last backward's buckets already, or
         (a split backward) here, once for every micro-batch's weight gradients."""
         if self.split:
-            self.pm._grad_sync.sum_accumulated(self.pm._reduce_at[a.stage])
-            self.pm._zero.sum_held(self.pm._reduce_at[a.stage])
+            self.pm.grad_sync.sum_accumulated(self.pm._reduce_at[a.stage])
+            self.pm.zero_units.sum_held(self.pm._reduce_at[a.stage])
 
     def finish(self) -> None:
         for posted in self.sent:

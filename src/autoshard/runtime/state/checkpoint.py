@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard import comm
-from autoshard.runtime.chunks import Chunks, chunks_of
-from autoshard.runtime.manifest import (
+from autoshard.runtime.state.chunks import Chunks, chunks_of
+from autoshard.runtime.state.manifest import (
     FORMAT,
     INCOMPLETE,
     MANIFEST,
@@ -175,7 +175,7 @@ def save(
     state["autoshard.extra"] = extra
     import torch.distributed.checkpoint as dcp
 
-    from autoshard.runtime.dcp_io import SavePlanner, Writer
+    from autoshard.runtime.state.dcp_io import SavePlanner, Writer
 
     writer = Writer(staging)
     dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=not _distributed())
@@ -258,7 +258,7 @@ def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     """Read ``state``'s tensors in place; returns the objects read."""
     import torch.distributed.checkpoint as dcp
 
-    from autoshard.runtime.dcp_io import LoadPlanner
+    from autoshard.runtime.state.dcp_io import LoadPlanner
 
     planner = LoadPlanner()
     try:

@@ -1,5 +1,5 @@
 """What ``autoshard.save`` and ``load`` hand torch.distributed.checkpoint (DCP): its planners
-with :class:`~autoshard.runtime.chunks.Chunks` values written and read as their boxes, and
+with :class:`~autoshard.runtime.state.chunks.Chunks` values written and read as their boxes, and
 its file writer keeping the names it wrote. Imported when a checkpoint is saved or loaded, not
 before: DCP brings DTensor with it, a second of every ``autoshard`` command's start."""
 
@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from autoshard.runtime.chunks import Chunks
-from autoshard.runtime.manifest import CheckpointError
+from autoshard.runtime.state.chunks import Chunks
+from autoshard.runtime.state.manifest import CheckpointError
 
 
 class Writer(dcp.FileSystemWriter):

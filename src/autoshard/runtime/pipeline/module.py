@@ -21,9 +21,9 @@ from autoshard.graph import OpGraph, StageCut, cut_at_modules, cut_balanced
 from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
 from autoshard.redistribution import gather_tensor
-from autoshard.runtime.microbatch_loss import CountedLoss
-from autoshard.runtime.parallel import ParallelModule, _local_input
-from autoshard.runtime.pipeline_step import SavedBytes, Step
+from autoshard.runtime.pipeline.microbatch_loss import CountedLoss
+from autoshard.runtime.pipeline.step import SavedBytes, Step
+from autoshard.runtime.program import ParallelModule, local_input
 from autoshard.schedule import Action, Schedule
 from autoshard.search import Plan
 
@@ -263,7 +263,7 @@ class PipelineModule(ParallelModule):
             else:
                 chunks = [x] * m
             for i in range(m):
-                parts[i].append(_local_input(chunks[i], layout, self._rank, name, cast))
+                parts[i].append(local_input(chunks[i], layout, self._rank, name, cast))
                 whole[i].append(chunks[i])
         counted = self._counted[mode]
         shares = counted.weights(whole) if counted is not None else None

@@ -1,0 +1,27 @@
+"""The runtime's one-program room: the module each rank runs (``parallel``) with its gradient
+buckets overlapping backward (``grad_sync``), ZeRO's shards and units (``zero``), replicas made
+equal (``replicas``), clipping (``clip``) and loss scaling (``scaler``). The pipeline and the
+entry use this face only."""
+
+from autoshard.runtime.program.clip import NonFiniteGradientError, clip_grad_norm_
+from autoshard.runtime.program.grad_sync import GradSync
+from autoshard.runtime.program.parallel import (
+    ParallelModule,
+    local_input,
+    shard_inputs,
+    single_device,
+)
+from autoshard.runtime.program.replicas import ReplicaMismatchError
+from autoshard.runtime.program.scaler import GradScaler
+
+__all__ = [
+    "GradScaler",
+    "GradSync",
+    "NonFiniteGradientError",
+    "ParallelModule",
+    "ReplicaMismatchError",
+    "clip_grad_norm_",
+    "local_input",
+    "shard_inputs",
+    "single_device",
+]
