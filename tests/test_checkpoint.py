@@ -19,7 +19,7 @@ from test_runtime import batches, build, mixed
 import autoshard
 from autoshard import parallelize, shard_inputs
 from autoshard.graph.capture import capture_modes
-from autoshard.runtime import checkpoint, dcp_io
+from autoshard.runtime.state import checkpoint, dcp_io
 from autoshard.testing import run_ranks
 
 
