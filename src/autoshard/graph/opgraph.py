@@ -91,6 +91,10 @@ class NodeInfo:
     #: whether autograd makes a gradient for this value: a trainable parameter, or a floating
     #: value computed from one (buffers, inputs and integer values never)
     requires_grad: bool = False
+    #: computed from parameters, buffers and constants alone (a weight split into q and kv,
+    #: a transposed weight, a causal mask, a lookup of positions made by ``arange``): the same
+    #: value whatever the batch, priced and planned as weight-like (docs/search.md)
+    from_state: bool = False
 
     @property
     def key(self) -> str:
@@ -259,6 +263,7 @@ def annotate(
             info.names = tuple(og.aliases.get(info.fqn, [info.fqn])) if info.fqn else ()
             info.constant = constants.get(node.name)
             info.requires_grad = info.kind == "param" and info.fqn not in frozen
+            info.from_state = info.kind != "input"
         elif node.op == "call_function":
             info.path = module_path(node)
             match = _BLOCK.match(info.path)
@@ -270,6 +275,7 @@ def annotate(
                 _out_signature(node),
             )
             info.requires_grad = _requires_grad(node)
+            info.from_state = all(node_info(a).from_state for a in tensor_inputs(node))
             if info.kind == "op":
                 op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
                 info.op = f"{op}.{seen[(info.path, op)]}"

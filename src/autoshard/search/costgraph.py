@@ -38,25 +38,19 @@ def _classify(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
     weight: set[fx.Node] = set()
     decision: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder":
-            (decision if node_info(node).kind == "input" else weight).add(node)
-            continue
-        if node.op != "call_function":
-            continue
-        args = tensor_inputs(node)
-        if all(a in weight for a in args):
+        if node_info(node).from_state:
             weight.add(node)
             continue
-        if node_info(node).kind == "getitem":
+        if node.op == "placeholder":
+            decision.add(node)
+        if node.op != "call_function" or node_info(node).kind == "getitem":
             continue
-        rule = rule_for(node)
+        args, rule = tensor_inputs(node), rule_for(node)
         if not isinstance(rule, SpaceRule):
             continue
         acts = {a for a in args if a not in weight}
-        space = rule.space(node)
-        contracts = SUM in space.kinds
         reads_matrix = any(a in weight and len(node_info(a).shape) >= 2 for a in args)
-        if contracts or reads_matrix or len(acts) >= 2:
+        if SUM in rule.space(node).kinds or reads_matrix or len(acts) >= 2:  # contracts, or...
             decision.add(node)
     return weight, decision
 
@@ -209,9 +203,10 @@ class _Builder:
         self.region = pricing.Region(
             self.followers, self.const_layout, self.owner, mesh, cluster, self.outputs
         )
-        self.region.leading = {
-            n for n in graph.nodes if n.op == "placeholder" and og[n].fqn in og.leading
-        }
+        lead = self.region.leading  # the leading parameters, and values made from them alone
+        for n in graph.nodes:
+            if og[n].fqn in og.leading or n in self.weight and lead.intersection(tensor_inputs(n)):
+                lead.add(n)
         self.params = ParamTerms(cluster, optimizer_states, self.region.leading)
 
     def _representatives(self) -> None:
@@ -303,7 +298,7 @@ class _Builder:
             in_line, in_bucket = pricing.grad_reduce_parts(
                 arg, grad, want, self.cluster, None, arg in self.region.leading
             )
-            if arg.op == "placeholder":  # a parameter's sum: once a step, not a micro-batch
+            if self.og[arg].from_state:  # a parameter's sum: once a step, not a micro-batch
                 in_line, in_bucket = self.step_share * in_line, self.step_share * in_bucket
             seconds, bucketed = seconds + in_line + in_bucket, bucketed + in_bucket
         return seconds, bucketed, owned

@@ -69,13 +69,10 @@ def _wants(
     found = _WANTS.get(key)
     if found is None:
         index: dict[tuple[Layout, Layout | None], int] = {}
-        where = [index.setdefault(_want(o.strategy, i), len(index)) for o in options(user, mesh)]
+        wants = [(o.strategy.ins[i], o.strategy.grads[i]) for o in options(user, mesh)]
+        where = [index.setdefault((w, pending_sum(w, g)), len(index)) for w, g in wants]
         found = _WANTS[key] = (list(index), np.array(where, dtype=np.intp))
     return found
-
-
-def _want(strategy: Strategy, i: int) -> tuple[Layout, Layout | None]:
-    return strategy.ins[i], pending_sum(strategy.ins[i], strategy.grads[i])
 
 
 def pending_sum(want: Layout, grad: Layout) -> Layout | None:
@@ -183,11 +180,6 @@ def move_cost(
     return seconds
 
 
-def grad_reduce(arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec) -> float:
-    """Seconds of ``arg``'s gradient sum, in line or bucketed alike."""
-    return sum(grad_reduce_parts(arg, grad, want, cluster))
-
-
 _PARTS: dict[tuple, tuple[float, float]] = {}
 
 
@@ -201,7 +193,8 @@ def grad_reduce_parts(
 ) -> tuple[float, float]:
     """(in line, bucketed) seconds of ``arg``'s gradient sum: a parameter's all-reduce joins
     a bucket that runs beside backward (its bandwidth term; the hook's copy is in line, the
-    bucket's latency left out), anything else runs in line. Under ZeRO (``zp``) the unit's
+    bucket's latency left out), as does the sum of a value made from parameters alone, which
+    the plan makes at its parameter; anything else runs in line. Under ZeRO (``zp``) the unit's
     collectives take the bucket's place. A ``leading`` parameter's (``OpGraph.leading``) is
     ready when backward ends: all of it counts as in line."""
     in_line, bucketed = _grad_reduce_parts(arg, grad, want, cluster, zp)
@@ -216,7 +209,7 @@ def _grad_reduce_parts(
         return 0.0, 0.0
     if zp is not None:
         return zp.copy, zp.bandwidth(cluster)
-    param = info.kind == "param"
+    param = info.from_state
     key = (grad, want, "param grad" if param else "grad", id(cluster))
     parts = _PARTS.get(key)
     if parts is None:
@@ -313,7 +306,7 @@ class Region:
         outputs: set[fx.Node],
     ) -> None:
         self.followers, self.const_layout, self.owner = followers, const_layout, owner
-        self.leading: set[fx.Node] = set()  # OpGraph.leading's placeholders
+        self.leading: set[fx.Node] = set()  # OpGraph.leading and values made from it alone
         self.mesh, self.cluster, self.outputs = mesh, cluster, outputs
 
     def price(self, node: fx.Node, strategy: Strategy) -> Priced:
@@ -446,7 +439,7 @@ def tied_grads(
     seconds = transition(grad, want.without_partial(), cluster).seconds if needs else 0.0
     if own_needs:
         seconds += gradient_transition(own_grad, stored, cluster).seconds
-        seconds -= grad_reduce(p, own_grad, stored, cluster)
+        seconds -= sum(grad_reduce_parts(p, own_grad, stored, cluster))  # in line or bucketed
     return seconds
 
 
@@ -466,7 +459,6 @@ __all__ = [
     "zero_terms",
     "edge_row",
     "follow",
-    "grad_reduce",
     "grad_reduce_parts",
     "move",
     "move_cost",

@@ -15,7 +15,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from autoshard.graph import OpGraph
@@ -154,6 +153,7 @@ class _Walk:
         self.inputs: dict[str, Layout] = {}
         self.deferred: dict[fx.Node, list[tuple[NodePlan, int, Layout]]] = {}
         self.at_params: dict[str, tuple[Layout, Layout, str]] = {}
+        self.riders: dict[fx.Node, list[tuple[str, Layout, Layout]]] = {}  # ``_to_params``
         self.warnings: list[str] = []
 
     def placeholder(self, node: fx.Node, input_layouts: Mapping, param_layouts: Mapping) -> None:
@@ -222,44 +222,56 @@ class _Walk:
             plan.moves[i] = (self.layouts[arg][0], want)
         if grad == want.without_partial() or not info.requires_grad:
             return
-        if info.kind == "param" and i not in plan.moves:
-            self.deferred.setdefault(arg, []).append((plan, i, grad))
-        elif i in plan.moves or not self._sum_at_param(arg, grad, want):
+        if i in plan.moves:
             plan.grad_reduce[i] = (grad, want.without_partial())
+        else:  # summed at a parameter where it can be (``_to_params``), else in line
+            self.deferred.setdefault(arg, []).append((plan, i, grad))
 
-    def _sum_at_param(self, value: fx.Node, grad: Layout, want: Layout) -> bool:
-        """Move the sum of ``value``'s partial gradient to its parameter when ``value`` is a
-        lookup of one parameter (an embedding of ids that need no gradient) read once: the
-        lookup's backward is linear, so the parameter's gradient is then partial over the same
-        axes and is summed in a bucket beside backward, not in line."""
-        producer = self.nodes.get(value.name)
-        if producer is None or value.target is not torch.ops.aten.embedding.default:
-            return False
-        weight, ids = tensor_inputs(value)[:2]
-        uses = sum(1 for u in value.users for a in tensor_inputs(u) if a is value)
-        stored = producer.strategy.ins[0].without_partial()
-        if (
-            uses != 1
-            or len(weight.users) != 1  # the parameter's one reader (not a tied weight)
-            or self.og[weight].kind != "param"
-            or self.og[ids].requires_grad
-            or 0 in producer.moves
-            or producer.strategy.grads[0] != stored
-            or grad.mesh != stored.mesh  # partial axes are positions in the same mesh
-            or grad.ranks != stored.ranks
-        ):
-            return False
-        partial = Layout.from_factors(
-            stored.shape, stored.mesh, stored.factors, grad.partial, stored.ranks, stored.dtype,
-            stored.axis_names,
-        )  # fmt: skip
-        self.deferred.setdefault(weight, []).append((producer, 0, partial))
-        self.at_params[value.name] = (grad, want.without_partial(), self.og[weight].fqn)
-        return True
+    def _to_params(self) -> None:
+        """Sums pending on an op's outputs (last op first) go on to its one input that needs a
+        gradient where ``_onto`` allows (a weight split into q and kv, an embedding's weight):
+        backward is linear, so that input's gradient is partial over the same axes, and a
+        parameter's is summed once in a bucket beside backward (``params``); else in line."""
+        for node in (n for n in reversed(self.og.graph.nodes) if self.og[n].kind == "op"):
+            outs = [node, *(u for u in node.users if self.og[u].kind == "getitem")]
+            uses = [(v, use) for v in outs for use in self.deferred.pop(v, [])]
+            riders = [r for v in outs for r in self.riders.pop(v, [])]
+            riders += [(v.name, g, p.strategy.ins[i].without_partial()) for v, (p, i, g) in uses]
+            onto = self._onto(node, outs, uses) if uses else None
+            for _, (plan, i, grad) in uses if onto is None else ():
+                plan.grad_reduce[i] = (grad, plan.strategy.ins[i].without_partial())
+            if onto is not None:
+                arg = tensor_inputs(node)[onto[0]]
+                self.deferred.setdefault(arg, []).append((self.nodes[node.name], *onto))
+                self.riders.setdefault(arg, []).extend(riders)
+
+    def _onto(self, node: fx.Node, outs: list[fx.Node], uses: list) -> tuple[int, Layout] | None:
+        """(input, its partial gradient) for ``_to_params``: the op's one input that needs a
+        gradient, made from parameters alone, when every reader leaves the same axes pending on
+        its layout and the op runs alike on their ranks (no move, no sum of its own); or None."""
+        args, og = tensor_inputs(node), self.og
+        needs = [og[a].requires_grad for a in args]
+        reads = sum(1 for v in outs for u in v.users if og[u].kind != "getitem"
+                    for a in tensor_inputs(u) if a is v)  # fmt: skip
+        axes = {g.partial for _, (_, _, g) in uses}
+        if needs.count(True) != 1 or reads != len(uses) or len(axes) != 1:
+            return None
+        (axes,), j, plan = axes, needs.index(True), self.nodes[node.name]
+        have = plan.strategy.ins[j].without_partial()
+        if not og[args[j]].from_state or j in plan.moves or plan.strategy.grads[j] != have:
+            return None
+        if any(a in axes for f in have.factors for _, a in f):
+            return None
+        for _, (reader, i, g) in uses:  # partial axes: positions in the same mesh
+            same = (g.mesh, g.ranks) == (have.mesh, have.ranks)
+            if not same or g.without_partial() != reader.strategy.ins[i]:
+                return None
+        return j, resplit(have, {}, partial=axes)
 
     def params(self) -> dict[str, ParamPlan]:
         """Each parameter's stored layout and, when every use needs the same sum of a gradient
         in the stored layout, that sum deferred to one per parameter."""
+        self._to_params()
         params: dict[str, ParamPlan] = {}
         for info in self.og.state():
             node = info.node
@@ -273,9 +285,9 @@ class _Walk:
             grads = {g for _, _, g in uses}
             uses_all = sum(1 for u in node.users for a in tensor_inputs(u) if a is node)
             plan = ParamPlan(info.fqn, self.stored[node])
-            plan.from_value = any(f == info.fqn for _, _, f in self.at_params.values())
             if len(grads) == 1 and len(uses) == uses_all:
-                plan.grad_partial = grads.pop()
+                plan.grad_partial, plan.from_value = grads.pop(), node in self.riders
+                self.at_params.update({r[0]: (*r[1:], info.fqn) for r in self.riders.get(node, ())})
             else:
                 for node_plan, i, grad in uses:
                     node_plan.grad_reduce[i] = (grad, node_plan.strategy.ins[i])
