@@ -4,7 +4,9 @@ the search plans it pure, with no activation moved, for any model built from tor
 front, a pooled, first-position or per-position head, batch first or not) and for transformers'
 GPT-2 and Llama. The sizes are drawn where it is the fastest: small widths, a batch of many
 tokens against few parameters (on 2 or 4 devices of the ``cpu`` preset); the test also checks
-the search found nothing slower than the pure data-parallel plan it states."""
+the search found nothing slower than the pure data-parallel plan it states. Where a value made
+from one parameter (the q and kv halves of a packed projection) has its gradient sum made at
+the parameter, training equals plain PyTorch on 2 ranks."""
 
 from __future__ import annotations
 
@@ -169,16 +171,28 @@ def test_transformers_gpt2_and_llama_plan_pure_data_parallelism(kind: str) -> No
         assert_pure_data_parallel(_CausalLM(lm), (ids, ids.clone()), devices)
 
 
-def _decoder_training() -> dict:
-    """The searched plan of a decoder classifier on 2 ranks against plain PyTorch (the eager
-    model and its AdamW), float64: each step's loss and every parameter after the last; the
-    cross-attention's packed projection is summed at the parameter, in a bucket."""
-    warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    model = Classifier(16, 2, 32, 2, decoder=True, batch_first=False, head="pooled").double()
+class _SplitWeights(nn.Module):
+    """A weight split in two whose halves batch-split linears read, and which a penalty also
+    reads whole (its gradient whole there): its sums stay in line, at the split's input; a
+    weight transposed twice and split, and a bias sliced, have theirs made at the parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.v = nn.Parameter(torch.randn(24, 8)), nn.Parameter(torch.randn(24, 8))
+        self.b = nn.Parameter(torch.randn(24))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        (a, c), (va, vc) = self.w.split([8, 16]), self.v.t().t().split([16, 8])
+        h = torch.cat([F.linear(x, a), F.linear(x, c, self.b[:16])], -1)
+        h = h + torch.cat([F.linear(x, va), F.linear(x, vc)], -1)
+        return F.mse_loss(h, target) + 1e-3 * self.w.square().sum()
+
+
+def _train(model: nn.Module, data: list, **kw) -> tuple[list, nn.Module]:
+    """``model`` parallelized on the 2 ranks (``kw``: how) against plain PyTorch (the eager
+    model and its AdamW), float64: each step's losses; every parameter after the last equal."""
     eager = copy.deepcopy(model)
-    data = [(torch.randint(0, VOCAB, (32, 8)), torch.randint(0, CLASSES, (32,))) for _ in range(3)]
-    pm = autoshard.parallelize(model, data[0], 2, search="optimal", cluster="cpu")
+    pm = autoshard.parallelize(model, data[0], **kw)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, eager)]
     losses = []
     for batch in data:
@@ -192,15 +206,38 @@ def _decoder_training() -> dict:
     full = pm.full_state_dict()
     for k, v in eager.state_dict().items():
         torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"{k}: {m}")
-    moved = sorted(pm.plan.summed_at_params)
-    return {"losses": losses, "mesh": dict(pm.plan.mesh.as_dict()), "moved": moved}
+    return losses, pm
 
 
-def test_a_decoder_summing_its_split_projection_at_the_parameter_trains_as_pytorch() -> None:
+def _sums_at_parameters() -> dict:
+    """The searched plan of a decoder classifier (its cross-attention's packed projection
+    summed at the parameter, in a bucket) and the data-parallel plan of ``_SplitWeights``."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = Classifier(16, 2, 32, 2, decoder=True, batch_first=False, head="pooled").double()
+    data = [(torch.randint(0, VOCAB, (32, 8)), torch.randint(0, CLASSES, (32,))) for _ in range(3)]
+    losses, pm = _train(model, data, mesh=2, search="optimal", cluster="cpu")
+    split = _SplitWeights().double()
+    data = [(torch.randn(16, 8).double(), torch.randn(16, 24).double()) for _ in range(3)]
+    split_losses, split_pm = _train(split, data, mesh={"dp": 2})
+    return {
+        "losses": losses + split_losses,
+        "mesh": dict(pm.plan.mesh.as_dict()),
+        "moved": sorted(pm.plan.summed_at_params),
+        "in line": {
+            k: sorted(n.grad_reduce) for k, n in split_pm.plan.nodes.items() if n.grad_reduce
+        },
+        "bucketed": sorted(k for k, p in split_pm.plan.params.items() if p.grad_partial),
+    }
+
+
+def test_sums_made_at_the_parameter_train_as_pytorch() -> None:
     from autoshard.testing import run_ranks
 
-    for result in run_ranks(_decoder_training, 2, timeout=300):
+    for result in run_ranks(_sums_at_parameters, 2, timeout=300):
         assert result["mesh"] == {"dp": 2, "tp": 1}
         assert len(result["moved"]) == 8, result["moved"]  # q, kv; weight, bias; 2 layers
+        assert result["in line"] == {"split_with_sizes": [0]}, result["in line"]
+        assert result["bucketed"] == ["b", "v"], result["bucketed"]
         for got, expected in result["losses"]:
             assert got == pytest.approx(expected, rel=1e-10)
