@@ -128,8 +128,12 @@ def test_torch_transformer_stacks_plan_pure_data_parallelism(case) -> None:
     assert_pure_data_parallel(model, batch, devices)
 
 
-def test_the_encoder_classifier_of_issue_59() -> None:
-    """An embedding, two encoder layers, a head reading the first position, on 2 and 4."""
+def test_an_encoder_classifier_reading_the_first_position() -> None:
+    """An embedding, two encoder layers, a head reading the first position, on 2 and 4. (With
+    a 1000-token vocabulary, torch's default feed-forward of 2048 and 8 sequences of 16, data
+    parallelism is not the fastest: the embedding split by hidden and the feed-forward split
+    over the devices spare the embedding's gradient sum, which is in line, and half the Adam
+    step, for 32 KB of activations moved: predicted 13.3 ms against 14.1 at ZeRO 1.)"""
     torch.manual_seed(0)
     model = Classifier(64, 4, 128, 2, decoder=False, batch_first=True, head="first")
     batch = (torch.randint(0, VOCAB, (64, 16)), torch.randint(0, CLASSES, (64,)))
