@@ -50,7 +50,7 @@ def _classify(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
             continue
         acts = {a for a in args if a not in weight}
         reads_matrix = any(a in weight and len(node_info(a).shape) >= 2 for a in args)
-        if SUM in rule.space(node).kinds or reads_matrix or len(acts) >= 2:  # contracts, or...
+        if SUM in rule.space(node).kinds or reads_matrix or len(acts) >= 2:
             decision.add(node)
     return weight, decision
 
