@@ -36,7 +36,7 @@ from autoshard.graph.capture import capture_modes
 from autoshard.mesh import mesh_info
 from autoshard.models import GPTConfig, LlamaConfig, reference_config
 from autoshard.models import build as build_model
-from autoshard.ops import SpaceRule, rule_for
+from autoshard.ops import SpaceRule, rule_for, tensor_inputs
 from autoshard.testing import run_ranks
 
 STEPS = 5
@@ -432,7 +432,12 @@ def _megatron_layer_volume() -> None:
     # before each column-split linear and reduce-scatters each row-split output into its add;
     # backward runs their transposes (the all-gather's: a reduce-scatter of the column-split
     # linear's partial gradient, Megatron's, not an all-reduce then a slice) and sums the
-    # norms' gradients. Activations move exactly plain tensor parallelism's bytes.
+    # norms' gradients. The column-split linears keep only their input's sequence part: each
+    # backward gathers it again (Megatron's) before its weight gradient. Activations move
+    # plain tensor parallelism's bytes and those gathers; the plan predicts them all.
+    from autoshard.cost.collectives import regathered
+    from autoshard.redistribution import redistribution_plan
+
     sp = {k.removeprefix("layers.*"): v for k, v in sequence_parallel().items() if "*" in k}
     sp = {k.removeprefix("."): v for k, v in sp.items() if "dropout" not in k}
     pm = parallelize(block, (x, target), {"tp": 2}, sp, loss_fn=lambda y, t: (y * t).sum())
@@ -441,11 +446,25 @@ def _megatron_layer_volume() -> None:
     with comm.recording() as backward:
         loss.backward()
     half, norms = activation // 2, 4 * h * 8  # ln_1 and ln_2, weight and bias
-    gather_scatter = [("all_gather", 2, half), ("reduce_scatter", 2, half)]
-    assert forward == gather_scatter * 2 + [("all_reduce", 2, 8)], forward  # 8: the loss
-    assert backward == gather_scatter * 2 + [("all_reduce", 2, norms)], backward
+    gather, scatter = ("all_gather", 2, half), ("reduce_scatter", 2, half)
+    assert forward == [gather, scatter] * 2 + [("all_reduce", 2, 8)], forward  # 8: the loss
+    # per sublayer: the row-split output's gradient gathered, the input gathered again, the
+    # input's gradient reduce-scattered
+    assert backward == [gather, gather, scatter] * 2 + [("all_reduce", 2, norms)], backward
     moved = sum(n for kind, _, n in forward + backward if kind != "all_reduce")
-    assert moved == 4 * activation  # tensor parallelism's four all-reduces
+    assert moved == 4 * activation + 2 * half
+    graph, nodes = pm.plan.graph, [n for n in pm.plan.graph.graph.nodes if n.name in pm.plan.nodes]
+    again = sum(
+        redistribution_plan(*move).bytes
+        for n in nodes
+        for move in regathered(n, pm.plan.nodes[n.name])
+    )
+    predicted = 0
+    for n in nodes:  # the block's input needs no gradient: its moves have no backward
+        no_grad = [i for i, a in enumerate(tensor_inputs(n)) if not graph[a].requires_grad]
+        node_plan = pm.plan.nodes[n.name]
+        predicted += node_plan.forward_bytes() + node_plan.backward_bytes(no_grad)
+    assert predicted + again == moved, (predicted, again, moved)
 
 
 def _llama_block_inputs_summed_once() -> dict:

@@ -12,8 +12,10 @@ from functools import lru_cache
 from typing import Any
 
 from autoshard.cost.cluster import ClusterSpec
+from autoshard.graph import node_info
 from autoshard.layout import Layout
-from autoshard.ops import rule_for
+from autoshard.ops import rule_for, tensor_inputs
+from autoshard.ops.regather import regathers
 from autoshard.options import BUCKET_CAP_MB
 from autoshard.redistribution import (
     RedistributionPlan,
@@ -112,6 +114,20 @@ def transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
     # the plan's steps as pricing sees them (step_costs: the same plan, its layouts unmade)
     return _price_steps(step_costs(src, dst), cluster)
+
+
+def regathered(node: Any, decisions: Any) -> list[tuple[Layout, Layout]]:
+    """The moves of ``node``'s inputs (``OpDecisions``) that its backward gathers again
+    (``ops.regather``: sequence parallelism's column-split linears), each once: a move an
+    earlier reader made is gathered again once for all its readers."""
+    args = tensor_inputs(node)
+    if len(args) < 2 or not node_info(args[1]).requires_grad:
+        return []  # no weight gradient: nothing needs the input again
+    return [
+        (src, dst)
+        for i, (src, dst) in decisions.moves.items()
+        if i not in decisions.reuses and regathers(node, i, src, dst)
+    ]
 
 
 def gradient_transition(partial: Layout, full: Layout, cluster: ClusterSpec) -> Transfer:
@@ -239,5 +255,6 @@ __all__ = [
     "gradient_transition",
     "group_size",
     "price_plan",
+    "regathered",
     "transition",
 ]

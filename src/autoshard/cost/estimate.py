@@ -23,6 +23,7 @@ from autoshard.cost.collectives import (
     exchange_times,
     grad_sync,
     group_size,
+    regathered,
     transition,
 )
 from autoshard.cost.compute import (
@@ -239,9 +240,9 @@ def _price_node(
     est: Estimate, og: OpGraph, node: fx.Node, node_plan: OpDecisions, cluster: ClusterSpec
 ) -> None:
     strategy = node_plan.strategy
-    fwd, bwd = op_time(node, strategy, cluster)
+    fwd, compute_bwd = op_time(node, strategy, cluster)
     est.compute_forward += fwd
-    est.compute_backward += bwd
+    est.compute_backward += compute_bwd
     fwd, bwd = exchange_times(node, strategy, cluster)
     est.comm_forward += fwd
     est.comm_backward += bwd if og[node].requires_grad else 0.0
@@ -256,6 +257,8 @@ def _price_node(
             grad = node_plan.grad_reduce[i][0] if i in node_plan.grad_reduce else None
             back = transition(backward_source(dst, grad), src.without_partial(), cluster)
             est.comm_backward += back.seconds
+    for src, dst in regathered(node, node_plan):  # hidden behind the input's gradient
+        est.comm_backward += max(0.0, transition(src, dst, cluster).seconds - compute_bwd / 2)
     for i, (grad, want) in node_plan.grad_reduce.items():
         if i in node_plan.moves:
             continue

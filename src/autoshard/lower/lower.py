@@ -21,6 +21,7 @@ from autoshard.graph import OpGraph, StageCut
 from autoshard.layout import NOT_SPLIT, Layout
 from autoshard.lower.recompute import TAG, with_recompute
 from autoshard.ops import local, rule_for, tensor_inputs
+from autoshard.ops.regather import Gathered, regathered_linear, regathers
 from autoshard.redistribution import backward_plan, execute, redistribute, redistribution_plan
 from autoshard.search import Plan
 
@@ -80,25 +81,41 @@ class ReduceGrad(nn.Module):
 
 
 class Dropout(nn.Module):
-    """native_dropout on a shard with the single device's mask (keyed by global index)."""
+    """native_dropout on a shard with the single device's mask (keyed by global index). The
+    mask is made on the shard's device each call from the layout's per-dim ranges: nothing
+    the size of the activation is kept between calls."""
 
     def __init__(self, p: float, train: bool, layout: Layout, rank: int, op: int, state: RunState):
         super().__init__()
         self.p, self.train_flag, self.op, self.state = p, train, op, state
         self.layout, self.rank = layout, rank
-        self._index: torch.Tensor | None = None
+        self.where = layout.local_index(rank)  # a range (or a dim's few indices) per dim
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._index is None:
-            self._index = local.global_index(self.layout.local_index(self.rank), self.layout.shape)
         key = local.dropout_key(self.state.seed, self.state.step, self.op)
-        index = self._index
-        if self.state.microbatch:  # micro-batch i of a batch cut along dim 0 follows i others
-            index = index + self.state.microbatch * self.layout.global_numel
-        return local.dropout(x, self.p, self.train_flag, index, key)
+        # micro-batch i of a batch cut along dim 0 follows i others
+        offset = self.state.microbatch * self.layout.global_numel
+        return local.dropout(x, self.p, self.train_flag, self.where, self.layout.shape, key, offset)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, op={self.op}, {self.layout}"
+
+
+class RegatheredLinear(nn.Module):
+    """A linear that keeps its input's part for backward, which gathers it again
+    (``ops/regather.py``: sequence parallelism's column-split linears)."""
+
+    def __init__(self, gathered: Gathered) -> None:
+        super().__init__()
+        self.gathered = gathered
+
+    def forward(
+        self, whole: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, bias: Any
+    ) -> torch.Tensor:
+        return regathered_linear(whole, part, weight, bias, self.gathered)
+
+    def extra_repr(self) -> str:
+        return f"gathered again in backward: {self.gathered.src} -> {self.gathered.dst}"
 
 
 @dataclass(frozen=True)
@@ -123,6 +140,8 @@ class _Lowerer:
         #: moved values by (value, source, target, gradient summed): a later reader's move of
         #: the same value alike (``NodePlan.reuses``) takes the first one's
         self.moved: dict[tuple, fx.Node] = {}
+        #: the moves gathered again in backward, by the same key, and their readers so far
+        self.gathered: dict[tuple, Gathered] = {}
 
     def value(self, node: fx.Node) -> Any:
         """What the program holds for ``node``; a parameter read through a module (a ZeRO
@@ -295,6 +314,7 @@ def _in_stage(og: OpGraph, node: fx.Node, cut: StageCut, s: int) -> bool:
 def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
     node_plan = low.plan.nodes[node.name]
     values = []
+    regather: tuple[fx.Node, Gathered] | None = None
     for i, arg in enumerate(tensor_inputs(node)):
         v = low.value(arg)
         if i in node_plan.moves:  # its backward sums the gradient too (NodePlan.grad_source)
@@ -302,6 +322,11 @@ def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
             if key not in low.moved:
                 move = Redistribute(*node_plan.moves[i], node_plan.grad_source(i))
                 low.moved[key] = low.module(move, (v,), "redistribute")
+            if regathers(node, i, *node_plan.moves[i]):
+                gathered = low.gathered.setdefault(key, Gathered(*node_plan.moves[i], 0, low.rank))
+                gathered.readers += 1
+                gathered.reset()
+                regather = (v, gathered)
             v = low.moved[key]
         elif i in node_plan.grad_reduce:
             v = low.module(ReduceGrad(*node_plan.grad_reduce[i]), (v,), "reduce_grad")
@@ -311,7 +336,17 @@ def _lower_node(low: _Lowerer, node: fx.Node) -> fx.Node:
     args = _replace(tuple(node.args), values)
     kwargs = {k: _replace(v, values) for k, v in node.kwargs.items()}
     rule = rule_for(node)
-    return rule.lower(low, node, node_plan.strategy, list(args), kwargs)
+    out = rule.lower(low, node, node_plan.strategy, list(args), kwargs)
+    return out if regather is None else _regathered(low, out, *regather)
+
+
+def _regathered(low: _Lowerer, out: fx.Node, part: fx.Node, gathered: Gathered) -> fx.Node:
+    """The linear ``out`` as one that keeps ``part`` of its gathered input for backward."""
+    assert out.op == "call_function" and out.target is torch.ops.aten.linear.default, out
+    x, weight, *rest = out.args
+    bias = rest[0] if rest else out.kwargs.get("bias")
+    low.graph.erase_node(out)
+    return low.module(RegatheredLinear(gathered), (x, part, weight, bias), "linear")
 
 
 def _needless_copy(node: fx.Node) -> bool:
@@ -327,6 +362,7 @@ __all__ = [
     "Dropout",
     "Redistribute",
     "ReduceGrad",
+    "RegatheredLinear",
     "RunState",
     "attr_name",
     "lower",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -162,28 +163,40 @@ def dropout_key(seed: int, step: int, op: int) -> int:
 
 
 def keep_mask(index: torch.Tensor, key: int, p: float) -> torch.Tensor:
-    """Which elements (by global linear index) survive dropout ``p`` under ``key``."""
+    """Which elements (by global linear index) survive dropout ``p`` under ``key``: a 24-bit
+    hash at least ``p * 2**24`` (compared as integers, on the index's device)."""
     hi = _mix32((index >> 32) ^ key)
     h = _mix32((index & _M32) ^ hi)
-    uniform = (h >> 8).to(torch.float64) / float(1 << 24)
-    return uniform >= p
+    return (h >> 8) >= math.ceil(p * (1 << 24))
 
 
-def global_index(local_index: Sequence[Any], shape: Sequence[int]) -> torch.Tensor:
-    """Global linear indices of a rank's elements, from its per-dim slices or index tensors."""
-    out = torch.zeros((), dtype=torch.int64)
+def global_index(
+    local_index: Sequence[Any], shape: Sequence[int], offset: int = 0, device: Any = None
+) -> torch.Tensor:
+    """Global linear indices (plus ``offset``) of a rank's elements, from its per-dim slices or
+    index tensors, made on ``device`` by broadcasting one small range per dim."""
+    out = torch.full((), offset, dtype=torch.int64, device=device)
     for size, index in zip(shape, local_index, strict=True):
         if isinstance(index, slice):
-            index = torch.arange(index.start, index.stop, dtype=torch.int64)
-        out = out.unsqueeze(-1) * size + index.to(torch.int64)
+            index = torch.arange(index.start, index.stop, dtype=torch.int64, device=device)
+        out = out.unsqueeze(-1) * size + index.to(device=device, dtype=torch.int64)
     return out
 
 
 def dropout(
-    x: torch.Tensor, p: float, train: bool, index: torch.Tensor, key: int
+    x: torch.Tensor,
+    p: float,
+    train: bool,
+    local_index: Sequence[Any],
+    shape: Sequence[int],
+    key: int,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """native_dropout on a shard, with the mask the single device draws for these elements."""
+    """native_dropout on a shard, with the mask the single device draws for these elements:
+    ``local_index`` (per dim, ``Layout.local_index``) places them in the global ``shape``,
+    after ``offset`` others. The mask is made on ``x``'s device each call, no index kept;
+    backward keeps only the boolean mask."""
     if not train or p == 0.0:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
-    keep = keep_mask(index.to(x.device), key, p)
-    return x * keep.to(x.dtype) / (1.0 - p), keep
+    keep = keep_mask(global_index(local_index, shape, offset, x.device), key, p)
+    return torch.where(keep, x, 0) / (1.0 - p), keep

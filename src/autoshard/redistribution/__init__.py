@@ -1,7 +1,13 @@
 """Redistribution: the least-bytes plan between two layouts (``planner``) and running it on this
 rank's tensor, differentiably (``execute``)."""
 
-from autoshard.redistribution.execute import execute, gather_tensor, redistribute, shard_tensor
+from autoshard.redistribution.execute import (
+    execute,
+    gather_tensor,
+    redistribute,
+    shard_tensor,
+    start_execute,
+)
 from autoshard.redistribution.planner import (
     RedistributionPlan,
     Step,
@@ -27,5 +33,6 @@ __all__ = [
     "redistribution_plan",
     "replica_sum_groups",
     "shard_tensor",
+    "start_execute",
     "step_costs",
 ]

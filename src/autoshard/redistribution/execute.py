@@ -83,8 +83,7 @@ def _run_step(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
             elif coords[axis] != 0:
                 x = torch.zeros_like(x)
     elif step.kind == "all_gather":
-        x = comm.all_gather(x, group).reshape(*(grid.axes[a] for a in axes), *x.shape)
-        order = [_slot_of(before, a) for a in axes] + order
+        return _gathered(comm.all_gather(x, group), step, order)
     elif step.kind in ("all_to_all", "reduce_scatter"):
         sent = [_slot_of(after, a) for a in axes]
         rest = [o for o in order if o not in sent]
@@ -101,6 +100,40 @@ def _run_step(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
         raise AssertionError(f"unknown step kind {step.kind}")
     x = _arrange(x, order, _local_order(after))
     return _from_factors(x.contiguous(), grid, after)
+
+
+def _gathered(stacked: torch.Tensor, step: Step, order: list[Any]) -> torch.Tensor:
+    """An all-gather step's result from every member's factors stacked in group order."""
+    grid, before, after, axes = step.grid, step.grid_before, step.grid_after, step.grid_axes
+    x = stacked.reshape(*(grid.axes[a] for a in axes), *stacked.shape[1:])
+    order = [_slot_of(before, a) for a in axes] + order
+    x = _arrange(x, order, _local_order(after))
+    return _from_factors(x.contiguous(), grid, after)
+
+
+def start_execute(x: torch.Tensor, plan: RedistributionPlan, rank: int) -> Any:
+    """Start ``execute``: a plan of one all-gather is issued now and finished by calling what
+    this returns (communication beside the compute in between); any other plan runs now."""
+    steps = plan.steps
+    if len(steps) != 1 or steps[0].kind != "all_gather" or rank not in plan.src.ranks:
+        done = execute(x, plan, rank)
+        return lambda: done
+    step = steps[0]
+    position = step.src.position(rank)
+    group = tuple(step.src.ranks[p] for p in group_positions(step.grid, step.grid_axes, position))
+    factors = _to_factors(x, step.grid, step.grid_before).contiguous()
+    out = torch.empty(len(group) * factors.numel(), dtype=x.dtype, device=x.device)
+    work = comm.all_gather_async(out, factors.reshape(-1), group)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        stacked = out.reshape(len(group), *factors.shape)  # members in ascending rank order
+        ascending = sorted(group)
+        if list(group) != ascending:
+            stacked = stacked[[ascending.index(r) for r in group]]
+        return _gathered(stacked, step, _local_order(step.grid_before))
+
+    return finish
 
 
 def _run_send_recv(x: torch.Tensor | None, step: Step, rank: int) -> torch.Tensor | None:
