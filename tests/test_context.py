@@ -264,11 +264,14 @@ def _tensor_parallel(name: str) -> dict[str, tuple]:
 def _sequence_parallel(name: str) -> str:
     """Megatron's tensor parallel strategies alone, with ``sequence_parallel=True``: trains
     as PyTorch, and its activations move what plain tensor parallelism's do (all-gathers and
-    reduce-scatters for all-reduces)."""
+    reduce-scatters for all-reduces) and the column-split linears' inputs gathered again in
+    backward (each keeps only its sequence part), which the plan predicts."""
     from autoshard import comm
-    from autoshard.redistribution import gradient_sum
+    from autoshard.cost.collectives import regathered
+    from autoshard.lower.lower import RegatheredLinear
+    from autoshard.redistribution import gradient_sum, redistribution_plan
 
-    moved = {}
+    moved, again = {}, {}
     for sp in (False, True):
         model = _model(name, LAYERS)
         ref = copy.deepcopy(model)
@@ -296,6 +299,16 @@ def _sequence_parallel(name: str) -> str:
             if p.grad_partial is not None
         )
         moved[sp] = sum(c["bytes"] for c in counted.values()) - sums
+        graph = pm.plan.graph
+        again[sp] = sum(
+            redistribution_plan(*move).bytes
+            for n in graph.graph.nodes
+            if n.name in pm.plan.nodes
+            for move in regathered(n, pm.plan.nodes[n.name])
+        )
+        readers = [m for m in pm.program().modules() if isinstance(m, RegatheredLinear)]
+        if sp and (not again[sp] or not readers):
+            return f"{name}: sequence parallel gathers nothing again in backward"
         kinds = set(counted)
         if sp and not {"all_gather", "reduce_scatter"} <= kinds:
             return f"{name}: sequence parallel ran {kinds}"
@@ -303,8 +316,14 @@ def _sequence_parallel(name: str) -> str:
         bad = [k for k, v in ref.state_dict().items() if not torch.allclose(full[k], v, atol=atol)]
         if bad:
             return f"{name} sequence_parallel={sp}: {bad} differ"
-    if moved[True] > moved[False] * 1.01:  # the labels' shift gathers a few ids besides
-        return f"{name}: sequence parallel moves {moved[True]} bytes, tensor {moved[False]}"
+    if again[False]:
+        return f"{name}: tensor parallelism gathers {again[False]} bytes again"
+    # the labels' shift gathers a few ids besides
+    if not moved[False] + again[True] <= moved[True] <= moved[False] * 1.01 + again[True]:
+        return (
+            f"{name}: sequence parallel moves {moved[True]} bytes, tensor {moved[False]}, "
+            f"gathered again {again[True]}"
+        )
     return ""
 
 
