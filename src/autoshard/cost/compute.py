@@ -3,6 +3,8 @@ bytes a layout holds, which outputs autograd keeps, and an optimizer step (docs/
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -64,11 +66,19 @@ def saves_output(node: fx.Node) -> bool:
 def saved_bytes(node: fx.Node, strategy: Strategy) -> float:
     """The bytes of activations ``node`` keeps for backward on a rank under ``strategy``: its
     outputs (``saves_output``) and the copies of its inputs that only it holds
-    (``OpRule.held_inputs``: an attention's gathered keys and values)."""
+    (``OpRule.held_inputs``: an attention's gathered keys and values). An output pending a
+    sum (a row-split linear's) is not kept as it is: the collective that sums it consumes it;
+    it counts as the share of the sum a rank ends with when it is reduce-scattered (a t-th
+    under sequence parallelism, where every term of a layer is a t-th)."""
     held = float(rule_for(node).held_inputs(node, strategy)) if node_info(node).kind == "op" else 0
     if saves_output(node):
-        held += sum(local_bytes(o) for o in strategy.outs)
+        held += sum(local_bytes(o) / _pending(o) for o in strategy.outs)
     return held
+
+
+def _pending(layout: Layout | None) -> int:
+    """How many ranks' values a local tensor in ``layout`` sums with (1: none)."""
+    return 1 if layout is None else math.prod(layout.mesh[a] for a in layout.partial)
 
 
 def input_time(layout: Layout, cluster: ClusterSpec) -> float:
