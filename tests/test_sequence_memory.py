@@ -6,6 +6,7 @@ Dropout draws its mask on the shard's device with nothing the size of its activa
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -78,10 +79,35 @@ def _kept(layers: int, strategies: Any) -> tuple[int, list, Any]:
     return _saved_for_backward(lambda: pm(*mine), pm.local_tensors().values()), shapes, pm
 
 
+def _recomputed(recompute: str) -> str:
+    """Llama under Megatron tp 2 with sequence parallelism and ``recompute``: the block run
+    again in backward gathers its input in forward again and then once more for the weight
+    gradient; 5 float64 AdamW steps equal plain PyTorch's, losses and parameters."""
+    from test_context import _batches, _model, _tensor_parallel
+
+    model, batches = _model("llama", 2), _batches()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, batches[0], {"tp": T}, _tensor_parallel("llama"),
+                     sequence_parallel=True, recompute=recompute)  # fmt: skip
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, ref)]
+    for step, batch in enumerate(batches):
+        loss, want = pm(*shard_inputs(batch, pm)), ref(*batch)
+        loss.backward()
+        want.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        if not torch.allclose(loss.detach(), want.detach(), atol=1e-8):
+            return f"recompute {recompute}: step {step} loss {float(loss)} != {float(want)}"
+    full = pm.full_state_dict()
+    bad = [k for k, v in ref.state_dict().items() if not torch.allclose(full[k], v, atol=1e-8)]
+    return f"recompute {recompute}: {bad} differ" if bad else ""
+
+
 def _world() -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"failures": [_recomputed("full"), _recomputed("selective")]}
     for name, strategies in (("tp", megatron("gpt")), ("sp", sequence_parallel())):
         one, _, _ = _kept(1, strategies)
         two, shapes, pm = _kept(2, strategies)
@@ -104,8 +130,10 @@ def test_a_rank_keeps_a_t_th_of_a_layer_under_sequence_parallelism() -> None:
     log-sum-exp in place of their 5as/h of scores), besides the norms' row statistics: their
     ``34/t`` in 2-byte values. No rank keeps a whole sequence's ``[b, s, h]``
     (the column-split linears keep their input's part); plain tensor parallelism keeps both
-    norms' outputs whole. Dropout holds no tensor between calls."""
+    norms' outputs whole. Dropout holds no tensor between calls. And the gather again trains
+    as PyTorch under full and selective recompute."""
     for mine in run_ranks(_world, 2, timeout=300):
+        assert not [f for f in mine["failures"] if f], mine["failures"]
         stats = 2 * 2 * B * S // T * 4 + B * HEADS // T * S * 4  # norms' mean, rstd; lse
         assert mine["sp"] == SBH // T * (4 * 16 + 2) + stats, mine["sp"]
         assert (B, S, H) not in mine["sp shapes"]
