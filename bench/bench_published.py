@@ -30,10 +30,10 @@ One parameter was fitted: the A100 preset's matrix-product share at large sizes,
 large fp16 products sustaining 239 of the 312 TFLOP/s), set so that the 175B run with full
 recompute (marked "fit") is predicted within 0.1%; no other run set anything.
 
-Where autoshard's cost model holds a configuration over the device's 80 GiB (its activations
-under selective recompute and sequence parallelism are larger than Megatron-LM's: it keeps a
-column-parallel linear's gathered input), the step is priced with the limit lifted and the
-table says so.
+Where autoshard's cost model holds a configuration over the device's 80 GiB, the step is
+priced with the limit lifted and the table says so. Since sequence parallelism's activations
+are priced as Megatron-LM keeps them (every term of a layer a t-th, the column-parallel
+linears' inputs gathered again in backward), no run is.
 """
 
 from __future__ import annotations
