@@ -175,12 +175,12 @@ def global_index(
 ) -> torch.Tensor:
     """Global linear indices (plus ``offset``) of a rank's elements, from its per-dim slices or
     index tensors, made on ``device`` by broadcasting one small range per dim."""
-    out = torch.full((), offset, dtype=torch.int64, device=device)
+    out = torch.zeros((), dtype=torch.int64, device=device)
     for size, index in zip(shape, local_index, strict=True):
         if isinstance(index, slice):
             index = torch.arange(index.start, index.stop, dtype=torch.int64, device=device)
         out = out.unsqueeze(-1) * size + index.to(device=device, dtype=torch.int64)
-    return out
+    return out + offset if offset else out
 
 
 def dropout(
