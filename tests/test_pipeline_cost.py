@@ -141,10 +141,10 @@ def test_a_lighter_recompute_given_is_not_priced_on_a_slower_stage_plan(stage) -
 def test_sequence_parallel_reaches_the_stage_plans(tmp_path) -> None:
     """``autoshard plan --sequence-parallel`` with stages splits the stage plan's norms and
     residuals by sequence over tp: less activation memory on every pipeline rank than the
-    plan the search finds without it (a small GPT's, whose collectives cost more than its
-    norms)."""
+    plan the search finds without it (a small GPT's, one sequence a micro-batch: no batch
+    to split over tp, and collectives that cost more than its norms)."""
     args = ["plan", "--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "8",
-            "--seq", "128", "--batch", "8", "--vocab", "512", "--devices", "4", "--tp", "2",
+            "--seq", "128", "--batch", "4", "--vocab", "512", "--devices", "4", "--tp", "2",
             "--pp", "2", "--microbatches", "4", "--schedule", "1f1b",
             "--recompute", "none"]  # fmt: skip
 
