@@ -502,11 +502,32 @@ def _sticks(json_path):
 def test_stages_ahead_stuck_is_stopped_and_searched_here(monkeypatch, capfd) -> None:
     from autoshard.cli import stages_ahead
 
-    monkeypatch.setattr(stages_ahead, "STUCK_S", 1.0)
+    monkeypatch.setattr(stages_ahead, "STARVED_S", 1.0)
     began = time.perf_counter()
     ahead = stages_ahead.StagesAhead(_sticks, None)
     assert ahead.finish() is None and ahead.pid is None
     assert time.perf_counter() - began < 30
+    assert capfd.readouterr() == ("", "")
+
+
+def _crawls(json_path):
+    while True:  # a tenth of a core: a fork at the lowest priority on a busy machine
+        began = time.process_time()
+        while time.process_time() - began < 0.02:
+            pass
+        time.sleep(0.2)
+
+
+@_LINUX_FORK
+def test_stages_ahead_starved_is_stopped_and_searched_here(capfd) -> None:
+    """A fork that gets next to no processor time while the command waits for it (the
+    lowest priority beside other work) is not waited for: the command searches itself."""
+    from autoshard.cli.stages_ahead import StagesAhead
+
+    began = time.perf_counter()
+    ahead = StagesAhead(_crawls, None)
+    assert ahead.finish() is None and ahead.pid is None
+    assert time.perf_counter() - began < 10  # STARVED_S after it began waiting, and a bit
     assert capfd.readouterr() == ("", "")
 
 

@@ -10,8 +10,10 @@ this process and its helpers leave idle, and it holds everything it would show (
 its JSON file) until this process's search ends: where nothing fits without stages, this
 process says so and the fork shows the plan with stages, just as this process would have;
 where a plan fits, the fork is killed and shows nothing. Where the fork's search raises
-(an error is then told as this process tells it), fails, dies or is stuck (it and its helper
-use no processor time for a minute), this process searches with stages itself. Only the
+(an error is then told as this process tells it), fails, dies, or is starved or stuck while
+this process waits for it (it and its helper get less than a quarter of a core for two
+seconds: a busy machine leaves the lowest priority next to nothing), this process searches
+with stages itself, at its own priority. Only the
 command's own process forks (not a call of ``main`` from Python), on Linux with a core to
 spare (``search.helper.helper_cores``), and not where ``AUTOSHARD_PLAN_HELPERS=0``."""
 
@@ -66,7 +68,7 @@ class StagesAhead:
 
     def finish(self) -> int | None:
         """The fork's output let out once its search ends, and its exit code; None where it
-        failed, died or is stuck (this process then searches with stages itself)."""
+        failed, died, is starved or stuck (this process then searches with stages itself)."""
         try:
             os.write(self.go, b"g")
             answer = self._answer()
@@ -88,22 +90,27 @@ class StagesAhead:
 
     def _answer(self) -> bytes:
         """The fork's exit code once it has let its output out; empty where it ended without
-        one, or where it and its helper used no processor time for ``STUCK_S`` (a search
-        always computes: a fork can inherit a lock no thread will release)."""
-        last, since = None, time.monotonic()
-        while not select.select([self.done], [], [], 1.0)[0]:
-            used = _cpu_seconds(self.pid)
-            if used is None:  # nothing to tell by: wait for it as for this process's own
+        one, or where it and its helper were starved: less than ``STARVED_SHARE`` of a core
+        through ``STARVED_S`` seconds while this process waits (a busy machine gives its
+        lowest priority next to nothing; a fork can inherit a lock no thread releases). This
+        process then searches at its own priority rather than wait on it."""
+        last, since = _cpu_seconds(self.pid), time.monotonic()
+        while not select.select([self.done], [], [], STARVED_S / 4)[0]:
+            used, now = _cpu_seconds(self.pid), time.monotonic()
+            if used is None or last is None:  # nothing to tell by: wait as for its own
+                last, since = used, now
                 continue
-            if used != last:
-                last, since = used, time.monotonic()
-            elif time.monotonic() - since > STUCK_S:
+            if used - last >= STARVED_SHARE * (now - since):  # it ran: a new window
+                last, since = used, now
+            elif now - since > STARVED_S:
                 return b""
         return os.read(self.done, 1)
 
 
-#: seconds the fork and its helper may use no processor time before it is taken for stuck
-STUCK_S = 60.0
+#: a fork using less than this share of a core for ``STARVED_S`` seconds, while this
+#: process only waits for it, is starved (or stuck), and its search is run here
+STARVED_SHARE = 0.25
+STARVED_S = 2.0
 
 
 def _cpu_seconds(pid: int) -> float | None:
