@@ -37,7 +37,7 @@ def _searched(og, spec, monkeypatch, helper: bool):
 
     def counted(self, job):
         outcome = _TAKE(self, job)
-        if outcome is not None and isinstance(job, tuple):  # (not a mesh's moves)
+        if outcome is not None and isinstance(job[0], int):  # (pp, m, ...): not a mesh's
             delivered.append(job)
         return outcome
 
@@ -262,6 +262,7 @@ def test_moves_priced_ahead_give_the_search_alone_s_plan(monkeypatch, kind) -> N
     monkeypatch.setattr(Helper, "take", counted)
     monkeypatch.setattr(solvers, "solve_program", counted_solve)
     monkeypatch.setattr(ahead, "AHEAD_AFTER_S", 0.0)  # a helper however small the graphs
+    monkeypatch.setattr(ahead, "helper_cores", lambda: 1)  # and however few the cores
 
     def searched():
         result = run_search(og, 32, spec, depth={"layers": 16} if kind == "reference" else None)
