@@ -87,6 +87,17 @@ def test_options_cannot_change_and_travel_whole() -> None:
         opts.replace(zero=7)
 
 
+def test_a_mesh_fixes_the_pipeline_s_degree_and_a_stage_s_sub_mesh() -> None:
+    staged = Options(mesh={"pp": 2, "dp": 2, "tp": 2}).with_mesh_pp()
+    assert staged.pp == 2 and staged.stage_mesh.as_dict() == {"dp": 2, "tp": 2}
+    assert Options(mesh={"pp": 4}).stage_mesh.as_dict() == {"dp": 1}
+    assert Options(mesh=8).stage_mesh is None and Options(mesh=8).with_mesh_pp().pp is None
+    with pytest.raises(ValueError, match=r"pp=4, but the mesh pp\(2\) \* dp\(2\) has pp 2"):
+        Options(mesh={"pp": 2, "dp": 2}, pp=4).with_mesh_pp()
+    with pytest.raises(ValueError, match="pp=2, but the mesh dp.2. has pp 1"):
+        Options(mesh={"dp": 2}, pp=2).with_mesh_pp()
+
+
 def test_defaults_are_what_the_search_would_pick() -> None:
     assert Options(schedule="interleaved-1f1b").stages_a_rank == 2
     assert Options(schedule="interleaved-1f1b", virtual_stages=3).stages_a_rank == 3

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autoshard.mesh import MeshInfo, mesh_info
 from autoshard.precision import Precision, precision_policy
 from autoshard.schedule import SCHEDULES
 
@@ -186,6 +187,26 @@ class Options:
             "precision": None if self.precision is None else self.policy,
             "tp": self.tp,
         }
+
+    def with_mesh_pp(self) -> Options:
+        """These options with ``pp`` the mesh's ``pp`` axis, where it has one (a mesh and a
+        ``pp`` that disagree are an error naming both)."""
+        if self.mesh is None or isinstance(self.mesh, int):
+            return self
+        info = mesh_info(self.mesh)
+        axis = info.size_of(["pp"]) if "pp" in info.names else None
+        if self.pp is not None and self.pp != (axis or 1):
+            raise ValueError(f"pp={self.pp}, but the mesh {info.describe()} has pp {axis or 1}")
+        return self if axis is None else self.replace(pp=axis)
+
+    @property
+    def stage_mesh(self) -> MeshInfo | None:
+        """A pipeline stage's sub-mesh where the mesh fixes one: its axes but ``pp``."""
+        if self.mesh is None or isinstance(self.mesh, int):
+            return None
+        info = mesh_info(self.mesh)
+        kept = {n: s for n, s in zip(info.names, info.sizes, strict=True) if n != "pp"}
+        return mesh_info(kept or {"dp": 1})
 
     @property
     def staged(self) -> bool:

@@ -23,7 +23,6 @@ from autoshard.cost import ClusterSpec, cluster_spec
 from autoshard.cost.pipeline import PipelineEstimate, busiest_rank_seconds, price_pipeline
 from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
-from autoshard.mesh import MeshInfo, mesh_info
 from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
 from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search, size_text
@@ -119,7 +118,7 @@ def search_pipeline(
     start = time.perf_counter()
     if opts.memory_limit is not None:
         cluster = dataclasses.replace(cluster, memory_bytes=opts.memory_limit)
-    fixed = _stage_mesh(opts.mesh)
+    fixed = opts.stage_mesh
     graphs: dict[int, OpGraph] = {}
 
     def graph(m: int) -> OpGraph:
@@ -448,15 +447,6 @@ def staged_json(best: PipelinePlan, tried: list[Tried], seconds: float, opts: Op
     }  # fmt: skip
     data["options"] = opts.as_json()
     return data
-
-
-def _stage_mesh(mesh: Any) -> MeshInfo | None:
-    """A stage's sub-mesh where the options fix one: the mesh's axes but ``pp``."""
-    if mesh is None or isinstance(mesh, int):
-        return None
-    info = mesh_info(mesh)
-    kept = {n: s for n, s in zip(info.names, info.sizes, strict=True) if n != "pp"}
-    return mesh_info(kept or {"dp": 1})
 
 
 def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:

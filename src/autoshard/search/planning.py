@@ -75,12 +75,8 @@ def plan(
             "plan: zero= is one stage for the search (0-3); give per-parameter "
             "stages to parallelize"
         )
+    opts = opts.with_mesh_pp()  # the mesh fixes the pipeline's degree
     info = mesh_info(opts.mesh) if opts.mesh is not None else None
-    if info is not None and "pp" in info.names:  # the mesh fixes the pipeline's degree
-        axis = info.size_of(["pp"])
-        if opts.pp not in (None, axis):
-            raise ValueError(f"plan: pp={opts.pp}, but the mesh {info.describe()} has pp {axis}")
-        opts = opts.replace(pp=axis)
     if info is not None and info.cp and opts.cp is None:  # the context-parallel degree kept
         opts = opts.replace(cp=math.prod(info.sizes[info.names.index(a)] for a in info.cp))
     spec = cluster_spec(opts.cluster)

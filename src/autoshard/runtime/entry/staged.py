@@ -131,10 +131,7 @@ def _configuration(opts: Options, data: dict | None, source: str) -> Options:
                     f"{planned[key]!r}; leave it out or plan again"
                 )
             given[key] = planned[key]
-    info = mesh_info(opts.mesh)
-    axis = info.size_of(["pp"]) if "pp" in info.names else 1
-    if opts.pp is not None and opts.pp != axis:
-        raise ValueError(f"pp={opts.pp}, but the mesh {info.describe(' x ')} has pp {axis}")
+    opts = opts.with_mesh_pp()
     return opts.replace(schedule=given["schedule"] or "1f1b", **{n: given[n] for n in names[1:]})
 
 
