@@ -9,7 +9,6 @@ path cannot honour is an error naming it, never a value dropped on the way.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,17 +140,6 @@ class Options:
             )  # fmt: skip
         changed = {n: v for n, v in values.items() if v != getattr(defaults, n)}
         return dataclasses.replace(base, **changed)
-
-    @classmethod
-    def check_keywords(cls, keywords: Mapping[str, Any], where: str) -> None:
-        """Unknown option names are an error naming the nearest known ones."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in keywords if k not in known]
-        if unknown:
-            near = {k: difflib.get_close_matches(k, known, 1) for k in unknown}
-            hints = ", ".join(f"{k}" + (f" (did you mean {v[0]}?)" if v else "")
-                              for k, v in near.items())  # fmt: skip
-            raise TypeError(f"{where}: unknown options {hints}; known: {', '.join(known)}")
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes``, checked again."""

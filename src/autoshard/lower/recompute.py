@@ -32,7 +32,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-MODES = ("none", "full", "selective")
+from autoshard.options import RECOMPUTE_MODES as MODES
+
 TAG = "autoshard_block"
 
 #: the matrix products, whose outputs selective recompute keeps (everything else in a block,

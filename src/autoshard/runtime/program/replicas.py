@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from autoshard import comm
 from autoshard.layout import Layout
-
-MODES = ("broadcast", "check", "none")
+from autoshard.options import REPLICAS as MODES
 
 
 class ReplicaMismatchError(ValueError):
