@@ -384,30 +384,16 @@ def test_a_torch_encoder_layer_plans_pure_data_parallelism() -> None:
 def _encoder_layer_training() -> dict:
     """The searched plan of the encoder layer on 2 ranks against plain PyTorch (the eager
     layer and its AdamW), float64: each step's loss and every parameter after the last."""
-    import copy
+    from test_search_families import _train
 
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     model = _EncoderLayer().double()
-    eager = copy.deepcopy(model)
     data = []
     for _ in range(4):
         x = torch.randn(8, 16, 64, dtype=torch.float64)
         data.append((x, torch.randn_like(x)))
-    pm = autoshard.parallelize(model, data[0], 2, search="optimal", cluster="cpu")
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (pm, eager)]
-    losses = []
-    for batch in data:
-        loss = pm(*autoshard.shard_inputs(batch, pm))
-        loss.backward()
-        reference = eager(*batch)
-        reference.backward()
-        losses.append((float(loss), float(reference)))
-        for opt in opts:
-            opt.step(), opt.zero_grad()
-    full = pm.full_state_dict()
-    for k, v in eager.state_dict().items():
-        torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"{k}: {m}")
+    losses, pm = _train(model, data, mesh=2, search="optimal", cluster="cpu")
     return {"losses": losses, "mesh": dict(pm.plan.mesh.as_dict())}
 
 
