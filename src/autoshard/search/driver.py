@@ -47,6 +47,7 @@ from autoshard.search.solvers import (
     solve_propagate,
     solve_recursive,
 )
+from autoshard.search.state import state
 
 
 def mesh_shapes(
@@ -356,7 +357,7 @@ def _nothing_fits(
     which part is over the limit, and what would make it fit."""
     least = [_least_memory(g) for g in graphs]
     k = min(range(len(graphs)), key=lambda i: least[i].memory)
-    result = SearchResult(meshes[k], graphs[k], least[k], [], 0.0, pricing.policy())
+    result = SearchResult(meshes[k], graphs[k], least[k], [], 0.0, state().precision)
     est = build_plan(og, result, cluster).predicted
     parts = ", ".join(f"{kind} {size_text(v)}" for kind, v in est.memory.items())
     states = est.peak_memory - est.memory["activations"]

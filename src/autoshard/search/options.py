@@ -22,6 +22,7 @@ from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops import FIXED, Strategy, StrategyError, rule_for
 from autoshard.ops.contraction import ATTENTION_METHODS, Attention
+from autoshard.search.state import cache, search_session, state
 
 
 @dataclass
@@ -50,7 +51,7 @@ def _assignments(
     length) or on attention's ``heads``."""
     axes = [(n, s) for n, s in zip(mesh.names, mesh.sizes, strict=True) if s > 1]
     choices = [None, *allowed]
-    seq = _CONTEXT["sequence"]
+    seq = state().context["sequence"]
     along = [None, *(d for d in allowed if seq and (sizes[d] % seq == 0 or d == heads))]
     per_axis = [along if seq and n in mesh.cp else choices for n, _ in axes]
     for assign in itertools.product(*per_axis):
@@ -60,18 +61,6 @@ def _assignments(
                 per_dim[d] *= s
         if all(sizes[d] % n == 0 for d, n in per_dim.items()):
             yield assign, _spec(assign, [n for n, _ in axes], len(sizes))
-
-
-_STRATEGY_CACHE: dict[tuple, list[Option]] = {}
-
-
-_NODE_OPTIONS: dict[tuple, list[Option]] = {}
-
-
-#: how options are made in the search under way (see :func:`searching`): the one attention
-#: method (None: any), the inputs' sequence length, which context-parallel axes follow (None:
-#: anywhere), and whether every op splits over the tensor-parallel axes where it can
-_CONTEXT: dict[str, Any] = {"attention": None, "sequence": None, "sequence_parallel": False}
 
 
 @contextmanager
@@ -87,29 +76,32 @@ def searching(
         raise StrategyError(
             f"attention={attention!r}: expected one of {', '.join(ATTENTION_METHODS)}"
         )
-    kept = dict(_CONTEXT)
-    _CONTEXT.update(attention=attention, sequence=sequence, sequence_parallel=sequence_parallel)
-    _NODE_OPTIONS.clear()
-    try:
-        yield
-    finally:
-        _CONTEXT.update(kept)
-        _NODE_OPTIONS.clear()
+    with search_session() as under_way:
+        kept = dict(under_way.context)
+        under_way.context.update(attention=attention, sequence=sequence,
+                                 sequence_parallel=sequence_parallel)  # fmt: skip
+        under_way.forget("node_options")
+        try:
+            yield
+        finally:
+            under_way.context.update(kept)
+            under_way.forget("node_options")
 
 
 def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
     """Every strategy of a decision node on ``mesh``: each axis on one splittable dim or none."""
-    by_node = _NODE_OPTIONS.get((node, mesh))
+    node_options_cache, strategies_cache = cache("node_options"), cache("strategies")
+    by_node = node_options_cache.get((node, mesh))
     if by_node is not None:
         return by_node
-    context = tuple(_CONTEXT.values())
+    context = tuple(state().context.values())
     key = (*node_info(node).signature, mesh, context) if node.op == "call_function" else None
-    if key is not None and key in _STRATEGY_CACHE:
-        _NODE_OPTIONS[(node, mesh)] = _STRATEGY_CACHE[key]
-        return _STRATEGY_CACHE[key]
+    if key is not None and key in strategies_cache:
+        node_options_cache[(node, mesh)] = strategies_cache[key]
+        return strategies_cache[key]
     if node.op == "placeholder":
         out = _input_options(node, mesh)
-        _NODE_OPTIONS[(node, mesh)] = out
+        node_options_cache[(node, mesh)] = out
         return out
     axes = mesh.as_dict()
     out: list[Option] = []
@@ -120,7 +112,7 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
     heads = len(space.sizes) - 5 if isinstance(rule, Attention) else None
     # other ways to compute a strategy (the ring) where a context-parallel axis or the
     # method asks for them: elsewhere they would slow every search for little
-    variants = bool(mesh.cp) or _CONTEXT["attention"] == "ring"
+    variants = bool(mesh.cp) or state().context["attention"] == "ring"
     for assign, spec in _assignments(space.sizes, allowed, mesh, heads):
         try:
             strategy = rule.layouts(node, Layout.from_named(space.sizes, spec, axes))
@@ -135,13 +127,13 @@ def options(node: fx.Node, mesh: MeshInfo) -> list[Option]:
             out.append(Option(_joint_assign(other, mesh), other, variant))
     for spec, strategy in rule.joint_options(node, mesh):
         out.append(Option(_joint_assign(spec, mesh), spec, strategy))
-    if isinstance(rule, Attention) and _CONTEXT["attention"] is not None:
-        out = [o for o in out if _by_method(rule, node, o, mesh, _CONTEXT["attention"])]
-    if _CONTEXT["sequence_parallel"]:
+    if isinstance(rule, Attention) and state().context["attention"] is not None:
+        out = [o for o in out if _by_method(rule, node, o, mesh, state().context["attention"])]
+    if state().context["sequence_parallel"]:
         out = _over_tensor_axes(out, mesh)
     if key is not None:
-        _STRATEGY_CACHE[key] = out
-    _NODE_OPTIONS[(node, mesh)] = out
+        strategies_cache[key] = out
+    node_options_cache[(node, mesh)] = out
     return out
 
 
@@ -195,9 +187,4 @@ def _joint_assign(spec: Sequence[Any], mesh: MeshInfo) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def clear_caches() -> None:
-    """Forget the options cached per graph node (those cached per op signature stay)."""
-    _NODE_OPTIONS.clear()
-
-
-__all__ = ["Option", "clear_caches", "options", "searching"]
+__all__ = ["Option", "options", "searching"]

@@ -1,8 +1,7 @@
 """Pricing for the cost graph: what a decision node and the ops that follow it cost under one
 option, what moving a value between two layouts costs, and gradient sums (docs/search.md).
 
-The caches here are keyed by graph node or by layouts; :func:`clear_caches` forgets the ones
-keyed by node between searches.
+The caches here are the search's own (``search.state``), keyed by graph node or by layouts.
 """
 
 from __future__ import annotations
@@ -31,11 +30,7 @@ from autoshard.ops import Strategy, rule_for, tensor_inputs
 from autoshard.precision import Precision
 from autoshard.redistribution import backward_source
 from autoshard.search.options import options
-
-_ROWS: dict[tuple, np.ndarray] = {}
-
-
-_WANTS: dict[tuple, tuple[list[Layout], np.ndarray]] = {}
+from autoshard.search.state import cache, search_session, state
 
 
 def edge_row(
@@ -45,9 +40,10 @@ def edge_row(
     move's backward also sums the option's partial gradient (``backward_plan``): what summing
     it alone costs, which the option's own price holds (``CostGraph.own_inputs``), is taken
     off where there is a move to do it."""
+    rows_cache = cache("rows")
     backward = node_info(value).requires_grad
     key = (layout, user, i, mesh, id(cluster), backward)
-    row = _ROWS.get(key)
+    row = rows_cache.get(key)
     if row is None:
         wants, where = _wants(user, i, mesh)
         row = np.array([
@@ -56,7 +52,7 @@ def edge_row(
                if backward and g is not None and layout != w else 0.0)
             for w, g in wants
         ])[where]  # fmt: skip
-        _ROWS[key] = row
+        rows_cache[key] = row
     return row
 
 
@@ -65,13 +61,14 @@ def _wants(
 ) -> tuple[list[tuple[Layout, Layout | None]], np.ndarray]:
     """The distinct (layout, partial gradient or None) ``user``'s options want for input ``i``,
     and which each wants."""
+    wants_cache = cache("wants")
     key = (user, i, mesh)
-    found = _WANTS.get(key)
+    found = wants_cache.get(key)
     if found is None:
         index: dict[tuple[Layout, Layout | None], int] = {}
         wants = [(o.strategy.ins[i], o.strategy.grads[i]) for o in options(user, mesh)]
         where = [index.setdefault((w, pending_sum(w, g)), len(index)) for w, g in wants]
-        found = _WANTS[key] = (list(index), np.array(where, dtype=np.intp))
+        found = wants_cache[key] = (list(index), np.array(where, dtype=np.intp))
     return found
 
 
@@ -81,32 +78,21 @@ def pending_sum(want: Layout, grad: Layout) -> Layout | None:
     return None if grad == want.without_partial() else grad
 
 
-_ZERO: dict[tuple, ZeroParam | None] = {}
-
-#: the precision policy the search prices the parameters under (``priced_under``)
-_POLICY: dict[str, Precision | None] = {"precision": None}
-
-
 @contextmanager
 def priced_under(precision: Precision | None) -> Iterator[None]:
     """Parameters priced as a run under ``precision`` keeps them (master weights, their
     gradients and optimizer state in the master dtype, the graph's compute-dtype cast of each
     kept for backward, gradient sums in the reduce dtype)."""
-    kept = _POLICY["precision"]
-    _POLICY["precision"] = precision
-    try:
-        yield
-    finally:
-        _POLICY["precision"] = kept
-
-
-def policy() -> Precision | None:
-    """The precision policy the search prices under now (``priced_under``)."""
-    return _POLICY["precision"]
+    with search_session() as searching:
+        kept, searching.precision = searching.precision, precision
+        try:
+            yield
+        finally:
+            searching.precision = kept
 
 
 def _kept(layout: Layout) -> Layout:
-    return master_layout(layout, _POLICY["precision"])
+    return master_layout(layout, state().precision)
 
 
 def zero_terms(
@@ -119,16 +105,17 @@ def zero_terms(
 ) -> ZeroParam | None:
     """What parameter ``p`` stored as ``layout`` costs under ZeRO stage ``zero`` (None: ZeRO
     leaves it alone, as the runtime does)."""
+    zero_cache = cache("zero")
     info = node_info(p)
     if zero == 0 or info.kind != "param" or not info.requires_grad:
         return None
-    key = (layout, grad, zero, optimizer_states, id(cluster), _POLICY["precision"])
-    if key not in _ZERO:
-        precision = _POLICY["precision"]
+    precision = state().precision
+    key = (layout, grad, zero, optimizer_states, id(cluster), precision)
+    if key not in zero_cache:
         compute = layout.dtype if sum_dtype(precision) else None
-        _ZERO[key] = zero_param(zero, _kept(layout), grad, cluster, optimizer_states, compute,
+        zero_cache[key] = zero_param(zero, _kept(layout), grad, cluster, optimizer_states, compute,
                                 sum_dtype(precision))  # fmt: skip
-    return _ZERO[key]
+    return zero_cache[key]
 
 
 def param_bytes(
@@ -151,9 +138,6 @@ def param_time(
     return optimizer_time(_kept(layout), cluster, zp.share if zp is not None else 1.0)
 
 
-_MOVES: dict[tuple, float] = {}
-
-
 def move(
     value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec, grad: Layout | None = None
 ) -> float:
@@ -167,20 +151,18 @@ def move(
 def move_cost(
     src: Layout, want: Layout, backward: bool, cluster: ClusterSpec, grad: Layout | None = None
 ) -> float:
+    moves_cache = cache("moves")
     if src == want:
         return 0.0
     key = (src, want, backward, grad, id(cluster))
-    seconds = _MOVES.get(key)
+    seconds = moves_cache.get(key)
     if seconds is None:
         seconds = transition(src, want, cluster).seconds
         if backward:
             back = transition(backward_source(want, grad), src.without_partial(), cluster)
             seconds += back.seconds
-        _MOVES[key] = seconds
+        moves_cache[key] = seconds
     return seconds
-
-
-_PARTS: dict[tuple, tuple[float, float]] = {}
 
 
 def grad_reduce_parts(
@@ -204,6 +186,7 @@ def grad_reduce_parts(
 def _grad_reduce_parts(
     arg: fx.Node, grad: Layout, want: Layout, cluster: ClusterSpec, zp: ZeroParam | None
 ) -> tuple[float, float]:
+    parts_cache = cache("parts")
     info = node_info(arg)
     if not info.requires_grad:
         return 0.0, 0.0
@@ -211,20 +194,20 @@ def _grad_reduce_parts(
         return zp.copy, zp.bandwidth(cluster)
     param = info.from_state
     key = (grad, want, "param grad" if param else "grad", id(cluster))
-    parts = _PARTS.get(key)
+    parts = parts_cache.get(key)
     if parts is None:
         whole = want.without_partial()
         if grad == whole:
             parts = (0.0, 0.0)
         elif param:
-            summed = sum_dtype(_POLICY["precision"])
+            summed = sum_dtype(state().precision)
             if summed is not None:  # summed as a run sums it under the policy
                 grad, whole = grad.with_dtype(summed), whole.with_dtype(summed)
             bucketed, in_line, _ = grad_sync(grad, whole, cluster)
             parts = (in_line, bucketed)
         else:
             parts = (transition(grad, whole, cluster).seconds, 0.0)
-        _PARTS[key] = parts
+        parts_cache[key] = parts
     return parts
 
 
@@ -315,12 +298,13 @@ class Region:
         those seconds, its backward compute): what the overlap term of the objective needs;
         and the parameters it owns, whose terms are priced apart (``params.ParamTerms``: all
         else is the same at every ZeRO stage). Kept for the search's other graphs of the mesh."""
+        prices_cache = cache("prices")
         key = (node, id(strategy), self.mesh, id(self.cluster))
-        kept = _PRICES.get(key)
+        kept = prices_cache.get(key)  # (its strategy, kept alive while its id keys this)
         if kept is not None:
             return kept[1]
         priced = self._price(node, strategy)
-        _PRICES[key] = (strategy, priced)
+        prices_cache[key] = (strategy, priced)
         return priced
 
     def _price(self, node: fx.Node, strategy: Strategy) -> Priced:
@@ -398,18 +382,13 @@ class Region:
         return values[p], follow(own, ins, self.mesh).grads[args.index(p)]
 
 
-#: (node, option, ...) -> (its strategy, kept alive while its id keys this; the price)
-_PRICES: dict[tuple, tuple[Strategy, Priced]] = {}
-
-_FOLLOWS: dict[tuple, Strategy] = {}
-
-
 def follow(node: fx.Node, ins: list[Layout | None], mesh: MeshInfo) -> Strategy:
     """``rule.follow``, shared by every node with the same op, arguments and input layouts."""
+    follows_cache = cache("follows")
     key = (node_info(node).signature, tuple(ins), mesh)
-    found = _FOLLOWS.get(key)
+    found = follows_cache.get(key)
     if found is None:
-        found = _FOLLOWS[key] = rule_for(node).follow(node, ins, mesh)
+        found = follows_cache[key] = rule_for(node).follow(node, ins, mesh)
     return found
 
 
@@ -443,19 +422,11 @@ def tied_grads(
     return seconds
 
 
-def clear_caches() -> None:
-    """Forget what was cached per graph node (the caches keyed by op signature stay)."""
-    for cache in (_ROWS, _WANTS, _MOVES, _PARTS, _ZERO, _PRICES):
-        cache.clear()
-
-
 __all__ = [
     "ParamUse",
     "Priced",
     "Region",
-    "policy",
     "priced_under",
-    "clear_caches",
     "zero_terms",
     "edge_row",
     "follow",

@@ -5,8 +5,7 @@ moves are priced or its integer program solved (docs/search.md)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -14,65 +13,29 @@ import numpy as np
 from autoshard.cost import ClusterSpec
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
-from autoshard.search import options, pricing
 from autoshard.search.costgraph import (
-    ByZero,
     CostGraph,
-    Moves,
     build_cost_graph,
     cost_graphs,
     moves_of,
     with_moves,
 )
 from autoshard.search.solvers import Solution, lower_bound, relaxed_bound, relaxed_known
-
-
-class _Session:
-    """What searches in one ``search_session`` share: the pricing caches, each bare cost
-    graph and each mesh's moves, for the one way of pricing (``context``) they were made in.
-    The graphs and clusters they are keyed by (by id) are held, so no other takes their id."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.context: tuple | None = None
-        self.bare: dict[tuple, tuple[Any, CostGraph]] = {}
-        self.priced: dict[tuple, tuple[Any, ByZero]] = {}  # the bare graphs at every stage
-        self.moves: dict[tuple, tuple[Any, Moves]] = {}
-
-    def clear(self) -> None:
-        options.clear_caches()
-        pricing.clear_caches()
-        self.bare.clear()
-        self.priced.clear()
-        self.moves.clear()
-        self.context = None
-
-
-_SESSION = _Session()
-
-
-@contextmanager
-def search_session() -> Iterator[None]:
-    """Searches in the block share what they priced (a pipeline search's stage searches: one
-    sub-mesh at several ZeRO stages and memory limits); all is forgotten when the outermost
-    block ends. The graphs and clusters given to them must not change meanwhile."""
-    if _SESSION.depth == 0:
-        _SESSION.clear()
-    _SESSION.depth += 1
-    try:
-        yield
-    finally:
-        _SESSION.depth -= 1
-        if _SESSION.depth == 0:
-            _SESSION.clear()
+from autoshard.search.state import search_session, state
 
 
 def priced_as(context: tuple) -> None:
     """What a search prices under (its options' context and precision policy): what the
-    session holds was priced under another, it is forgotten."""
-    if context != _SESSION.context:
-        _SESSION.clear()
-        _SESSION.context = context
+    search state holds was priced under another, it is forgotten (the caches keyed by an
+    op's signature stay)."""
+    under_way = state()
+    if context != under_way.priced_as:
+        # what is priced per graph node (what is keyed by an op's signature stays)
+        under_way.forget("node_options", "rows", "wants", "moves", "parts", "zero", "prices")
+        under_way.bare.clear()
+        under_way.priced.clear()
+        under_way.moves.clear()
+        under_way.priced_as = context
 
 
 def bare_graph(
@@ -85,14 +48,15 @@ def bare_graph(
 ) -> CostGraph:
     """``build_cost_graph`` without the moves, once a session for its arguments; priced once
     for all ZeRO stages but for the parameters' terms (``cost_graphs``)."""
+    under_way = state()
     key = (id(og), mesh, id(cluster), _items(depth), zero, step_share)
-    if key not in _SESSION.bare:
+    if key not in under_way.bare:
         stages = (id(og), mesh, id(cluster), _items(depth), step_share)
-        if stages not in _SESSION.priced:
+        if stages not in under_way.priced:
             priced = cost_graphs(og, mesh, cluster, depth=depth, step_share=step_share, edges=False)
-            _SESSION.priced[stages] = ((og, cluster), priced)
-        _SESSION.bare[key] = ((og, cluster), _SESSION.priced[stages][1].at(zero))
-    return _SESSION.bare[key][1]
+            under_way.priced[stages] = ((og, cluster), priced)
+        under_way.bare[key] = ((og, cluster), under_way.priced[stages][1].at(zero))
+    return under_way.bare[key][1]
 
 
 def built_for(
@@ -102,28 +66,30 @@ def built_for(
     moves only, without ``bare``): its pricing context, and each bare graph and mesh's moves
     under the rest of its key (``adopt`` takes them in another process, where ``og`` and
     ``cluster`` are copies at other ids)."""
+    under_way = state()
 
     def mine(key: tuple) -> bool:
         return (key[0], key[2]) == (id(og), id(cluster)) and mesh in (None, key[1])
 
-    graphs = [(key[1], *key[3:], graph) for key, (_, graph) in _SESSION.bare.items()
+    graphs = [(key[1], *key[3:], graph) for key, (_, graph) in under_way.bare.items()
               if bare and mine(key)]  # fmt: skip
-    moves = [(key[1], key[3], made) for key, (_, made) in _SESSION.moves.items() if mine(key)]
-    return _SESSION.context, graphs, moves
+    moves = [(key[1], key[3], made) for key, (_, made) in under_way.moves.items() if mine(key)]
+    return under_way.priced_as, graphs, moves
 
 
 def adopt(og: OpGraph, cluster: ClusterSpec, built: tuple[Any, list, list]) -> None:
     """``built_for``'s graphs (built for a copy of ``og`` and ``cluster``) kept as if built
     here, where this session prices under the same context (one that prices otherwise
     forgets them as it would its own)."""
+    under_way = state()
     context, bare, moves = built
     priced_as(context)
     for mesh, depth, zero, share, graph in bare:
-        _SESSION.bare.setdefault(
+        under_way.bare.setdefault(
             (id(og), mesh, id(cluster), depth, zero, share), ((og, cluster), graph)
         )
     for mesh, depth, made in moves:
-        _SESSION.moves.setdefault((id(og), mesh, id(cluster), depth), ((og, cluster), made))
+        under_way.moves.setdefault((id(og), mesh, id(cluster), depth), ((og, cluster), made))
 
 
 def bare_graphs(
@@ -165,13 +131,14 @@ def moves_once(
     a session for all its ZeRO stages, memory limits and step shares."""
 
     def whole(bare: CostGraph) -> CostGraph:
+        under_way = state()
         key = (id(og), bare.mesh, id(cluster), _items(depth))
-        if key not in _SESSION.moves:
+        if key not in under_way.moves:
             built = build_cost_graph(
                 og, bare.mesh, cluster, depth=depth, zero=bare.zero, step_share=step_share
             )
-            _SESSION.moves[key] = ((og, cluster), moves_of(built, bare))
-        return with_moves(bare, _SESSION.moves[key][1])
+            under_way.moves[key] = ((og, cluster), moves_of(built, bare))
+        return with_moves(bare, under_way.moves[key][1])
 
     return whole
 

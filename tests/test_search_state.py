@@ -1,0 +1,67 @@
+"""A search's caches and the way it prices belong to that search (``search.state``): nothing
+it learnt is left in a module once it ends, and searches in two threads at once plan what
+each plans alone."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import types
+
+import torch
+
+import autoshard
+from autoshard.models import build, reference_config
+from autoshard.search import options, pricing, pruning, solvers, state
+
+
+def _model(name: str) -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = build(reference_config(name, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
+                                   vocab=128, seq=32))  # fmt: skip
+    ids = torch.randint(0, 128, (8, 32))
+    return model, (ids, ids)
+
+
+def _planned(name: str, captured: dict | None = None, **kw) -> tuple:
+    model, batch = _model(name)
+    made = autoshard.plan(model, batch, "dgx-h100", num_devices=8, captured=captured, **kw)
+    return made.mesh.as_dict(), made.json["strategies"], made.predicted.step_time
+
+
+def _module_state() -> dict[str, object]:
+    """Every non-empty container a module of the search's caches holds (constants aside)."""
+    held = {}
+    for module in (options, pricing, pruning, solvers, state):
+        for name, value in vars(module).items():
+            if name.isupper() or name.startswith("__") or isinstance(value, types.ModuleType):
+                continue
+            if isinstance(value, dict | list | set) and value:
+                held[f"{module.__name__}.{name}"] = value
+    return held
+
+
+def test_nothing_a_search_learnt_stays_in_a_module() -> None:
+    _planned("gpt", sequence_parallel=True, precision="bf16")
+    gc.collect()  # (solvers' and the program's caches are weak: a graph's, gone with it)
+    assert _module_state() == {}
+    assert state.state().caches == {}  # outside a search: a state of its own, empty
+    assert state.state().context["sequence_parallel"] is False
+
+
+def test_searches_in_two_threads_plan_what_each_plans_alone() -> None:
+    """(Captured first: torch's tracing keeps its modes per process, not per thread.)"""
+    kinds = (("gpt", {"sequence_parallel": True}), ("llama", {"zero": 1}))
+    graphs = [autoshard.capture_modes(*_model(name)) for name, _ in kinds]
+    alone = [_planned(name, graphs[k], **kw) for k, (name, kw) in enumerate(kinds)]
+    together: list = [None, None]
+
+    def run(k: int) -> None:
+        together[k] = _planned(kinds[k][0], graphs[k], **kinds[k][1])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
