@@ -148,7 +148,6 @@ def _serve(run: Callable[[str | None], int], held: str | None, go: int, done: in
     """The fork's life: the search with stages, its output held in files, then let out on
     this process's word (or dropped where it ends without one: killed, or gone, or where the
     search raised)."""
-    # Whole: one sequence of steps that must each happen in this order
     try:
         _own_group(0)
         os.nice(19)  # a core the planning process and its helpers leave idle, no more

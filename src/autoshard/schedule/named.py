@@ -122,7 +122,6 @@ def list_schedule(
     empty and runs the whole backward in W): its I and W run together, two units, with W's
     rank, and the rank runs a forward meanwhile rather than wait for the gradient that
     backward needs (torch's ZB-H1 order)."""
-    # Whole: one event loop; its state (clock, what is done, what each rank holds) is shared
     stages = len(placement)
     last = stages - 1
     done: dict[tuple[str, int, int], int] = {}  # action -> the tick it ends

@@ -227,7 +227,6 @@ class _Replay:
 
     @staticmethod
     def of(schedule: Schedule, order: tuple[Played, ...]) -> _Replay:
-        # Whole: one pass over the played order, renumbering its steps
         frees = "W" if schedule.split_backward else "B"
         timed_at: dict[int, int] = {}  # played step -> timed step
         before = [-1] * schedule.num_ranks  # each rank's last timed step so far
@@ -284,7 +283,6 @@ def _replayed(schedule: Schedule) -> _Replay:
 
 
 def _play(schedule: Schedule) -> tuple[Played, ...]:
-    # Whole: one pass over the ranks' lists with the shared state of what ran and what arrived
     ends: dict[Key, int] = {}
     arrivals: dict[tuple[str, int, int], int] = {}  # (RECV kind, to stage, microbatch) -> send
     posted: set[tuple[str, int, int]] = set()
@@ -336,7 +334,6 @@ def _waits(
     """What ``a`` waits for: the steps whose ends (on this rank) and the sends whose
     arrivals it needs; None while a send it needs has not run. A dependency that belongs
     earlier on this rank and is not done is a ScheduleError."""
-    # Whole: one case per kind of action, as the module's docstring lists them
     kind, s, i = a.kind, a.stage, a.microbatch
     if kind == "F":
         return ((), ()) if s == 0 else _from(schedule, rank, a, "F", s - 1, "RECV_F", ends,

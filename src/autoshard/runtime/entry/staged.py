@@ -49,7 +49,6 @@ def parallelize_pipeline(
     """``parallelize`` with pipeline stages, under the same ``opts``; ``captured``: of one
     micro-batch, if made already. A search plans the stages as ``autoshard.plan`` does (the
     mesh's ``pp`` and sub-mesh fixed, the rest of the pipeline searched unless given)."""
-    # Whole: parallelize's steps in its order (plan, capture, check, cut, lower), for stages
     if opts.search is not None:
         made = search_plan(model, example_inputs, None, opts, loss_fn=loss_fn,
                            example_kwargs=example_kwargs)  # fmt: skip
