@@ -171,10 +171,17 @@ def _reaching() -> dict[str, list]:
         seen.append((split, pm.plan.precision.compute))
         searched = _build(2, **staged, search="optimal", tp=2, sequence_parallel=True)
         seen.append("@tp" in format_plan(searched.plan))  # every op split over tp where it can
-        pm = _build({"tp": 2}, **staged, seed=5, timeout_s=30.0, replicas="check",
+        pm = _build({"tp": 2}, **staged, seed=5, timeout_s=30.0, replicas="check", zero=3,
                     bucket_cap_mb=1.0, reshard_after_forward=False, recompute="full")  # fmt: skip
-        seen.append({n: getattr(pm.options, n) for n in RUN_ONLY - {"plan", "input_layouts"}}
-                    | {"recompute": pm.options.recompute})  # fmt: skip
+        # what the runtime made of them: the dropout seed, the buckets, ZeRO 3's resharding,
+        # the blocks run again in backward (checkpointed submodules in the program)
+        from autoshard.lower.recompute import Recompute
+
+        program = pm.programs[True]
+        program = program if isinstance(program, torch.fx.GraphModule) else program[0]
+        again = any(isinstance(m, Recompute) for m in program.modules())
+        seen.append((pm.run_state.seed, pm.grad_sync.cap_bytes,
+                     pm.zero_units.reshard_after_forward, again))  # fmt: skip
         out[path] = seen
     return out
 
@@ -189,6 +196,7 @@ def test_every_option_reaches_both_paths() -> None:
     assert one[2:4] == [2, 2]
     assert one[4] == ({"tp": 2}, torch.bfloat16)
     assert one[5] is True
+    assert one[6] == (5, 2**20, False, True), one[6]
     assert one == staged, (one, staged)
 
 
