@@ -116,7 +116,9 @@ def test_transformers_models_are_captured_as_export_captures_them(kind: str) -> 
     for train in (True, False):
         _both(model, (idx, idx.clone()), loss_fn=_loss, train=train, one_trace=one)
     _both(model, (idx, idx.clone()), loss_fn=_loss, dtype=torch.bfloat16, one_trace=one)
-    _both(model, (), kwargs={"input_ids": idx}, one_trace=one)  # keywords; a ModelOutput
+    # a dict batch as keywords, the model's own loss (use_cache off: no cache in the output)
+    batch = {"input_ids": idx, "labels": idx.clone(), "attention_mask": torch.ones_like(idx)}
+    _both(model, batch, one_trace=one)
 
 
 class _Encoder(nn.Module):

@@ -2,7 +2,13 @@
 carries what the later stages ask about it (``opgraph``)."""
 
 from autoshard.graph.blocks import BlocksDiffer, blocks_cut, check_depth, like_block_lists
-from autoshard.graph.capture import CaptureError, capture, capture_modes, tied_names
+from autoshard.graph.capture import (
+    CaptureError,
+    call_inputs,
+    capture,
+    capture_modes,
+    tied_names,
+)
 from autoshard.graph.experts import ExpertsError, experts_activation, mark_experts
 from autoshard.graph.opgraph import NodeInfo, OpGraph, node_info
 from autoshard.graph.stages import StageCut, StageError, cut_at_modules, cut_balanced
@@ -16,6 +22,7 @@ __all__ = [
     "StageCut",
     "StageError",
     "blocks_cut",
+    "call_inputs",
     "capture",
     "capture_modes",
     "check_depth",

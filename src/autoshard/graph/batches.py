@@ -27,7 +27,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 
-from autoshard.graph.capture import _from_program, capture, captured_in_one_trace, exported
+from autoshard.graph.capture import (
+    _from_program,
+    call_inputs,
+    capture,
+    captured_in_one_trace,
+    exported,
+)
 from autoshard.graph.opgraph import OpGraph
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -120,7 +126,8 @@ def micro_batch_graphs(
     """The training graph for one of ``m`` micro-batches of the examples' batch (their rows
     cut to ``batch // m``), as a function of ``m``. ``searched``: several counts will be asked
     for, so one export with the batch free serves them all (``Batches``, positional inputs
-    only); else each is captured alone."""
+    only); else each is captured alone. A dict of examples is passed as keywords."""
+    example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     if searched and not example_kwargs:
         sizes = Batches(model, example_inputs, loss_fn=loss_fn, dtype=dtype)
         return lambda m: sizes.at(sizes.batch // m)

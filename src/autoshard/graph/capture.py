@@ -7,7 +7,8 @@ once per mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,6 +54,16 @@ class _WithLoss(nn.Module):
         return self.loss_fn(self.model(*args[:-1]), args[-1])
 
 
+def call_inputs(
+    example_inputs: Sequence[Any] | Mapping[str, Any], example_kwargs: dict[str, Any] | None
+) -> tuple[tuple, dict[str, Any]]:
+    """The positional and keyword inputs of the model's call: a batch that is a dict (a
+    transformers batch: ``input_ids``, ``labels``, ...) is passed as keywords."""
+    if isinstance(example_inputs, Mapping):
+        return (), {**example_inputs, **(example_kwargs or {})}
+    return tuple(example_inputs), dict(example_kwargs or {})
+
+
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
     """Every name of each parameter and buffer, keyed by each of its names (tied weights)."""
     groups: dict[int, list[str]] = {}
@@ -78,9 +89,10 @@ def capture(
     compute dtype), on the meta device; the model itself is left as it is."""
     prefix = "" if loss_fn is None else "model."
     held = Held()  # torch's log of the export: printed if it succeeds, filed if not
+    args, kwargs = call_inputs(args, kwargs)
     try:
         program = _exported(model, args, kwargs, loss_fn, train, dtype, held, one_trace=True)
-    except ExpertsError:
+    except (ExpertsError, CaptureError):  # told in one line already
         raise
     except Exception as err:  # one line: the user's source line and the op; the rest filed
         one_line_on_rank_zero()
@@ -144,11 +156,18 @@ def _exported(
     # A model built on the meta device is captured there, inputs included.
     meta = dtype is not None or any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     try:
-        with experts_as_ops(model), _state_in(model, dtype, meta), torch_logs_held(held):
+        with (
+            experts_as_ops(model),
+            _as_trained(model, own_loss=loss_fn is None) as refused,
+            _state_in(model, dtype, meta),
+            torch_logs_held(held),
+        ):
             if meta:
                 args, kwargs = pytree.tree_map(lambda x: _on_meta(x, dtype), (args, kwargs))
             if one_trace:  # where export's second trace would change nothing
                 made = traced(root, tuple(args), kwargs)
+                if refused:  # what export would meet again
+                    raise refused[0]
                 if made is not None or not export:
                     return made
             if loss_fn is not None and dynamic_shapes is not None:
@@ -159,6 +178,49 @@ def _exported(
             return program.run_decompositions({})
     finally:
         model.train(was_training)
+
+
+@contextmanager
+def _as_trained(model: nn.Module, own_loss: bool) -> Iterator[list[CaptureError]]:
+    """The model called, for the block, as a training step calls it: with ``use_cache=False``
+    where its forward takes that keyword (a cache of keys and values serves generation and
+    is no output of a step); with ``own_loss`` (no ``loss_fn``), an output that carries a
+    ``loss`` (a transformers ``ModelOutput`` of a batch with ``labels``) stands for that loss.
+    The call is the model's own (its ``forward`` of this instance, whose signature names the
+    inputs), so module paths and names are as without it. Yields the list of the errors the
+    call raised (an output without its loss), which a trace that fails swallows."""
+    forward = model.forward
+    signature = inspect.signature(forward)
+    no_cache = "use_cache" in signature.parameters
+    refused: list[CaptureError] = []
+    if not (no_cache or own_loss):
+        yield refused
+        return
+
+    def trained(*args: Any, **kwargs: Any) -> Any:
+        if no_cache:
+            kwargs.setdefault("use_cache", False)
+        out = forward(*args, **kwargs)
+        if not own_loss or isinstance(out, torch.Tensor) or not hasattr(out, "loss"):
+            return out
+        if not isinstance(out.loss, torch.Tensor):
+            refused.append(CaptureError(
+                f"{type(model).__name__} returned no loss: pass labels in the batch, or "
+                "return a scalar loss from forward"
+            ))  # fmt: skip
+            raise refused[-1]
+        return out.loss
+
+    trained.__signature__ = signature  # type: ignore[attr-defined]
+    before = model.__dict__.get("forward")
+    model.forward = trained
+    try:
+        yield refused
+    finally:
+        if before is None:
+            del model.forward
+        else:
+            model.forward = before
 
 
 def _on_meta(x: Any, dtype: torch.dtype | None) -> Any:
@@ -319,6 +381,7 @@ def _strip_prefix(graph: fx.Graph, prefix: str) -> None:
 
 __all__ = [
     "CaptureError",
+    "call_inputs",
     "capture",
     "capture_modes",
     "captured_in_one_trace",

@@ -423,7 +423,8 @@ def plan_with_stages(
 
     from autoshard.graph.batches import micro_batch_graphs
 
-    tensors = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    inputs = (example_inputs, example_kwargs)
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     batch = tensors[0].shape[0]
     micro = micro_batch_graphs(model, example_inputs, example_kwargs, loss_fn=loss_fn,
                                dtype=opts.policy.compute,

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from autoshard.cost import ClusterSpec, cluster_spec
-from autoshard.graph import OpGraph, capture_modes
+from autoshard.graph import OpGraph, call_inputs, capture_modes
 from autoshard.mesh import mesh_info
 from autoshard.options import Options
 from autoshard.precision import Precision
@@ -23,7 +23,7 @@ from autoshard.search.semi import plan_graph
 
 def plan(
     model: nn.Module,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] | Mapping[str, Any],
     cluster: str | ClusterSpec | dict | None = None,
     *,
     search: str = "optimal",
@@ -70,6 +70,7 @@ def plan(
     ``options``: an :class:`~autoshard.options.Options` the keywords add to."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     opts = Options.from_call(locals(), options)
+    example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     if opts.zero is not None and not isinstance(opts.zero, int):
         raise ValueError(
             "plan: zero= is one stage for the search (0-3); give per-parameter "

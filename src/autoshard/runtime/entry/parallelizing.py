@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoshard.graph import OpGraph, capture_modes
+from autoshard.graph import OpGraph, call_inputs, capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.layout import Layout
 from autoshard.mesh import check_world, mesh_info
@@ -32,7 +32,7 @@ from autoshard.search import Plan, load_plan
 
 def parallelize(
     model: nn.Module,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] | Mapping[str, Any],
     mesh: Any,
     strategies: Mapping[str, Any] | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -105,6 +105,7 @@ def parallelize(
     sequence (Megatron's sequence parallelism)."""
     # Whole: the public entry point; its keywords and their meaning are one list to read
     opts = Options.from_call(locals(), options)
+    example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     if _pipelined(opts):
         return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard import watch
-from autoshard.graph import OpGraph, capture_modes
+from autoshard.graph import OpGraph, call_inputs, capture_modes
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, check_recompute, lower
 from autoshard.mesh import MeshInfo
@@ -420,7 +420,7 @@ def local_input(x: Any, layout: Layout, rank: int, name: str, cast: bool = False
 
 def single_device(
     model: nn.Module,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] | Mapping[str, Any],
     loss_fn: Callable[..., torch.Tensor] | None = None,
     *,
     example_kwargs: dict[str, Any] | None = None,
@@ -436,8 +436,9 @@ def single_device(
     info = MeshInfo(("dp",), (1,), ("dp",))
     policy = precision_policy(precision).resolve(model)
     if captured is None:
+        example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
         captured = capture_modes(
-            model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=policy.compute
+            model, example_inputs, example_kwargs, loss_fn=loss_fn, dtype=policy.compute
         )
     plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
     return ParallelModule(
