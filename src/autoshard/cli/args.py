@@ -232,8 +232,8 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model-fn",
-        help="module:function returning (model, example_inputs[, "
-        "loss_fn]); modules of the current directory are found",
+        help="module:function returning (model, dataset or batch[, loss_fn]) or a dict, as "
+        "for train; modules of the current directory are found",
     )
     p.add_argument(
         "--every-block",
@@ -259,8 +259,20 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=None, help="experts of each MoE layer (moe)")
     p.add_argument("--top-k", type=int, default=None, help="experts each token goes to (moe)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    p.add_argument("--seq", type=int, default=128, help="sequence length")
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="sequence length (None: 128; with --model-fn: dim 1 of every input of two or more "
+        "dims, None: the data's)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch, sequences per step (None: 8; with --model-fn: dim 0 of every input, "
+        "None: the batch's, or 8 samples of the dataset)",
+    )
     _plan_cluster_options(p)
     _plan_pipeline_options(p)
 

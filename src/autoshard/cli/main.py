@@ -125,31 +125,21 @@ def _reference_model(args: argparse.Namespace):
         kv_heads=args.kv_heads,
         ffn=args.ffn,
         vocab=args.vocab,
-        seq=args.seq,
+        seq=args.seq or 128,
         experts=args.experts,
         top_k=args.top_k,
     )
     with torch.device("meta"):
         model = build(config)
-        example = config.example_batch(args.batch)
+        example = config.example_batch(args.batch or 8)
     return model, example, {"layers": args.layers}, None
 
 
-def _user_model(target: str):
-    from autoshard.cli.train import user_function
+def _user_model(args: argparse.Namespace):
+    from autoshard.cli.user_fn import plan_inputs
 
-    try:
-        made = user_function(target)
-    except ValueError as err:
-        raise ValueError(f"--model-fn {err}") from err
-    if not isinstance(made, tuple | list) or len(made) not in (2, 3):
-        raise ValueError(
-            f"--model-fn {target!r}: expected (model, example_inputs[, loss_fn]), got "
-            f"{type(made).__name__}"
-        )
-    if len(made) == 2:
-        return made[0], tuple(made[1]), None, None
-    return made[0], tuple(made[1]), None, made[2]
+    model, example, loss_fn = plan_inputs(args.model_fn, args.batch, args.seq)
+    return model, example, None, loss_fn
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -167,7 +157,7 @@ def _plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     spec = _planned_cluster(args)
     if args.model_fn:
-        model, example, depth, loss_fn = _user_model(args.model_fn)
+        model, example, depth, loss_fn = _user_model(args)
     else:
         model, example, depth, loss_fn = _reference_model(args)
     model, example, policy = _planned_precision(args, model, example)
@@ -285,9 +275,14 @@ def _planned_precision(args: argparse.Namespace, model, example):
     from autoshard.precision import precision_policy
 
     if args.dtype is not None:
+        import torch.utils._pytree as pytree
+
         dtype = _DTYPES[args.dtype]
-        example = tuple(t.to(dtype) if t.is_floating_point() else t for t in example)
-        return model.to(dtype), example, precision_policy("fp32")
+
+        def cast(t: Any) -> Any:
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        return model.to(dtype), pytree.tree_map(cast, example), precision_policy("fp32")
     return model, example, precision_policy(args.precision).resolve(model)
 
 

@@ -30,12 +30,15 @@ def pipeline_plan(
     """The fastest pipeline configuration that fits (the flags given fixed). ``baseline``
     (``--pp auto``): the plan without stages, (its step, a function that shows it), shown
     instead where it is faster or no pipeline fits. ``policy``: the precision a run keeps."""
+    import torch
+    import torch.utils._pytree as pytree
+
     from autoshard.graph import BlocksDiffer
     from autoshard.search import PlanningError
     from autoshard.search.pipelined import search_pipeline, staged_json
 
     opts = plan_options(args, policy)
-    batch = example[0].shape[0]
+    batch = next(t for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)).shape[0]
     if opts.microbatches and batch % opts.microbatches:
         print(f"autoshard: error: --microbatches {opts.microbatches} does not divide "
               f"--batch {batch}", file=sys.stderr)  # fmt: skip

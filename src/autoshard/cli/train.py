@@ -148,8 +148,12 @@ def _parts(made: Any, target: str) -> dict[str, Any]:
         raise ValueError(f"{target}: return (model, data[, loss_fn]) or a dict, not {made!r:.80}")
     data = parts.pop("data", None)
     if data is not None:
-        batch = isinstance(data, tuple | list) and all(isinstance(t, torch.Tensor) for t in data)
-        parts["batch" if batch else "dataset"] = tuple(data) if batch else data
+        keywords = isinstance(data, dict)  # a batch the model takes as keywords
+        tensors = data.values() if keywords else data
+        batch = isinstance(data, tuple | list | dict) and all(
+            isinstance(t, torch.Tensor) for t in tensors
+        )
+        parts["batch" if batch else "dataset"] = data if keywords or not batch else tuple(data)
     if not isinstance(parts.get("model"), torch.nn.Module):
         raise ValueError(f"{target}: no nn.Module under 'model'")
     if parts.get("dataset") is None and parts.get("batch") is None:
@@ -182,7 +186,8 @@ def _example(parts: dict[str, Any], cfg: TrainConfig) -> tuple:
     dataset = parts["dataset"]
     if len(dataset) < cfg.batch_size:
         raise ValueError(f"the dataset has {len(dataset)} samples, fewer than --batch-size")
-    return tuple(default_collate([dataset[i] for i in range(cfg.batch_size)]))
+    batch = default_collate([dataset[i] for i in range(cfg.batch_size)])
+    return batch if isinstance(batch, dict) else tuple(batch)  # a dict: the model's keywords
 
 
 def _parallel(parts: dict[str, Any], example: tuple, cfg: TrainConfig) -> Any:
@@ -219,7 +224,8 @@ def _work(example: tuple, pm: Any, cfg: TrainConfig) -> tuple[float, str, int]:
     throughput counts (tokens: the first integer input of two or more dims, else samples)
     and how many of them a step has."""
     flops = pm.flops_per_step
-    ids = next((t for t in example if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    inputs = example.values() if isinstance(example, dict) else example
+    ids = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
     if ids is not None and not ids.is_floating_point():
         return flops, "tokens", ids.numel()
     return flops, "samples", cfg.batch_size
@@ -311,7 +317,7 @@ def worker(cfg: TrainConfig) -> None:
         batch = next(batches)
         began = time.perf_counter()
         with comm.counting() as sent:
-            loss = pm(*batch)
+            loss = pm(**batch) if isinstance(batch, dict) else pm(*batch)
             loss.backward()
             norm = clip_grad_norm_(pm, cfg.clip) if cfg.clip else None
             opt.step()
