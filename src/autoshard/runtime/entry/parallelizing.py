@@ -66,7 +66,9 @@ def parallelize(
     sequence_parallel: bool = False,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh`` with
-    the given strategies, check every rank planned the same, and lower this rank's part.
+    the given strategies, check every rank planned the same, and lower this rank's part. A
+    dict ``example_inputs`` is the model's keywords (``pm(**batch)``); without ``loss_fn``, an
+    output that carries a ``loss`` (a transformers ``ModelOutput``) is captured as that loss.
     ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
     (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
     from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
