@@ -236,6 +236,26 @@ def test_a_model_that_returns_no_loss_says_what_to_return_in_one_line() -> None:
     assert "forward" not in model.__dict__  # the model's own forward back
 
 
+def test_autoshard_train_of_a_model_without_labels_is_one_line(tmp_path) -> None:
+    """Two ranks under torchrun capture the model, which returns no loss: the whole output
+    is one line saying what to return, from rank 0."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
+    command = [
+        sys.executable, "-m", "autoshard.cli", "train", "test_hf_own_loss:make_unlabelled",
+        "--nproc-per-node", "2", "--steps", "1", "--log", str(tmp_path / "log.jsonl"),
+    ]  # fmt: skip
+    out = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode != 0
+    assert out.stderr == f"autoshard: error: {NO_LOSS}\n", out.stderr
+
+
 def test_plan_model_fn_takes_the_function_train_takes(tmp_path, capsys) -> None:
     """``autoshard plan --model-fn`` with ``train``'s functions: a dataset (8 samples planned,
     or ``--batch`` of them), one batch (reshaped by ``--batch`` and ``--seq``), and a model
