@@ -255,6 +255,18 @@ def _first_stage_holds() -> str:
     return ""
 
 
+def _flops_are_the_whole_batchs() -> str:
+    """A step's model FLOPs (MFU's numerator) are the global batch's, whatever the number of
+    micro-batches it is cut into."""
+    batch = _batches()[0]
+    whole = parallelize(_model("llama"), batch, {"dp": 2}).flops_per_step
+    for m in (2, 4):
+        cut = parallelize(_model("llama"), batch, {"pp": 2}, microbatches=m).flops_per_step
+        if not math.isclose(cut, whole, rel_tol=1e-9):
+            return f"{m} micro-batches: {cut} FLOPs a step, {whole} without stages"
+    return ""
+
+
 def _cases_world2(path: str) -> list[str]:
     torch.set_num_threads(1)
     out = [
@@ -285,6 +297,7 @@ def _cases_world2(path: str) -> list[str]:
         _saved_under_pp_loads_under_dp(path),
         _dropout_masks_are_one_devices(),
         _first_stage_holds(),
+        _flops_are_the_whole_batchs(),
     ]
     return [o for o in out if o]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -242,7 +243,7 @@ class _Log:
     def __init__(self, cfg: TrainConfig, loud: bool) -> None:
         self.loud, self.every, self.board = loud, cfg.log_every, None
         self.bar = loud and sys.stdout.isatty()
-        self.file = open(cfg.log, "a") if loud else None  # noqa: SIM115 (closed in close())
+        self.path, self.file = Path(cfg.log), None  # opened by ``start``
         if loud:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -250,6 +251,21 @@ class _Log:
                 self.board = SummaryWriter(str(Path(cfg.log).with_suffix("")) + "-tensorboard")
             except ImportError:
                 pass
+
+    def start(self, step: int) -> None:
+        """Open the JSONL log for a run that begins after ``step``: a fresh run (step 0)
+        empties it; a resumed one keeps the lines of the steps up to its checkpoint's and
+        says so, since the steps after it are trained again and would appear twice."""
+        if not self.loud:
+            return
+        kept = []
+        if step and self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
+        if step:
+            kept.append(json.dumps({"resumed_after_step": step}))
+            self.say(f"metrics log {self.path} continues after step {step}")
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = self.path.open("a")  # noqa: SIM115 (closed in close())
 
     def say(self, text: str) -> None:
         if self.loud:
@@ -285,6 +301,16 @@ class _Log:
             self.board.close()
 
 
+def _step_of(line: str) -> float:
+    """The step a metrics line records; infinite for a line that is no record (cut short
+    by a killed run), so that it is dropped with the steps trained again."""
+    try:
+        record = json.loads(line)
+        return float(record.get("step", record.get("resumed_after_step")))
+    except (ValueError, AttributeError, TypeError):
+        return math.inf
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
@@ -309,6 +335,7 @@ def worker(cfg: TrainConfig) -> None:
         mesh = f"pp({s.num_ranks}) x {mesh}, {s.name}, {s.microbatches} micro-batches"
     log.say(f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {mesh}")
     start = _resume(cfg, pm, opt, feed, log)
+    log.start(start)
     flops, unit, per_step = _work(example, pm, cfg)
     peak = _peak_flops(cfg, pm) * int(os.environ.get("WORLD_SIZE", "1"))
     for step in range(start, cfg.steps):

@@ -155,6 +155,12 @@ class PipelineModule(ParallelModule):
         order = [a for a in pipe.schedule.actions[pipe.coordinate] if a.kind in ("B", "W")]
         self._last_backward = {a.stage: a.microbatch for a in order}
 
+    @property
+    def flops_per_step(self) -> float:
+        """Model FLOPs of a training step: the captured graph is one micro-batch's, a step
+        runs every micro-batch of the global batch."""
+        return super().flops_per_step * self._microbatches
+
     def _lower_programs(
         self, captured: dict[bool, OpGraph], plans: dict[bool, Plan], rank: int, device, tensors
     ) -> dict[bool, Any]:
