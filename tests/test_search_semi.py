@@ -76,3 +76,19 @@ def test_unconfigured_ops_follow_and_inputs_default_to_data_parallel(mlp_graph) 
     assert str(plan.inputs["x"]) == "f32[8@dp,16]"
     assert all(not n.moves for n in plan.nodes.values())
     assert {str(p.grad_partial) for p in plan.params.values()} >= {"f32[30,16]{partial:dp}"}
+
+
+def test_a_split_the_mesh_asks_for_that_the_shapes_cannot_take_is_an_error() -> None:
+    """Every rank fed the whole batch (or sequence) where ``dp`` (``cp``) was asked for
+    would train without that parallelism: the input, dim, size and axis are named."""
+    config = GPTConfig(block_size=7)
+    odd_batch = capture(GPT(config), config.example_batch(7))
+    with pytest.raises(StrategyError, match=r"input idx dim 0 \(batch, size 7\): not divisible "
+                       r"by its split 2 over axis dp of mesh dp\(2\)"):  # fmt: skip
+        plan_graph(odd_batch, mesh_info({"dp": 2}))
+    odd_sequence = capture(GPT(config), config.example_batch(2))
+    with pytest.raises(StrategyError, match=r"input idx dim 1 \(sequence, size 7\): not "
+                       r"divisible by its split 2 over axis cp"):  # fmt: skip
+        plan_graph(odd_sequence, mesh_info({"cp": 2}), attention="ring")
+    plan = plan_graph(odd_sequence, mesh_info({"dp": 2}))  # the batch divides: no sequence asked
+    assert str(plan.inputs["idx"]) == "i64[2@dp,7]"

@@ -254,6 +254,9 @@ def _planned_cluster(args: argparse.Namespace):
     from autoshard.cost import cluster_spec
 
     spec = cluster_spec(args.cluster)
+    for flag in ("nodes", "devices"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} {getattr(args, flag)}: at least 1")
     devices = args.devices or (args.nodes * spec.devices_per_node if args.nodes else None)
     spec = cluster_spec(spec, devices)
     if args.cp < 1 or spec.num_devices % args.cp:

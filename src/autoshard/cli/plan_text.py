@@ -70,6 +70,7 @@ def format_search(data: dict, result, built=None) -> str:
     lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
     if built is not None:
         lines += _named_strategies(data, built)
+    lines += [f"warning: {w}" for w in data.get("warnings", [])]
     return "\n".join(lines)
 
 

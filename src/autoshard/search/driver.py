@@ -24,6 +24,7 @@ from autoshard.precision import Precision
 from autoshard.search import options, pricing
 from autoshard.search.ahead import MeshesAhead
 from autoshard.search.costgraph import CostGraph
+from autoshard.search.notes import with_notes
 from autoshard.search.plans import (
     FORMAT,
     ZERO_LEVELS,
@@ -443,7 +444,7 @@ def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
     pred["peak_memory_bytes"] = predicted.peak_memory
     pred["memory_bytes"] = predicted.as_dict()["memory_bytes"]
     pred["layers"] = breakdown_rows(predicted, og)
-    return dataclasses.replace(built, predicted=predicted)
+    return with_notes(dataclasses.replace(built, predicted=predicted), og)
 
 
 def _json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:

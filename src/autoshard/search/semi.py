@@ -112,17 +112,48 @@ def _default_input(
 ) -> Layout:
     """An input's batch dim (0) split over the data-parallel axes and its sequence dim (1)
     over the context-parallel ones (and, under sequence parallelism, the tensor-parallel
-    ones), where they divide it."""
+    ones). A dim of the batch's size (or the sequence's) that its axes do not divide is an
+    error, since the mesh asked for that split; an input of other sizes (a mask of one
+    sequence) is taken whole."""
     shape, dtype = og[node].shape, og[node].dtype
+    batch, length = _leading(og)
     spec: list[Any] = [None] * len(shape)
-    if mesh.dp and shape and shape[0] % mesh.size_of(mesh.dp) == 0:
+    if _splits(node.name, shape, 0, mesh.dp, mesh, batch):
         spec[0] = mesh.dp
     seq = mesh.cp + (tensor_axes(mesh) if sequence_parallel else ())
-    if seq and len(shape) >= 2 and shape[1] % mesh.size_of(seq) == 0:
+    if _splits(node.name, shape, 1, seq, mesh, length):
         spec[1] = seq
     if all(s is None for s in spec):
         return Layout.replicated(shape, mesh.num_devices, dtype=dtype)
     return Layout.from_named(shape, spec, mesh.as_dict(), dtype=dtype)
+
+
+def _leading(og: OpGraph) -> tuple[int | None, int | None]:
+    """The batch size and the sequence length: dims 0 and 1 of the first input having them."""
+    shapes = [
+        og[n].shape for n in og.graph.nodes if n.op == "placeholder" and og[n].kind == "input"
+    ]
+    batch = next((s[0] for s in shapes if len(s) >= 1), None)
+    return batch, next((s[1] for s in shapes if len(s) >= 2), None)
+
+
+def _splits(
+    name: str, shape: tuple, dim: int, axes: tuple[str, ...], mesh: MeshInfo, size: int | None
+) -> bool:
+    """Whether input ``name``'s ``dim`` is split over ``axes``."""
+    if not axes or len(shape) <= dim:
+        return False
+    n = mesh.size_of(axes)
+    if shape[dim] % n == 0:
+        return True
+    if shape[dim] == size:
+        what = "batch" if dim == 0 else "sequence"
+        raise StrategyError(
+            f"input {name} dim {dim} ({what}, size {shape[dim]}): not divisible by its split "
+            f"{n} over axis {'*'.join(axes)} of mesh {mesh.describe()}; give a {what} that "
+            f"{n} divides, or a mesh without that axis"
+        )
+    return False
 
 
 def tensor_axes(mesh: MeshInfo) -> tuple[str, ...]:
