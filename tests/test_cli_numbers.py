@@ -4,7 +4,11 @@ plans that say what they leave idle, the same step from ``plan`` and ``simulate`
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
+
+from autoshard.cli.main import main
 from autoshard.cli.train import TrainConfig, _Log
 
 
@@ -39,3 +43,30 @@ def test_the_metrics_log_starts_fresh_or_says_it_continues(tmp_path, capsys) -> 
     log.start(0)
     log.close()
     assert path.read_text() == "" and "continues" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--devices"])
+def test_no_devices_to_plan_for_is_an_error(flag, capsys) -> None:
+    """``--nodes 0`` planned for the preset's nodes without a word."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "mlp", flag, "0"])
+    assert exit_info.value.code == 2
+    assert f"autoshard: error: {flag} 0: at least 1" in capsys.readouterr().err
+
+
+def test_a_plan_that_leaves_devices_idle_or_feeds_inputs_whole_says_so(tmp_path, capsys) -> None:
+    """A batch of 8 on 64 devices: MFU 0.0%, most devices repeating each other's work; and a
+    batch of one, fed whole to every rank."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "mlp", "--batch", "8", "--cluster", "dgx-h100", "--nodes", "8"]
+    assert main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    idle = re.search(r"warning: only about (\d+) of the 64 devices do distinct work", printed)
+    assert idle and int(idle.group(1)) < 32, printed
+    assert json.loads(out.read_text())["warnings"][0].startswith(idle.group(0)[9:])
+    assert (
+        main(["plan", "--model", "mlp", "--batch", "1", "--cluster", "cpu", "--devices", "4"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "warning: input x [1, 256] is fed whole to every rank" in printed
+    assert "devices do distinct work" not in printed  # four ways split by features
