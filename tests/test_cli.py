@@ -329,10 +329,13 @@ def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> N
         {"mesh": {"dp": 2, "tp": 4}, "zero": 0, "bound_s": 0.4, "fits": False},
     ]  # fmt: skip
     data = {"mesh": {"dp": 4, "tp": 2}, "zero": 2, "predicted": {"meshes": rows,
-            "step_time_s": 0.25, "peak_memory_bytes": 2**33}}  # fmt: skip
+            "step_time_s": 0.5, "search_objective_s": 0.25,
+            "peak_memory_bytes": 2**33}}  # fmt: skip
+    # a bound is the search objective's, beside the chosen mesh's objective, not its step
     assert _meshes(data)[1:] == [
-        "*      4x2 ZeRO 2: 250.00 ms, 8.00 GiB",
-        "       8x1 ZeRO 1: not searched: its lower bound 300.00 ms",
+        "*      4x2 ZeRO 2: 500.00 ms, 8.00 GiB (objective ~250.00 ms)",
+        "       8x1 ZeRO 1: not searched: its objective at least 300.00 ms "
+        "(the chosen's: 250.00 ms)",
         "       8x1 ZeRO 0: does not fit: needs at least 3.00 GiB",
         "       2x4 ZeRO 0: does not fit, bound 400.00 ms",
         "  (* chosen)",

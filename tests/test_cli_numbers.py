@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 
@@ -70,3 +71,48 @@ def test_a_plan_that_leaves_devices_idle_or_feeds_inputs_whole_says_so(tmp_path,
     printed = capsys.readouterr().out
     assert "warning: input x [1, 256] is fed whole to every rank" in printed
     assert "devices do distinct work" not in printed  # four ways split by features
+
+
+def _collectives_warned(_: object) -> list[str]:
+    from autoshard.cost.calibrate import OTHER_KINDS, _kind_call
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for kind in OTHER_KINDS:
+            _kind_call(kind, 1 << 12, 2)()
+    return [str(w.message) for w in seen]
+
+
+def test_calibrate_times_collectives_without_deprecation_warnings() -> None:
+    """``autoshard calibrate`` printed torch's FutureWarnings for the old collective names."""
+    from autoshard.testing import run_ranks
+
+    assert run_ranks(_collectives_warned, 2, None, timeout=120) == [[], []]
+
+
+def test_a_pipeline_plans_predicted_is_the_jobs_and_simulate_gives_its_step(tmp_path, capsys):
+    """``predicted`` held the stage plan's figures (the whole model, one micro-batch, on one
+    stage's sub-mesh: 213 GiB and 24% MFU for GPT-3 while its pipeline fit at 74.8 GiB), the
+    stage plan was printed with that memory "per device", and ``simulate`` left out what the
+    step adds after the schedule (11657.28 ms against the plan's 11825.2 ms)."""
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "gpt", "--layers", "8", "--hidden", "1024", "--heads", "16",
+            "--seq", "1024", "--batch", "32", "--vocab", "32000", "--cluster", "dgx-h100",
+            "--nodes", "1", "--pp", "2", "--microbatches", "8", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    pred, pipe = data["predicted"], data["pipeline"]
+    assert (pred["step_time_s"], pred["mfu"]) == (pipe["step_time_s"], pipe["mfu"])
+    busiest = max(sum(m.values()) for m in pipe["memory_bytes"])
+    assert pred["peak_memory_bytes"] == pytest.approx(busiest)
+    assert pred["memory_bytes"]["total"] == pytest.approx(busiest)
+    stage = pipe["one_stage_one_microbatch"]
+    assert stage["layers"] and stage["step_time_s"] < pred["step_time_s"]
+    assert stage["peak_memory_bytes"] != pred["peak_memory_bytes"]
+    per_device = re.findall(r"peak memory (.+?) per device", printed)
+    assert len(per_device) == 1, printed  # the pipeline's, not the stage plan's
+    assert main(["simulate", str(path)]) == 0
+    step = re.search(r"predicted: step ([\d.]+) ms", capsys.readouterr().out).group(1)
+    assert step == f"{pred['step_time_s'] * 1e3:.2f}"
+    assert f"predicted step {step} ms" in printed

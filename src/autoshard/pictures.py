@@ -274,10 +274,78 @@ def metrics_picture(metrics: str | Path | Sequence[Mapping[str, Any]], path: str
 ACTION_COLOURS = {
     "F": "#4c72b0",
     "B": "#55a868",
-    "I": "#55a868",
+    "I": "#8fd19e",
     "W": "#c4ad66",
     "REDUCE_GRAD": "#8c8c8c",
 }
+#: the legend's words for each kind of action
+ACTION_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward for inputs",
+    "W": "backward for weights",
+    "REDUCE_GRAD": "gradient sum",
+}
+_LABEL_POINTS = 3.8  # a digit's width at the labels' font size (6 pt), with a margin
+
+
+def gantt_figure(
+    timelines: Sequence[tuple[str, Sequence[Sequence[tuple[str, float, float]]]]],
+    scale: float = 1e3,
+    unit: str = "ms",
+) -> Any:
+    """The figure ``gantt_picture`` draws: the kinds' legend on top, and a micro-batch's
+    number only in a bar wide enough to hold it (at 100 micro-batches most are not)."""
+    width = 11.0
+    fig = _figure(figsize=(width, 1.5 + 0.45 * sum(len(t) for _, t in timelines)))
+    axes = fig.subplots(len(timelines), 1, squeeze=False, sharex=True)[:, 0]
+    ends = [e for _, ranks in timelines for rank in ranks for _, _, e in rank]
+    points = (width - 1.6) * 72 / (max(ends, default=1.0) * scale or 1.0)  # per unit, ~
+    kinds: set[str] = set()
+    for ax, (title, ranks) in zip(axes, timelines, strict=True):
+        hidden = _gantt_bars(ax, ranks, scale, points, kinds)
+        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
+        ax.invert_yaxis()
+        note = " (micro-batch numbers where they fit)" if hidden else ""
+        ax.set_title(title + note, fontsize=9, loc="left")
+    axes[-1].set_xlabel(unit)
+    from matplotlib.patches import Patch
+
+    handles = [
+        Patch(color=colour, label=f"{kind} {ACTION_NAMES[kind]}")
+        for kind, colour in ACTION_COLOURS.items()
+        if kind in kinds
+    ]
+    if handles:
+        fig.legend(handles=handles, loc="upper right", ncols=len(handles), fontsize=8,
+                   frameon=False)  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+    return fig
+
+
+def _gantt_bars(ax: Any, ranks: Sequence, scale: float, points: float, kinds: set) -> int:
+    """Each rank's actions as bars, labelled where the label fits (``points``: a unit of
+    time's width in points); the kinds drawn are added to ``kinds``; the labels left out
+    are counted."""
+    hidden = 0
+    for rank, events in enumerate(ranks):
+        for text, start, end in events:
+            action = parse_action(text)
+            if action.kind not in ACTION_COLOURS or end <= start:
+                continue
+            kinds.add(action.kind)
+            ax.barh(rank, (end - start) * scale, left=start * scale, height=0.8,
+                    color=ACTION_COLOURS[action.kind], edgecolor="white",
+                    linewidth=0.3)  # fmt: skip
+            if action.microbatch < 0:
+                continue
+            label = str(action.microbatch)
+            if (end - start) * scale * points < _LABEL_POINTS * (len(label) + 1):
+                hidden += 1
+                continue
+            ax.text((start + end) / 2 * scale, rank, label, ha="center", va="center",
+                    fontsize=6, color="white")  # fmt: skip
+    return hidden
 
 
 def gantt_picture(
@@ -288,31 +356,14 @@ def gantt_picture(
 ) -> Path:
     """A Gantt chart per timeline, one above the other on one time axis (predicted beside
     measured): each is (title, per rank its (action, start, end)), times drawn times
-    ``scale`` in ``unit``; a compute action is a bar in its kind's colour with its
-    micro-batch written in it."""
-    fig = _figure(figsize=(11, 1.2 + 0.45 * sum(len(t) for _, t in timelines)))
-    axes = fig.subplots(len(timelines), 1, squeeze=False, sharex=True)[:, 0]
-    for ax, (title, ranks) in zip(axes, timelines, strict=True):
-        for rank, events in enumerate(ranks):
-            for text, start, end in events:
-                action = parse_action(text)
-                if action.kind not in ACTION_COLOURS or end <= start:
-                    continue
-                ax.barh(rank, (end - start) * scale, left=start * scale, height=0.8,
-                        color=ACTION_COLOURS[action.kind], edgecolor="white",
-                        linewidth=0.3)  # fmt: skip
-                if action.microbatch >= 0:
-                    ax.text((start + end) / 2 * scale, rank, str(action.microbatch), ha="center",
-                            va="center", fontsize=6, color="white")  # fmt: skip
-        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=9, loc="left")
-    axes[-1].set_xlabel(unit)
-    fig.tight_layout()
-    return _save(fig, path)
+    ``scale`` in ``unit``; a compute action is a bar in its kind's colour (the legend names
+    them) with its micro-batch written in it where it fits."""
+    return _save(gantt_figure(timelines, scale, unit), path)
 
 
 __all__ = [
+    "ACTION_NAMES",
+    "gantt_figure",
     "gantt_picture",
     "DPI",
     "THROUGHPUT_FIELDS",

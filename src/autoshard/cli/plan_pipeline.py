@@ -107,7 +107,7 @@ def pipeline_lines(data: dict, spec: Any) -> list[str]:
         + (f" ({pipe['virtual_stages']} stages a rank)" if pipe["virtual_stages"] > 1 else "")
         + f", {pipe['microbatches']} micro-batches, recompute {pipe['recompute']}"
         + f", ZeRO {pipe.get('zero', 0)}",
-        f"predicted step {pipe['step_time_s'] * 1e3:.1f} ms, MFU {pipe['mfu'] * 100:.1f}%, "
+        f"predicted step {pipe['step_time_s'] * 1e3:.2f} ms, MFU {pipe['mfu'] * 100:.1f}%, "
         f"bubble {pipe['bubble'] * 100:.1f}%, peak memory {size(pipe['peak_memory_bytes'])} per "
         f"device (of {size(spec.memory_bytes)}); a stage sends {size(pipe['boundary_bytes'])} "
         "per micro-batch",
@@ -133,8 +133,6 @@ def pipeline_lines(data: dict, spec: Any) -> list[str]:
             )
         )
     lines += tried_lines(pipe)
-    lines.append("(the stage plan below is one micro-batch's on one stage's sub-mesh; its "
-                 "step and memory are the whole model's, for the search)")  # fmt: skip
     return lines
 
 

@@ -48,15 +48,8 @@ def _assumptions(data: dict) -> list[str]:
 def format_search(data: dict, result, built=None) -> str:
     """The searched plan: mesh, predicted time, MFU and memory, the meshes tried, the time,
     communication and memory layer by layer, and every op's layouts with named dims."""
-    pred = data["predicted"]
-    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
-    lines = [
-        f"mesh {mesh} on {data['cluster']['name']} "
-        f"({data['cluster']['nodes']} x {data['cluster']['devices_per_node']} devices)",
-        f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
-        f"peak memory {human_bytes(pred['peak_memory_bytes'])} per device",
-        f"ZeRO stage {data.get('zero', 0)}; memory per device: "
-        + ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("memory_bytes", {}).items()),
+    pred = data.get("pipeline", {}).get("one_stage_one_microbatch") or data["predicted"]
+    lines = _headline(data, pred) + [
         f"search '{pred['search']}' {pred['search_s']:.2f} s "
         f"(graph of {result.graph.size[0]} decision nodes)",
     ]
@@ -64,14 +57,37 @@ def format_search(data: dict, result, built=None) -> str:
         lines += _experts(data, built)
         lines += _sequence(built)
     lines += _assumptions(data)
-    if "end_to_end_s" in pred:
-        lines.append(f"capture {pred['capture_s']:.2f} s, end to end {pred['end_to_end_s']:.2f} s")
-    lines += _meshes(data)
+    if "end_to_end_s" in data["predicted"]:
+        job = data["predicted"]
+        lines.append(f"capture {job['capture_s']:.2f} s, end to end {job['end_to_end_s']:.2f} s")
+    lines += _meshes(data, pred)
     lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
     if built is not None:
         lines += _named_strategies(data, built)
     lines += [f"warning: {w}" for w in data.get("warnings", [])]
     return "\n".join(lines)
+
+
+def _headline(data: dict, pred: dict) -> list[str]:
+    """The mesh, step, MFU and memory per device; for a stage plan (a pipeline's), what the
+    search priced a stage by: the whole model, one micro-batch, on that stage's sub-mesh,
+    which is no device's step or memory (the pipeline's are above it)."""
+    mesh = " x ".join(f"{k}({v})" for k, v in data["mesh"].items())
+    kinds = ", ".join(f"{k} {human_bytes(v)}" for k, v in pred.get("memory_bytes", {}).items())
+    if "pipeline" in data:
+        return [
+            f"stage plan: mesh {mesh}, one stage's sub-mesh; priced for the whole model and one "
+            f"micro-batch: {pred['step_time_s'] * 1e3:.2f} ms, "
+            f"{human_bytes(pred['peak_memory_bytes'])} (ZeRO stage {data.get('zero', 0)}: "
+            f"{kinds}); a stage runs its share of it",
+        ]
+    return [
+        f"mesh {mesh} on {data['cluster']['name']} "
+        f"({data['cluster']['nodes']} x {data['cluster']['devices_per_node']} devices)",
+        f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
+        f"peak memory {human_bytes(pred['peak_memory_bytes'])} per device",
+        f"ZeRO stage {data.get('zero', 0)}; memory per device: {kinds}",
+    ]
 
 
 def human_bytes(nbytes: float) -> str:
@@ -82,12 +98,14 @@ def human_bytes(nbytes: float) -> str:
     return f"{nbytes / 2**10:.1f} KiB"
 
 
-def _meshes(data: dict) -> list[str]:
+def _meshes(data: dict, pred: dict | None = None) -> list[str]:
     """The meshes tried: the estimate's step time where it priced them (the chosen one is
-    the headline's), else the search's objective."""
-    pred = data["predicted"]
+    the headline's), else the search's objective; a bound is a bound of the objective, shown
+    beside the chosen mesh's objective (the quantity it was compared with)."""
+    pred = pred or data["predicted"]
     lines = ["meshes tried (predicted step; ~ the search's objective where not predicted):"]
     chosen = (data["mesh"], data.get("zero", 0))
+    best = pred.get("search_objective_s")
     for row in pred["meshes"]:
         shape = "x".join(str(v) for v in row["mesh"].values()) + f" ZeRO {row.get('zero', 0)}"
         if "step_s" not in row:
@@ -96,8 +114,11 @@ def _meshes(data: dict) -> list[str]:
                 lines.append(f"  {shape:>15}: does not fit: needs at least {least}")
                 continue
             bound = f"{row['bound_s'] * 1e3:.2f} ms"
-            why = "not searched: its lower bound" if row.get("skipped") else "does not fit, bound"
-            lines.append(f"  {shape:>15}: {why} {bound}")
+            if row.get("skipped"):
+                than = f" (the chosen's: {best * 1e3:.2f} ms)" if best else ""
+                lines.append(f"  {shape:>15}: not searched: its objective at least {bound}{than}")
+            else:
+                lines.append(f"  {shape:>15}: does not fit, bound {bound}")
             continue
         mark = "*" if (row["mesh"], row.get("zero", 0)) == chosen else " "
         seconds, memory = row.get("predicted_s"), row.get("predicted_memory")
@@ -105,7 +126,8 @@ def _meshes(data: dict) -> list[str]:
             seconds, memory = pred["step_time_s"], pred["peak_memory_bytes"]
         step = f"{seconds * 1e3:.2f} ms" if seconds else f"~{row['step_s'] * 1e3:.2f} ms"
         size = human_bytes(memory) if memory else "~" + human_bytes(row["memory"])
-        lines.append(f"{mark} {shape:>15}: {step}, {size}")
+        objective = f" (objective ~{row['step_s'] * 1e3:.2f} ms)" if mark == "*" and best else ""
+        lines.append(f"{mark} {shape:>15}: {step}, {size}{objective}")
     lines.append("  (* chosen)")
     return lines
 

@@ -26,7 +26,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--picture", metavar="FILE.png", help="draw the Gantt chart (matplotlib)")
 
 
-def _from_plan(path: str) -> tuple[Schedule, Timeline, str]:
+def _from_plan(path: str) -> tuple[Schedule, Timeline, str, float]:
     data = json.loads(Path(path).read_text())
     pipe = data.get("pipeline")
     if pipe is None:
@@ -36,17 +36,24 @@ def _from_plan(path: str) -> tuple[Schedule, Timeline, str]:
     )
     cost = stage_costs(pipe["stage_seconds"], pipe.get("stage_weight_seconds", []))
     hop = pipe.get("hop_s", 0.0)
-    return schedule, simulate(schedule, cost, lambda send: hop), "predicted"
+    timeline = simulate(schedule, cost, lambda send: hop)
+    return schedule, timeline, "predicted", pipe.get("after_schedule_s", 0.0)
 
 
 def run(args: argparse.Namespace) -> int:
+    after = 0.0  # what a plan's step adds after the schedule (``plan`` predicts the sum)
     if args.plan:
-        schedule, timeline, title = _from_plan(args.plan)
+        schedule, timeline, title, after = _from_plan(args.plan)
     else:
         schedule = make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
         timeline, title = simulate(schedule, unit_cost), "nominal costs (F 1, B 2)"
     validate(schedule)
-    step = f"{timeline.step * 1e3:.2f} ms" if args.plan else f"{timeline.step:.1f} units"
+    step = f"{timeline.step:.1f} units"
+    if args.plan:
+        step = (
+            f"{(timeline.step + after) * 1e3:.2f} ms (the schedule {timeline.step * 1e3:.2f} ms, "
+            f"then gradient sums and optimizer step {after * 1e3:.2f} ms)"
+        )
     print(schedule)
     print(
         f"{title}: step {step}, bubble {timeline.bubble * 100:.1f}%, micro-batches in flight "

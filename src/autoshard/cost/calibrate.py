@@ -203,10 +203,13 @@ def _kind_call(kind: str, nbytes: int, world: int) -> Callable[[], object]:
     import torch.distributed as dist
 
     whole, part = torch.ones(nbytes // 4), torch.empty(nbytes // 4 // world)
+    # the names torch keeps (the older ones warn on every call), as comm calls them
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(part, whole)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(part, whole)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(whole, part)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(whole, part)
     out = torch.empty_like(whole)
     return lambda: dist.all_to_all_single(out, whole)
 

@@ -27,7 +27,7 @@ from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
 from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search, size_text
 from autoshard.search.helper import Helper, helper_cores
-from autoshard.search.plans import Plan, PlanningError
+from autoshard.search.plans import Plan, PlanningError, pipeline_predicted
 from autoshard.search.pruning import adopt, built_for, search_session
 
 
@@ -447,7 +447,7 @@ def staged_json(best: PipelinePlan, tried: list[Tried], seconds: float, opts: Op
         "search_s": seconds,
     }  # fmt: skip
     data["options"] = opts.as_json()
-    return data
+    return pipeline_predicted(data)
 
 
 def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
@@ -473,6 +473,8 @@ def pipeline_json(pp_plan: PipelinePlan, num_devices: int) -> dict:
         "stage_seconds": [list(x) for x in p.stage_seconds],
         "stage_weight_seconds": list(p.weight_seconds),
         "hop_s": p.hop,
+        # the schedule's gradient sums left waiting, and the optimizer step, after its end
+        "after_schedule_s": p.step_time - p.timeline.step,
     }
 
 

@@ -388,6 +388,24 @@ def load_plan(plan: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     return dict(plan)
 
 
+def pipeline_predicted(data: dict[str, Any]) -> dict[str, Any]:
+    """A plan JSON with stages, its ``predicted`` made the whole job's (the pipeline's step,
+    bubble and MFU, its busiest rank's memory per device) and the stage plan's own figures
+    (the whole model, one micro-batch, on one stage's sub-mesh: what the search prices a
+    stage by) moved to ``pipeline.one_stage_one_microbatch``."""
+    pipe, stage = data["pipeline"], data["predicted"]
+    busiest = max(pipe["memory_bytes"], key=lambda m: sum(m.values()))
+    pipe["one_stage_one_microbatch"] = stage
+    data["predicted"] = {
+        "step_time_s": pipe["step_time_s"], "mfu": pipe["mfu"], "bubble": pipe["bubble"],
+        "peak_memory_bytes": pipe["peak_memory_bytes"],
+        "memory_bytes": {**busiest, "total": sum(busiest.values())},
+        "dtype": stage.get("dtype", "float32"), "search": stage["search"],
+        "search_s": pipe["search_s"],
+    }  # fmt: skip
+    return data
+
+
 def input_layouts(og: OpGraph, plan: Mapping[str, Any]) -> dict[str, Layout]:
     """The plan's input specs as layouts of ``og``'s inputs."""
     out = {}
@@ -402,6 +420,7 @@ def input_layouts(og: OpGraph, plan: Mapping[str, Any]) -> dict[str, Layout]:
 
 
 __all__ = [
+    "pipeline_predicted",
     "FORMAT",
     "ZERO_LEVELS",
     "ZeroError",
