@@ -169,6 +169,8 @@ def plan_layers(plan: Mapping[str, Any] | Any) -> tuple[dict[str, Any], list[dic
         )
     if "predicted" not in data:
         raise ValueError("plan has no 'predicted' field: it was not priced by the search")
+    if "one_stage_one_microbatch" in data.get("pipeline", {}):  # a stage plan's layers
+        data = {**data, "predicted": data["pipeline"]["one_stage_one_microbatch"]}
     if "layers" not in data["predicted"]:
         raise ValueError(
             "plan['predicted'] has no 'layers' field (the per-layer breakdown): replan with an "

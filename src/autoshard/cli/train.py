@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from autoshard.cli.metrics_log import open_log
 from autoshard.options import Options
 
 WORKER = "AUTOSHARD_TRAIN"  # the settings, as JSON, on the ranks launch() starts
@@ -253,19 +253,11 @@ class _Log:
                 pass
 
     def start(self, step: int) -> None:
-        """Open the JSONL log for a run that begins after ``step``: a fresh run (step 0)
-        empties it; a resumed one keeps the lines of the steps up to its checkpoint's and
-        says so, since the steps after it are trained again and would appear twice."""
-        if not self.loud:
-            return
-        kept = []
-        if step and self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
-        if step:
-            kept.append(json.dumps({"resumed_after_step": step}))
-            self.say(f"metrics log {self.path} continues after step {step}")
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.file = self.path.open("a")  # noqa: SIM115 (closed in close())
+        """Open the JSONL log for a run that begins after ``step`` (``open_log``)."""
+        if self.loud:
+            self.file = open_log(self.path, step)
+            if step:
+                self.say(f"metrics log {self.path} continues after step {step}")
 
     def say(self, text: str) -> None:
         if self.loud:
@@ -299,16 +291,6 @@ class _Log:
             self.file.close()
         if self.board is not None:
             self.board.close()
-
-
-def _step_of(line: str) -> float:
-    """The step a metrics line records; infinite for a line that is no record (cut short
-    by a killed run), so that it is dropped with the steps trained again."""
-    try:
-        record = json.loads(line)
-        return float(record.get("step", record.get("resumed_after_step")))
-    except (ValueError, AttributeError, TypeError):
-        return math.inf
 
 
 def _size(nbytes: float) -> str:
