@@ -92,3 +92,19 @@ def test_a_split_the_mesh_asks_for_that_the_shapes_cannot_take_is_an_error() -> 
         plan_graph(odd_sequence, mesh_info({"cp": 2}), attention="ring")
     plan = plan_graph(odd_sequence, mesh_info({"dp": 2}))  # the batch divides: no sequence asked
     assert str(plan.inputs["idx"]) == "i64[2@dp,7]"
+
+
+def test_a_search_on_a_given_mesh_does_not_feed_a_batch_it_cannot_split_whole() -> None:
+    """``autoshard.plan`` on ``{"dp": 2}`` with a batch of 7 fed every rank all of it (the
+    plan's inputs whole), and on ``{"cp": 2}`` with a sequence of 7 failed inside numpy."""
+    import autoshard
+
+    config = GPTConfig(block_size=7)
+    for mesh, batch, what in (
+        ({"dp": 2}, 7, "dim 0 \\(batch"),
+        ({"cp": 2}, 2, "dim 1 \\(sequence"),
+    ):
+        with pytest.raises(StrategyError, match=f"input idx {what}, size 7\\): not divisible by "
+                           f"its split 2 over axis {next(iter(mesh))}"):  # fmt: skip
+            autoshard.plan(GPT(config), config.example_batch(batch), "cpu", num_devices=2,
+                           mesh=mesh, attention="ring" if "cp" in mesh else None)  # fmt: skip

@@ -18,7 +18,7 @@ from autoshard.precision import Precision
 from autoshard.search.driver import build_plan, run_search
 from autoshard.search.pipelined import plan_with_stages
 from autoshard.search.plans import Plan
-from autoshard.search.semi import plan_graph
+from autoshard.search.semi import check_inputs, plan_graph
 
 
 def plan(
@@ -91,6 +91,8 @@ def plan(
     if captured is None:
         captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
                                  dtype=opts.policy.compute)  # fmt: skip
+    if info is not None:
+        check_inputs(captured[True], info)
     fixed = None
     if opts.strategies:
         if info is None:

@@ -128,6 +128,14 @@ def _default_input(
     return Layout.from_named(shape, spec, mesh.as_dict(), dtype=dtype)
 
 
+def check_inputs(og: OpGraph, mesh: MeshInfo) -> None:
+    """A mesh given to a search: a batch its data-parallel axes (a sequence its context-
+    parallel ones) cannot split is the error ``plan_graph`` gives, not an input fed whole."""
+    for node in og.graph.nodes:
+        if node.op == "placeholder" and og[node].kind == "input":
+            _default_input(og, node, mesh)
+
+
 def _leading(og: OpGraph) -> tuple[int | None, int | None]:
     """The batch size and the sequence length: dims 0 and 1 of the first input having them."""
     shapes = [
@@ -421,4 +429,4 @@ def plan_graph(
     )  # fmt: skip
 
 
-__all__ = ["match_strategies", "plan_graph"]
+__all__ = ["check_inputs", "match_strategies", "plan_graph"]
