@@ -117,11 +117,11 @@ def _train_command(argv: list[str], log: Path) -> tuple[list[str], dict[str, str
 def _losses(log: Path) -> list[float]:
     """The losses of a JSONL metrics file (a run killed while writing leaves half a line)."""
     lines = log.read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines if line.endswith("}")]
+    return [json.loads(line)["loss"] for line in lines if line.endswith("}") and '"loss"' in line]
 
 
-def _train(argv: list[str], tmp_path: Path) -> tuple[str, list[float]]:
-    log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}.jsonl"
+def _train(argv: list[str], tmp_path: Path, log: Path | None = None) -> tuple[str, list[float]]:
+    log = log or tmp_path / f"log{len(list(tmp_path.glob('log*')))}.jsonl"
     command, env = _train_command(argv, log)
     out = subprocess.run(
         command, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=300
@@ -129,6 +129,8 @@ def _train(argv: list[str], tmp_path: Path) -> tuple[str, list[float]]:
     assert out.returncode == 0, out.stdout + out.stderr
     for line in log.read_text().splitlines():  # a GPT fed token ids: tokens/s, MFU, memory
         record = json.loads(line)
+        if "resumed_after_step" in record:  # where a resumed run's records begin
+            continue
         assert record["unit"] == "tokens" and record["tokens_per_s"] > 0, record
         assert 0 < record["mfu"] < 1 and record["memory_bytes"] > 0, record
     return out.stdout, _losses(log)
@@ -198,13 +200,20 @@ def test_autoshard_train_killed_resumes_from_the_latest_checkpoint_as_if_never_s
     shard = sorted(newest.glob("*.distcp"))[-1]
     shard.write_bytes(shard.read_bytes()[:-1])
     picture = tmp_path / "metrics.png"
+    log = tmp_path / "killed.jsonl"  # resumed into the killed run's log: each step once
     out, late = _train(
         ["--steps", str(step + 4), "--checkpoint-dir", str(killed), "--picture", str(picture)],
         tmp_path,
+        log,
     )
     assert f"passed over damaged checkpoint(s) {newest} ({shard.name} is " in out
     assert f"resumed from {killed / f'step{step}'} at step {step}" in out
+    assert f"metrics log {log} continues after step {step}" in out
+    steps = [json.loads(line).get("step") for line in log.read_text().splitlines()]
+    assert steps == [*range(1, step + 1), None, *range(step + 1, step + 5)], steps
     assert picture.read_bytes().startswith(b"\x89PNG") and f"metrics: {picture}" in out
+    assert late[:step] == early[:step]
+    late = late[step:]
     assert len(late) == 4
     straight_dir = tmp_path / "straight"
     out, straight = _train(
