@@ -361,12 +361,15 @@ def test_train_reads_a_toml_config_and_names_what_is_wrong_in_it(tmp_path) -> No
 
 
 def test_train_names_pipeline_settings_it_cannot_take(tmp_path) -> None:
-    from autoshard.cli.train import TrainConfig, check
+    from autoshard.cli.train import TrainConfig
+    from autoshard.cli.train_check import check
 
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
-    with pytest.raises(ValueError, match=r"carries its own pipeline settings; leave out --pp"):
+    with pytest.raises(ValueError, match=r"its own pipeline and parallel settings; leave out --pp"):
         check(TrainConfig("m:f", plan=str(plan), pp=2))
+    with pytest.raises(ValueError, match=r"leave out --tp, --sequence-parallel"):
+        check(TrainConfig("m:f", plan=str(plan), tp=2, sequence_parallel=True))
     with pytest.raises(ValueError, match=r"schedule='pipedream': expected one of gpipe, 1f1b"):
         check(TrainConfig("m:f", schedule="pipedream"))
     with pytest.raises(ValueError, match=r"recompute='some': expected one of none, full"):

@@ -163,12 +163,49 @@ def _train_options(p: argparse.ArgumentParser) -> None:
         default=d.checkpoint_every,
         help="steps between checkpoints (0: none)",
     )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="train from step 1 even where --checkpoint-dir holds checkpoints",
+    )
     _pipeline_options(
         p,
         int,
         "pipeline stages (left out: searched when another pipeline flag is given, else none)",
     )
+    _train_parallel_options(p)
     _train_output_options(p, d)
+
+
+def _train_parallel_options(p: argparse.ArgumentParser) -> None:
+    """The parallel degrees and layouts ``autoshard train`` may fix (the others searched)."""
+    p.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel degree (left out: searched)"
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="context-parallel degree: every sequence split over this many ranks",
+    )
+    p.add_argument(
+        "--attention",
+        default=None,
+        choices=["allgather", "ulysses", "ring"],
+        help="how attention computes over a split sequence (left out: searched)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel degree: a mesh of dp x ep (x cp x tp where given), each MoE "
+        "layer's experts split over ep",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split every op over the tensor-parallel axes where it can be (Megatron's)",
+    )
 
 
 def _pipeline_options(p: argparse.ArgumentParser, pp_type: Any, pp_help: str) -> None:

@@ -314,7 +314,9 @@ def _train_command(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
-    from autoshard.cli.train import TrainConfig, check, launch, worker
+    from autoshard.cli.launcher import launch
+    from autoshard.cli.train import TrainConfig, worker
+    from autoshard.cli.train_check import check
 
     if args.target.endswith(".toml"):
         cfg = TrainConfig.from_toml(args.target)
@@ -324,7 +326,7 @@ def _train_command(args: argparse.Namespace) -> int:
     if "LOCAL_RANK" in os.environ:  # already a rank torchrun started (the user's torchrun)
         worker(cfg)
         return 0
-    check(cfg)  # the user's mistakes, once and before any rank starts
+    check(cfg, args.nproc_per_node, args.nnodes)  # the user's mistakes, before any rank starts
     passed = [
         f"--{flag.replace('_', '-')}={getattr(args, flag)}"
         for flag in ("nnodes", "node_rank", "master_addr", "master_port")

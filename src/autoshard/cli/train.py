@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 import warnings
@@ -23,10 +22,10 @@ from typing import Any
 
 import torch
 
+from autoshard.cli.launcher import WORKER
 from autoshard.cli.metrics_log import open_log
 from autoshard.options import Options
 
-WORKER = "AUTOSHARD_TRAIN"  # the settings, as JSON, on the ranks launch() starts
 #: the types a setting may have, by its annotation (a TOML value is checked against them)
 _KINDS: dict[str, tuple[type, ...]] = {
     "str": (str,),
@@ -35,6 +34,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "str | None": (str, type(None)),
     "int | None": (int, type(None)),
     "float | None": (float, int, type(None)),
+    "bool": (bool,),
 }
 
 
@@ -64,14 +64,54 @@ class TrainConfig:
     schedule: str | None = None
     virtual_stages: int | None = None
     recompute: str | None = None
+    tp: int | None = None
+    cp: int | None = None
+    attention: str | None = None
+    ep: int | None = None
+    sequence_parallel: bool = False
+    restart: bool = False
 
-    def options(self) -> Options:
+    def options(self, per_node: int | None = None) -> Options:
         """The options a rank parallelizes the model with (stages, where a pipeline setting
-        is given, searched as ``autoshard plan --pp`` searches them)."""
+        is given, searched as ``autoshard plan --pp`` searches them; the parallel degrees
+        given fixed, the others searched). ``per_node``: the ranks of a node (default:
+        torchrun's ``LOCAL_WORLD_SIZE``), the size of the ``cpu`` preset's nodes."""
         planned = {"plan": self.plan} if self.plan else {"search": self.search}
-        return Options(cluster=self.cluster, precision=self.precision, zero=self.zero or None,
-                       seed=self.seed, timeout_s=self.timeout, **planned,
-                       **self.pipeline)  # fmt: skip
+        split = {"attention": self.attention, "sequence_parallel": self.sequence_parallel}
+        if not self.ep:  # with experts over ep, the mesh holds tp and cp (mesh())
+            split |= {"tp": self.tp, "cp": self.cp}
+        return Options(cluster=self.run_cluster(per_node), precision=self.precision,
+                       zero=self.zero or None, seed=self.seed, timeout_s=self.timeout,
+                       **planned, **split, **self.pipeline)  # fmt: skip
+
+    def run_cluster(self, per_node: int | None = None) -> Any:
+        """The cluster the search prices: the preset or spec named; the ``cpu`` preset with
+        nodes of this run's ranks (its processes share one machine, however many)."""
+        if self.cluster != "cpu":
+            return self.cluster
+        from autoshard.cost.cluster import PRESETS
+
+        per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return dataclasses.replace(PRESETS["cpu"], devices_per_node=per_node)
+
+    def mesh(self, world: int) -> Any:
+        """What ``parallelize`` is given for the mesh: the device count (its shape searched),
+        or with ``ep`` the mesh itself, the data-parallel axis taking the devices the given
+        degrees leave (the pipeline's axis outermost where ``pp`` is given)."""
+        if not self.ep:
+            return world
+        fixed = {"pp": self.pp or 1, "ep": self.ep, "cp": self.cp or 1, "tp": self.tp or 1}
+        rest = world // max(1, fixed["pp"] * fixed["ep"] * fixed["cp"] * fixed["tp"])
+        axes = {"pp": fixed["pp"], "dp": rest, "ep": self.ep, "cp": fixed["cp"],
+                "tp": fixed["tp"]}  # fmt: skip
+        return {n: k for n, k in axes.items() if k > 1 or n == "ep"}
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The parallel degrees and layouts given (each fixes that choice)."""
+        names = ("tp", "cp", "attention", "ep")
+        given = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return given | ({"sequence_parallel": True} if self.sequence_parallel else {})
 
     @property
     def pipeline(self) -> dict[str, Any]:
@@ -83,20 +123,20 @@ class TrainConfig:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             kinds = _KINDS[field.type]
-            if not isinstance(value, kinds) or isinstance(value, bool):
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
                 wanted = " or ".join("none" if k is type(None) else k.__name__ for k in kinds)
                 raise ValueError(f"train setting {field.name} = {value!r}: expected {wanted}")
         positive = ("steps", "batch_size", "log_every", "timeout", "lr")
         bad = [f"{n} = {getattr(self, n)!r}" for n in positive if getattr(self, n) <= 0]
         bad += [f"zero = {self.zero!r}"] if self.zero not in (0, 1, 2, 3) else []
         bad += [f"checkpoint_every = {self.checkpoint_every}"] if self.checkpoint_every < 0 else []
-        staged = ("pp", "microbatches", "virtual_stages")
+        staged = ("pp", "microbatches", "virtual_stages", "tp", "cp", "ep")
         bad += [f"{n} = {getattr(self, n)}" for n in staged if (getattr(self, n) or 1) < 1]
         if bad:
             raise ValueError(
                 f"train settings out of range: {', '.join(bad)} (steps, batch_size, log_every, "
                 "timeout and lr are positive; zero is 0-3; checkpoint_every is 0 or more; pp, "
-                "microbatches and virtual_stages are 1 or more)"
+                "microbatches, virtual_stages, tp, cp and ep are 1 or more)"
             )
 
     @classmethod
@@ -195,29 +235,8 @@ def _parallel(parts: dict[str, Any], example: tuple, cfg: TrainConfig) -> Any:
     from autoshard.runtime import parallelize
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return parallelize(parts["model"], example, None if cfg.plan else world, None,
+    return parallelize(parts["model"], example, None if cfg.plan else cfg.mesh(world), None,
                        parts.get("loss_fn"), options=cfg.options())  # fmt: skip
-
-
-def check(cfg: TrainConfig) -> None:
-    """What can be checked before any rank starts: the settings, the target (imported and
-    called: a missing module or function, or a result that is no model and data, is a
-    ValueError naming it), and a first global batch of its data."""
-    if cfg.plan is not None and not Path(cfg.plan).is_file():
-        raise ValueError(f"plan {cfg.plan!r}: no such file")
-    if cfg.plan is not None and cfg.pipeline:
-        raise ValueError(
-            f"--plan {cfg.plan} carries its own pipeline settings; leave out "
-            + ", ".join(f"--{k.replace('_', '-')}" for k in cfg.pipeline)
-        )
-    cfg.options()  # every option in range, each error naming it
-    if cfg.picture is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--picture needs matplotlib: pip install matplotlib") from None
-    torch.manual_seed(cfg.seed)
-    _example(_parts(user_function(cfg.target), cfg.target), cfg)
 
 
 def _work(example: tuple, pm: Any, cfg: TrainConfig) -> tuple[float, str, int]:
@@ -300,6 +319,7 @@ def _size(nbytes: float) -> str:
 def worker(cfg: TrainConfig) -> None:
     """One rank's run: plan, resume from the newest whole checkpoint, train, log, checkpoint."""
     from autoshard import comm, watch
+    from autoshard.cli.launcher import record_step
     from autoshard.runtime import clip_grad_norm_, save
     from autoshard.testing import peak_resident_bytes
 
@@ -311,11 +331,8 @@ def worker(cfg: TrainConfig) -> None:
     opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, **parts.get("optimizer", {}))
     feed, batches = _batches(parts, pm, cfg)
     log = _Log(cfg, pm.rank == 0)
-    mesh = pm.plan.mesh.describe()
-    if pm.whole_batch:  # pipeline stages, each on the mesh above
-        s = pm.schedule
-        mesh = f"pp({s.num_ranks}) x {mesh}, {s.name}, {s.microbatches} micro-batches"
-    log.say(f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {mesh}")
+    for line in _described(pm):
+        log.say(line)
     start = _resume(cfg, pm, opt, feed, log)
     log.start(start)
     flops, unit, per_step = _work(example, pm, cfg)
@@ -341,6 +358,8 @@ def worker(cfg: TrainConfig) -> None:
             "grad_norm": None if norm is None else float(norm),
         }  # fmt: skip
         log.step(record, cfg.steps)
+        if pm.rank == 0:
+            record_step(step + 1)
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             watch.doing("saving a checkpoint")
             save(Path(cfg.checkpoint_dir) / f"step{step + 1}", pm, opt, step=step + 1, loader=feed)
@@ -354,6 +373,26 @@ def worker(cfg: TrainConfig) -> None:
         log.say(f"picture of the metrics: {metrics_picture(cfg.log, cfg.picture)}")
 
 
+def _described(pm: Any) -> list[str]:
+    """The plan this run trains under: its mesh, ZeRO stage and pipeline schedule, then how
+    its experts are spread and how attention computes over a split sequence, where it has
+    them."""
+    from autoshard.cli.plan_text import _experts
+    from autoshard.search.plans import attention_methods
+
+    mesh = pm.plan.mesh.describe()
+    if pm.whole_batch:  # pipeline stages, each on the mesh above
+        s = pm.schedule
+        mesh = f"pp({s.num_ranks}) x {mesh}, {s.name}, {s.microbatches} micro-batches"
+    zero = pm.plan.zero  # the stage run: the one given, else the searched plan's
+    zero = zero if isinstance(zero, int) else max(dict(zero).values(), default=0)
+    head = f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {mesh}, ZeRO {zero}"
+    try:
+        return [head, *_experts({}, pm.plan), *attention_methods(pm.plan)]
+    except (AttributeError, KeyError):  # a stage's plan without its whole graph
+        return [head]
+
+
 def _peak_flops(cfg: TrainConfig, pm: Any) -> float:
     """One device's peak of the cluster preset, in the dtype the model computes in."""
     from autoshard.cost import cluster_spec
@@ -364,11 +403,16 @@ def _peak_flops(cfg: TrainConfig, pm: Any) -> float:
 def _resume(cfg: TrainConfig, pm: Any, opt: Any, feed: Any, log: _Log) -> int:
     """The step to start from: the newest whole checkpoint's, else 0. A checkpoint that
     proves damaged when it is read (a checksum) is named and the next older one tried."""
+    from autoshard.cli.train_checkpoints import check_checkpoints
     from autoshard.runtime import CheckpointDamaged, latest, load
 
     if not cfg.checkpoint_dir:
         return 0
+    if cfg.restart:
+        log.say(f"--restart: training from step 1, not from {cfg.checkpoint_dir}")
+        return 0
     skipped: list[Path] = []
+    failed: list[str] = []
     while True:
         with warnings.catch_warnings(record=True) as passed:
             warnings.simplefilter("always")
@@ -376,77 +420,27 @@ def _resume(cfg: TrainConfig, pm: Any, opt: Any, feed: Any, log: _Log) -> int:
         for warning in passed:
             log.say(str(warning.message).removeprefix("autoshard: "))
         if found is None:
+            check_checkpoints(cfg, failed)  # damaged ones and no whole one: not from step 1
             return 0
         try:
             step = load(found, pm, opt, loader=feed)["step"]
         except CheckpointDamaged as err:
             log.say(f"not resuming from {found}: {err}")
             skipped.append(found)
+            failed.append(f"{found} ({' '.join(str(err).removeprefix(f'{found}: ').split())})")
             continue
         log.say(f"resumed from {found} at step {step}")
         return step
-
-
-#: torchrun's own log lines (its banner, its notes on the ranks it watches)
-_TORCHRUN_LOG = re.compile(r"^[DIWE]\d{4} [\d:.]+ +\d+ .*torch/distributed/(run|elastic)/")
-#: the line after which torchrun only tells how the ranks failed (its traceback, its summary)
-_TORCHRUN_FAILED = re.compile(r"torch/distributed/elastic/.*failed \(exitcode")
-
-
-def launch(cfg: TrainConfig, nproc: int, torchrun_args: list[str]) -> int:
-    """Run :func:`worker` on ``nproc`` ranks of this node under torchrun. The settings travel
-    in the environment as JSON: torchrun would read the options of ours that look like its
-    own (``--log``) as its own. The ranks' output comes through as it is, torchrun's own
-    log is left out; when a rank fails, what torchrun reports goes to a file, and the last
-    line says why the run stopped: the first ``autoshard: error:`` a rank printed, or the
-    exit code and where torchrun's report is."""
-    import subprocess
-
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        *torchrun_args, "-m", "autoshard.cli.train",
-    ]  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1", **os.environ, WORKER: json.dumps(dataclasses.asdict(cfg))}
-    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as proc:
-        report, told, last = _relay(proc.stderr)
-    if not proc.returncode:
-        return 0
-    path = Path(cfg.log).parent / "autoshard-torchrun.log"  # beside the metrics
-    if report:
-        path.write_text("".join(report))
-    if told is None:
-        told = (
-            f"autoshard: error: training stopped, a rank exited with code {proc.returncode} "
-            f"(its output is above; torchrun's report: {path})"
-        )
-    if told != last:
-        print(told, file=sys.stderr)
-    return proc.returncode
-
-
-def _relay(stream: Any) -> tuple[list[str], str | None, str | None]:
-    """Copy the ranks' lines of torchrun's stderr to ours; return torchrun's failure report,
-    the first ``autoshard: error:`` line a rank printed and the last line copied."""
-    report: list[str] = []
-    told = last = None
-    for line in stream:
-        if report or _TORCHRUN_FAILED.search(line):
-            report.append(line)
-        elif not _TORCHRUN_LOG.match(line):
-            if told is None and line.startswith("autoshard: error:"):
-                told = line.rstrip("\n")
-            last = line.rstrip("\n")
-            sys.stderr.write(line)
-            sys.stderr.flush()
-    return report, told, last
 
 
 def _run_rank(cfg: TrainConfig) -> int:
     """A rank torchrun started: :func:`worker`, and the exit status. Only the first rank that
     fails says why (the others fail because it did, or with the same error): an error of the
     user's input in one line, any other error with its traceback."""
+    from autoshard.cli.launcher import die_with_parent
     from autoshard.graph.failure import ONE_LINE_ERRORS
 
+    die_with_parent()  # torchrun gone (killed, its launcher killed): this rank stops too
     try:
         worker(cfg)
         return 0
@@ -486,7 +480,7 @@ def _first_to_fail() -> bool:
         return True
 
 
-__all__ = ["TrainConfig", "check", "launch", "worker"]
+__all__ = ["TrainConfig", "worker"]
 
 if __name__ == "__main__":  # a rank torchrun started (launch)
     sys.exit(_run_rank(TrainConfig(**json.loads(os.environ[WORKER]))))

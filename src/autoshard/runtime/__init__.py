@@ -16,6 +16,7 @@ from autoshard.runtime.program import (
 from autoshard.runtime.state import (
     CheckpointDamaged,
     CheckpointError,
+    damaged,
     latest,
     load,
     materialize,
@@ -26,6 +27,7 @@ from autoshard.runtime.state import (
 __all__ = [
     "CheckpointDamaged",
     "CheckpointError",
+    "damaged",
     "latest",
     "load",
     "materialize",

@@ -10,12 +10,14 @@ from autoshard.runtime.state.checkpoint import (
     load,
     save,
 )
+from autoshard.runtime.state.manifest import damaged
 from autoshard.runtime.state.meta import check_init, fill, materialize, meta_init
 
 __all__ = [
     "CheckpointDamaged",
     "CheckpointError",
     "check_init",
+    "damaged",
     "fill",
     "latest",
     "load",

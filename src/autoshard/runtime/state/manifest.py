@@ -78,6 +78,25 @@ def latest(directory: str | os.PathLike, *, skip: Any = ()) -> Path | None:
     return None
 
 
+def damaged(directory: str | os.PathLike) -> tuple[bool, list[str]]:
+    """Whether ``directory`` holds a checkpoint that :func:`latest` would take, and each
+    checkpoint that it would pass over, named with why (a manifest that cannot be read, a
+    file missing or of another size)."""
+    whole, problems = False, []
+    root = Path(directory)
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if entry.name.endswith((INCOMPLETE, ".old")) or not (entry / MANIFEST).exists():
+            continue
+        try:
+            problem = cut_short(entry, read_manifest(entry))
+        except CheckpointError as err:
+            problem = " ".join(str(err).removeprefix(f"{entry}: ").split())
+        whole = whole or problem is None
+        if problem is not None:
+            problems.append(f"{entry} ({problem})")
+    return whole, problems
+
+
 _warned: set[str] = set()
 
 

@@ -1,0 +1,137 @@
+"""What ``autoshard train`` checks in the launching process, before torchrun starts a rank:
+each mistake is a ValueError of one line (status 2), not a failure of every rank seconds
+later (docs/failures.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoshard.cli.train import TrainConfig, _example, _parts, user_function
+from autoshard.cli.train_checkpoints import check_checkpoints
+
+
+def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
+    """The settings, the launcher's arguments, the cluster, the parallel degrees, the plan
+    file, the checkpoint directory, the target (imported and called: a missing module or
+    function, or a result that is no model and data, is a ValueError naming it) and a first
+    global batch of its data."""
+    world = _world(nproc, nnodes)
+    if cfg.plan is not None:
+        _check_plan_flags(cfg)
+    cfg.options(per_node=nproc)  # every option in range, each error naming it
+    _check_cluster(cfg, world, nproc)
+    _check_degrees(cfg, world)
+    if cfg.picture is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--picture needs matplotlib: pip install matplotlib") from None
+    check_checkpoints(cfg)
+    torch.manual_seed(cfg.seed)
+    parts = _parts(user_function(cfg.target), cfg.target)
+    example = _example(parts, cfg)
+    _check_microbatches(cfg, example)
+    if cfg.plan is not None:
+        _check_plan(cfg, parts, example, world)
+
+
+def _world(nproc: int, nnodes: str | None) -> int:
+    """The ranks of the job (torchrun's elastic ``MIN:MAX`` nodes: the most)."""
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node {nproc}: at least 1 rank a node")
+    nodes = nnodes or "1"
+    try:
+        count = int(nodes.rpartition(":")[2])
+    except ValueError:
+        raise ValueError(f"--nnodes {nodes!r}: a number of nodes, or MIN:MAX") from None
+    if count < 1:
+        raise ValueError(f"--nnodes {nodes}: at least 1 node")
+    return nproc * count
+
+
+def _check_cluster(cfg: TrainConfig, world: int, nproc: int) -> None:
+    """A preset or spec file that exists and holds the job: whole nodes of it (the ``cpu``
+    preset's nodes are this run's ranks, any count of them)."""
+    from autoshard.cost import cluster_spec
+
+    spec = cluster_spec(cfg.run_cluster(per_node=nproc))
+    try:
+        cluster_spec(spec, world)
+    except ValueError as err:
+        raise ValueError(f"--cluster {cfg.cluster}: {err}") from None
+
+
+def _check_degrees(cfg: TrainConfig, world: int) -> None:
+    """The parallel degrees given divide the ranks together."""
+    given = {n: getattr(cfg, n) for n in ("pp", "ep", "cp", "tp") if getattr(cfg, n)}
+    product = 1
+    for k in given.values():
+        product *= k
+    if world % product:
+        named = " ".join(f"--{n} {k}" for n, k in given.items())
+        raise ValueError(f"{named} need a multiple of {product} ranks, this run has {world}")
+
+
+def _check_plan_flags(cfg: TrainConfig) -> None:
+    if not Path(cfg.plan).is_file():
+        raise ValueError(f"plan {cfg.plan!r}: no such file")
+    fixed = {**cfg.pipeline, **cfg.layout}
+    if fixed:
+        raise ValueError(
+            f"--plan {cfg.plan} carries its own pipeline and parallel settings; leave out "
+            + ", ".join(f"--{k.replace('_', '-')}" for k in fixed)
+        )
+
+
+def _check_microbatches(cfg: TrainConfig, example: tuple) -> None:
+    """Micro-batches that divide the global batch (the example's first dim)."""
+    if not cfg.microbatches:
+        return
+    rows = next((t.shape[0] for t in example if isinstance(t, torch.Tensor) and t.dim()), None)
+    if rows is not None and rows % cfg.microbatches:
+        raise ValueError(
+            f"--microbatches {cfg.microbatches} does not divide the batch of {rows} samples"
+        )
+
+
+def _check_plan(cfg: TrainConfig, parts: dict[str, Any], example: tuple, world: int) -> None:
+    """A plan file autoshard wrote, for this many ranks and for this model: its input
+    layouts and strategies fit the model's captured graph."""
+    from autoshard.graph import capture
+    from autoshard.mesh import mesh_info
+    from autoshard.search import load_plan
+
+    data = load_plan(cfg.plan)
+    pipeline = data.get("pipeline") or {}
+    stages = int(pipeline.get("pp", 1))
+    devices = mesh_info(data["mesh"]).num_devices * stages
+    if devices != world:
+        raise ValueError(
+            f"plan {cfg.plan!r} is for {devices} devices; this run has {world} ranks "
+            "(--nproc-per-node x --nnodes); plan again for them"
+        )
+    if pipeline:  # a stage's plan fits a stage's graph, which only the ranks cut
+        return
+    graph = capture(parts["model"], example, {}, loss_fn=parts.get("loss_fn"), train=True)
+    _fits(cfg.plan, data, graph)
+
+
+def _fits(path: str, data: dict[str, Any], graph: Any) -> None:
+    from autoshard.layout import LayoutError
+    from autoshard.mesh import mesh_info
+    from autoshard.ops import StrategyError
+    from autoshard.search import input_layouts, plan_graph
+
+    try:
+        layouts = input_layouts(graph, data)
+        plan_graph(graph, mesh_info(data["mesh"]), data["strategies"], input_layouts=layouts)
+    except (LayoutError, StrategyError) as err:
+        raise ValueError(
+            f"plan {path!r} does not fit this model (made for another?): {err}"
+        ) from None
+
+
+__all__ = ["check"]
