@@ -53,11 +53,17 @@ def _world(nproc: int, nnodes: str | None) -> int:
 
 
 def _check_cluster(cfg: TrainConfig, world: int, nproc: int) -> None:
-    """A preset or spec file that exists and holds the job: whole nodes of it (the ``cpu``
-    preset's nodes are this run's ranks, any count of them)."""
+    """A preset or spec file that exists and holds the job: part of one node, or whole
+    nodes of it, as many ranks on each (the ``cpu`` preset's nodes are this run's ranks,
+    any count of them)."""
     from autoshard.cost import cluster_spec
 
     spec = cluster_spec(cfg.run_cluster(per_node=nproc))
+    if world > nproc and nproc != spec.devices_per_node:
+        raise ValueError(
+            f"--cluster {cfg.cluster}: its nodes have {spec.devices_per_node} devices, "
+            f"--nproc-per-node {nproc} on {world // nproc} nodes uses {nproc} of each"
+        )
     try:
         cluster_spec(spec, world)
     except ValueError as err:
@@ -72,7 +78,9 @@ def _check_degrees(cfg: TrainConfig, world: int) -> None:
         product *= k
     if world % product:
         named = " ".join(f"--{n} {k}" for n, k in given.items())
-        raise ValueError(f"{named} need a multiple of {product} ranks, this run has {world}")
+        raise ValueError(
+            f"{named}: the ranks must be a multiple of {product}; this run has {world}"
+        )
 
 
 def _check_plan_flags(cfg: TrainConfig) -> None:

@@ -1,0 +1,236 @@
+"""``autoshard train``'s surface (README, docs/failures.md): a signal to the launcher stops
+torchrun and every rank, and a killed launcher takes them with it; every mistake found
+before the ranks start is one line and status 2; a directory of damaged checkpoints is not a
+silent start from step 1; the parallel degrees and layouts given on the command line train
+as plain PyTorch does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_examples import _free_port
+
+MODULE = """
+import os
+from pathlib import Path
+
+import torch
+from autoshard.models import build, reference_config
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.x[i].sum(0, keepdim=True).sin()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+        )
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def make():
+    if "RANK" in os.environ:  # a rank: its pid and its parent's (torchrun)
+        text = f"{os.getpid()} {os.getppid()}"
+        (Path(os.environ["PIDS"]) / os.environ["RANK"]).write_text(text)
+    return Net(), Data()
+
+
+def llama():
+    return reference(), CONFIG.example_batch(4)
+
+
+def moe():
+    return reference("moe"), MOE.example_batch(4)
+
+
+def reference(name="llama"):
+    return build(MOE if name == "moe" else CONFIG)
+
+
+SHAPE = dict(layers=2, hidden=32, heads=4, kv_heads=None, ffn=None, vocab=64, seq=16)
+CONFIG = reference_config("llama", **SHAPE, experts=None, top_k=None)
+MOE = reference_config("moe", **SHAPE, experts=4, top_k=2)
+"""
+
+
+def _command(tmp_path: Path, *argv: str) -> tuple[list[str], dict[str, str]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"OMP_NUM_THREADS": "1", "PIDS": str(tmp_path)}
+    (tmp_path / "usermodel.py").write_text(MODULE)
+    command = [sys.executable, "-m", "autoshard.cli", "train", *argv]
+    command += ["--master-port", str(_free_port()), "--log", str(tmp_path / "log.jsonl")]
+    return command, env
+
+
+def _run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    command, env = _command(tmp_path, *argv)
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_launcher_leaves_no_rank_running(tmp_path, sig) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM to ``autoshard train`` a few steps in: one line saying at
+    which step it stopped and where its last checkpoint is, status 128 + the signal, and
+    torchrun and both ranks gone within 30 s. SIGKILL of the launcher (no handler runs):
+    torchrun and the ranks notice it is gone and end within 30 s."""
+    argv = ["usermodel:make", "--nproc-per-node", "2", "--steps", "100000", "--batch-size", "8"]
+    argv += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5"]
+    command, env = _command(tmp_path, *argv)
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    log = tmp_path / "log.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (tmp_path / "ckpt" / "step5").is_dir():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    assert log.exists(), proc.communicate()
+    pids = [int(p) for r in "01" for p in (tmp_path / r).read_text().split()]
+    assert all(_alive(p) for p in pids)
+    proc.send_signal(sig)
+    stopped = time.time()
+    out, err = proc.communicate(timeout=60)
+    while any(_alive(p) for p in pids) and time.time() - stopped < 30:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], (pids, err)
+    if sig == signal.SIGKILL:
+        return
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and "torch" not in err, err
+    last = out.strip().splitlines()[-1]
+    step = int(last.split("stopped at step ")[1].split(";")[0])
+    assert step >= 5 and step >= len(log.read_text().splitlines()) - 1, out
+    assert last.startswith("autoshard train: stopped at step "), out
+    assert "; the last checkpoint is " + str(tmp_path / "ckpt" / "step") in last, out
+    assert not (tmp_path / "autoshard-torchrun.log").exists()
+
+
+def _fails_before_any_rank(monkeypatch, capsys, *argv: str) -> str:
+    """The one line ``autoshard train`` exits with, status 2, torchrun never started."""
+    from autoshard.cli import launcher
+    from autoshard.cli.main import main
+
+    def started(*_):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(launcher, "launch", started)
+    with pytest.raises(SystemExit) as ended:
+        main(["train", *argv])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("autoshard: error: "), err
+    return err.strip().removeprefix("autoshard: error: ")
+
+
+def test_every_train_mistake_is_one_line_and_status_2_before_any_rank(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """An unknown cluster preset, a file that is not a plan, a plan of another model or
+    another world size, micro-batches that do not divide the batch, a degree that does not
+    divide the ranks, no ranks a node: each one line and status 2 from the launcher. The
+    ``cpu`` preset takes any count of local ranks."""
+    import autoshard
+    from autoshard.cli.train import TrainConfig
+    from autoshard.cli.train_check import check
+    from autoshard.cost import cluster_spec
+
+    (tmp_path / "usermodel.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usermodel
+
+    (tmp_path / "notaplan.json").write_text(json.dumps({"mesh": {"dp": 2}}))
+    torch.manual_seed(0)
+    autoshard.plan(usermodel.reference(), usermodel.CONFIG.example_batch(4), "cpu",
+                   num_devices=2).save(tmp_path / "llama2.json")  # fmt: skip
+    cases = {
+        ("usermodel:make", "--cluster", "nosuch"): "cluster 'nosuch': not a preset",
+        (
+            "usermodel:make",
+            "--plan",
+            "notaplan.json",
+        ): "plan file 'notaplan.json': field 'format' is None",
+        ("usermodel:make", "--plan", "llama2.json", "--nproc-per-node", "2"): (
+            "plan 'llama2.json' does not fit this model (made for another?)"
+        ),
+        ("usermodel:llama", "--plan", "llama2.json", "--nproc-per-node", "4"): (
+            "plan 'llama2.json' is for 2 devices; this run has 4 ranks"
+        ),
+        ("usermodel:make", "--nproc-per-node", "2", "--pp", "2", "--microbatches", "3"): (
+            "--microbatches 3 does not divide the batch of 8 samples"
+        ),
+        ("usermodel:make", "--nproc-per-node", "2", "--tp", "3"): (
+            "--tp 3: the ranks must be a multiple of 3; this run has 2"
+        ),
+        ("usermodel:make", "--nproc-per-node", "0"): "--nproc-per-node 0: at least 1 rank",
+        ("usermodel:make", "--nproc-per-node", "3", "--cluster", "dgx-h100", "--nnodes", "2"): (
+            "--cluster dgx-h100: its nodes have 8 devices, --nproc-per-node 3 on 2 nodes"
+        ),
+    }
+    cases[("usermodel:make", "--nproc-per-node", "12", "--cluster", "dgx-h100")] = (
+        "--cluster dgx-h100: 12 devices is not a whole number of 8-device nodes of dgx-h100"
+    )
+    for argv, message in cases.items():
+        assert _fails_before_any_rank(monkeypatch, capsys, *argv).startswith(message), argv
+    check(TrainConfig("usermodel:make"), nproc=3)  # three local ranks of the cpu preset
+    assert cluster_spec(TrainConfig("m:f").run_cluster(per_node=3), 3).num_devices == 3
+
+
+def test_a_directory_of_damaged_checkpoints_is_not_a_silent_restart(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Every checkpoint damaged (one cut short, one whose manifest is garbled): one line
+    naming each and why, status 2, no rank started; ``--restart`` starts over on purpose,
+    and a whole checkpoint beside damaged ones is resumed from."""
+    from autoshard.cli.train import TrainConfig
+    from autoshard.cli.train_check import check
+
+    (tmp_path / "usermodel.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ckpt = tmp_path / "ckpt"
+    for step, manifest in (("step5", "{not json"), ("step10", None)):
+        (ckpt / step).mkdir(parents=True)
+        (ckpt / step / "shard0").write_bytes(b"x" * 10)
+        record = {"format": "autoshard-checkpoint/2", "step": 10,
+                  "files": {"shard0": {"bytes": 40, "crc32": "00000000"}}}  # fmt: skip
+        (ckpt / step / "autoshard.json").write_text(manifest or json.dumps(record))
+    argv = ["usermodel:make", "--checkpoint-dir", "ckpt", "--nproc-per-node", "2"]
+    message = _fails_before_any_rank(monkeypatch, capsys, *argv)
+    assert message.startswith("--checkpoint-dir ckpt has no whole checkpoint to resume from: ")
+    assert "ckpt/step10 (shard0 is 10 bytes, the manifest recorded 40)" in message
+    assert "ckpt/step5 (its autoshard.json cannot be read" in message
+    assert message.endswith("--restart trains from step 1 over them")
+    check(TrainConfig("usermodel:make", checkpoint_dir="ckpt", restart=True), nproc=2)
+    (ckpt / "step10" / "shard0").write_bytes(b"x" * 40)  # now whole by its sizes
+    check(TrainConfig("usermodel:make", checkpoint_dir="ckpt"), nproc=2)
