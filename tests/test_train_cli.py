@@ -234,3 +234,44 @@ def test_a_directory_of_damaged_checkpoints_is_not_a_silent_restart(
     check(TrainConfig("usermodel:make", checkpoint_dir="ckpt", restart=True), nproc=2)
     (ckpt / "step10" / "shard0").write_bytes(b"x" * 40)  # now whole by its sizes
     check(TrainConfig("usermodel:make", checkpoint_dir="ckpt"), nproc=2)
+
+
+@pytest.mark.parametrize(
+    ("target", "flags", "shown"),
+    [
+        ("llama", ["--cp", "2", "--attention", "ring", "--zero", "1"],
+         ["cp(2)", "ZeRO 1", "attention over a split sequence: ring"]),
+        ("moe", ["--ep", "2"], ["ep(2)", "experts layers.*"]),
+        ("llama", ["--tp", "2", "--sequence-parallel"], ["tp(2)"]),
+    ],
+)  # fmt: skip
+def test_the_parallel_flags_train_as_plain_pytorch(tmp_path, target, flags, shown) -> None:
+    """``--cp``/``--attention``, ``--ep``, ``--tp``/``--sequence-parallel`` and ``--zero`` on 2
+    CPU ranks: the plan printed names the mesh, the ZeRO stage and the attention's and
+    experts' layouts, and every step's loss is plain PyTorch's (the model's eager forward and
+    backward, torch.optim.AdamW) on the same batch."""
+    out = _run(tmp_path, f"usermodel:{target}", "--nproc-per-node", "2", "--steps", "3", *flags)
+    assert out.returncode == 0, out.stderr
+    plan = [line for line in out.stdout.splitlines() if "step " not in line]
+    assert plan[0].startswith("autoshard train: plan over 2 rank(s): "), out.stdout
+    for text in shown:
+        assert any(text in line for line in plan), (text, out.stdout)
+    losses = [
+        json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
+    ]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import usermodel
+    finally:
+        sys.path.remove(str(tmp_path))
+    torch.manual_seed(0)
+    model, batch = getattr(usermodel, target)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    expected = []
+    for _ in range(3):
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-4, abs=1e-5), (losses, expected)
