@@ -386,9 +386,9 @@ def _described(pm: Any) -> list[str]:
         mesh = f"pp({s.num_ranks}) x {mesh}, {s.name}, {s.microbatches} micro-batches"
     zero = pm.plan.zero  # the stage run: the one given, else the searched plan's
     zero = zero if isinstance(zero, int) else max(dict(zero).values(), default=0)
-    units = pm.zero_units()
+    units = pm.zero_units
     if zero and not any(fqn in units for fqn in pm.plan.params):
-        zero = f"{zero} (no parameter is replicated over data-parallel ranks: nothing sharded)"
+        zero = f"{zero} (nothing to shard under this plan)"
     head = f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {mesh}, ZeRO {zero}"
     try:
         return [head, *_experts({}, pm.plan), *attention_methods(pm.plan)]
