@@ -120,7 +120,7 @@ def launch(cfg: Any, nproc: int, torchrun_args: list[str]) -> int:
         finally:
             stopper.restore()
         if stopper.signal is not None:
-            step = progress.read_text().strip() if progress.exists() else "0"
+            step = (progress.read_text().strip() if progress.exists() else "") or "0"
             print(f"autoshard train: stopped at step {step}; {_last_checkpoint(cfg)}", flush=True)
             return 128 + stopper.signal
     if not proc.returncode:
@@ -176,8 +176,10 @@ def record_step(step: int) -> None:
     """Rank 0's last finished step, for the launcher's line when the run is stopped."""
     path = os.environ.get(PROGRESS)
     if path:
+        # written aside and renamed: a rank killed mid-write leaves the last step whole
         with contextlib.suppress(OSError):
-            Path(path).write_text(str(step))
+            Path(path + ".new").write_text(str(step))
+            os.replace(path + ".new", path)
 
 
 __all__ = ["GRACE_S", "PROGRESS", "STOPPING", "die_with_parent", "launch", "record_step"]
