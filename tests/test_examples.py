@@ -297,7 +297,8 @@ def test_a_capture_failure_under_autoshard_train_is_one_line_from_rank_zero(tmp_
 
 
 def test_a_plan_for_another_model_under_autoshard_train_is_one_line_from_rank_zero(tmp_path):
-    """A plan file whose strategies do not fit the model stops both ranks with one line."""
+    """A plan file whose strategies do not fit the model stops the run with one line (the
+    launcher finds it before any rank starts)."""
     plan = {
         "format": "autoshard-plan/1",
         "mesh": {"dp": 2},

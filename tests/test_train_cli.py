@@ -181,7 +181,7 @@ def test_every_train_mistake_is_one_line_and_status_2_before_any_rank(
             "notaplan.json",
         ): "plan file 'notaplan.json': field 'format' is None",
         ("usermodel:make", "--plan", "llama2.json", "--nproc-per-node", "2"): (
-            "plan 'llama2.json' does not fit this model (made for another?)"
+            "plan llama2.json does not fit this model (made for another?)"
         ),
         ("usermodel:llama", "--plan", "llama2.json", "--nproc-per-node", "4"): (
             "plan 'llama2.json' is for 2 devices; this run has 4 ranks"

@@ -138,7 +138,7 @@ def _fits(path: str, data: dict[str, Any], graph: Any) -> None:
         plan_graph(graph, mesh_info(data["mesh"]), data["strategies"], input_layouts=layouts)
     except (LayoutError, StrategyError) as err:
         raise ValueError(
-            f"plan {path!r} does not fit this model (made for another?): {err}"
+            f"plan {path} does not fit this model (made for another?): {err}"
         ) from None
 
 
