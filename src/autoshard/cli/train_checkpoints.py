@@ -3,10 +3,11 @@ checkpoints are all damaged is an error naming each, never a silent start from s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
-def check_checkpoints(cfg: Any, failed: list[str] = ()) -> None:
+def check_checkpoints(cfg: Any, failed: Sequence[str] = ()) -> None:
     """A checkpoint directory whose checkpoints are all damaged does not restart the run
     from step 1 unasked: a ValueError naming each and why (``failed``: those that failed to
     load, and why), unless ``restart`` starts over on purpose."""
