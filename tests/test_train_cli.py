@@ -97,9 +97,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_a_stopped_launcher_leaves_no_rank_running(tmp_path, sig) -> None:
-    """Ctrl-C (SIGINT) or SIGTERM to ``autoshard train`` a few steps in: one line saying at
+    """Ctrl-C (SIGINT), SIGTERM or SIGHUP to ``autoshard train`` a few steps in: one line saying at
     which step it stopped and where its last checkpoint is, status 128 + the signal, and
     torchrun and both ranks gone within 30 s. SIGKILL of the launcher (no handler runs):
     torchrun and the ranks notice it is gone and end within 30 s."""
