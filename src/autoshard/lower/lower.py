@@ -207,67 +207,86 @@ def lower(
     ``weights`` (with ``stage``): the program also returns, after those, the (first) output
     of every op of the stage that reads a parameter (``weight_readers``), where a backward
     split in two finds the gradients its weight half starts from."""
-    # Whole: one walk over the graph; every kind of node is one branch of it
     low = _Lowerer(plan, rank, device, state)
     for fqn, tensor in tensors.items():
-        if isinstance(tensor, nn.Module):
-            continue
         if isinstance(tensor, nn.Parameter):
             low.root.register_parameter(attr_name(fqn), tensor)
-        else:
+        elif not isinstance(tensor, nn.Module):
             low.root.register_buffer(attr_name(fqn), tensor)
-    env: dict[fx.Node, Any] = low.env
-    received: tuple[str, ...] = ()
-    for node in og.graph.nodes:
-        if og[node].kind == "input":
-            env[node] = low.graph.placeholder(node.name)
-    if stage is not None:
-        cut, s = stage
-        received = cut.receives[s]
-        for name in received:
-            env[og.by_name[name]] = low.graph.placeholder(f"recv_{name}")
+    received = _placeholders(low, og, stage)
     tagging = recompute != "none"
-    extra: tuple = ()
     for node in og.graph.nodes:
-        info = og[node]
-        if info.kind == "input" or node.name in received:
+        if og[node].kind == "input" or node.name in received:
             continue
-        if tagging:
-            before = len(low.graph.nodes)
         if stage is not None and not _in_stage(og, node, *stage):
             continue
-        if node.op == "output" and weights and stage is not None:
-            extra = _weight_values(low, og, cut, s)
-        if stage is not None and node.op == "output" and s < cut.num_stages - 1:
-            low.graph.output(tuple(low.value(og.by_name[n]) for n in cut.sends(s)) + extra)
+        before = len(low.graph.nodes)
+        if node.op == "output":
+            _output(low, og, node, stage, weights)
         elif node.op == "placeholder":
-            stored = tensors.get(info.fqn)
-            if isinstance(stored, nn.Module):
-                env[node] = _Fetched(stored, info.fqn)  # in the compute dtype already
-            elif info.fqn in plan.params:
-                env[node] = low.graph.get_attr(attr_name(info.fqn))
-                if stored is not None and stored.is_floating_point() and stored.dtype != info.dtype:
-                    # mixed precision: the master copy, cast where the program reads it
-                    env[node] = low.call(local.cast, (env[node], info.dtype), {})
-        elif node.op == "output":
-            values = []
-            for value, (src, dst) in zip(node.args[0], plan.outputs, strict=True):
-                v = low.value(value)
-                if src != dst:
-                    v = low.module(Redistribute(src, dst), (v,), "redistribute")
-                values.append(v)
-            low.graph.output(tuple(values) + extra)
-        elif info.kind == "getitem":
-            env[node] = low.call(operator.getitem, (low.value(node.args[0]), node.args[1]), {})
+            _param(low, og, node, tensors)
         else:
-            env[node] = _lower_node(low, node)
+            low.env[node] = _op(low, og, node)
         if node.name in plan.shared_reduce:  # one sum for all readers' gradient parts
             reduce = ReduceGrad(*plan.shared_reduce[node.name])
-            env[node] = low.module(reduce, (low.value(node),), "reduce_grad")
+            low.env[node] = low.module(reduce, (low.value(node),), "reduce_grad")
         if tagging:
             _tag(low.graph, len(low.graph.nodes) - before, _block_of(og, node))
     gm = fx.GraphModule(low.root, low.graph, class_name=f"Rank{rank}")
     return with_recompute(gm, recompute) if tagging else gm
+
+
+def _placeholders(low: _Lowerer, og: OpGraph, stage: tuple[StageCut, int] | None) -> tuple:
+    """The program's inputs: the model's, then (in a stage) the values it receives, whose
+    names it returns."""
+    for node in og.graph.nodes:
+        if og[node].kind == "input":
+            low.env[node] = low.graph.placeholder(node.name)
+    if stage is None:
+        return ()
+    cut, s = stage
+    for name in cut.receives[s]:
+        low.env[og.by_name[name]] = low.graph.placeholder(f"recv_{name}")
+    return cut.receives[s]
+
+
+def _param(low: _Lowerer, og: OpGraph, node: fx.Node, tensors: dict) -> None:
+    """A parameter or buffer as the program reads it."""
+    info = og[node]
+    stored = tensors.get(info.fqn)
+    if isinstance(stored, nn.Module):
+        low.env[node] = _Fetched(stored, info.fqn)  # in the compute dtype already
+    elif info.fqn in low.plan.params:
+        value = low.graph.get_attr(attr_name(info.fqn))
+        if stored is not None and stored.is_floating_point() and stored.dtype != info.dtype:
+            # mixed precision: the master copy, cast where the program reads it
+            value = low.call(local.cast, (value, info.dtype), {})
+        low.env[node] = value
+
+
+def _op(low: _Lowerer, og: OpGraph, node: fx.Node) -> fx.Node:
+    if og[node].kind == "getitem":
+        return low.call(operator.getitem, (low.value(node.args[0]), node.args[1]), {})
+    return _lower_node(low, node)
+
+
+def _output(
+    low: _Lowerer, og: OpGraph, node: fx.Node, stage: tuple[StageCut, int] | None, weights: bool
+) -> None:
+    """The program's outputs: a stage's sends, or the model's outputs in their planned
+    layouts; then, where asked, the weight readers' values (``weight_readers``)."""
+    extra = _weight_values(low, og, *stage) if weights and stage is not None else ()
+    if stage is not None and stage[1] < stage[0].num_stages - 1:
+        cut, s = stage
+        low.graph.output(tuple(low.value(og.by_name[n]) for n in cut.sends(s)) + extra)
+        return
+    values = []
+    for value, (src, dst) in zip(node.args[0], low.plan.outputs, strict=True):
+        v = low.value(value)
+        if src != dst:
+            v = low.module(Redistribute(src, dst), (v,), "redistribute")
+        values.append(v)
+    low.graph.output(tuple(values) + extra)
 
 
 def weight_readers(og: OpGraph, cut: StageCut, s: int) -> list[fx.Node]:
