@@ -70,7 +70,8 @@ class Options:
     cluster: Any = None
     #: a Plan, its JSON or a file of it; sets the mesh (and the pipeline's configuration)
     plan: Any = None
-    #: bytes a device may hold; a plan over it is an error (default: the cluster's memory)
+    #: bytes a device may hold; a plan over it, searched or made from strategies, is an error
+    #: (default: the cluster's memory)
     memory_limit: float | None = None
     #: the tensor-parallel degree of the meshes searched
     tp: int | None = None
@@ -78,13 +79,16 @@ class Options:
     cp: int | None = None
     #: whether a searched tensor-parallel group may span nodes
     tp_across_nodes: bool = False
-    #: "fp32", "bf16", "fp16" or a Precision (docs/precision.md)
+    #: "fp32", "bf16", "fp16" or a Precision: the dtype the model computes in and gradients are
+    #: summed in (docs/precision.md)
     precision: Any = None
-    #: ZeRO stage 0-3, or {fqn pattern: stage} (None: the plan's, else searched or 0)
+    #: ZeRO stage 0-3 over each parameter's data-parallel replicas, or {fqn pattern: stage}
+    #: (None: the plan's, else searched or 0; docs/zero.md)
     zero: int | Mapping[str, int] | None = None
     #: ZeRO 3: drop gathered parameters after forward and gather them again in backward
     reshard_after_forward: bool = True
-    #: "broadcast" rank 0's replicas, "check" they are equal, or "none"
+    #: "broadcast" the first rank's part of each parameter and buffer to the ranks holding the
+    #: same part, "check" that they are equal (naming the rank that differs), or "none"
     replicas: str = "broadcast"
     #: the size of the buckets whose gradient sums overlap backward
     bucket_cap_mb: float = BUCKET_CAP_MB
@@ -92,11 +96,12 @@ class Options:
     init: Any = None
     #: the seed of dropout's counter-based masks
     seed: int = 0
-    #: the longest wait in a collective before every rank stops (docs/failures.md)
+    #: the longest wait in a collective; then every rank stops, naming the ranks that never
+    #: arrived (docs/failures.md; None: the process group's own timeout, naming none)
     timeout_s: float | None = None
     #: pipeline ranks (``autoshard.plan``; ``parallelize`` reads the mesh's ``pp`` axis)
     pp: int | None = None
-    #: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1" or "zbv"
+    #: "gpipe", "1f1b" (``parallelize``'s default), "interleaved-1f1b", "zb-h1" or "zbv"
     schedule: str | None = None
     #: micro-batches a step (default: the pp size, or searched)
     microbatches: int | None = None
@@ -104,11 +109,15 @@ class Options:
     stages: tuple[str, ...] | None = None
     #: stages a rank of interleaved-1f1b (default INTERLEAVED_STAGES, as the search picks)
     virtual_stages: int | None = None
-    #: "none", "full", "selective" or {module glob: mode}
+    #: which repeated blocks backward runs again instead of keeping their activations:
+    #: "none", "full", "selective" or {module glob: mode} (docs/parallelism/pipeline.md)
     recompute: str | Mapping[str, str] | None = None
-    #: how attention computes a split sequence: "allgather", "ulysses" or "ring"
+    #: how attention computes its query rows split by sequence: "allgather" (the default),
+    #: "ulysses" or "ring" (docs/parallelism/sequence.md)
     attention: str | None = None
-    #: Megatron's sequence parallelism between the tensor-parallel linears
+    #: Megatron's sequence parallelism: values pending a sum over tensor-parallel axes are
+    #: reduce-scattered by sequence, so what runs between the tensor-parallel linears runs on
+    #: a block of the sequence
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:

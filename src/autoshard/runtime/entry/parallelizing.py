@@ -65,57 +65,42 @@ def parallelize(
     attention: str | None = None,
     sequence_parallel: bool = False,
 ) -> ParallelModule:
-    """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh`` with
-    the given strategies, check every rank planned the same, and lower this rank's part. A
-    dict ``example_inputs`` is the model's keywords (``pm(**batch)``); without ``loss_fn``, an
+    """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
+    with the given strategies or a ``search``, check every rank planned the same, and lower this
+    rank's part: a ``ParallelModule``, or with a ``pp`` axis, a pipeline keyword or a plan with
+    a ``pipeline`` section, a ``PipelineModule`` whose stages a ``search`` plans as
+    ``autoshard.plan`` does (docs/parallelism/pipeline.md). ``captured`` (``capture_modes``)
+    skips the capture when planning again (with pipeline stages: of one micro-batch; a search
+    with stages captures its own); given with a ``precision``, in its compute dtype. A dict
+    ``example_inputs`` is the model's keywords (``pm(**batch)``); without ``loss_fn``, an
     output that carries a ``loss`` (a transformers ``ModelOutput``) is captured as that loss.
-    ``search`` ("optimal", "recursive", "propagate") plans automatically for ``cluster``
-    (default the ``cpu`` preset): an int ``mesh`` searches its shape too. ``plan`` is a Plan
-    from ``autoshard.plan``, or its JSON (a dict or a file from ``autoshard plan --json``); it
-    sets the mesh (and, with a ``pipeline`` section, the stages and their schedule). With a
-    ``pp`` axis (or ``pp=``, with an int mesh), ``search`` plans the stages as
-    ``autoshard.plan`` does, every option reaching it; ``tp``, ``cp`` and ``tp_across_nodes``
-    bound the meshes it searches. ``options``: an ``autoshard.Options`` the keywords add to (one
-    that disagrees with it is an error); every keyword is one of its fields (docs/options.md).
-    ``memory_limit``: bytes a device may hold, for a searched plan and one made from strategies
-    alike. ``captured`` (``capture_modes``) skips the capture when planning again (with pipeline
-    stages: of one micro-batch; a search with stages captures its own). ``replicas``:
-    "broadcast" the first rank's part of each parameter and buffer to the ranks that hold the
-    same part, "check" that they are equal (naming the rank that differs), or "none".
-    ``bucket_cap_mb``: the size of the buckets whose gradient sums overlap backward (DDP's
-    default, 25). ``precision`` ("fp32", "bf16", "fp16" or a ``Precision``): the dtype the model
-    computes in and gradients are summed in (docs/precision.md); a ``captured`` given with it
-    must have been captured in its compute dtype. ``zero`` (0, 1, 2, 3, or ``{fqn pattern:
-    stage}``; default the plan's, else 0): ZeRO over each parameter's data-parallel replicas
-    (docs/zero.md); ``reshard_after_forward`` (stage 3): drop gathered parameters after forward
-    and gather them again in backward. ``init`` (a model built on meta): a checkpoint,
-    ``"reset"`` or a function of a module (docs/meta.md). ``timeout_s``: the longest wait in a
-    collective; then every rank stops, naming the ranks that never arrived (docs/failures.md;
-    default: the process group's own timeout, naming none). A mesh axis ``pp`` cuts the model
-    into pipeline stages (docs/parallelism/pipeline.md): ``schedule`` (default ``"1f1b"``),
-    ``microbatches`` (the batch is cut into that many, default the ``pp`` size), ``stages``
-    (module paths where stages 2, 3, ... begin; default cut between repeated blocks by FLOPs),
-    ``virtual_stages`` (stages per rank of ``interleaved-1f1b``, default 2, as the search
-    picks). ``recompute`` (``"none"``, ``"full"``, ``"selective"`` or ``{module glob: mode}``):
-    which repeated blocks backward runs again instead of keeping their activations
-    (docs/parallelism/pipeline.md). A mesh axis ``cp`` splits the inputs' sequence dim (dim 1)
-    and every activation after them (docs/parallelism/sequence.md); ``attention``
-    (``"allgather"``, the default, ``"ulysses"`` or ``"ring"``) is how an attention computes its
-    query rows split by sequence. ``sequence_parallel``: the values pending a sum over tensor-
-    parallel axes (row-split linears' outputs) are reduce-scattered by sequence, so the norms,
-    dropouts and residual adds between the tensor-parallel linears run on a block of the
-    sequence (Megatron's sequence parallelism)."""
-    # Whole: the public entry point; its keywords and their meaning are one list to read
+
+    Every other keyword is the field of ``autoshard.Options`` of its name, whose comment says
+    what it means (docs/options.md); ``options`` is an ``Options`` the keywords add to (one
+    that disagrees with it is an error)."""
     opts = Options.from_call(locals(), options)
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     if _pipelined(opts):
         return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
+    return _one_program(model, example_inputs, opts, loss_fn, example_kwargs, captured)
+
+
+def _one_program(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    opts: Options,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    example_kwargs: dict[str, Any] | None,
+    captured: dict[bool, OpGraph] | None,
+) -> ParallelModule:
+    """``parallelize`` without pipeline stages: one program a rank."""
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, opts.init)
     opts = opts.replace(precision=opts.policy.resolve(model))
     if captured is None:
-        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
-                                 dtype=opts.policy.compute)  # fmt: skip
+        captured = capture_modes(
+            model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=opts.policy.compute
+        )
     if opts.search is not None:
         made = search_plan(model, example_inputs, captured, opts)
         opts = opts.replace(search=None, plan=made)
