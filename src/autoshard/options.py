@@ -9,6 +9,7 @@ path cannot honour is an error naming it, never a value dropped on the way.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,6 +196,20 @@ class Options:
         if self.pp is not None and self.pp != (axis or 1):
             raise ValueError(f"pp={self.pp}, but the mesh {info.describe()} has pp {axis or 1}")
         return self if axis is None else self.replace(pp=axis)
+
+    def for_search(self) -> Options:
+        """These options as ``autoshard.plan`` searches under them: one ZeRO stage, and the
+        mesh's ``pp`` and context-parallel degree fixed where it has those axes."""
+        if self.zero is not None and not isinstance(self.zero, int):
+            raise ValueError(
+                "plan: zero= is one stage for the search (0-3); give per-parameter "
+                "stages to parallelize"
+            )
+        opts = self.with_mesh_pp()
+        info = mesh_info(opts.mesh) if opts.mesh is not None else None
+        if info is not None and info.cp and opts.cp is None:
+            opts = opts.replace(cp=math.prod(info.sizes[info.names.index(a)] for a in info.cp))
+        return opts
 
     @property
     def stage_mesh(self) -> MeshInfo | None:

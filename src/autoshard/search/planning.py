@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,56 +51,45 @@ def plan(
     file or a ClusterSpec; ``num_devices`` of its devices, default all). Returns the
     :class:`Plan` with ``plan.json`` (the JSON ``parallelize(plan=...)`` accepts, its
     ``options`` section the options it was made under) and ``plan.predicted`` (the cost
-    model's :class:`~autoshard.cost.Estimate` of it). The ZeRO
-    stage is searched with the strategies unless ``zero`` fixes it (docs/zero.md). Any of
-    ``pp``, ``microbatches``, ``schedule``, ``virtual_stages``, ``recompute`` (or a ``pp``
-    axis of ``mesh``, whose other axes then fix a stage's sub-mesh) plans pipeline
-    stages: the plan is one stage's, its JSON's ``pipeline`` section the configuration (those
-    not given searched; docs/parallelism/pipeline.md). ``attention`` fixes how attention
-    computes over a split sequence (``"allgather"``, ``"ulysses"``, ``"ring"``; None: searched);
-    ``sequence_parallel`` splits every op over the tensor-parallel axes where it can be
-    (docs/parallelism/sequence.md); with stages, these and a ``cp`` axis of ``mesh`` (its
-    size, the context-parallel degree) hold for every stage. ``precision`` (``"bf16"``, a
-    ``Precision``; default ``"fp32"``): the policy ``parallelize(precision=...)`` will run,
-    priced as it runs (the graph in its compute dtype, float32 master weights, gradients and
-    Adam moments, gradient sums in its reduce dtype; docs/precision.md); a ``captured`` given
-    with it must have been captured in its compute dtype. ``tp`` (``cp``) fixes the tensor-
-    (context-) parallel degree of the meshes searched (of each stage's with stages).
-    ``options``: an :class:`~autoshard.options.Options` the keywords add to."""
-    # Whole: the public entry point; its keywords and their meaning are one list to read
-    opts = Options.from_call(locals(), options)
+    model's :class:`~autoshard.cost.Estimate` of it). Any of ``pp``, ``microbatches``,
+    ``schedule``, ``virtual_stages``, ``recompute`` (or a ``pp`` axis of ``mesh``, whose other
+    axes then fix a stage's sub-mesh) plans pipeline stages: the plan is one stage's, its
+    JSON's ``pipeline`` section the configuration (those not given searched;
+    docs/parallelism/pipeline.md); ``attention``, ``sequence_parallel`` and a ``cp`` axis of
+    ``mesh`` hold for every stage. ``precision`` is priced as ``parallelize`` will run it; a
+    ``captured`` given with it, in its compute dtype. Every other keyword is the field of
+    :class:`~autoshard.options.Options` of its name (docs/options.md); ``zero`` (one stage,
+    searched where None), ``tp`` and ``cp`` fix what the search would pick; ``options``: an
+    ``Options`` the keywords add to."""
+    opts = Options.from_call(locals(), options).for_search()
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
-    if opts.zero is not None and not isinstance(opts.zero, int):
-        raise ValueError(
-            "plan: zero= is one stage for the search (0-3); give per-parameter "
-            "stages to parallelize"
-        )
-    opts = opts.with_mesh_pp()  # the mesh fixes the pipeline's degree
     info = mesh_info(opts.mesh) if opts.mesh is not None else None
-    if info is not None and info.cp and opts.cp is None:  # the context-parallel degree kept
-        opts = opts.replace(cp=math.prod(info.sizes[info.names.index(a)] for a in info.cp))
     spec = cluster_spec(opts.cluster)
     if num_devices is None:
         num_devices = info.num_devices if info is not None else spec.num_devices
     spec = cluster_spec(spec, num_devices)
     opts = opts.replace(precision=opts.policy.resolve(model))
+    inputs = tuple(example_inputs)
     if opts.staged:
-        return plan_with_stages(model, tuple(example_inputs), spec, num_devices, opts,
-                                loss_fn, example_kwargs)  # fmt: skip
+        return plan_with_stages(model, inputs, spec, num_devices, opts, loss_fn, example_kwargs)
     if captured is None:
-        captured = capture_modes(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
-                                 dtype=opts.policy.compute)  # fmt: skip
+        compute = opts.policy.compute
+        captured = capture_modes(model, inputs, example_kwargs, loss_fn=loss_fn, dtype=compute)
     if info is not None:
         check_inputs(captured[True], info)
+    return _searched(captured[True], info, spec, num_devices, opts)
+
+
+def _searched(og: OpGraph, info: Any, spec: ClusterSpec, num_devices: int, opts: Options) -> Plan:
+    """The one-program plan of ``og``: the strategies given fixed, the rest searched."""
     fixed = None
     if opts.strategies:
         if info is None:
             raise ValueError("search='propagate' with strategies needs the mesh they name")
-        base = plan_graph(captured[True], info, opts.strategies)
+        base = plan_graph(og, info, opts.strategies)
         fixed = {n.node: n.strategy for n in base.nodes.values() if n.configured}
-    result = run_search(captured[True], num_devices, spec, mesh=info, fixed=fixed,
-                        **opts.search_keywords())  # fmt: skip
-    built = build_plan(captured[True], result, spec)
+    result = run_search(og, num_devices, spec, mesh=info, fixed=fixed, **opts.search_keywords())
+    built = build_plan(og, result, spec)
     return dataclasses.replace(built, json={**built.json, "options": opts.as_json()})
 
 
