@@ -114,78 +114,119 @@ def search_pipeline(
     The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
     recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
     (about 4 a rank), then the other counts for the best degree (coarse to fine)."""
-    # Whole: the coarse-to-fine order and the pruning rules share the search's state
     start = time.perf_counter()
     if opts.memory_limit is not None:
         cluster = dataclasses.replace(cluster, memory_bytes=opts.memory_limit)
-    fixed = opts.stage_mesh
-    graphs: dict[int, OpGraph] = {}
+    search = _Search(capture, batch, num_devices, cluster, opts, depth, helper, opts.stage_mesh)
+    return search.run(), search.tried, time.perf_counter() - start
 
-    def graph(m: int) -> OpGraph:
-        if batch // m not in graphs:
-            graphs[batch // m] = capture(m)
-        return graphs[batch // m]
 
-    pps = [opts.pp] if opts.pp else _degrees(num_devices, graph, depth, batch)
-    within = fixed.num_devices if fixed else (opts.cp or 1) * (opts.tp or 1)  # a stage's
-    pps = [pp for pp in pps if (num_devices // pp) % within == 0] or [1]  # a stage holds it
-    tried: list[Tried] = []
+@dataclass
+class _Search:
+    """A pipeline search's state: graphs, stage plans, helpers searching ahead, what it priced."""
+
+    capture: Callable[[int], OpGraph]
+    batch: int
+    num_devices: int
+    cluster: ClusterSpec
+    opts: Options
+    depth: Any
+    helper: bool | None
+    fixed: Any  # a stage's sub-mesh where the options fix one
+    graphs: dict[int, OpGraph] = dataclasses.field(default_factory=dict)
+    #: one spec a sub-mesh size: the session's pricing is kept by the spec's id
+    subs: dict[int, ClusterSpec] = dataclasses.field(default_factory=dict)
+    #: (sub-mesh devices, micro-batch size, ZeRO, limit): the stage plan and its search
+    stage_plans: dict[tuple, tuple[Plan, SearchResult]] = dataclasses.field(default_factory=dict)
+    helpers: list[Helper] = dataclasses.field(default_factory=list)
+    #: jobs taken off the helper's list, run here, by job
+    stolen: dict[tuple, tuple[str, Any]] = dataclasses.field(default_factory=dict)
+    tried: list[Tried] = dataclasses.field(default_factory=list)
     best: PipelinePlan | None = None
-    stage_plans: dict[tuple[int, int, int, float], tuple[Plan, SearchResult]] = {}
-    subs: dict[int, ClusterSpec] = {}
-
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
+    unfit: float = math.inf  # the fastest priced at this ZeRO stage that does not fit
 
-    def stage_search(job: tuple[int, int, int, float], ahead: bool = False) -> tuple:
+    def run(self) -> PipelinePlan:
+        """Coarse, then fine (the helper searching ahead of this process); the best."""
+        opts, fixed, zero = self.opts, self.fixed, self.opts.zero or 0
+        pps = [opts.pp] if opts.pp else _degrees(self)
+        within = fixed.num_devices if fixed else (opts.cp or 1) * (opts.tp or 1)  # a stage's
+        pps = [pp for pp in pps if (self.num_devices // pp) % within == 0] or [1]  # holds it
+        try:
+            firsts = [(pp, self.counts(pp)[0]) for pp in pps if self.counts(pp)]
+            self.ahead([(pp, m, zero, math.inf) for pp, m in firsts[1:]])
+            for pp, m in firsts:
+                self.price(pp, m)
+                if self.helpers and self.best is not None:
+                    jobs = [(*job, zero, math.inf) for job in self.fine()]
+                    self.helpers[0].offer([job for job in jobs if job not in self.stolen])
+            for pp, m in self.fine():
+                self.price(pp, m)
+        finally:
+            for h in self.helpers:
+                h.stop()
+        if self.best is None:
+            raise PlanningError(_nothing_fits(self))
+        validate(self.best.schedule)
+        return self.best
+
+    def counts(self, pp: int) -> list[int]:
+        return [self.opts.microbatches] if self.opts.microbatches else _counts(self.batch, pp)
+
+    def fine(self) -> list[tuple[int, int]]:
+        if self.opts.microbatches or self.best is None:
+            return []
+        pp = self.best.schedule.num_ranks
+        return [(pp, m) for m in _counts(self.batch, pp)[1:]]
+
+    def graph(self, m: int) -> OpGraph:
+        if self.batch // m not in self.graphs:
+            self.graphs[self.batch // m] = self.capture(m)
+        return self.graphs[self.batch // m]
+
+    def sub(self, pp: int) -> ClusterSpec:
+        return self.subs.setdefault(pp, cluster_spec(self.cluster, self.num_devices // pp))
+
+    def stage_search(self, job: tuple[int, int, int, float], ahead: bool = False) -> tuple:
         """The stage plan's search for ``pp`` ranks, ``m`` micro-batches, ``zero`` and
         ``limit``, and the cost graphs it built (for this process's session, where the
         helper ran it; ``ahead``: with the graphs without moves of the later ZeRO stages
         ``price`` may try, which the helper builds ahead)."""
         pp, m, zero, limit = job
         levels = [0, 1, 2, 3] if m == 1 else [0, 1, 2]
-        later = tuple(z for z in levels if z > zero) if ahead and opts.zero is None else ()
-        og = graph(m)
-        # one spec a sub-mesh size: the session's pricing is kept by the spec's id
-        sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
-        how = opts.search_keywords() | {"zero": zero, "memory_limit": limit}
-        result = run_search(og, num_devices // pp, sub, depth=depth, mesh=fixed,
-                            step_share=1 / m, **how,
-                            then_bare=later)  # fmt: skip
+        later = tuple(z for z in levels if z > zero) if ahead and self.opts.zero is None else ()
+        og, sub = self.graph(m), self.sub(pp)
+        how = self.opts.search_keywords() | {"zero": zero, "memory_limit": limit}
+        how |= {"depth": self.depth, "mesh": self.fixed, "step_share": 1 / m, "then_bare": later}
+        result = run_search(og, self.num_devices // pp, sub, **how)
         return result, built_for(og, sub)
 
-    helpers: list[Helper] = []
-    first_zero = opts.zero if opts.zero is not None else 0
-
-    def ahead(jobs: list[tuple[int, int]]) -> None:
-        """The first stage searches of ``jobs`` ((pp, m), none run yet) in a helper."""
-        if not jobs or not (helper if helper is not None else helper_cores() > 0):
+    def ahead(self, jobs: list[tuple[int, int, int, float]]) -> None:
+        """The stage searches of ``jobs`` (none run yet) in a helper."""
+        if not jobs or not (self.helper if self.helper is not None else helper_cores() > 0):
             return
+        run = functools.partial(self.stage_search, ahead=True)
         try:
-            helpers.append(Helper([(pp, m, first_zero, math.inf) for pp, m in jobs],
-                                  functools.partial(stage_search, ahead=True),
-                                  (PlanningError,)))  # fmt: skip
+            self.helpers.append(Helper(jobs, run, (PlanningError,)))
         except (OSError, AssertionError, ValueError):  # no fork here (a daemonic process)
             pass
 
-    unfit = math.inf  # the fastest configuration priced at this ZeRO stage that does not fit
-
-    def price(pp: int, m: int) -> None:
+    def price(self, pp: int, m: int) -> None:
         # ZeRO raised a stage at a time while nothing fits, or while a configuration that does
         # not fit would be faster than the best: each stage shards more of the state over the
         # stage's data-parallel ranks (room for less recompute, a longer schedule) for more
         # communication (ZeRO 3 regathers every micro-batch, which the pipeline's pricing
         # does not hold: with one only)
-        nonlocal unfit
-        levels = [opts.zero] if opts.zero is not None else [0, 1, 2, 3]
-        for z in levels:
-            if z == 3 and m > 1 and opts.zero is None:
+        for z in [self.opts.zero] if self.opts.zero is not None else [0, 1, 2, 3]:
+            if z == 3 and m > 1 and self.opts.zero is None:
                 break
-            unfit = math.inf
-            fitted = price_at(pp, m, z)
-            if fitted and not unfit < (math.inf if best is None else best.predicted.step_time):
+            self.unfit = math.inf
+            fitted = self.price_at(pp, m, z)
+            best = math.inf if self.best is None else self.best.predicted.step_time
+            if fitted and not self.unfit < best:
                 break
 
-    def price_at(pp: int, m: int, zero: int) -> bool:
+    def price_at(self, pp: int, m: int, zero: int) -> bool:
         # The stage plan is searched for speed alone first (the pipeline's pricing judges its
         # memory); where nothing fits (nor full recompute, where a lighter one is given: it
         # leaves the stage plan as it is), again under a limit as much below its own memory as
@@ -194,62 +235,63 @@ def search_pipeline(
         limit, before = math.inf, math.inf
         for _ in range(TIGHTENINGS + 1):
             try:
-                fitted, lowest, stage = price_with(pp, m, zero, limit)
+                fitted, lowest, stage = self.price_with(pp, m, zero, limit)
             except PlanningError:  # nothing fits the stage search's limit
                 return False
             if fitted or lowest is None or lowest >= before:
                 return fitted
-            tighter = stage.predicted.peak_memory * cluster.memory_bytes / lowest
+            tighter = stage.predicted.peak_memory * self.cluster.memory_bytes / lowest
             if tighter >= limit:
                 return False
             limit, before = tighter, lowest
         return False
 
-    stolen: dict[tuple, tuple[str, Any]] = {}  # jobs taken off the helper's list, run here
-
-    def run_here(job: tuple[int, int, int, float]) -> tuple[str, Any]:
+    def run_here(self, job: tuple[int, int, int, float]) -> tuple[str, Any]:
         began = time.perf_counter()
         try:
-            return "here", stage_search(job)[0]
+            return "here", self.stage_search(job)[0]
         except PlanningError as err:
             return "error", err
         finally:
-            for h in helpers:
+            for h in self.helpers:
                 h.ran_here(time.perf_counter() - began)
 
-    def searched(job: tuple[int, int, int, float]) -> tuple[str, Any]:
+    def searched(self, job: tuple[int, int, int, float]) -> tuple[str, Any]:
         """The stage search of ``job``: ("here", result) where this process ran it, ("ok",
         (result, graphs built)) where the helper did, ("error", PlanningError). Where the
         helper runs it (or holds it to run), this process runs the jobs it has not begun,
         from its last, instead of waiting (their outcomes kept for when they are priced)."""
-        for h in helpers:
+        for h in self.helpers:
             while h.would_wait(job):
                 other = h.steal()
                 if other is None or other == job:
                     break
-                stolen[other] = run_here(other)
-        outcome = stolen.pop(job, None) or next(filter(None, (h.take(job) for h in helpers)), None)
-        return outcome or run_here(job)
+                self.stolen[other] = self.run_here(other)
+        outcome = self.stolen.pop(job, None)
+        outcome = outcome or next(filter(None, (h.take(job) for h in self.helpers)), None)
+        return outcome or self.run_here(job)
 
-    def price_with(pp: int, m: int, zero: int, limit: float) -> tuple[bool, float | None, Plan]:
-        """Every variant of the stage plan searched at ``zero`` under ``limit``: whether one
-        fits, the least peak memory priced (None: search no tighter plan), the stage plan."""
-        nonlocal best, least, unfit
-        og = graph(m)
-        key = (num_devices // pp, batch // m, zero, limit)
-        fitted, lowest, fuller = False, None, False
-        if key not in stage_plans:
-            sub = subs.setdefault(pp, cluster_spec(cluster, num_devices // pp))
-            outcome = searched((pp, m, zero, limit))
+    def stage_plan(self, pp: int, m: int, zero: int, limit: float) -> tuple[Plan, SearchResult]:
+        """The stage plan for ``pp`` ranks, ``m`` micro-batches, ``zero``, ``limit``, once."""
+        key = (self.num_devices // pp, self.batch // m, zero, limit)
+        if key not in self.stage_plans:
+            og, sub = self.graph(m), self.sub(pp)
+            outcome = self.searched((pp, m, zero, limit))
             if outcome[0] == "error":
                 raise outcome[1]
             result, built = outcome[1] if outcome[0] == "ok" else (outcome[1], None)
             if built is not None:
                 adopt(og, sub, built)
-            stage_plans[key] = (build_plan(og, result, sub), result)
-        stage, result = stage_plans[key]
-        closed: set[tuple[str, int]] = set()
-        for name, v, rc in _variants(opts, pp, m, _blocks(og, depth)):
+            self.stage_plans[key] = (build_plan(og, result, sub), result)
+        return self.stage_plans[key]
+
+    def price_with(self, pp: int, m: int, zero: int, limit: float) -> tuple:
+        """Every variant of the stage plan searched at ``zero`` under ``limit``: whether one
+        fits, the least peak memory priced (None: search no tighter plan), the stage plan."""
+        og, cluster = self.graph(m), self.cluster
+        stage, result = self.stage_plan(pp, m, zero, limit)
+        fitted, lowest, fuller, closed = False, None, False, set()
+        for name, v, rc in _variants(self.opts, pp, m, _blocks(og, self.depth)):
             # full recompute first: where it does not fit, less recompute keeps more; then
             # none, selective: once one fits, more recompute only adds time. Nor can a
             # configuration be faster whose busiest rank computes longer than the best step.
@@ -257,59 +299,37 @@ def search_pipeline(
             if (name, v) in closed or (zero == 3 and name in ("zb-h1", "zbv")):
                 continue  # a split backward reads a weight twice: not under ZeRO 3
             bound = busiest_rank_seconds(stage.predicted, og, placement, m, rc)
-            if best is not None and bound >= best.predicted.step_time:
+            if self.best is not None and bound >= self.best.predicted.step_time:
                 continue
             try:
                 plan = _priced(og, stage, result, cluster, pp, m, name, v, rc)
             except ScheduleError:  # e.g. interleaved with micro-batches not a multiple of pp
-                if opts.schedule:
+                if self.opts.schedule:
                     raise
                 closed.add((name, v))
                 continue
-            fits = plan.predicted.peak_memory <= cluster.memory_bytes
-            if not fits and limit == math.inf and rc != "full" and opts.recompute:
+            p = plan.predicted
+            fits = p.peak_memory <= cluster.memory_bytes
+            if not fits and limit == math.inf and rc != "full" and self.opts.recompute:
                 full = _priced(og, stage, result, cluster, pp, m, name, v, "full").predicted
                 fuller |= full.peak_memory <= cluster.memory_bytes
-            if least is None or plan.predicted.peak_memory < least.predicted.peak_memory:
-                least = plan
-            lowest = min(lowest or math.inf, plan.predicted.peak_memory)
-            tried.append(Tried(pp, m, name, v, rc, plan.predicted.step_time,
-                               plan.predicted.peak_memory, fits, zero))  # fmt: skip
+            lowest = min(lowest or math.inf, p.peak_memory)
+            self.tried.append(Tried(pp, m, name, v, rc, p.step_time, p.peak_memory, fits, zero))
+            self.keep(plan, fits)
             fitted |= fits
-            if not fits:
-                unfit = min(unfit, plan.predicted.step_time)
             if fits != (rc == "full"):
                 closed.add((name, v))
-            if fits and (best is None or plan.predicted.step_time < best.predicted.step_time):
-                best = plan
         return fitted, None if fuller else lowest, stage
 
-    def first_counts(pp: int) -> list[int]:
-        return [opts.microbatches] if opts.microbatches else _counts(batch, pp)
-
-    def fine(pp: int) -> list[tuple[int, int]]:
-        return [] if opts.microbatches else [(pp, m) for m in _counts(batch, pp)[1:]]
-
-    try:
-        # coarse: every degree at its first count (the helper searches ahead of this process,
-        # then the other counts of the best degree so far)
-        firsts = [(pp, first_counts(pp)[0]) for pp in pps if first_counts(pp)]
-        ahead(firsts[1:])
-        for pp, m in firsts:
-            price(pp, m)
-            if helpers and best is not None:
-                jobs = [(*job, first_zero, math.inf) for job in fine(best.schedule.num_ranks)]
-                helpers[0].offer([job for job in jobs if job not in stolen])
-        if best is not None:  # fine: the best degree's other counts
-            for pp, m in fine(best.schedule.num_ranks):
-                price(pp, m)
-    finally:
-        for h in helpers:
-            h.stop()
-    if best is None:
-        raise PlanningError(_nothing_fits(tried, least, cluster, num_devices))
-    validate(best.schedule)
-    return best, tried, time.perf_counter() - start
+    def keep(self, plan: PipelinePlan, fits: bool) -> None:
+        """``plan`` as the least memory priced, the fastest unfit, or the best."""
+        p = plan.predicted
+        if self.least is None or p.peak_memory < self.least.predicted.peak_memory:
+            self.least = plan
+        if not fits:
+            self.unfit = min(self.unfit, p.step_time)
+        elif self.best is None or p.step_time < self.best.predicted.step_time:
+            self.best = plan
 
 
 @functools.lru_cache(maxsize=64)
@@ -335,22 +355,16 @@ def _blocks(og: OpGraph, depth: Any) -> int:
     """The model's repeated blocks at full depth (``depth`` maps a block list to its real
     count, as the search prices it)."""
     prefix = next(iter(og.repeated), None)
-    if prefix is None:
-        return 1
-    return int((depth or {}).get(prefix, len(og.repeated[prefix])))
+    return 1 if prefix is None else int((depth or {}).get(prefix, len(og.repeated[prefix])))
 
 
-def _degrees(num_devices: int, graph: Callable[[int], OpGraph], depth: Any, batch: int) -> list:
+def _degrees(search: _Search) -> list:
     """Pipeline degrees to try: the device count's divisors from 2 up to the block count (a
     stage holds a block at least) that leave a micro-batch count dividing the batch; where
     none does (a batch of one), 1: one stage, recompute without a pipeline."""
-    first = _counts(batch, 2)
-    blocks = _blocks(graph(first[0] if first else 1), depth)
-    staged = [
-        d for d in range(2, min(num_devices, blocks) + 1)
-        if num_devices % d == 0 and _counts(batch, d)
-    ]  # fmt: skip
-    return staged or [1]
+    devices, batch, first = search.num_devices, search.batch, _counts(search.batch, 2)
+    top = min(devices, _blocks(search.graph(first[0] if first else 1), search.depth))
+    return [d for d in range(2, top + 1) if devices % d == 0 and _counts(batch, d)] or [1]
 
 
 def _counts(batch: int, pp: int) -> list[int]:
@@ -387,12 +401,13 @@ def _variants(opts: Options, pp: int, m: int, blocks: int) -> list[tuple]:
     return out
 
 
-def _nothing_fits(
-    tried: list[Tried], least: PipelinePlan | None, cluster: ClusterSpec, num_devices: int
-) -> str:
+def _nothing_fits(search: _Search) -> str:
+    tried, least, cluster = search.tried, search.least, search.cluster
     if not tried or least is None:
-        return (f"no pipeline configuration to try on {num_devices} devices (the pipeline "
-                "degree must divide the devices and the micro-batch count the batch)")  # fmt: skip
+        return (
+            f"no pipeline configuration to try on {search.num_devices} devices (the pipeline "
+            "degree must divide the devices and the micro-batch count the batch)"
+        )
     p = least.predicted
     worst = max(range(len(p.memory)), key=lambda r: sum(p.memory[r].values()))
     parts = ", ".join(f"{k} {size_text(v)}" for k, v in p.memory[worst].items())
@@ -426,9 +441,8 @@ def plan_with_stages(
     inputs = (example_inputs, example_kwargs)
     tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     batch = tensors[0].shape[0]
-    micro = micro_batch_graphs(model, example_inputs, example_kwargs, loss_fn=loss_fn,
-                               dtype=opts.policy.compute,
-                               searched=not opts.microbatches)  # fmt: skip
+    how = {"loss_fn": loss_fn, "dtype": opts.policy.compute, "searched": not opts.microbatches}
+    micro = micro_batch_graphs(model, example_inputs, example_kwargs, **how)
     if opts.microbatches and batch % opts.microbatches:
         raise ValueError(f"microbatches={opts.microbatches} does not divide the batch {batch}")
     best, tried, seconds = search_pipeline(micro, batch, num_devices, cluster, opts)
@@ -440,12 +454,10 @@ def staged_json(best: PipelinePlan, tried: list[Tried], seconds: float, opts: Op
     what was searched and priced, and the search's seconds) and the ``options`` it ran under."""
     data = dict(best.stage.json)
     num_devices = best.schedule.num_ranks * best.stage.mesh.num_devices
-    data["pipeline"] = pipeline_json(best, num_devices) | {
-        "searched": [n for n in ("microbatches", "pp", "recompute", "schedule")
-                     if getattr(opts, n) is None],
-        "tried": [t.as_dict() for t in tried],
-        "search_s": seconds,
-    }  # fmt: skip
+    names = ("microbatches", "pp", "recompute", "schedule")
+    searched = [n for n in names if getattr(opts, n) is None]
+    found = {"searched": searched, "tried": [t.as_dict() for t in tried], "search_s": seconds}
+    data["pipeline"] = pipeline_json(best, num_devices) | found
     data["options"] = opts.as_json()
     return pipeline_predicted(data)
 
