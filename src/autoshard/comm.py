@@ -351,8 +351,11 @@ def post_exchange(
         whats.append(
             _count("send_recv", (me, to), x) if to != me else watch.issued("send_recv", (me, me))
         )
-        works.append(dist.all_to_all_single(out.reshape(-1), flat, recv, send,
-                                            group=_group(group), async_op=True))  # fmt: skip
+        works.append(
+            dist.all_to_all_single(
+                out.reshape(-1), flat, recv, send, group=_group(group), async_op=True
+            )
+        )
         kept += [flat, out]
     return Posted(works, whats, kept), got
 

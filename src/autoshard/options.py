@@ -140,14 +140,18 @@ class Options:
         if base is None:
             return cls(**values)
         defaults = cls()
-        clash = [n for n, v in values.items()
-                 if v != getattr(defaults, n) and v != getattr(base, n)
-                 and getattr(base, n) != getattr(defaults, n)]  # fmt: skip
+        clash = [
+            n
+            for n, v in values.items()
+            if v != getattr(defaults, n)
+            and v != getattr(base, n)
+            and getattr(base, n) != getattr(defaults, n)
+        ]
         if clash:
             raise ValueError(
-                "options= and keywords disagree on " + ", ".join(
-                    f"{n} ({getattr(base, n)!r} against {values[n]!r})" for n in clash)
-            )  # fmt: skip
+                "options= and keywords disagree on "
+                + ", ".join(f"{n} ({getattr(base, n)!r} against {values[n]!r})" for n in clash)
+            )
         changed = {n: v for n, v in values.items() if v != getattr(defaults, n)}
         return dataclasses.replace(base, **changed)
 
@@ -257,11 +261,12 @@ class Options:
             "microbatches": self.microbatches,
             "stages": list(self.stages) if self.stages is not None else None,
             "virtual_stages": self.virtual_stages,
-            "recompute": dict(self.recompute) if isinstance(self.recompute, Mapping)
+            "recompute": dict(self.recompute)
+            if isinstance(self.recompute, Mapping)
             else self.recompute,
             "attention": self.attention,
             "sequence_parallel": self.sequence_parallel,
-        }  # fmt: skip
+        }
 
 
 def _problems(o: Options) -> list[str]:
@@ -271,46 +276,72 @@ def _problems(o: Options) -> list[str]:
     )
     if o.search is not None and o.plan is not None:
         bad.append("search= and plan=: give search= or plan=, not both")
-    positive = {"memory_limit": o.memory_limit, "timeout_s": o.timeout_s,
-                "bucket_cap_mb": o.bucket_cap_mb}  # fmt: skip
-    bad += [f"{n}={v!r}: expected a positive number" for n, v in positive.items()
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
-                                  or v <= 0)]  # fmt: skip
-    counts = {"tp": o.tp, "cp": o.cp, "pp": o.pp, "microbatches": o.microbatches,
-              "virtual_stages": o.virtual_stages}  # fmt: skip
-    bad += [
-        f"{n}={v!r}: expected a positive int"
-        for n, v in counts.items()
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
-    ]
-    flags = {"tp_across_nodes": o.tp_across_nodes, "sequence_parallel": o.sequence_parallel,
-             "reshard_after_forward": o.reshard_after_forward}  # fmt: skip
-    bad += [
-        f"{n}={v!r}: expected True or False" for n, v in flags.items() if not isinstance(v, bool)
-    ]
-    if isinstance(o.seed, bool) or not isinstance(o.seed, int):
-        bad.append(f"seed={o.seed!r}: expected an int")
-    choices = {"schedule": (o.schedule, SCHEDULES), "attention": (o.attention, ATTENTION_METHODS),
-               "replicas": (o.replicas, REPLICAS)}  # fmt: skip
+    bad += _number_problems(o)
+    choices = {
+        "schedule": (o.schedule, SCHEDULES),
+        "attention": (o.attention, ATTENTION_METHODS),
+        "replicas": (o.replicas, REPLICAS),
+    }
     bad += [
         f"{n}={v!r}: expected one of {', '.join(c)}"
         for n, (v, c) in choices.items()
         if v is not None and v not in c
     ]
     modes = o.recompute.values() if isinstance(o.recompute, Mapping) else [o.recompute]
-    bad += [f"recompute={o.recompute!r}: expected one of {', '.join(RECOMPUTE_MODES)} "
-            "or a mapping of module globs to them"] * any(m is not None and m not in RECOMPUTE_MODES
-                                            for m in modes)  # fmt: skip
+    bad += [
+        f"recompute={o.recompute!r}: expected one of {', '.join(RECOMPUTE_MODES)} "
+        "or a mapping of module globs to them"
+    ] * any(m is not None and m not in RECOMPUTE_MODES for m in modes)
     levels = o.zero.values() if isinstance(o.zero, Mapping) else [o.zero]
     bad += [f"zero={o.zero!r}: expected 0-3 or a mapping of parameter patterns to them"] * any(
         z is not None and (isinstance(z, bool) or z not in (0, 1, 2, 3)) for z in levels
     )
     if o.virtual_stages not in (None, 1) and o.schedule not in (None, "interleaved-1f1b"):
-        bad.append(f"virtual_stages={o.virtual_stages} with schedule={o.schedule!r} "
-                   ": stages a rank are interleaved-1f1b's")  # fmt: skip
+        bad.append(
+            f"virtual_stages={o.virtual_stages} with schedule={o.schedule!r} "
+            ": stages a rank are interleaved-1f1b's"
+        )
     if o.stages is not None and not all(isinstance(s, str) for s in o.stages):
         bad.append(f"stages={o.stages!r}: expected the module paths where stages 2, 3, ... begin")
     precision_policy(o.precision)  # its own error names what it expected
+    return bad
+
+
+def _number_problems(o: Options) -> list[str]:
+    """The numbers, counts and flags of the wrong type or out of range."""
+    bad: list[str] = []
+    positive = {
+        "memory_limit": o.memory_limit,
+        "timeout_s": o.timeout_s,
+        "bucket_cap_mb": o.bucket_cap_mb,
+    }
+    bad += [
+        f"{n}={v!r}: expected a positive number"
+        for n, v in positive.items()
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0)
+    ]
+    counts = {
+        "tp": o.tp,
+        "cp": o.cp,
+        "pp": o.pp,
+        "microbatches": o.microbatches,
+        "virtual_stages": o.virtual_stages,
+    }
+    bad += [
+        f"{n}={v!r}: expected a positive int"
+        for n, v in counts.items()
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
+    ]
+    flags = {
+        "tp_across_nodes": o.tp_across_nodes,
+        "sequence_parallel": o.sequence_parallel,
+        "reshard_after_forward": o.reshard_after_forward,
+    }
+    bad += [
+        f"{n}={v!r}: expected True or False" for n, v in flags.items() if not isinstance(v, bool)
+    ]
+    if isinstance(o.seed, bool) or not isinstance(o.seed, int):
+        bad.append(f"seed={o.seed!r}: expected an int")
     return bad
 
 

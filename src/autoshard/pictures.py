@@ -133,10 +133,14 @@ def layout_picture(layout: Layout, path: str | Path, *, title: str | None = None
         colour = colours(groups.index(ranks) % colours.N)
         ax.add_patch(
             Rectangle(
-                (cols.start, rows.start), cols.stop - cols.start, rows.stop - rows.start,
-                facecolor=colour, edgecolor="black", linewidth=1.0,
+                (cols.start, rows.start),
+                cols.stop - cols.start,
+                rows.stop - rows.start,
+                facecolor=colour,
+                edgecolor="black",
+                linewidth=1.0,
             )
-        )  # fmt: skip
+        )
         middle = ((cols.start + cols.stop) / 2, (rows.start + rows.stop) / 2)
         ax.text(*middle, _ranks_label(ranks), ha="center", va="center", fontsize=size)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -258,8 +262,14 @@ def metrics_picture(metrics: str | Path | Sequence[Mapping[str, Any]], path: str
     fast = [r for r in records if r.get(field) is not None]
     speed_ax.plot([r["step"] for r in fast], [r[field] for r in fast], color="C1", marker=marker)
     if not fast:
-        speed_ax.text(0.5, 0.5, "no throughput in the records", ha="center", va="center",
-                      transform=speed_ax.transAxes)  # fmt: skip
+        speed_ax.text(
+            0.5,
+            0.5,
+            "no throughput in the records",
+            ha="center",
+            va="center",
+            transform=speed_ax.transAxes,
+        )
     speed_ax.set_ylabel(label)
     speed_ax.set_xlabel("step")
     for ax in (loss_ax, speed_ax):

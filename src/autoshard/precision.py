@@ -70,8 +70,10 @@ class Precision:
 
     def as_dict(self) -> dict[str, str | None]:
         names = ("compute", "reduce", "master")
-        return {n: str(getattr(self, n)).removeprefix("torch.") if getattr(self, n) else None
-                for n in names}  # fmt: skip
+        return {
+            n: str(getattr(self, n)).removeprefix("torch.") if getattr(self, n) else None
+            for n in names
+        }
 
     def resolve(self, model: Any) -> Precision:
         """This policy with ``master`` set to the dtype of ``model``'s floating parameters

@@ -66,8 +66,9 @@ class Batches:
     def at(self, size: int) -> OpGraph:
         """The training graph at batch ``size``."""
         if self.one_trace:  # a capture in one trace costs less than making it from export's
-            made = captured_in_one_trace(self.model, self._rows(size), loss_fn=self.loss_fn,
-                                         dtype=self.dtype)  # fmt: skip
+            made = captured_in_one_trace(
+                self.model, self._rows(size), loss_fn=self.loss_fn, dtype=self.dtype
+            )
             if made is not None:
                 self.traced.append(size)
                 return made
@@ -86,8 +87,9 @@ class Batches:
                 self.made.append(size)
                 return made
         self.captured.append(size)
-        return capture(self.model, self._rows(size), {}, loss_fn=self.loss_fn, train=True,
-                       dtype=self.dtype)  # fmt: skip
+        return capture(
+            self.model, self._rows(size), {}, loss_fn=self.loss_fn, train=True, dtype=self.dtype
+        )
 
     def _rows(self, size: int) -> tuple:
         return tuple(self._cut(x, size) for x in self.args)
@@ -103,13 +105,15 @@ class Batches:
             return None
         dim = torch.export.Dim("batch", min=2, max=max(self.batch, 2))
         free = tuple(
-            {0: dim} if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.batch
+            {0: dim}
+            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.batch
             else None
             for x in self.args
-        )  # fmt: skip
+        )
         try:
-            return exported(self.model, self.args, loss_fn=self.loss_fn, dtype=self.dtype,
-                            dynamic_shapes=free)  # fmt: skip
+            return exported(
+                self.model, self.args, loss_fn=self.loss_fn, dtype=self.dtype, dynamic_shapes=free
+            )
         except Exception:  # e.g. the model branches on its batch: each size captured alone
             return None
 

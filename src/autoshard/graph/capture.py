@@ -111,8 +111,7 @@ def captured_in_one_trace(
     """The training graph :func:`capture` makes, where it is made in one trace (``traced``);
     None where it would need export."""
     held = Held()
-    program = _exported(model, args, {}, loss_fn, True, dtype, held, one_trace=True,
-                        export=False)  # fmt: skip
+    program = _exported(model, args, {}, loss_fn, True, dtype, held, one_trace=True, export=False)
     if program is None:
         return None
     replay(held)

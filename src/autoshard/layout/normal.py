@@ -110,10 +110,15 @@ def made_once(
     """A ``cls`` normalized from these arguments (``init_canonical``), made once for equal
     arguments: layouts are values, so one serves every call that asks for it."""
     key = (
-        cls, tuple(shape), tuple(mesh), tuple(tuple(map(tuple, f)) for f in factors),
-        tuple(partial), ranks if ranks is None or isinstance(ranks, range) else tuple(ranks),
-        dtype, None if axis_names is None else tuple(axis_names),
-    )  # fmt: skip
+        cls,
+        tuple(shape),
+        tuple(mesh),
+        tuple(tuple(map(tuple, f)) for f in factors),
+        tuple(partial),
+        ranks if ranks is None or isinstance(ranks, range) else tuple(ranks),
+        dtype,
+        None if axis_names is None else tuple(axis_names),
+    )
     made = _MADE.get(key)
     if made is None:
         if len(_MADE) >= 200_000:  # bounded: a long process plans many models

@@ -42,9 +42,16 @@ FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_
 
 
 def pair_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool,
-    mask: torch.Tensor | None, cols: slice, rows: slice, acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+    mask: torch.Tensor | None,
+    cols: slice,
+    rows: slice,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One product's (output, log-sum-exp), in ``acc``."""
     if fused(q, mask):
         out, lse = FLASH_CPU(q, k, v, 0.0, diagonal, scale=scale)
@@ -59,16 +66,32 @@ def pair_forward(
 
 
 def pair_backward(
-    g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None, cols: slice,
-    rows: slice, acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    g: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+    mask: torch.Tensor | None,
+    cols: slice,
+    rows: slice,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One product's (dq, dk, dv) in ``acc``, from the whole rows' output and log-sum-exp."""
     if fused(q, mask):
         grads = FLASH_CPU_BACKWARD(
-            g, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), 0.0,
-            diagonal, scale=scale,
-        )  # fmt: skip
+            g,
+            q,
+            k,
+            v,
+            out,
+            lse.to(torch.promote_types(q.dtype, torch.float32)),
+            0.0,
+            diagonal,
+            scale=scale,
+        )
         return tuple(t.to(acc) for t in grads)  # type: ignore[return-value]
     qa, ka, va, ga = (t.to(acc) for t in (q, k, v, g))
     s = scores(qa, ka, scale, diagonal, mask, cols, rows)

@@ -152,8 +152,9 @@ def dispatched(
     got = comm.all_to_all_v(counts, [1] * size, [1] * size, group)  # [source, my expert]
     send, recv = counts.sum(1).tolist(), got.sum(1).tolist()
     rows = _AllToAllV.apply(x[order // top_k], send, recv, group)
-    expert_of = torch.repeat_interleave(torch.arange(per, device=device).repeat(size),
-                                        got.reshape(-1))  # fmt: skip
+    expert_of = torch.repeat_interleave(
+        torch.arange(per, device=device).repeat(size), got.reshape(-1)
+    )
     y = torch.zeros_like(rows)
     for e in range(per):
         mine = torch.nonzero(expert_of == e).reshape(-1)
@@ -173,8 +174,9 @@ class LocalExperts(nn.Module):
 
     def forward(self, x, index, weight, gate_up, down) -> torch.Tensor:  # noqa: ANN001
         if len(self.group) > 1:
-            return dispatched(x, index, weight, gate_up, down, self.activation, self.group,
-                              self.blocks)  # fmt: skip
+            return dispatched(
+                x, index, weight, gate_up, down, self.activation, self.group, self.blocks
+            )
         return experts_math(x, index, weight, gate_up, down, self.activation, self.first)
 
     def extra_repr(self) -> str:
@@ -266,14 +268,20 @@ class ExpertsRule(SpaceRule):
 
         rows = (t, None)
         ins = (
-            layout(x, rows), layout(index, rows), layout(weight, rows),
-            layout(gate_up, (e, halves, None)), layout(down, (e, None, f)),
-        )  # fmt: skip
+            layout(x, rows),
+            layout(index, rows),
+            layout(weight, rows),
+            layout(gate_up, (e, halves, None)),
+            layout(down, (e, None, f)),
+        )
         out = layout(node, rows, ffn + summed)
         grads = (
-            layout(x, rows, ffn + summed), ins[1], layout(weight, rows, ffn + summed),
-            layout(gate_up, (e, halves, None), replicas), layout(down, (e, None, f), replicas),
-        )  # fmt: skip
+            layout(x, rows, ffn + summed),
+            ins[1],
+            layout(weight, rows, ffn + summed),
+            layout(gate_up, (e, halves, None), replicas),
+            layout(down, (e, None, f), replicas),
+        )
         return Strategy(ins, (out,), grads)
 
     def joint_options(self, node: fx.Node, mesh: MeshInfo) -> list[tuple[Any, Strategy]]:
@@ -368,8 +376,14 @@ class ExpertsRule(SpaceRule):
         )
         base = super(SpaceRule, self).cost(node, strategy, needs_grad)
         rows = num_tokens * top_k * share / held  # one expert's product, as each is run
-        return Cost(forward, base.bytes, backward, base.backward_bytes, "matmul",
-                    3 / (1 / rows + 1 / hidden + 1 / ffn) if rows else 0.0)  # fmt: skip
+        return Cost(
+            forward,
+            base.bytes,
+            backward,
+            base.backward_bytes,
+            "matmul",
+            3 / (1 / rows + 1 / hidden + 1 / ffn) if rows else 0.0,
+        )
 
 
 def dispatch_group(strategy: Strategy, rank: int) -> tuple[int, ...]:

@@ -195,8 +195,12 @@ def _products(ring: Ring, block: int, causal: bool) -> list[Pair]:
             if out and _joins(out[-1], rows, keys, cols) and not diagonal:
                 # one product of these rows over both runs of keys, seen whole
                 last = out[-1]
-                out[-1] = (rows, slice(last[1].start, keys.stop), False,
-                           slice(last[3].start, cols.stop))  # fmt: skip
+                out[-1] = (
+                    rows,
+                    slice(last[1].start, keys.stop),
+                    False,
+                    slice(last[3].start, cols.stop),
+                )
             else:
                 out.append((rows, keys, diagonal, cols))
     return out
@@ -263,9 +267,16 @@ class _RingAttention(torch.autograd.Function):
         def fold(rows_of: torch.Tensor, pair: Pair, r: slice) -> None:
             c, diagonal, cols = pair[1:]
             part, part_lse = blocks.pair_forward(
-                rows_of[..., r, :], kb[..., c, :], vb[..., c, :], scale, diagonal, mask,
-                cols, pair[0], acc,
-            )  # fmt: skip
+                rows_of[..., r, :],
+                kb[..., c, :],
+                vb[..., c, :],
+                scale,
+                diagonal,
+                mask,
+                cols,
+                pair[0],
+                acc,
+            )
             r = pair[0]
             if any(r.start < w.stop and w.start < r.stop for w in written):
                 blocks.merge(total, lse, r, part, part_lse)
@@ -313,8 +324,19 @@ class _RingAttention(torch.autograd.Function):
             pairs = _pairs(ring, block, causal)
             if swap is not None:  # the kept rows first, while the others' gradients arrive
                 for pair in [p for p in pairs if swap.holds(p[0])]:
-                    grads = _unfold(swap.kept, swap.kept_rows(pair[0]), q, kb, vb, out, lse,
-                                    pair, scale, mask, acc)  # fmt: skip
+                    grads = _unfold(
+                        swap.kept,
+                        swap.kept_rows(pair[0]),
+                        q,
+                        kb,
+                        vb,
+                        out,
+                        lse,
+                        pair,
+                        scale,
+                        mask,
+                        acc,
+                    )
                     _accumulate((dq, dk, dv), pair, grads)
                 pairs = [p for p in pairs if not swap.holds(p[0])]
                 grad, swap = swap.done(), None
@@ -341,16 +363,34 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _unfold(
-    g: torch.Tensor, g_rows: slice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, pair: Pair, scale: float, mask: torch.Tensor | None,
+    g: torch.Tensor,
+    g_rows: slice,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pair: Pair,
+    scale: float,
+    mask: torch.Tensor | None,
     acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One product's (dq, dk, dv): its rows' output gradient ``g[g_rows]``."""
     r, c, diagonal, cols = pair
     return blocks.pair_backward(
-        g[..., g_rows, :], q[..., r, :], k[..., c, :], v[..., c, :], out[..., r, :],
-        lse[..., r].contiguous(), scale, diagonal, mask, cols, r, acc,
-    )  # fmt: skip
+        g[..., g_rows, :],
+        q[..., r, :],
+        k[..., c, :],
+        v[..., c, :],
+        out[..., r, :],
+        lse[..., r].contiguous(),
+        scale,
+        diagonal,
+        mask,
+        cols,
+        r,
+        acc,
+    )
 
 
 def _accumulate(into: tuple[torch.Tensor, ...], pair: Pair, grads: tuple) -> None:

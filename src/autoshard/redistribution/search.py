@@ -267,10 +267,14 @@ def search_splits(
         return None
     axes_sizes = grid.axes
     return tuple(
-        (kind, axes, math.prod(axes_sizes[a] for a in before.assign[0] if a != NOT_SPLIT),
-         before.frame)
+        (
+            kind,
+            axes,
+            math.prod(axes_sizes[a] for a in before.assign[0] if a != NOT_SPLIT),
+            before.frame,
+        )
         for kind, axes, before, _ in _merged(path)
-    )  # fmt: skip
+    )
 
 
 def bytes_of_step(kind: str, group_size: int, local_bytes: int) -> int:

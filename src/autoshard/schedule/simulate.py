@@ -55,11 +55,14 @@ class Timeline:
         out = []
         for rank, steps in enumerate(replay.steps_of):
             # an untimed step starts and ends on its rank's clock: the timed step before's end
-            out.append(tuple(
-                Timed(rank, a, starts[t], ends[t]) if timed
-                else Timed(rank, a, ends[t] if t >= 0 else 0.0, ends[t] if t >= 0 else 0.0)
-                for a, timed, t in steps
-            ))  # fmt: skip
+            out.append(
+                tuple(
+                    Timed(rank, a, starts[t], ends[t])
+                    if timed
+                    else Timed(rank, a, ends[t] if t >= 0 else 0.0, ends[t] if t >= 0 else 0.0)
+                    for a, timed, t in steps
+                )
+            )
         return tuple(out)
 
     def compute_time(self, rank: int) -> float:
@@ -336,8 +339,11 @@ def _waits(
     earlier on this rank and is not done is a ScheduleError."""
     kind, s, i = a.kind, a.stage, a.microbatch
     if kind == "F":
-        return ((), ()) if s == 0 else _from(schedule, rank, a, "F", s - 1, "RECV_F", ends,
-                                             arrivals, posted)  # fmt: skip
+        return (
+            ((), ())
+            if s == 0
+            else _from(schedule, rank, a, "F", s - 1, "RECV_F", ends, arrivals, posted)
+        )
     if kind == "B" or kind == "I":
         own = _own(rank, a, ("F", s, i), ends)
         if s == schedule.num_stages - 1:

@@ -45,10 +45,16 @@ def search_plan(
     given = opts.strategies if opts.search == "propagate" else None
     zero = opts.zero if isinstance(opts.zero, int) else None
     return search_plan_of(
-        model, example_inputs, search=opts.search, num_devices=num, captured=captured,
-        options=opts.replace(mesh=None if isinstance(mesh, int) else mesh, strategies=given,
-                             zero=zero, search=None), **keywords,
-    )  # fmt: skip
+        model,
+        example_inputs,
+        search=opts.search,
+        num_devices=num,
+        captured=captured,
+        options=opts.replace(
+            mesh=None if isinstance(mesh, int) else mesh, strategies=given, zero=zero, search=None
+        ),
+        **keywords,
+    )
 
 
 def zero_of(opts: Options, planned: Plan) -> int | dict[str, int]:
@@ -73,8 +79,11 @@ def plan_modes(
     train graph's parameter layouts, both under ``opts``' strategies, input layouts,
     attention and sequence parallelism. ``source``: the plan the strategies came from, named
     in an error when they do not fit the model."""
-    how = {"input_layouts": opts.input_layouts, "attention": opts.attention,
-           "sequence_parallel": opts.sequence_parallel}  # fmt: skip
+    how = {
+        "input_layouts": opts.input_layouts,
+        "attention": opts.attention,
+        "sequence_parallel": opts.sequence_parallel,
+    }
     try:
         train = ready or plan_graph(captured[True], info, opts.strategies, **how)
     except StrategyError as err:
@@ -83,8 +92,9 @@ def plan_modes(
         raise StrategyError(f"{source} does not fit this model (made for another?): {err}") from err
     param_layouts = {fqn: p.layout for fqn, p in train.params.items()}
     # strict=False: dropout nodes exist in the train graph only
-    evaluate = plan_graph(captured[False], info, opts.strategies, param_layouts=param_layouts,
-                          strict=False, **how)  # fmt: skip
+    evaluate = plan_graph(
+        captured[False], info, opts.strategies, param_layouts=param_layouts, strict=False, **how
+    )
     return {True: train, False: evaluate}
 
 

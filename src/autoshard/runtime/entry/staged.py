@@ -50,8 +50,9 @@ def parallelize_pipeline(
     micro-batch, if made already. A search plans the stages as ``autoshard.plan`` does (the
     mesh's ``pp`` and sub-mesh fixed, the rest of the pipeline searched unless given)."""
     if opts.search is not None:
-        made = search_plan(model, example_inputs, None, opts, loss_fn=loss_fn,
-                           example_kwargs=example_kwargs)  # fmt: skip
+        made = search_plan(
+            model, example_inputs, None, opts, loss_fn=loss_fn, example_kwargs=example_kwargs
+        )
         opts = opts.replace(search=None, plan=made)
     data, source = _plan_data(opts.plan)
     if data is not None:
@@ -72,8 +73,7 @@ def parallelize_pipeline(
     opts = opts.replace(precision=opts.policy.resolve(model), microbatches=m)
     example, kwargs = microbatch_example(tuple(example_inputs), example_kwargs, m)
     if captured is None:
-        captured = capture_modes(model, example, kwargs, loss_fn=loss_fn,
-                                 dtype=opts.policy.compute)  # fmt: skip
+        captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=opts.policy.compute)
     if any(og.mutations for og in captured.values()):
         raise ValueError(
             "pipeline stages: the model updates buffers in forward (batch norm's running "

@@ -177,7 +177,7 @@ class PipelineModule(ParallelModule):
                     (pipe.cuts[mode], s),
                     recompute=self._recompute if mode else "none",
                     weights=mode and pipe.schedule.split_backward,
-                )  # fmt: skip
+                )
                 for s in pipe.stages
             }
             for mode, og in captured.items()

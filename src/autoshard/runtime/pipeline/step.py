@@ -223,8 +223,11 @@ class Step:
         got: list[torch.Tensor | None] = [None] * len(inputs)
         if tensors and inputs:
             with self.pm.zero_units.paused():
-                got = list(torch.autograd.grad(tensors, inputs, grads, retain_graph=True,
-                                               allow_unused=True))  # fmt: skip
+                got = list(
+                    torch.autograd.grad(
+                        tensors, inputs, grads, retain_graph=True, allow_unused=True
+                    )
+                )
         self.grads_out[(s, i)] = [
             g if g is not None else torch.zeros_like(leaf)
             for g, leaf in zip(got[: len(leaves)], leaves, strict=True)

@@ -68,9 +68,14 @@ class ParallelModule(nn.Module):
         layouts = {fqn: self._layouts[fqn] for fqn in real if fqn in self._layouts}
         sync_replicas(real, layouts, rank, options.replicas)
         self._zero, fetchers, shards = build_zero(
-            captured[True], self.plan, tensors, rank, self.precision.reduce,
-            options.reshard_after_forward, device,
-        )  # fmt: skip
+            captured[True],
+            self.plan,
+            tensors,
+            rank,
+            self.precision.reduce,
+            options.reshard_after_forward,
+            device,
+        )
         for fqn, shard in shards.items():  # the optimizer steps the shards
             self.register_parameter(attr_name(fqn), shard)
         self._make_real(tensors, set(shards), device)
@@ -102,7 +107,7 @@ class ParallelModule(nn.Module):
                 tensors,
                 self._state,
                 recompute=self._recompute if mode else "none",
-            )  # fmt: skip
+            )
             for mode in captured
         }
 
@@ -282,7 +287,7 @@ class ParallelModule(nn.Module):
                 for state in (optimizer.state.values() if optimizer else [])
                 for v in state.values()
                 if isinstance(v, torch.Tensor)
-            ),  # fmt: skip
+            ),
         }
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -269,9 +269,16 @@ class Zero:
             offset += chunk * row
         first = next(iter(tensors.values()))
         unit = _Unit(
-            name, level, group, index, members, offset, dtypes.pop(),
-            reduce or first.dtype, self.device if first.is_meta else first.device,
-        )  # fmt: skip
+            name,
+            level,
+            group,
+            index,
+            members,
+            offset,
+            dtypes.pop(),
+            reduce or first.dtype,
+            self.device if first.is_meta else first.device,
+        )
         unit.used = sum(1 for fqn in tensors if fqn in used)
         self.units.append(unit)
         for m in members:
