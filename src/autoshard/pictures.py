@@ -329,8 +329,9 @@ def gantt_figure(
         if kind in kinds
     ]
     if handles:
-        fig.legend(handles=handles, loc="upper right", ncols=len(handles), fontsize=8,
-                   frameon=False)  # fmt: skip
+        fig.legend(
+            handles=handles, loc="upper right", ncols=len(handles), fontsize=8, frameon=False
+        )
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     return fig
 
@@ -346,17 +347,30 @@ def _gantt_bars(ax: Any, ranks: Sequence, scale: float, points: float, kinds: se
             if action.kind not in ACTION_COLOURS or end <= start:
                 continue
             kinds.add(action.kind)
-            ax.barh(rank, (end - start) * scale, left=start * scale, height=0.8,
-                    color=ACTION_COLOURS[action.kind], edgecolor="white",
-                    linewidth=0.3)  # fmt: skip
+            ax.barh(
+                rank,
+                (end - start) * scale,
+                left=start * scale,
+                height=0.8,
+                color=ACTION_COLOURS[action.kind],
+                edgecolor="white",
+                linewidth=0.3,
+            )
             if action.microbatch < 0:
                 continue
             label = str(action.microbatch)
             if (end - start) * scale * points < _LABEL_POINTS * (len(label) + 1):
                 hidden += 1
                 continue
-            ax.text((start + end) / 2 * scale, rank, label, ha="center", va="center",
-                    fontsize=6, color="white")  # fmt: skip
+            ax.text(
+                (start + end) / 2 * scale,
+                rank,
+                label,
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
     return hidden
 
 
