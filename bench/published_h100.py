@@ -92,9 +92,10 @@ def clusters(folder: Path) -> dict[str, Path]:
     from autoshard.cost import cluster_spec
 
     base = cluster_spec("dgx-h100").to_json()
+    mcore = base | {"tp_comm_overlap": True}  # the README's --tp-comm-overlap
     titan = base | {"memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9}
     out = {}
-    for name, data in (("mcore", base), ("titan", titan)):
+    for name, data in (("mcore", mcore), ("titan", titan)):
         path = folder / f"h100-{name}.json"
         path.write_text(json.dumps(data))
         out[name] = path

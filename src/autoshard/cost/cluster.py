@@ -69,6 +69,10 @@ class ClusterSpec:
     #: promises that really happens (1: GPUs, whose transfers run on their own engines; on
     #: CPU ranks the transfers take the cores the compute needs, and calibrate measures it)
     overlap_efficiency: float = 1.0
+    #: whether the software runs a tensor-parallel all-gather into a matrix product, or a
+    #: reduce-scatter out of one, in chunks under the product (Megatron-Core's
+    #: ``--tp-comm-overlap``; ``collectives.move_time``): the presets' software does not
+    tp_comm_overlap: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -207,9 +211,9 @@ PRESETS: dict[str, ClusterSpec] = {
             [256, 0.035],
             [512, 0.12],
             [1024, 0.3],
-            [2048, 0.45],
-            [4096, 0.53],
-            [8192, 0.55],
+            [2048, 0.58],
+            [4096, 0.685],
+            [8192, 0.71],
         ],
         attention_efficiency=[0.45, 0.35],
     ),

@@ -116,6 +116,42 @@ def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
     return _price_steps(step_costs(src, dst), cluster)
 
 
+#: the ops that are matrix products (``NodeInfo.op`` before its call index)
+PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "linear", "convolution", "matmul")
+
+
+def is_product(node: Any) -> bool:
+    """Whether ``node`` (an fx node) is a matrix product."""
+    return node_info(node).op.split(".")[0] in PRODUCTS
+
+
+def move_time(src: Layout, dst: Layout, cluster: ClusterSpec, beside_product: bool) -> float:
+    """Seconds of a move whose value a matrix product makes or reads (``beside_product``):
+    where the cluster's software overlaps tensor-parallel communication with the products
+    (``ClusterSpec.tp_comm_overlap``), an all-gather or reduce-scatter inside a node is split
+    into one chunk a rank of its group, each sent while the product works on the one before
+    (docs/cost.md): one chunk of the collective is left exposed."""
+    if src == dst:
+        return 0.0
+    if not (beside_product and cluster.tp_comm_overlap):
+        return _transition(src, dst, cluster).seconds
+    return _chunked(src, dst, cluster)
+
+
+@lru_cache(maxsize=1 << 16)
+def _chunked(src: Layout, dst: Layout, cluster: ClusterSpec) -> float:
+    seconds, per_node = 0.0, cluster.devices_per_node
+    for step in step_costs(src, dst):
+        if step.kind in ("split", "to_partial") or not step.bytes:
+            continue
+        t = _step_seconds(step, per_node, cluster)
+        inside = len({r // per_node for r in step.group}) == 1
+        if step.kind in ("all_gather", "reduce_scatter") and inside and step.group:
+            t /= len(step.group)
+        seconds += t
+    return seconds
+
+
 def regathered(node: Any, decisions: Any) -> list[tuple[Layout, Layout]]:
     """The moves of ``node``'s inputs (``OpDecisions``) that its backward gathers again
     (``ops.regather``: sequence parallelism's column-split linears), each once: a move an
@@ -244,6 +280,7 @@ def bucket_latency(partial: Layout, cluster: ClusterSpec) -> float:
 
 __all__ = [
     "BUCKET_CAP_MB",
+    "PRODUCTS",
     "FIRST_BUCKET_MB",
     "Transfer",
     "assign_buckets",
@@ -254,6 +291,8 @@ __all__ = [
     "grad_sync",
     "gradient_transition",
     "group_size",
+    "is_product",
+    "move_time",
     "price_plan",
     "regathered",
     "transition",

@@ -23,6 +23,8 @@ from autoshard.cost.collectives import (
     exchange_times,
     grad_sync,
     group_size,
+    is_product,
+    move_time,
     regathered,
     transition,
 )
@@ -252,11 +254,12 @@ def _price_node(
     for i, (src, dst) in node_plan.moves.items():
         if i in node_plan.reuses:  # an earlier reader moved it (and sums its gradient)
             continue
-        est.comm_forward += transition(src, dst, cluster).seconds
+        beside = is_product(node) or is_product(args[i])
+        est.comm_forward += move_time(src, dst, cluster, beside)
         if og[args[i]].requires_grad:  # the reader's pending sums with it (backward_plan)
             grad = node_plan.grad_reduce[i][0] if i in node_plan.grad_reduce else None
-            back = transition(backward_source(dst, grad), src.without_partial(), cluster)
-            est.comm_backward += back.seconds
+            back = backward_source(dst, grad)
+            est.comm_backward += move_time(back, src.without_partial(), cluster, beside)
     for src, dst in regathered(node, node_plan):  # hidden behind the input's gradient
         est.comm_backward += max(0.0, transition(src, dst, cluster).seconds - compute_bwd / 2)
     for i, (grad, want) in node_plan.grad_reduce.items():

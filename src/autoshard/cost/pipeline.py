@@ -19,14 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autoshard.cost.cluster import ClusterSpec
-from autoshard.cost.collectives import collective_time
+from autoshard.cost.collectives import PRODUCTS, collective_time
 from autoshard.cost.estimate import MEMORY_KINDS, Estimate
 from autoshard.graph import OpGraph
 from autoshard.schedule import Action, Schedule, Timeline, simulate
 
-#: ops whose outputs selective recompute keeps, and whose backward is two products (one for
-#: the input's gradient, one for the weight's)
-PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "linear", "convolution", "matmul")
+# PRODUCTS: ops whose outputs selective recompute keeps, and whose backward is two products
+# (one for the input's gradient, one for the weight's)
 
 
 @dataclass

@@ -441,8 +441,11 @@ class ByZero:
         cuts = b.offsets[1:-1]
         const_time, const_memory, const_window = self.constants
         # hidden = e * min(bucketed, backward) = min(e * bucketed, e * backward): the
-        # efficiency scales both sides (docs/search.md)
+        # efficiency scales both sides (docs/search.md); a step's gradient sums run beside
+        # its last micro-batch's backward only (as the pipeline prices them), so a micro-
+        # batch's window is its step share of its backward
         e = b.cluster.overlap_efficiency
+        w = e * b.step_share
         return CostGraph(
             mesh=b.mesh,
             names=[n.name for n in b.reps],
@@ -456,8 +459,8 @@ class ByZero:
             const_memory=const_memory,
             model_flops=self.flops,
             overlap=[e * (o + x) for o, x in zip(b.overlap, np.split(bucketed, cuts), strict=True)],
-            window=[e * w for w in b.window],
-            const_window=e * const_window,
+            window=[w * x for x in b.window],
+            const_window=w * const_window,
             build_seconds=self.seconds + time.perf_counter() - start,
             depth=dict(b.depth) if b.depth else None,
             zero=zero,

@@ -383,8 +383,8 @@ def _variants(opts: Options, pp: int, m: int, blocks: int) -> list[tuple]:
     """(schedule, virtual stages, recompute) to price for ``pp`` ranks and ``m`` micro-
     batches: the given ones, else those the schedule can make with the model's blocks."""
     v = opts.virtual_stages
-    if pp == 1:  # one stage: recompute without a pipeline
-        schedules = [("gpipe", 1)]
+    if pp == 1:  # one stage: gradient accumulation, one micro-batch's activations at a time
+        schedules = [("1f1b", 1)]
     elif opts.schedule:
         schedules = [(opts.schedule, opts.stages_a_rank)]
     elif v and v > 1:

@@ -14,7 +14,7 @@ import numpy as np
 import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
-from autoshard.cost.collectives import exchange_times, gradient_transition
+from autoshard.cost.collectives import exchange_times, gradient_transition, is_product, move_time
 from autoshard.cost.compute import (
     input_time,
     local_bytes,
@@ -46,8 +46,9 @@ def edge_row(
     row = rows_cache.get(key)
     if row is None:
         wants, where = _wants(user, i, mesh)
+        beside = is_product(user) or is_product(value)
         row = np.array([
-            move_cost(layout, w, backward, cluster, g)
+            move_cost(layout, w, backward, cluster, g, beside)
             - (transition(g, w.without_partial(), cluster).seconds
                if backward and g is not None and layout != w else 0.0)
             for w, g in wants
@@ -139,28 +140,40 @@ def param_time(
 
 
 def move(
-    value: fx.Node, src: Layout, want: Layout, cluster: ClusterSpec, grad: Layout | None = None
+    value: fx.Node,
+    src: Layout,
+    want: Layout,
+    cluster: ClusterSpec,
+    grad: Layout | None = None,
+    reader: fx.Node | None = None,
 ) -> float:
     """Forward redistribution and, for a value that needs a gradient, its mirror in backward
-    (which sums ``grad``, the reader's partial gradient, when given)."""
+    (which sums ``grad``, the reader's partial gradient, when given); ``reader``: the op that
+    reads it (a matrix product beside the move may hide it: ``move_time``)."""
     if src == want:
         return 0.0
-    return move_cost(src, want, node_info(value).requires_grad, cluster, grad)
+    beside = reader is not None and (is_product(reader) or is_product(value))
+    return move_cost(src, want, node_info(value).requires_grad, cluster, grad, beside)
 
 
 def move_cost(
-    src: Layout, want: Layout, backward: bool, cluster: ClusterSpec, grad: Layout | None = None
+    src: Layout,
+    want: Layout,
+    backward: bool,
+    cluster: ClusterSpec,
+    grad: Layout | None = None,
+    beside: bool = False,
 ) -> float:
     moves_cache = cache("moves")
     if src == want:
         return 0.0
-    key = (src, want, backward, grad, id(cluster))
+    key = (src, want, backward, grad, id(cluster), beside)
     seconds = moves_cache.get(key)
     if seconds is None:
-        seconds = transition(src, want, cluster).seconds
+        seconds = move_time(src, want, cluster, beside)
         if backward:
-            back = transition(backward_source(want, grad), src.without_partial(), cluster)
-            seconds += back.seconds
+            back = backward_source(want, grad)
+            seconds += move_time(back, src.without_partial(), cluster, beside)
         moves_cache[key] = seconds
     return seconds
 
@@ -358,7 +371,7 @@ class Region:
                     params.append(ParamUse(a, values[a], grad, want))
                 continue
             if have != want:  # the move's backward sums the gradient too (backward_plan)
-                seconds += move(a, have, want, self.cluster, pending_sum(want, grad))
+                seconds += move(a, have, want, self.cluster, pending_sum(want, grad), f)
                 continue
             in_line, in_bucket = grad_reduce_parts(
                 a, grad, want, self.cluster, leading=a in self.leading
