@@ -33,8 +33,8 @@ class Piece:
     """Per micro-batch: seconds of forward and backward (compute and the communication they
     wait for), the weight half of backward, what recompute runs again (full: the forward;
     selective: the forward of everything but matrix products), bytes kept for backward
-    (without recompute, and under selective recompute), bytes of state by kind, and seconds
-    of gradient sums."""
+    (without recompute, and under selective recompute), bytes of state by kind, seconds of
+    gradient sums, and seconds of the parameter gathers forward waits for (ZeRO's)."""
 
     forward: float = 0.0
     backward: float = 0.0
@@ -44,12 +44,13 @@ class Piece:
     kept_selective: float = 0.0
     state: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0.0))
     grad_sums: float = 0.0
+    gathers: float = 0.0
 
     def scaled(self, k: float) -> Piece:
         return Piece(
             self.forward * k, self.backward * k, self.weight * k, self.again_selective * k,
             self.kept * k, self.kept_selective * k, {n: v * k for n, v in self.state.items()},
-            self.grad_sums * k,
+            self.grad_sums * k, self.gathers * k,
         )  # fmt: skip
 
     def __add__(self, other: Piece) -> Piece:
@@ -58,7 +59,7 @@ class Piece:
             self.weight + other.weight, self.again_selective + other.again_selective,
             self.kept + other.kept, self.kept_selective + other.kept_selective,
             {n: self.state[n] + other.state[n] for n in self.state},
-            self.grad_sums + other.grad_sums,
+            self.grad_sums + other.grad_sums, self.gathers + other.gathers,
         )  # fmt: skip
 
 
@@ -110,13 +111,18 @@ def _add_state(est: Estimate, og: OpGraph, prefix: str | None, *pieces: Piece) -
         seen_block |= in_block
         for fqn in info.params:
             where.setdefault(fqn, blocks if in_block else (post if seen_block else pre))
-    sums = est.grad_sync + sum(o.seconds for o in est.overlapped)
+    # a gather due in forward (ZeRO's, of the parameters the optimizer stepped) runs beside
+    # a step's first micro-batch's forward; the sums beside its last one's backward
+    forward = est.compute_forward + est.comm_forward
+    gathers = sum(o.seconds for o in est.overlapped if o.due <= forward)
+    sums = est.grad_sync + sum(o.seconds for o in est.overlapped) - gathers
     for fqn, (memory, _) in est.by_param.items():
         piece = where.get(fqn, pre)
         share = memory / total
         for kind in ("parameters", "gradients", "optimizer"):
             piece.state[kind] += share * est.memory[kind]
         piece.grad_sums += share * sums
+        piece.gathers += share * gathers
 
 
 @dataclass(frozen=True)
@@ -161,9 +167,10 @@ def price_pipeline(
     timeline = simulate(schedule, cost, lambda send: hop)
     state = sum(est.memory[k] for k in ("parameters", "gradients", "optimizer")) or 1.0
     tail = 0.0
-    for p in pieces:  # the gradient sums overlap the last micro-batch's backward (as much
-        # of it as the cluster's streams really overlap)
-        waited = max(0.0, p.grad_sums - cluster.overlap_efficiency * p.backward)
+    e = cluster.overlap_efficiency
+    for p in pieces:  # the gradient sums overlap the last micro-batch's backward, the gathers
+        # the first one's forward (as much of them as the cluster's streams really overlap)
+        waited = max(0.0, p.grad_sums - e * p.backward) + max(0.0, p.gathers - e * p.forward)
         tail = max(tail, waited + sum(p.state.values()) / state * est.optimizer)
     memory = []
     for s, (p, n) in enumerate(zip(pieces, shares, strict=True)):
