@@ -13,10 +13,10 @@ Sources (the numbers are theirs; the code that reads them is this file):
   FLOPs over the GPUs' achieved FLOP/s. The README names the software's overlaps: the
   data-parallel gradient reduce-scatter and parameter all-gather (``--overlap-grad-reduce
   --overlap-param-gather``, which run Megatron's distributed optimizer: ZeRO 1), the
-  tensor-parallel communication (``--tp-comm-overlap``, which runs sequence parallelism) and
-  the pipeline's. It is silent on the micro-batch, the schedule and recompute: one sequence a
-  micro-batch and 1F1B (Megatron's defaults); recompute is left to the search (Megatron's
-  default is none; autoshard's model of the larger runs does not fit 80 GiB without).
+  tensor-parallel communication (``--tp-comm-overlap``, which runs sequence parallelism:
+  described as the cluster's ``tp_comm_overlap``) and the pipeline's. It is silent on the
+  micro-batch, the schedule and recompute: one sequence a micro-batch and 1F1B (Megatron's
+  defaults); recompute is left to the search (Megatron's default is none).
 - torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` (pytorch/torchtitan), Tables 1
   and 3: Llama 3.1 8B with FSDP on 8 and 128 H100s (Grand Teton: 96 GB HBM2e at 2.4 TB/s,
   NVLink in a host, 400 Gb/s RDMA a GPU, a 500 W power limit), local batch 2, selective
@@ -24,7 +24,10 @@ Sources (the numbers are theirs; the code that reads them is this file):
   (bf16, the eager operators autoshard prices). The sequence (8192) and the selective policy
   (``selective_ac_option = 'op'``: the matrix products' outputs kept, the rest run again, as
   autoshard's ``selective``) are those of ``train_configs/llama3_8b.toml`` at the benchmark's
-  torchtitan commit 9dec370.
+  torchtitan commit 9dec370. That policy also recomputes every second matrix product, which
+  autoshard's ``selective`` (every product kept) does not price. The benchmark's note 2 puts
+  its H100s' peak between the NVL's and the SXM's (835 and 989 dense bf16 TFLOP/s): the
+  middle, 912, is taken.
 """
 
 from __future__ import annotations
@@ -85,10 +88,9 @@ def runs() -> list[dict]:
 
 
 def clusters(folder: Path) -> dict[str, Path]:
-    """The H100 clusters the runs ran on, as cluster spec files: the ``dgx-h100`` preset as
-    it is for Megatron-Core's runs (fused attention; gradient sums overlapped with backward),
-    and Grand Teton's memory and network for torchtitan's (its 500 W peak is not published:
-    the preset's is kept)."""
+    """The H100 clusters the runs ran on, as cluster spec files: the ``dgx-h100`` preset for
+    Megatron-Core's runs with their tensor-parallel overlap (``--tp-comm-overlap``), and
+    Grand Teton's memory, network and peak for torchtitan's."""
     from autoshard.cost import cluster_spec
 
     base = cluster_spec("dgx-h100").to_json()
@@ -115,14 +117,16 @@ DESCRIBED = (
     "`benchmarks/llama3_h100_202412_torchtitan.md` (Tables 1 and 3: Llama 3.1 8B, FSDP, "
     "selective activation checkpointing, sequence 8192 from its `llama3_8b.toml`, the eager "
     "bf16 rows; tokens a second a GPU). Megatron-Core's runs planned as given on the "
-    "`dgx-h100` preset unchanged (`h100-mcore.json`: fused attention, the gradient "
-    "reduce-scatter overlapped with backward) with the software the README names: the "
-    "distributed optimizer (`--zero 1`) and sequence parallelism where tp > 1 "
-    "(`--sequence-parallel`, which `--tp-comm-overlap` runs); where it is silent: one "
-    "sequence a micro-batch and 1F1B (Megatron's defaults), recompute left to the search "
-    "(Megatron's default is none, which autoshard's model of the larger runs does not fit in "
-    "80 GiB). torchtitan's on "
-    "Grand Teton (`h100-titan.json`: HBM2e 2.4 TB/s, 400 Gb/s a GPU; the 500 W peak is not "
-    "published, the preset's 989 TFLOP/s kept) with `--zero 3 --recompute selective`. No "
-    "parameter was set from these runs."
+    "`dgx-h100` preset (`h100-mcore.json`: fused attention, the gradient reduce-scatter "
+    "overlapped with backward, and `tp_comm_overlap` for the README's `--tp-comm-overlap`: "
+    "a tensor-parallel all-gather or reduce-scatter beside a matrix product runs in chunks "
+    "under it) with the software the README names: the distributed optimizer (`--zero 1`) "
+    "and sequence parallelism where tp > 1 (`--sequence-parallel`, which `--tp-comm-overlap` "
+    "runs); where it is silent: one sequence a micro-batch and 1F1B (Megatron's defaults), "
+    "recompute left to the search (Megatron's default is none). torchtitan's on Grand Teton "
+    "(`h100-titan.json`: HBM2e 2.4 TB/s, 400 Gb/s a GPU, a peak of 912 dense bf16 TFLOP/s, "
+    "the middle of the NVL-to-SXM range the benchmark's note 2 gives for its 500 W H100s) "
+    "with `--zero 3 --recompute selective` (its policy also recomputes every second matrix "
+    "product, which autoshard's `selective` does not price). No parameter was set from "
+    "these runs."
 )
