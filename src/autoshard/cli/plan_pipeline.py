@@ -35,7 +35,8 @@ def pipeline_plan(
 
     from autoshard.graph import BlocksDiffer
     from autoshard.search import PlanningError
-    from autoshard.search.pipelined import search_pipeline, staged_json
+    from autoshard.search.pipelined import search_pipeline
+    from autoshard.search.plans import staged_json
 
     opts = plan_options(args, policy)
     batch = next(t for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)).shape[0]

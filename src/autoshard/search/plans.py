@@ -419,7 +419,50 @@ def input_layouts(og: OpGraph, plan: Mapping[str, Any]) -> dict[str, Layout]:
     return out
 
 
+def staged_json(best: Any, tried: list[Any], seconds: float, opts: Any) -> dict:
+    """The plan JSON of a pipeline search: the stage plan's, its ``pipeline`` section (with
+    what was searched and priced, and the search's seconds) and the ``options`` it ran under."""
+    data = dict(best.stage.json)
+    num_devices = best.schedule.num_ranks * best.stage.mesh.num_devices
+    names = ("microbatches", "pp", "recompute", "schedule")
+    searched = [n for n in names if getattr(opts, n) is None]
+    found = {"searched": searched, "tried": [t.as_dict() for t in tried], "search_s": seconds}
+    data["pipeline"] = pipeline_json(best, num_devices) | found
+    data["options"] = opts.as_json()
+    return pipeline_predicted(data)
+
+
+def pipeline_json(pp_plan: Any, num_devices: int) -> dict:
+    """The plan JSON's ``pipeline`` section: the configuration, its predicted step, bubble
+    and MFU over ``num_devices``, each pipeline rank's memory by kind and each stage's
+    forward and backward seconds per micro-batch."""
+    p, s, est = pp_plan.predicted, pp_plan.schedule, pp_plan.stage.predicted
+    flops = est.model_flops * s.microbatches
+    return {
+        "pp": s.num_ranks,
+        "microbatches": s.microbatches,
+        "schedule": s.name,
+        # stages a rank of interleaved-1f1b (make_schedule's argument; zbv's V is its own)
+        "virtual_stages": s.num_stages // s.num_ranks if s.name == "interleaved-1f1b" else 1,
+        "recompute": pp_plan.recompute,
+        "zero": pp_plan.stage.zero,
+        "bubble": p.bubble,
+        "step_time_s": p.step_time,
+        "mfu": flops / (p.step_time * num_devices * est.peak_flops),
+        "peak_memory_bytes": p.peak_memory,
+        "boundary_bytes": pp_plan.boundary_bytes,
+        "memory_bytes": [dict(m) for m in p.memory],
+        "stage_seconds": [list(x) for x in p.stage_seconds],
+        "stage_weight_seconds": list(p.weight_seconds),
+        "hop_s": p.hop,
+        # the schedule's gradient sums left waiting, and the optimizer step, after its end
+        "after_schedule_s": p.step_time - p.timeline.step,
+    }
+
+
 __all__ = [
+    "pipeline_json",
+    "staged_json",
     "pipeline_predicted",
     "FORMAT",
     "ZERO_LEVELS",
