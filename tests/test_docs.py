@@ -1,5 +1,6 @@
 """The documentation stays true to the code: docs/api.md names every public name and shows each
-signature as the code has it, and every relative link in README.md and docs/ resolves.
+signature as the code has it, every relative link in README.md and docs/ resolves, and the
+README's ``autoshard plan`` examples of reference models print what it shows.
 
 When a signature changes, ``python docs/make_api.py`` prints the page's new blocks.
 """
@@ -9,6 +10,9 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +132,47 @@ def test_relative_links_in_readme_and_docs_resolve() -> None:
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert not broken, f"links to missing files: {broken}"
     assert checked > 20  # the parallelism pages, the index, the API page and the README
+
+
+def readme_plan_examples() -> list[tuple[list[str], list[str]]]:
+    """Each README block that runs ``autoshard plan --model`` (a reference model: no file of the
+    user's needed): its arguments and the lines it shows."""
+    examples = []
+    for block in FENCE.findall((ROOT / "README.md").read_text()):
+        if not block.startswith("$ autoshard plan --model "):
+            continue
+        lines = block.splitlines()
+        command = lines.pop(0)
+        while command.endswith("\\"):
+            command = command[:-1] + " " + lines.pop(0).strip()
+        args = shlex.split(command)[2:]
+        if "--picture" in args:  # the picture is not the text checked, and slow to draw
+            i = args.index("--picture")
+            del args[i : i + 2]
+        examples.append((args, lines))
+    return examples
+
+
+def test_the_readme_plan_examples_print_what_it_shows(tmp_path: Path) -> None:
+    """A shown line is a printed line; one ending in "..." begins a printed line; "..." alone
+    stands for lines left out."""
+    examples = readme_plan_examples()
+    assert examples, "the README shows no autoshard plan --model example"
+    for args, shown in examples:
+        run = subprocess.run(
+            [sys.executable, "-m", "autoshard.cli", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        printed = [line.rstrip() for line in run.stdout.splitlines()]
+        for line in shown:
+            if line.strip() == "...":
+                continue
+            if line.endswith("..."):
+                start = line[:-3].rstrip()
+                assert any(p.startswith(start) for p in printed), (args, line)
+            else:
+                assert line.rstrip() in printed, (args, line)
