@@ -13,8 +13,10 @@ Under a causal mask a plain split leaves the last rank the most work (its rows s
 swaps the second half with rank ``n-1-i`` on entry, overlapped with the kept rows' first
 products, and the output back on exit, so the layouts outside the op stay a contiguous split
 (docs/parallelism/sequence.md); the keys and values travel in their blocks. Chunks of keys
-wholly after a chunk of queries are skipped, and a long causal product is cut in halves
-(``LEAF``), which the CPU kernel computes faster than it computes the product whole.
+wholly after a chunk of queries are skipped, and on CPU a long causal product is cut in halves
+(``LEAF``), which the CPU kernel computes faster than it computes the product whole; CUDA's
+kernels skip the masked tiles themselves and take it whole. Every product runs the fused
+kernel ``blocks.kernel`` picks, its causal diagonal through the kernel's own flag.
 
 A ``striped`` sequence needs no such move: rank ``r`` holds positions ``r, r + n, r + 2n, ...``
 (a layout whose sequence dim is split by its minor factor: the inputs given that layout, every
@@ -135,11 +137,12 @@ class _Swap:
 Pair = tuple[slice, slice, bool, slice]
 
 
-def _pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
-    """The products of this rank's rows against ``block``'s keys, long causal ones halved."""
+def _pairs(ring: Ring, block: int, causal: bool, device: torch.device) -> list[Pair]:
+    """The products of this rank's rows against ``block``'s keys, long causal ones halved
+    on CPU."""
     out: list[Pair] = []
     for pair in _products(ring, block, causal):
-        out.extend(_halved(pair))
+        out.extend(_halved(pair) if device.type == "cpu" else [pair])
     return out
 
 
@@ -147,7 +150,8 @@ def _pairs(ring: Ring, block: int, causal: bool) -> list[Pair]:
 #: only by coarse tiles (a causal 1024 block costs 0.6-0.75 of a whole one, a causal 512 block
 #: as much as a whole one), so a longer diagonal is cut in halves: the two diagonals and the
 #: whole product below them (2 x 8 heads x 1024 x 32, forward and backward: 119 ms whole, 91 ms
-#: cut to 64). The explicit product skips the masked half likewise.
+#: cut to 64). The explicit product skips the masked half likewise. CUDA's flash kernels skip
+#: masked tiles of their own, so there a product stays whole.
 LEAF = 64
 
 
@@ -289,7 +293,7 @@ class _RingAttention(torch.autograd.Function):
             posted = got = None
             if step < ring.steps - 1:
                 posted, got = _exchange(ring, [kb, vb])
-            pairs = _pairs(ring, block, causal)
+            pairs = _pairs(ring, block, causal, q.device)
             if swap is not None:  # the kept rows first, while the others arrive
                 for pair in [p for p in pairs if swap.holds(p[0])]:
                     fold(swap.kept, pair, swap.kept_rows(pair[0]))
@@ -321,7 +325,7 @@ class _RingAttention(torch.autograd.Function):
             posted, got = _exchange(ring, sends) if sends else (None, [])
             dk = torch.zeros(kb.shape, dtype=acc, device=kb.device)
             dv = torch.zeros(vb.shape, dtype=acc, device=vb.device)
-            pairs = _pairs(ring, block, causal)
+            pairs = _pairs(ring, block, causal, q.device)
             if swap is not None:  # the kept rows first, while the others' gradients arrive
                 for pair in [p for p in pairs if swap.holds(p[0])]:
                     grads = _unfold(
@@ -447,7 +451,8 @@ def causal_rows_attention(
     online softmax on one rank: backward keeps the rows' log-sum-exp, never an ``L x S`` mask
     or probabilities. Block rows are dealt as a balanced ring deals them, so every rank
     computes as many products; striped rows are balanced as they stand."""
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
+    grouped = blocks.kernel(query, key, None) == "flash_cpu"  # grouped heads taken as they are
+    if enable_gqa and key.shape[-3] != query.shape[-3] and not grouped:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
@@ -470,8 +475,9 @@ def _striped_rows(
     if keys != n * rows:
         at = torch.arange(rows, device=query.device) * n + index
         mask = at.unsqueeze(-1) >= torch.arange(keys, device=query.device)
+        gqa = key.shape[-3] != query.shape[-3]
         return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scale
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
 
     ring = Ring(tuple(range(n)), index, rows, False, 0, keys, striped=True)
