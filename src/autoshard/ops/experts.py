@@ -17,38 +17,20 @@ received, and a second all-to-all brings the outputs back in token order.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from autoshard import comm
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops.base import FIXED, FREE, SUM, Space, SpaceRule, Strategy, StrategyError
+from autoshard.ops.grouped import ACTIVATIONS, counts_of, expert_ffn, grouped_ffn
 from autoshard.ops.nodes import dtype_of, node_title, shape_of, tensor_inputs
 from autoshard.ops.work import Cost, Exchange
-
-#: the experts' activations by the names transformers' configs give them
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-}
-
-
-def expert_ffn(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
-) -> torch.Tensor:
-    """One expert on rows ``x [n, H]``: ``gate_up [2F, H]`` (gate rows first), ``down [H, F]``."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(ACTIVATIONS[act](gate) * up, down)
 
 
 def experts_math(
@@ -61,13 +43,19 @@ def experts_math(
     first: int = 0,
 ) -> torch.Tensor:
     """The experts ``first .. first + len(gate_up)`` on every token that picked them, weighted
-    and summed per token (the other experts' share is left out: a partial sum)."""
-    out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
-        rows, slots = torch.nonzero(index == first + e, as_tuple=True)
-        y = expert_ffn(x[rows], gate_up[e], down[e], activation) * weight[rows, slots, None]
-        out = out.index_add(0, rows, y.to(x.dtype))
-    return out
+    and summed per token (the other experts' share is left out: a partial sum). The token
+    slots go sorted by expert, those of other experts last, through one grouped product
+    (``grouped.grouped_ffn``), and are summed back into their tokens by one ``index_add``."""
+    num_experts, top_k = gate_up.shape[0], index.shape[1]
+    flat = index.reshape(-1) - first
+    mine = (flat >= 0) & (flat < num_experts)
+    key = torch.where(mine, flat, num_experts)  # other ranks' experts: a last group, left out
+    order = torch.argsort(key, stable=True)
+    counts = counts_of(key, num_experts + 1)[:num_experts]
+    tokens = order // top_k
+    y = grouped_ffn(x[tokens], counts, gate_up, down, activation)
+    weighted = y * torch.where(mine, weight.reshape(-1), 0.0)[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add(0, tokens, weighted.to(x.dtype))
 
 
 @torch.library.custom_op("autoshard::experts", mutates_args=())
@@ -148,17 +136,22 @@ def dispatched(
     member[torch.tensor(blocks, device=device)] = torch.arange(size, device=device)
     key = member[flat // per] * per + flat % per  # (the member holding it, its expert there)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=per * size).view(size, per)  # [member, expert]
+    counts = counts_of(key, per * size).view(size, per)  # [member, expert]
     got = comm.all_to_all_v(counts, [1] * size, [1] * size, group)  # [source, my expert]
-    send, recv = counts.sum(1).tolist(), got.sum(1).tolist()
+    # the one read of counts to the host: the all-to-all's sizes and the experts' segments
+    host = torch.cat([counts.sum(1), got.reshape(-1)]).tolist()
+    send, table = host[:size], [host[size + i * per : size + (i + 1) * per] for i in range(size)]
+    recv = [sum(row) for row in table]
     rows = _AllToAllV.apply(x[order // top_k], send, recv, group)
+    # the received rows come by source, each source's by expert: sorted by expert for one
+    # grouped product, and back in the order they came
     expert_of = torch.repeat_interleave(
-        torch.arange(per, device=device).repeat(size), got.reshape(-1)
+        torch.arange(per, device=device).repeat(size), got.reshape(-1), output_size=sum(recv)
     )
-    y = torch.zeros_like(rows)
-    for e in range(per):
-        mine = torch.nonzero(expert_of == e).reshape(-1)
-        y = y.index_copy(0, mine, expert_ffn(rows[mine], gate_up[e], down[e], activation))
+    by_expert = torch.argsort(expert_of, stable=True)
+    sizes = [sum(col) for col in zip(*table, strict=True)]
+    ys = grouped_ffn(rows[by_expert], got.sum(0), gate_up, down, activation, sizes)
+    y = ys[torch.argsort(by_expert)]
     back = _AllToAllV.apply(y, recv, send, group)
     weighted = back * weight.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add(0, order // top_k, weighted.to(x.dtype))
