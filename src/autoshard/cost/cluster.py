@@ -30,7 +30,11 @@ class ClusterSpec:
     ``flops``: peak FLOP/s per dtype name. ``matmul_efficiency``: the share of peak a matrix
     product reaches, as ``[size, share]`` points over the cube root of its M*N*K (interpolated in
     log size; beyond the ends, the end values); ``attention_efficiency``: the share of peak a
-    fused attention kernel reaches, forward and backward. ``memory_bandwidth``: achievable
+    fused attention kernel that returns the log-sum-exp reaches, forward and backward (flash,
+    cuDNN or memory-efficient on CUDA, flash on CPU: what ``scaled_dot_product_attention`` and
+    the ring's blocks run, ``ops.blocks.kernel``); ``grouped_mm_efficiency``: the share of a
+    separate product's speed at one expert's size that the experts' grouped product
+    (``torch._grouped_mm``, ``ops.grouped``) reaches. ``memory_bandwidth``: achievable
     bytes/s of a streaming kernel; ``op_overhead``: seconds each kernel (or CPU op) costs beyond
     its work; ``sync_wait``: the share of its compute a rank of a parallel job waits for the
     slowest rank at the collectives that synchronize them (stragglers; a shared host's
@@ -59,6 +63,8 @@ class ClusterSpec:
     #: software materializes the scores (softmax, mask and dropout as separate passes over
     #: them); [0, 0]: a fused kernel, priced by ``attention_efficiency``
     attention_score_bytes: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: the experts' grouped product over a separate product of one expert's size (1: as fast)
+    grouped_mm_efficiency: float = 1.0
     #: the share of its compute a rank waits at synchronizing collectives for the slowest rank
     sync_wait: float = 0.0
     #: measured time of a collective kind over what the link model prices it at (1 when
@@ -132,7 +138,8 @@ class ClusterSpec:
         elif cost.kind == "attention":
             share, passes = self.attention_efficiency[1 if backward else 0], 0.0
         else:
-            share = self.matmul_share(cost.size) if cost.kind == "matmul" else 1.0
+            share = self.matmul_share(cost.size) if cost.kind in ("matmul", "grouped_mm") else 1.0
+            share *= self.grouped_mm_efficiency if cost.kind == "grouped_mm" else 1.0
             passes = 0.0
         work = flops * cost.work / (self.peak_flops(dtype) * share) if flops else 0.0
         return max(work, nbytes / self.memory_bandwidth) + passes + self.op_overhead

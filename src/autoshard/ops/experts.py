@@ -354,8 +354,9 @@ class ExpertsRule(SpaceRule):
     def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
         """Each token's top-k experts: three products of ``H x F`` per assignment, on the
         rank's tokens (dispatching: the busiest rank's, ``IMBALANCE`` times the mean), over the
-        share of the experts this rank holds when they are summed over; at the efficiency of
-        one expert's product (the rank runs its experts one by one)."""
+        share of the experts this rank holds when they are summed over; one grouped product
+        (``grouped_mm``) at the efficiency of one expert's product, each expert's rows its
+        own tiles of the grouped kernel."""
         x, index, weights = strategy.ins[0], strategy.ins[1], strategy.ins[3]
         num_tokens, top_k = x.local_shape()[0], index.shape[1]
         hidden, ffn = x.shape[1], strategy.ins[4].local_shape()[2]
@@ -374,7 +375,7 @@ class ExpertsRule(SpaceRule):
             base.bytes,
             backward,
             base.backward_bytes,
-            "matmul",
+            "grouped_mm",
             3 / (1 / rows + 1 / hidden + 1 / ffn) if rows else 0.0,
         )
 
