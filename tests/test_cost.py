@@ -130,7 +130,7 @@ def test_a_backends_slower_collectives_are_priced_by_their_measured_factor() -> 
     lat, bw = base.intra_latency, base.intra_bandwidth
     model = [(1 / 2) * n / bw + lat for n in KIND_SIZES]
     times = {"reduce_scatter": [2.0 * model[0], 3.0 * model[1], 2.5 * model[2]]}
-    assert kind_factors(times, 2, lat, bw) == {"reduce_scatter": pytest.approx(2.5)}
+    assert kind_factors(times, 2, lat, bw, KIND_SIZES) == {"reduce_scatter": pytest.approx(2.5)}
     assert ClusterSpec.from_json(slow.to_json()).collective_factors == {"reduce_scatter": 2.4}
 
 

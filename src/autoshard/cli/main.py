@@ -336,16 +336,33 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def _calibrate_command(args: argparse.Namespace) -> int:
+    import torch
+
     from autoshard.cost.calibrate import calibrate
 
-    spec = calibrate(args.ranks, args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ranks = args.ranks or (torch.cuda.device_count() if device == "cuda" else 2)
+    spec = calibrate(ranks, args.threads, device=device)
     spec.save(args.out)
     gb = 1e9
+    if device == "cuda":
+        link = "NCCL" if ranks > 1 else "no link measured"
+        print(
+            f"{args.out}: {spec.flops['bfloat16'] / 1e12:.0f} TFLOP/s bf16, "
+            f"{spec.flops['float32'] / 1e12:.0f} TFLOP/s f32, attention "
+            f"{spec.attention_efficiency[0]:.2f}/{spec.attention_efficiency[1]:.2f} of peak "
+            f"({spec.extra['attention_kernel']}), grouped GEMM {spec.grouped_mm_efficiency:.2f}, "
+            f"memory {spec.memory_bandwidth / gb:.0f} GB/s, {link} "
+            f"{spec.intra_bandwidth / gb:.0f} GB/s ({ranks} GPUs)"
+        )
+        return 0
     print(
         f"{args.out}: {spec.flops['float32'] / 1e9:.1f} GFLOP/s f32, "
         f"{spec.flops['float64'] / 1e9:.1f} GFLOP/s f64, memory {spec.memory_bandwidth / gb:.1f} "
         f"GB/s, op overhead {spec.op_overhead * 1e6:.1f} us, gloo {spec.intra_bandwidth / gb:.2f} "
-        f"GB/s and {spec.intra_latency * 1e6:.0f} us latency ({args.ranks} ranks)"
+        f"GB/s and {spec.intra_latency * 1e6:.0f} us latency ({ranks} ranks)"
     )
     return 0
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from autoshard.cost.cluster import ClusterSpec
+from autoshard.cost.linkfit import fit_all_reduce, kind_factors
 
 
 def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
@@ -273,39 +274,6 @@ def _measure_overlap(threads: int, nbytes: int = 4 << 20) -> float:
     return min(1.0, max(0.0, (compute + comm - both) / min(compute, comm)))
 
 
-def kind_factors(times: dict[str, list[float]], world: int, latency: float, bandwidth: float):
-    """Each kind's measured time over the link model's (median over sizes), given the fitted
-    all-reduce latency and bandwidth."""
-    factors = {}
-    for kind, seconds in times.items():
-        share = (world - 1) / world
-        model = [share * n / bandwidth + (world - 1) * latency for n in KIND_SIZES]
-        factors[kind] = statistics.median(t / m for t, m in zip(seconds, model, strict=True))
-    return factors
-
-
-def fit_all_reduce(samples: Sequence[tuple[int, int, float]]) -> dict[str, float]:
-    """Latency and bandwidth whose all-reduce formula ``2 ceil(log2 g) latency + 2 (g - 1) / g
-    bytes / bandwidth`` fits the ``(group size, bytes, seconds)`` samples best in relative error
-    (weighted least squares); a degenerate fit takes latency from the smallest message and
-    bandwidth from the largest."""
-    rows = [(2 * math.ceil(math.log2(g)) / t, 2 * (g - 1) / g * s / t) for g, s, t in samples]
-    saa = sum(r[0] * r[0] for r in rows)
-    sab = sum(r[0] * r[1] for r in rows)
-    sbb = sum(r[1] * r[1] for r in rows)
-    sa, sb = sum(r[0] for r in rows), sum(r[1] for r in rows)
-    det = saa * sbb - sab * sab
-    latency = (sa * sbb - sb * sab) / det if det else -1.0
-    per_byte = (saa * sb - sab * sa) / det if det else -1.0
-    if latency <= 0 or per_byte <= 0:
-        g, s, t = min(samples, key=lambda x: x[1])
-        latency = max(t / (2 * math.ceil(math.log2(g))), 1e-7)
-        g, s, t = max(samples, key=lambda x: x[1])
-        steps = math.ceil(math.log2(g))
-        per_byte = max(t - 2 * steps * latency, 1e-9) / (2 * (g - 1) / g * s)
-    return {"latency": latency, "bandwidth": 1 / per_byte}
-
-
 def _measure_sync_wait(threads: int) -> float:
     """The share of the compute between two synchronizing collectives a rank spends waiting
     for the slowest one (stragglers: the OS, a shared host): the extra time per all-reduce of
@@ -350,8 +318,14 @@ def _measure_rank(threads: int) -> dict[str, float]:
     return out
 
 
-def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> ClusterSpec:
-    """This machine as ``ranks`` devices in one node."""
+def calibrate(
+    ranks: int = 2, threads: int = 1, name: str = "calibrated", device: str = "cpu"
+) -> ClusterSpec:
+    """This machine as ``ranks`` devices in one node: CPU processes of ``threads`` threads
+    over gloo, or with ``device="cuda"`` its first ``ranks`` GPUs over NCCL
+    (``calibrate_cuda``)."""
+    if device != "cpu":
+        return _on_device(ranks, name, device)
     from autoshard.testing import run_ranks
 
     per_rank = run_ranks(_measure_rank, ranks, threads, timeout=600)
@@ -383,7 +357,7 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         nodes=1,
         devices_per_node=ranks,
         flops=flops,
-        memory_bytes=float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else 8e9,
+        memory_bytes=8e9,  # CPU ranks share the host's memory; a GPU's is calibrate_cuda's
         memory_bandwidth=m["memory_bandwidth"],
         intra_bandwidth=m["bandwidth"],
         intra_latency=m["latency"],
@@ -392,7 +366,7 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
         op_overhead=m["op_overhead"],
         optimizer_passes=m["optimizer_passes"],
         sync_wait=m["sync_wait"],
-        collective_factors=kind_factors(kinds, ranks, m["latency"], m["bandwidth"]),
+        collective_factors=kind_factors(kinds, ranks, m["latency"], m["bandwidth"], KIND_SIZES),
         overlap_efficiency=m["overlap_efficiency"],
         matmul_efficiency=curve,
         attention_efficiency=shares,
@@ -402,6 +376,14 @@ def calibrate(ranks: int = 2, threads: int = 1, name: str = "calibrated") -> Clu
             "all_reduce_fit_per_group_size": per_group,
         },
     )
+
+
+def _on_device(ranks: int, name: str, device: str) -> ClusterSpec:
+    if device != "cuda":
+        raise ValueError(f"calibrate: device {device!r}; expected cpu or cuda")
+    from autoshard.cost.calibrate_cuda import calibrate_cuda
+
+    return calibrate_cuda(ranks, name)
 
 
 __all__ = [
