@@ -20,6 +20,12 @@ Adding a benchmark means adding one file, ``bench/bench_<name>.py``, that define
     possibly read back from JSON written by an older run). The runner adds the ``## <name>``
     heading and a provenance line above it.
 
+``unavailable() -> str | None`` (optional)
+    Why this machine cannot run the benchmark (e.g. it needs a GPU), or None. The runner then
+    says so, skips it without failing, and keeps its stored result.
+``__doc__``
+    What it measures; ``python -m bench NAME --help`` prints it.
+
 The runner stores ``{"name", "command", "quick", "date", "machine", "elapsed_s", "result"}`` in
 the JSON file; benchmarks need not record the torch version, CPU count, date or command.
 """

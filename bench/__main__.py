@@ -159,13 +159,24 @@ def render(modules: dict[str, ModuleType], command: str, rerun: list[str]) -> st
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="python -m bench", description="Run autoshard's benchmarks (bench/bench_*.py)."
+        prog="python -m bench",
+        description="Run autoshard's benchmarks (bench/bench_*.py).",
+        add_help=False,
     )
     parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    parser.add_argument(
+        "-h", "--help", action="store_true", help="this help; after names, what each measures"
+    )
     args = parser.parse_args(argv)
 
     modules, broken = discover()
+    if args.help:
+        parser.print_help()
+        for name in args.names:
+            doc = modules[name].__doc__ if name in modules else "(no such benchmark)"
+            print(f"\n{name} (bench/bench_{name}.py):\n{(doc or '').strip()}")
+        return 0
     unknown = [n for n in args.names if n not in modules]
     if unknown:
         for name in unknown:
@@ -179,8 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     selected = args.names or sorted(modules)
     done: list[str] = []
     failed: list[str] = []
+    skipped: list[str] = []
     for name in selected:
         print(f"== {name}{' (quick)' if args.quick else ''}", flush=True)
+        reason = getattr(modules[name], "unavailable", lambda: None)()
+        if reason:  # not run here, not failed: its stored result, if any, stays
+            print(f"skipped {name}: {reason}", flush=True)
+            skipped.append(name)
+            continue
         try:
             record = run_one(modules[name], args.quick, command)
         except Exception:
@@ -190,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         done.append(name)
         print(modules[name].summary(record["result"]), flush=True)
 
+    if len(skipped) == len(selected):
+        return 0  # nothing ran: RESULTS.md stays as it was
     RESULTS_MD.write_text(render(modules, command, done))
     print(f"wrote {RESULTS_MD.relative_to(BENCH_DIR.parent)}")
     if failed:
