@@ -38,7 +38,8 @@ def kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
     if q.device.type != "cuda" or q.shape[-3] != k.shape[-3]:
         return "explicit"
     head, cuda = q.shape[-1], torch.backends.cuda
-    if q.dtype in HALF and mask is None and head % 8 == 0:
+    ampere = torch.cuda.get_device_capability(q.device) >= (8, 0)  # flash's and cuDNN's least
+    if q.dtype in HALF and mask is None and head % 8 == 0 and ampere:
         if head <= 256 and cuda.flash_sdp_enabled():
             return "flash"
         if head <= 128 and cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available():
@@ -75,11 +76,13 @@ def scores(
 
 def _bias(
     mask: torch.Tensor | None, rows: slice, cols: slice, q: torch.Tensor, align: int = 1
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The product's part of ``mask`` as the additive bias the kernels take, in ``q``'s dtype,
-    its rows' stride a multiple of ``align`` elements (the memory-efficient kernel's)."""
+    its rows' stride a multiple of ``align`` elements (the memory-efficient kernel's); and the
+    rows it masks whole. The kernels give such a row log-sum-exp 0 (no key, no weight), where
+    the merge must weigh it nothing: -inf."""
     if mask is None:
-        return None
+        return None, None
     m = mask[..., rows, cols]
     if m.dtype == torch.bool:
         m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(~m, float("-inf"))
@@ -89,15 +92,8 @@ def _bias(
         padded = m.new_zeros((*m.shape[:-1], -(-keys // align) * align))
         padded[..., :keys] = m
         m = padded[..., :keys]
-    return m.expand(*q.shape[:-1], keys)
-
-
-def _dead_rows(bias: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with rows the bias masks whole at ``-inf``: the kernels give them 0 (no key,
-    no weight), where the merge must weigh them nothing."""
-    if bias is None:
-        return lse
-    return lse.masked_fill(~(bias > float("-inf")).any(dim=-1), float("-inf"))
+    dead = ~(m > float("-inf")).any(dim=-1)
+    return m.expand(*q.shape[:-1], keys), dead
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -176,12 +172,13 @@ def pair_forward(
     name = name or kernel(q, k, mask)
     if name == "explicit":
         return _explicit_forward(q, k, v, scale, diagonal, mask, cols, rows, acc)
-    bias = _bias(mask, rows, cols, q, 16 if name == "efficient" else 1)
+    bias, dead = _bias(mask, rows, cols, q, 16 if name == "efficient" else 1)
     if name == "flash_cpu":
         out, lse = FLASH_CPU(q, k, v, 0.0, diagonal, attn_mask=bias, scale=scale)
     else:
         out, lse = _cuda_forward(name, q, k, v, diagonal, scale, bias)
-    return out.to(acc), _dead_rows(bias, lse.to(acc))
+    lse = lse.to(acc)
+    return out.to(acc), lse if dead is None else lse.masked_fill(dead, float("-inf"))
 
 
 def _explicit_forward(
@@ -234,7 +231,7 @@ def pair_backward(
     name = name or kernel(q, k, mask)
     if name == "explicit":
         return _explicit_backward(g, q, k, v, out, lse, scale, diagonal, mask, cols, rows, acc)
-    bias = _bias(mask, rows, cols, q, 16 if name == "efficient" else 1)
+    bias = _bias(mask, rows, cols, q, 16 if name == "efficient" else 1)[0]
     if name == "flash_cpu":
         lse = lse.to(torch.promote_types(q.dtype, torch.float32))
         grads = FLASH_CPU_BACKWARD(g, q, k, v, out, lse, 0.0, diagonal, attn_mask=bias, scale=scale)
