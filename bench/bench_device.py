@@ -21,6 +21,7 @@ Without CUDA it says so and runs nothing (the runner reports it skipped).
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -224,7 +225,9 @@ def train_llama(device: torch.device, sizes: dict, steps: int, spec) -> dict:
     model = llama(sizes)
     data = batches(sizes, steps, device)
     ours = autoshard_run(copy.deepcopy(model), data, device, spec)
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    gc.collect()  # autoshard's module and optimizer gone before PyTorch's run is measured
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     theirs = eager(model, data, device)
     pairs = zip(ours["losses"], theirs["losses"], strict=True)
     out = {"sizes": sizes, "steps": steps, "autoshard": ours, "pytorch": theirs}
