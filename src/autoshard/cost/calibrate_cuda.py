@@ -69,8 +69,8 @@ def measure_products(device: torch.device) -> dict[str, Any]:
     rates = [_linear_rate(n, torch.bfloat16, device) for n in CUDA_MATMUL_SIZES]
     peak = max(rates)
     curve = [[float(n), r / peak] for n, r in zip(CUDA_MATMUL_SIZES, rates, strict=True)]
-    share = curve[-1][1]
-    fp32 = _linear_rate(CUDA_MATMUL_SIZES[-2], torch.float32, device) / share
+    # float32 at the next-largest size, over bf16's share there: the same curve scaled
+    fp32 = _linear_rate(CUDA_MATMUL_SIZES[-2], torch.float32, device) / curve[-2][1]
     return {"bfloat16": peak, "float16": peak, "float32": fp32, "matmul_efficiency": curve}
 
 
@@ -170,8 +170,8 @@ def _adamw_passes(device: torch.device, bandwidth: float) -> float:
 def _collective(kind: str, nbytes: int, world: int, group: Any, device: torch.device):
     import torch.distributed as dist
 
-    whole = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     part = torch.empty(nbytes // 2 // world, dtype=torch.bfloat16, device=device)
+    whole = torch.ones(part.numel() * world, dtype=torch.bfloat16, device=device)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(whole, group=group)
     if kind == "reduce_scatter":

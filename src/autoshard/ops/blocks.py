@@ -19,7 +19,7 @@ import math
 
 import torch
 
-__all__ = ["KERNELS", "fused", "kernel", "merge", "pair_backward", "pair_forward", "scores"]
+__all__ = ["KERNELS", "kernel", "merge", "pair_backward", "pair_forward", "scores"]
 
 #: the kernels a product may run, ``explicit`` the one without a fused kernel
 KERNELS = ("flash_cpu", "flash", "cudnn", "efficient", "explicit")
@@ -48,11 +48,6 @@ def kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
         if head % (4 if q.dtype == torch.float32 else 8) == 0:
             return "efficient"
     return "explicit"
-
-
-def fused(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether a product of ``q`` runs a fused kernel (which returns the rows' log-sum-exp)."""
-    return kernel(q, q, mask) != "explicit"
 
 
 def scores(
