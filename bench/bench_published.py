@@ -149,6 +149,8 @@ def _argv(r: dict, out: Path, cluster: Path) -> list[str]:
         argv += ["--virtual-stages", str(r["virtual_stages"])]
     if r["sequence_parallel"]:
         argv.append("--sequence-parallel")
+    if r.get("untie"):
+        argv.append("--untie-embeddings")
     return argv
 
 

@@ -7,7 +7,10 @@ Sources (the numbers are theirs; the code that reads them is this file):
   weak-scaling GPT runs from 1.7B to 462B parameters on up to 6144 H100s with Megatron-Core
   r0.8.0 (the strong-scaling figure's label), vocabulary 131072, sequence 4096, bf16; per run
   the heads, hidden size, layers, tensor, pipeline and data-parallel sizes, GPUs, batch and
-  the achieved teraFLOP/s per GPU. Its throughput counts the FLOPs of Megatron-LM's
+  the achieved teraFLOP/s per GPU. The model sizes it names are those of a GPT whose output
+  layer has its own weight (``--untie-embeddings-and-output-weights``: 1.7B is 1.21B in the
+  blocks and two 0.27B vocabulary matrices, 1.48B tied; so for every row), planned with
+  ``--untie-embeddings``. Its throughput counts the FLOPs of Megatron-LM's
   ``num_floating_point_operations`` of that commit, 12 B s l h^2 (1 + g/a + s/h + f/h +
   V/(2 l h)) for a GPT of f = 4h and g = a (no recompute counted); the step time is those
   FLOPs over the GPUs' achieved FLOP/s. The README names the software's overlaps: the
@@ -74,6 +77,7 @@ def runs() -> list[dict]:
             "tp": tp, "pp": pp, "gpus": gpus, "batch": batch,
             "microbatches": batch // dp, "schedule": "1f1b", "virtual_stages": 1,
             "recompute": None, "sequence_parallel": tp > 1, "zero": 1, "precision": "bf16",
+            "untie": True,
             "cluster": "mcore", "seconds": _megatron_seconds(hidden, layers, gpus, batch, tflops),
         })  # fmt: skip
     for table, gpus, batch, tps in TORCHTITAN:
@@ -112,21 +116,21 @@ def clusters(folder: Path) -> dict[str, Path]:
 DESCRIBED = (
     'Published H100 runs: Megatron-LM\'s README ("Training Speed and Scalability", the model '
     "table added in commit f2e5db402c: GPT weak scaling on Megatron-Core r0.8.0, vocabulary "
-    "131072, sequence 4096, bf16; teraFLOP/s per GPU turned into seconds an iteration by "
-    "Megatron-LM's FLOPs count of that commit) and torchtitan's "
-    "`benchmarks/llama3_h100_202412_torchtitan.md` (Tables 1 and 3: Llama 3.1 8B, FSDP, "
-    "selective activation checkpointing, sequence 8192 from its `llama3_8b.toml`, the eager "
-    "bf16 rows; tokens a second a GPU). Megatron-Core's runs planned as given on the "
-    "`dgx-h100` preset (`h100-mcore.json`: fused attention, the gradient reduce-scatter "
-    "overlapped with backward, and `tp_comm_overlap` for the README's `--tp-comm-overlap`: "
-    "a tensor-parallel all-gather or reduce-scatter beside a matrix product runs in chunks "
-    "under it) with the software the README names: the distributed optimizer (`--zero 1`) "
-    "and sequence parallelism where tp > 1 (`--sequence-parallel`, which `--tp-comm-overlap` "
-    "runs); where it is silent: one sequence a micro-batch and 1F1B (Megatron's defaults), "
-    "recompute left to the search (Megatron's default is none). torchtitan's on Grand Teton "
-    "(`h100-titan.json`: HBM2e 2.4 TB/s, 400 Gb/s a GPU, a peak of 912 dense bf16 TFLOP/s, "
-    "the middle of the NVL-to-SXM range the benchmark's note 2 gives for its 500 W H100s) "
-    "with `--zero 3 --recompute selective` (its policy also recomputes every second matrix "
-    "product, which autoshard's `selective` does not price). No parameter was set from "
-    "these runs."
+    "131072, sequence 4096, bf16, the output layer's weight its own, as the table's model sizes "
+    "count it; teraFLOP/s per GPU turned into seconds an iteration by Megatron-LM's FLOPs count "
+    "of that commit) and torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (Tables 1 "
+    "and 3: Llama 3.1 8B, FSDP, selective activation checkpointing, sequence 8192 from its "
+    "`llama3_8b.toml`, the eager bf16 rows; tokens a second a GPU). Megatron-Core's runs "
+    "planned as given on the `dgx-h100` preset (`h100-mcore.json`: fused attention, the "
+    "gradient reduce-scatter overlapped with backward, and `tp_comm_overlap` for the README's "
+    "`--tp-comm-overlap`: a tensor-parallel all-gather or reduce-scatter beside a matrix "
+    "product runs in chunks under it) with `--untie-embeddings` and the software the README "
+    "names: the distributed optimizer (`--zero 1`) and sequence parallelism where tp > 1 "
+    "(`--sequence-parallel`, which `--tp-comm-overlap` runs); where it is silent: one sequence "
+    "a micro-batch and 1F1B (Megatron's defaults), recompute left to the search (Megatron's "
+    "default is none). torchtitan's on Grand Teton (`h100-titan.json`: HBM2e 2.4 TB/s, 400 Gb/s "
+    "a GPU, a peak of 912 dense bf16 TFLOP/s, the middle of the NVL-to-SXM range the "
+    "benchmark's note 2 gives for its 500 W H100s) with `--zero 3 --recompute selective` (its "
+    "policy also recomputes every second matrix product, which autoshard's `selective` does not "
+    "price). No parameter was set from these runs."
 )

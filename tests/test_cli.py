@@ -573,3 +573,19 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie is gone)
     except OSError:
         return False
+
+
+def test_plan_command_unties_gpt_s_output_layer() -> None:
+    """``--untie-embeddings`` gives GPT's lm_head its own weight (by default it is wte's)."""
+    from autoshard.cli.args import build_parser
+    from autoshard.cli.main import _reference_model
+
+    argv = ["plan", "--model", "gpt", "--vocab", "4096", "--hidden", "256"]
+    for extra, tied in (([], True), (["--untie-embeddings"], False)):
+        commands = ("demo", "redistribute", "plan", "calibrate", "train", "simulate")
+        parser = build_parser(dict.fromkeys(commands, print))
+        model = _reference_model(parser.parse_args([*argv, *extra]))[0]
+        assert (model.lm_head.weight is model.wte.weight) is tied
+        count = sum(p.numel() for p in model.parameters())
+        blocks = sum(p.numel() for p in model.layers.parameters())
+        assert count - blocks - 128 * 256 - 2 * 256 == (1 if tied else 2) * 4096 * 256

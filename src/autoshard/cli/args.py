@@ -303,6 +303,7 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=None, help="experts of each MoE layer (moe)")
     p.add_argument("--top-k", type=int, default=None, help="experts each token goes to (moe)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    p.add_argument("--untie-embeddings", action="store_true", help="gpt: its own lm_head weight")
     p.add_argument(
         "--seq",
         type=int,

@@ -128,6 +128,7 @@ def _reference_model(args: argparse.Namespace):
         seq=args.seq or 128,
         experts=args.experts,
         top_k=args.top_k,
+        **({"tie_embeddings": False} if args.untie_embeddings else {}),
     )
     with torch.device("meta"):
         model = build(config)

@@ -1,4 +1,5 @@
-"""A GPT-2 style decoder, laid out like nanoGPT: fused qkv, pre-norm blocks, tied lm_head."""
+"""A GPT-2 style decoder, laid out like nanoGPT: fused qkv, pre-norm blocks, lm_head tied to the
+token embedding unless ``tie_embeddings`` is off."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class GPTConfig:
     hidden: int = 32
     dropout: float = 0.0
     bias: bool = True
+    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if self.hidden % self.num_heads:
@@ -83,7 +85,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and learned position embeddings, ``num_layers`` blocks, ``lm_head`` tied to ``wte``."""
+    """Token and learned position embeddings, ``num_layers`` blocks, ``lm_head`` (tied to ``wte``
+    where ``config.tie_embeddings``)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -96,7 +99,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden, bias=config.bias)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         init_weights(self)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
