@@ -60,6 +60,19 @@ LLAMA3_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14
              "vocab": 128256, "seq": 8192}  # fmt: skip
 
 
+#: bytes a logit element moves through memory in the runs' cross-entropy, forward and
+#: backward, counted from their code. Megatron-Core r0.8.0's vocab-parallel cross-entropy
+#: (``tensor_parallel/cross_entropy.py``): forward a float32 copy of the bf16 logits (read 2,
+#: write 4), the max (read 4), the shift, the exponential and the division in place (read and
+#: write 4 each), the sum (read 4); backward the product with the loss's gradient in place
+#: (8) and autograd's cast of the float32 gradient to the bf16 logits' (read 4, write 2).
+#: torchtitan's ``cross_entropy(pred.float(), labels)``: forward the copy (6) and the
+#: log-softmax (three reads, one write: 16); backward nll's zero-filled gradient (write 4),
+#: log-softmax's backward (three reads, one write: 16) and the cast back (6).
+MCORE_LOSS_BYTES = [6.0 + 4 + 8 + 8 + 4 + 8, 8.0 + 6]
+TITAN_LOSS_BYTES = [6.0 + 16, 4.0 + 16 + 6]
+
+
 def _megatron_seconds(hidden, layers, gpus, batch, tflops) -> float:
     s, v, h, n = MEGATRON_SEQ, MEGATRON_VOCAB, hidden, layers
     flops = 12 * batch * s * n * h * h * (1 + 1 + s / h + 4 + v / (2 * n * h))
@@ -98,12 +111,17 @@ def clusters(folder: Path) -> dict[str, Path]:
     from autoshard.cost import cluster_spec
 
     base = cluster_spec("dgx-h100").to_json()
-    mcore = base | {"tp_comm_overlap": True}  # the README's --tp-comm-overlap
+    # the README's --tp-comm-overlap; the loss as Megatron-Core r0.8.0's vocab-parallel
+    # cross-entropy runs it (LOSS_BYTES)
+    mcore = base | {"tp_comm_overlap": True, "loss_bytes": MCORE_LOSS_BYTES}
     # its H100s' dense bf16 peak lies between the NVL's 835 and the SXM's 989 TFLOP/s (the
     # benchmark's note 2): the middle of that range
     peak = (835e12 + 989e12) / 2
     flops = base["flops"] | {"bfloat16": peak, "float16": peak}
-    titan = base | {"memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9, "flops": flops}
+    titan = base | {
+        "memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9, "flops": flops,
+        "loss_bytes": TITAN_LOSS_BYTES, "optimizer_passes": 20.0,  # foreach AdamW
+    }  # fmt: skip
     out = {}
     for name, data in (("mcore", mcore), ("titan", titan)):
         path = folder / f"h100-{name}.json"

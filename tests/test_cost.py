@@ -395,3 +395,28 @@ def test_calibration_times_every_other_collective_kind() -> None:
     for kind, seconds in times.items():
         assert len(seconds) == len(KIND_SIZES), kind
         assert all(0 < s < 1 for s in seconds), (kind, seconds)
+
+
+def test_a_loss_computed_by_separate_passes_moves_its_logits_that_many_times() -> None:
+    """``loss_bytes`` prices a cross-entropy by its logit elements on the rank (split classes
+    count a t-th); left at [0, 0], the op's own reads and writes as before."""
+    from dataclasses import replace
+
+    from autoshard.cost import op_time
+    from autoshard.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=96, block_size=8)
+    og = capture(GPT(config), config.example_batch(4))
+    node = next(i.node for i in og.ops() if "cross_entropy" in i.key)
+    spec = cluster_spec("dgx-h100")
+    passes = replace(spec, loss_bytes=[38.0, 14.0], op_overhead=0.0)
+    for devices in (1, 2):
+        plan = plan_graph(og, mesh_info({"tp": devices}))
+        strategy = plan.nodes[node.name].strategy
+        logits = strategy.ins[0].local_numel
+        assert logits == 4 * 8 * 96 // (devices if strategy.ins[0].local_shape()[1] < 96 else 1)
+        forward, backward = op_time(node, strategy, passes)
+        assert forward == pytest.approx(38 * logits / spec.memory_bandwidth)
+        assert backward == pytest.approx(14 * logits / spec.memory_bandwidth)
+        plain = op_time(node, strategy, replace(spec, op_overhead=0.0))
+        assert plain[0] < forward and plain[0] > 0

@@ -65,6 +65,11 @@ class ClusterSpec:
     attention_score_bytes: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: the experts' grouped product over a separate product of one expert's size (1: as fast)
     grouped_mm_efficiency: float = 1.0
+    #: bytes of memory traffic per logit element of a cross-entropy, forward and backward,
+    #: where the software computes it by separate passes in float32 (a cast, the max, the
+    #: shift, the exponential, the sum and the division, each through memory); [0, 0]: the
+    #: op's own reads and writes, as autoshard runs it
+    loss_bytes: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: the share of its compute a rank waits at synchronizing collectives for the slowest rank
     sync_wait: float = 0.0
     #: measured time of a collective kind over what the link model prices it at (1 when
@@ -131,6 +136,8 @@ class ClusterSpec:
         nbytes = cost.backward_bytes if backward else cost.bytes
         if backward and not flops and not nbytes:
             return 0.0
+        if cost.kind == "loss" and self.loss_bytes[1 if backward else 0]:
+            nbytes = cost.scores * self.loss_bytes[1 if backward else 0]
         scored = self.attention_score_bytes[1 if backward else 0] if cost.kind == "attention" else 0
         if scored:  # unfused: two batched products, the scores' passes through memory beside
             share = self.matmul_share(math.inf)

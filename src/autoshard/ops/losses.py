@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -11,6 +13,7 @@ from autoshard.layout import Layout
 from autoshard.ops import local, pending
 from autoshard.ops.base import FREE, SUM, Space, SpaceRule, Strategy, StrategyError
 from autoshard.ops.nodes import node_arg, node_title, shape_of
+from autoshard.ops.work import Cost
 
 
 class CrossEntropy(SpaceRule):
@@ -31,6 +34,12 @@ class CrossEntropy(SpaceRule):
         strategy = super().layouts(node, space_layout)
         out = strategy.outs[0].without_partial()
         return Strategy(strategy.ins, (out,), strategy.grads, space_layout)
+
+    def cost(self, node: fx.Node, strategy: Strategy, needs_grad: Sequence[bool] = ()) -> Cost:
+        """The op's reads and writes, and its logits on the rank (``ClusterSpec.loss_bytes``
+        prices software that passes them through memory several times)."""
+        base = super().cost(node, strategy, needs_grad)
+        return replace(base, kind="loss", scores=float(strategy.ins[0].local_numel))
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
         space = strategy.space

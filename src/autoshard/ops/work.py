@@ -25,11 +25,12 @@ class Cost:
     """One op's work on one rank. FLOPs are model FLOPs: the matrix products only, as torch's
     ``FlopCounterMode`` and the MFU formulas of Megatron-LM count them. ``kind`` ("matmul",
     "grouped_mm" for the experts' grouped product, "attention" for a fused attention kernel,
-    or "memory") and ``size`` (a product's intensity size, ``3 / (1/M + 1/N +
+    "loss", or "memory") and ``size`` (a product's intensity size, ``3 / (1/M + 1/N +
     1/K)``) pick the device's efficiency; ``work`` is the share of the FLOPs the kernel really
     does (a causal attention kernel skips the masked half); ``scores``: an attention's score
     elements on the rank (batch x heads x query rows x keys), which an attention without a
-    fused kernel writes and reads through memory."""
+    fused kernel writes and reads through memory; a loss's logit elements on the rank, which
+    software computing it by separate passes reads and writes several times."""
 
     flops: float
     bytes: float
