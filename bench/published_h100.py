@@ -73,6 +73,17 @@ MCORE_LOSS_BYTES = [6.0 + 4 + 8 + 8 + 4 + 8, 8.0 + 6]
 TITAN_LOSS_BYTES = [6.0 + 16, 4.0 + 16 + 6]
 
 
+#: the share of the H100 SXM's 989 dense bf16 TFLOP/s each run's attention kernel reaches,
+#: forward (causal) and backward, head size 128, as FlashAttention-3's paper (Shah et al.
+#: 2024, arXiv 2407.08608, Figures 5-6, H100 80GB SXM5) measured them: cuDNN's fused
+#: attention, which Transformer Engine runs on Hopper in preference to FlashAttention
+#: (Megatron-Core's), 518 and 499 TFLOP/s at sequence 4096; FlashAttention-2, torch's SDPA
+#: kernel of December 2024 (cuDNN's then off by default: pytorch/pytorch#142132), 333 and
+#: 318 at sequence 8192 (torchtitan's)
+CUDNN_ATTENTION = [518 / 989, 499 / 989]
+FLASH2_ATTENTION = [333 / 989, 318 / 989]
+
+
 def _megatron_seconds(hidden, layers, gpus, batch, tflops) -> float:
     s, v, h, n = MEGATRON_SEQ, MEGATRON_VOCAB, hidden, layers
     flops = 12 * batch * s * n * h * h * (1 + 1 + s / h + 4 + v / (2 * n * h))
@@ -113,7 +124,10 @@ def clusters(folder: Path) -> dict[str, Path]:
     base = cluster_spec("dgx-h100").to_json()
     # the README's --tp-comm-overlap; the loss as Megatron-Core r0.8.0's vocab-parallel
     # cross-entropy runs it (LOSS_BYTES)
-    mcore = base | {"tp_comm_overlap": True, "loss_bytes": MCORE_LOSS_BYTES}
+    mcore = base | {
+        "tp_comm_overlap": True, "loss_bytes": MCORE_LOSS_BYTES,
+        "attention_efficiency": CUDNN_ATTENTION,
+    }  # fmt: skip
     # its H100s' dense bf16 peak lies between the NVL's 835 and the SXM's 989 TFLOP/s (the
     # benchmark's note 2): the middle of that range
     peak = (835e12 + 989e12) / 2
@@ -121,6 +135,7 @@ def clusters(folder: Path) -> dict[str, Path]:
     titan = base | {
         "memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9, "flops": flops,
         "loss_bytes": TITAN_LOSS_BYTES, "optimizer_passes": 20.0,  # foreach AdamW
+        "attention_efficiency": FLASH2_ATTENTION,
     }  # fmt: skip
     out = {}
     for name, data in (("mcore", mcore), ("titan", titan)):
