@@ -1,7 +1,8 @@
 """Pipeline schedules as data: every named schedule is valid (each action once, on its stage's
 rank, dependencies in order, sends and receives paired in the same order on every pair of
-ranks, no deadlock), has the bubble and the memory its paper gives at nominal costs, and the
-validator names what is wrong with a broken one."""
+ranks, no deadlock, and none under NCCL's in-order point-to-point groups either), has the
+bubble and the memory its paper gives at nominal costs, and the validator names what is wrong
+with a broken one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from autoshard.schedule import (
     Action,
     Schedule,
     ScheduleError,
+    check_p2p_order,
+    forward_only,
     make_schedule,
+    p2p_groups,
     parse_action,
     simulate,
     unit_cost,
@@ -96,7 +100,7 @@ def test_every_action_has_its_place_on_the_timeline() -> None:
     # a send or a receive takes no time: it starts and ends on its rank's clock
     one = simulate(make_schedule("1f1b", 2, 1), unit_cost, transfer=lambda send: 0.5)
     assert [[(str(e.action), e.start, e.end) for e in rank] for rank in one.events] == [
-        [("RECV_B0.0<1", 0, 0), ("F0.0", 0, 1), ("SEND_F0.0>1", 1, 1), ("B0.0", 5, 7),
+        [("F0.0", 0, 1), ("SEND_F0.0>1", 1, 1), ("RECV_B0.0<1", 1, 1), ("B0.0", 5, 7),
          ("REDUCE_GRAD0", 7, 7)],
         [("RECV_F1.0<0", 0, 0), ("F1.0", 1.5, 2.5), ("B1.0", 2.5, 4.5), ("SEND_B1.0>0", 4.5, 4.5),
          ("REDUCE_GRAD1", 4.5, 4.5)],
@@ -193,3 +197,74 @@ def test_bad_names_and_sizes_are_clear_errors() -> None:
         make_schedule("1f1b", 2, 4, virtual=2)
     with pytest.raises(ScheduleError, match="at least 1"):
         make_schedule("gpipe", 2, 0)
+
+
+# -- NCCL's order: a rank's point-to-point groups in the order posted, a send waits for its
+# receiver --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zbv", "interleaved-1f1b"])
+def test_every_schedule_and_its_forwards_keep_nccls_order(name: str) -> None:
+    """1-8 pipeline ranks, 1-12 micro-batches (multiples of the ranks, 2-4 stages a rank, for
+    the interleaved schedule): validate plays each under NCCL's rule; so are the forwards
+    alone (an evaluation) played."""
+    checked = 0
+    for p in range(1, 9):
+        for v in (2, 3, 4) if name == "interleaved-1f1b" else (1,):
+            for m in range(p, 13, p) if v > 1 else range(1, 13):
+                schedule = make_schedule(name, p, m, v)
+                validate(schedule)
+                check_p2p_order(forward_only(schedule))
+                checked += 1
+    assert checked == (3 * sum(12 // p for p in range(1, 9)) if name == "interleaved-1f1b" else 96)
+
+
+def test_a_step_between_computes_is_one_group_the_forwards_send_then_the_backwards_receive():
+    schedule = make_schedule("1f1b", 2, 3)
+    groups = [g for g in p2p_groups(schedule.actions[0]) if isinstance(g, tuple)]
+    assert [" ".join(map(str, g)) for g in groups] == [
+        "SEND_F0.0>1",
+        "SEND_F0.1>1 RECV_B0.0<1",  # Megatron's send_forward_recv_backward
+        "SEND_F0.2>1 RECV_B0.1<1",
+        "RECV_B0.2<1",
+    ]
+    # the gradient sums come after a group, never inside one
+    for actions in schedule.actions:
+        for g in p2p_groups(actions):
+            assert not isinstance(g, tuple) or all("REDUCE" not in a.kind for a in g)
+
+
+# each action its own call, a receive posted one compute early: the order of a runtime that
+# ran on gloo only, which lets each operation complete on its own
+_ONE_ACTION_A_CALL = (
+    "F0.0 SEND_F0.0>1 RECV_B0.0<1 F0.1 SEND_F0.1>1 RECV_B0.1<1 B0.0 B0.1 REDUCE_GRAD0",
+    "RECV_F1.0<0 F1.0 RECV_F1.1<0 B1.0 SEND_B1.0>0 F1.1 B1.1 SEND_B1.1>0 REDUCE_GRAD1",
+)
+
+
+def test_the_one_action_a_call_order_hangs_under_nccls_rule() -> None:
+    old = _two_ranks(*[text.split() for text in _ONE_ACTION_A_CALL], name="1f1b")
+    assert simulate(old, unit_cost).step > 0  # sends and receives pair, no deadlock
+    # rank 0 runs its receive of B0.0 while rank 1 runs its receive of F1.1: the send each
+    # waits for is posted on the other rank, behind that rank's receive
+    with pytest.raises(
+        ScheduleError,
+        match=r"1f1b hangs under NCCL's in-order point-to-point groups: rank 0 at B0.0 runs "
+        r"group \[RECV_B0.0<1\] while rank 1 runs \[RECV_F1.1<0\]; rank 1 at F1.1 runs "
+        r"group \[RECV_F1.1<0\] while rank 0 runs \[RECV_B0.0<1\]",
+    ):
+        check_p2p_order(old, batched=False)
+    # a send waits for its receiver: two ranks that each send before they receive meet as one
+    # group a side (Megatron's pairing), and never as two
+    crossed = _two_ranks(
+        ["F0.0", "SEND_F0.0>1", "F0.1", "SEND_F0.1>1", "RECV_B0.0<1", "B0.0", "RECV_B0.1<1",
+         "B0.1", "REDUCE_GRAD0"],
+        ["RECV_F1.0<0", "F1.0", "B1.0", "SEND_B1.0>0", "RECV_F1.1<0", "F1.1", "B1.1",
+         "SEND_B1.1>0", "REDUCE_GRAD1"],
+    )  # fmt: skip
+    validate(crossed)
+    with pytest.raises(
+        ScheduleError, match=r"rank 0 at B0.0 runs group \[SEND_F0.1>1\] while rank 1 runs "
+        r"\[SEND_B1.0>0\]"
+    ):  # fmt: skip
+        check_p2p_order(crossed, batched=False)

@@ -2,20 +2,25 @@
 list of actions, the named schedules, the validator and the simulator that times them."""
 
 from autoshard.schedule.actions import (
+    COMM,
     COMPUTE,
     KINDS,
     Action,
     Schedule,
     ScheduleError,
+    forward_only,
     looped,
+    p2p_groups,
     parse_action,
     v_shape,
     with_communication,
 )
 from autoshard.schedule.named import SCHEDULES, list_schedule, make_schedule
+from autoshard.schedule.p2p import check_p2p_order
 from autoshard.schedule.simulate import Timed, Timeline, simulate, unit_cost, validate
 
 __all__ = [
+    "COMM",
     "COMPUTE",
     "KINDS",
     "SCHEDULES",
@@ -24,9 +29,12 @@ __all__ = [
     "ScheduleError",
     "Timed",
     "Timeline",
+    "check_p2p_order",
+    "forward_only",
     "list_schedule",
     "looped",
     "make_schedule",
+    "p2p_groups",
     "parse_action",
     "simulate",
     "unit_cost",

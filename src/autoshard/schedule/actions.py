@@ -14,7 +14,10 @@ Kinds of action (``Action.kind``):
 - ``SEND_F``/``RECV_F``: a stage's output to the next stage's rank, and its arrival there;
   ``SEND_B``/``RECV_B``: the gradient of a stage's input back to the previous stage's rank.
   A send or a receive is posted, not waited for: the compute that reads a received tensor
-  waits for it, and sends are complete before the step ends.
+  waits for it, and sends are complete before the step ends. The sends and receives between
+  two other actions are one group, posted together (:func:`p2p_groups`): NCCL runs a rank's
+  groups in order and a send waits for its receiver, so both sides of a pair must post
+  matching groups in the same order (``simulate.check_p2p_order``).
 - ``REDUCE_GRAD``: the stage's gradient sums over its data-parallel replicas (and over the
   stages that share a tied weight), after its last backward.
 """
@@ -158,42 +161,137 @@ def with_communication(
     compute: Sequence[Sequence[Action]],
     split_backward: bool,
 ) -> Schedule:
-    """The schedule whose ranks run ``compute`` in order, with every send placed right after
-    the compute that makes its tensor, every receive posted one compute action before the
-    one that reads it (so it arrives while that one runs), and each stage's gradient sums
-    after its last backward."""
+    """The schedule whose ranks run ``compute`` in order, each send right after the compute
+    that makes its tensor, each stage's gradient sums after the group that follows its last
+    backward. A receive is posted where its rank's clock stands when the tensor is sent, the
+    pipeline played at nominal costs (:func:`_posted_at`): between two compute actions a rank
+    then posts one group, its send (if any) and the receives of the tensors sent meanwhile
+    (the one the next compute reads among them: Megatron's ``send_forward_recv_backward``),
+    and every pair of ranks meets their sends and receives in the same order of sending
+    times, which NCCL's in-order groups need."""
     last = len(placement) - 1
+    ends = _compute_ends(placement, compute, split_backward)
     lists: list[tuple[Action, ...]] = []
     for rank, order in enumerate(compute):
-        out: list[Action] = []
-        for a in order:
+        posted: dict[int, list[tuple[float, Action]]] = {}
+        for k, a in enumerate(order):
             recv = _receive_for(a, placement, rank, last)
-            if recv is not None:  # posted before the compute action before this one
-                out.insert(_previous_compute(out), recv)
+            if recv is not None:
+                sent = ends.get(_made_by(recv, split_backward))
+                at = _posted_at(order, k, sent, ends)
+                posted.setdefault(at, []).append((sent or 0.0, recv))
+        out = [recv for _, recv in sorted(posted.get(-1, []))]
+        for k, a in enumerate(order):
             out.append(a)
             send = _send_for(a, placement, rank, last)
             if send is not None:
                 out.append(send)
+            out += [recv for _, recv in sorted(posted.get(k, []))]
         lists.append(tuple(_with_reduce_grad(out)))
     return Schedule(name, microbatches, tuple(placement), tuple(lists), split_backward)
 
 
-def _with_reduce_grad(out: list[Action]) -> list[Action]:
-    """``REDUCE_GRAD`` of each stage after its last backward (and that backward's send)."""
-    last_backward = {a.stage: i for i, a in enumerate(out) if a.kind in ("B", "W")}
-    for stage, i in sorted(last_backward.items(), key=lambda item: -item[1]):
-        at = i + 1
-        if at < len(out) and out[at].kind == "SEND_B" and out[at].stage == stage:
-            at += 1
-        out.insert(at, Action("REDUCE_GRAD", stage))
+#: nominal costs of the compute actions, which order the sends and receives of a schedule
+_NOMINAL = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def _made_by(recv: Action, split_backward: bool) -> tuple[str, int, int]:
+    """The compute action whose tensor ``recv`` receives."""
+    if recv.kind == "RECV_F":
+        return ("F", recv.peer, recv.microbatch)
+    return ("I" if split_backward else "B", recv.peer, recv.microbatch)
+
+
+def _compute_ends(
+    placement: Sequence[int], compute: Sequence[Sequence[Action]], split_backward: bool
+) -> dict[tuple[str, int, int], float]:
+    """When each compute action ends with the ranks running ``compute`` in order at nominal
+    costs, tensors arriving at once; an action behind one that can never run is left out
+    (the validator names that)."""
+    last = len(placement) - 1
+    back = "I" if split_backward else "B"
+    ends: dict[tuple[str, int, int], float] = {}
+    at, clock = [0] * len(compute), [0.0] * len(compute)
+    moved = True
+    while moved:
+        moved = False
+        for r, order in enumerate(compute):
+            while at[r] < len(order):
+                a = order[at[r]]
+                needs = []
+                if a.kind == "F" and a.stage > 0:
+                    needs.append(("F", a.stage - 1, a.microbatch))
+                if a.kind in ("B", "I", "W"):
+                    needs.append(("I" if a.kind == "W" else "F", a.stage, a.microbatch))
+                if a.kind in ("B", "I") and a.stage < last:
+                    needs.append((back, a.stage + 1, a.microbatch))
+                if any(n not in ends for n in needs):
+                    break
+                start = max([clock[r], *(ends[n] for n in needs)])
+                clock[r] = ends[(a.kind, a.stage, a.microbatch)] = start + _NOMINAL[a.kind]
+                at[r] += 1
+                moved = True
+    return ends
+
+
+def _posted_at(
+    order: Sequence[Action], k: int, sent: float | None, ends: dict[tuple[str, int, int], float]
+) -> int:
+    """After which of ``order``'s compute actions (-1: before the first) the receive that
+    ``order[k]`` reads is posted: the last to end by the time its tensor is ``sent``, or,
+    unplayed, the one before ``order[k]``."""
+    if sent is None or (order[k].kind, order[k].stage, order[k].microbatch) not in ends:
+        return k - 1
+    at = -1
+    for j in range(k):
+        end = ends.get((order[j].kind, order[j].stage, order[j].microbatch))
+        if end is None or end > sent:
+            break
+        at = j
+    return at
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule`` alone (an evaluation, a step without gradients): each
+    rank's stages in order for one micro-batch after another, with their sends and
+    receives."""
+    compute = [
+        [Action("F", s, i) for i in range(schedule.microbatches) for s in schedule.stages_of(r)]
+        for r in range(schedule.num_ranks)
+    ]
+    return with_communication(
+        f"{schedule.name} forwards", schedule.microbatches, schedule.placement, compute, False
+    )
+
+
+def p2p_groups(actions: Sequence[Action]) -> list[Action | tuple[Action, ...]]:
+    """``actions`` as the runtime posts them: every action that is not a send or a receive
+    alone, and each run of sends and receives between two others as one group (a tuple)."""
+    out: list[Action | tuple[Action, ...]] = []
+    group: list[Action] = []
+    for a in actions:
+        if a.kind in COMM:
+            group.append(a)
+            continue
+        if group:
+            out.append(tuple(group))
+            group = []
+        out.append(a)
+    if group:
+        out.append(tuple(group))
     return out
 
 
-def _previous_compute(out: list[Action]) -> int:
-    for i in range(len(out) - 1, -1, -1):
-        if out[i].is_compute:
-            return i
-    return 0
+def _with_reduce_grad(out: list[Action]) -> list[Action]:
+    """``REDUCE_GRAD`` of each stage after its last backward and the group after it (a sum
+    between a send and a receive would cut their group in two)."""
+    last_backward = {a.stage: i for i, a in enumerate(out) if a.kind in ("B", "W")}
+    for stage, i in sorted(last_backward.items(), key=lambda item: -item[1]):
+        at = i + 1
+        while at < len(out) and out[at].kind in COMM:
+            at += 1
+        out.insert(at, Action("REDUCE_GRAD", stage))
+    return out
 
 
 def _receive_for(a: Action, placement: Sequence[int], rank: int, last: int) -> Action | None:

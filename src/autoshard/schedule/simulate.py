@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from autoshard.schedule.actions import Action, Schedule, ScheduleError
+from autoshard.schedule.p2p import check_p2p_order
 
 Key = tuple[str, int, int]  # (kind, stage, microbatch)
 
@@ -77,11 +78,14 @@ def unit_cost(action: Action) -> float:
 def validate(schedule: Schedule) -> Timeline:
     """Raise ScheduleError naming the first problem of ``schedule``: an action missing,
     repeated or on the wrong rank, a dependency out of order on a rank, sends and receives that
-    do not pair up in the same order on every pair of ranks, or a deadlock. Returns the
+    do not pair up in the same order on every pair of ranks, a deadlock, or groups of sends and
+    receives that would hang under NCCL's in-order rule (:func:`check_p2p_order`). Returns the
     timeline at nominal costs."""
     _check_compute(schedule)
     _check_communication(schedule)
-    return simulate(schedule, unit_cost)
+    timeline = simulate(schedule, unit_cost)
+    check_p2p_order(schedule)
+    return timeline
 
 
 def _check_compute(schedule: Schedule) -> None:
