@@ -19,7 +19,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from autoshard import watch
+from autoshard import strict, watch
+from autoshard.strict import strict_p2p
 
 __all__ = [
     "all_gather",
@@ -45,6 +46,7 @@ __all__ = [
     "recording",
     "reset_counters",
     "send_recv",
+    "strict_p2p",
 ]
 
 #: the collectives the counting layer knows
@@ -141,6 +143,7 @@ def leave() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     watch.stop()
+    strict.stop()
     while in_flight:
         in_flight.pop(0).wait()
     _groups.clear()
@@ -291,27 +294,23 @@ def send_recv(
     recv_like: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Point-to-point moves (a pipeline stage boundary, a pairwise exchange): send ``x`` to each
-    rank of ``send_to`` and receive a tensor shaped like ``recv_like`` from ``recv_from``."""
+    rank of ``send_to`` and receive a tensor shaped like ``recv_like`` from ``recv_from``, as
+    one group, waited for."""
     me = dist.get_rank()
-    ops, waits = [], []
+    sends, recvs = [], []
     out = None
     for peer in send_to:
         if peer == me:
             out = x.clone()
             continue
-        waits.append(_count("send_recv", (me, peer), x))
-        ops.append(dist.P2POp(dist.isend, x.contiguous(), peer))
+        sends.append((x, peer))
     if recv_from is not None and recv_from != me:
         assert recv_like is not None, "a receive needs the shape it expects"
         # contiguous whatever ``recv_like``'s strides (a transposed view): gloo needs it
         out = torch.empty(recv_like.shape, dtype=recv_like.dtype, device=recv_like.device)
-        # the sender counts it under the same pair, so both sides number it alike
-        waits.append(watch.issued("send_recv", (me, recv_from)))
-        ops.append(dist.P2POp(dist.irecv, out, recv_from))
-    if ops:
-        for work, what in zip(dist.batch_isend_irecv(ops), waits, strict=True):
-            with watch.waiting(what):
-                work.wait()
+        recvs.append((out, recv_from))
+    if sends or recvs:
+        post_p2p(sends, recvs).wait()
     return out
 
 
@@ -363,19 +362,23 @@ def post_exchange(
 def post_p2p(
     sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]
 ) -> Posted:
-    """Post point-to-point sends of each (tensor, peer) and receives into each (tensor, peer),
-    batched (a pipeline schedule's ``SEND``/``RECV`` actions); nothing waits for them here."""
+    """Post point-to-point sends of each (tensor, peer) and receives into each (tensor, peer)
+    as one group (a pipeline step's ``SEND``/``RECV`` actions between two computes); nothing
+    waits for them here. Under :func:`strict_p2p` the group keeps NCCL's order
+    (``autoshard.strict``). The sender counts a send under the pair and the receiver its
+    receive, so both sides number their messages alike."""
     me = dist.get_rank()
-    ops, whats, kept = [], [], []
+    whats = []
+    sends = [(x.contiguous(), peer) for x, peer in sends]
     for x, peer in sends:
-        x = x.contiguous()
         whats.append(_count("send_recv", (me, peer), x))
-        ops.append(dist.P2POp(dist.isend, x, peer))
-        kept.append(x)
-    for out, peer in recvs:
+    for _, peer in recvs:
         whats.append(watch.issued("send_recv", (me, peer)))
-        ops.append(dist.P2POp(dist.irecv, out, peer))
-        kept.append(out)
+    kept = [x for x, _ in sends] + [out for out, _ in recvs]
+    if whats and strict.enabled():
+        return Posted([strict.post(sends, recvs, whats[0])], [whats[0]], kept)
+    ops = [dist.P2POp(dist.isend, x, peer) for x, peer in sends]
+    ops += [dist.P2POp(dist.irecv, out, peer) for out, peer in recvs]
     works = dist.batch_isend_irecv(ops) if ops else []
     return Posted(list(works), whats, kept)
 

@@ -36,6 +36,7 @@ __all__ = [
     "Watched",
     "doing",
     "issued",
+    "p2p",
     "running",
     "start",
     "step",
@@ -59,6 +60,7 @@ class _State:
         self.doing = ("starting", time.monotonic())
         self.step = 0
         self.beat = 0
+        self.p2p: str | None = None  # the point-to-point group running (strict mode)
 
     def position(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -73,6 +75,7 @@ class _State:
             "doing": [self.doing[0], now - self.doing[1]],
             "step": self.step,
             "beat": self.beat,
+            "p2p": self.p2p,
         }
 
 
@@ -123,6 +126,13 @@ class Watched:
 def step(number: int) -> None:
     """The training step this rank is in (the runtime's count of training forwards)."""
     _state.step = number
+
+
+def p2p(group: str | None) -> None:
+    """The point-to-point group this rank runs now, under strict mode (``autoshard.strict``),
+    or None: a rank that waits on another whose every send and receive was issued is then
+    seen waiting in a group that holds no match for it."""
+    _state.p2p = group
 
 
 def doing(what: str) -> None:
@@ -220,9 +230,10 @@ class _Watchdog(threading.Thread):
             if now is None or now["counts"].get(key, 0) < seq:
                 frozen = now is not None and first.get(r, {}).get("beat") == now["beat"]
                 missing.append((r, _where(now, frozen)))
+        running = f", its point-to-point group {_state.p2p} running" if _state.p2p else ""
         what = (
             f"rank {self.rank} waited {self.timeout_s:g} s in {kind} #{seq} over ranks "
-            f"{list(group)} (step {_state.step})"
+            f"{list(group)} (step {_state.step}{running})"
         )
         if missing:
             names = ", ".join(str(r) for r, _ in missing)
@@ -244,11 +255,13 @@ def _where(position: dict[str, Any] | None, frozen: bool) -> str:
 
 
 def _activity(position: dict[str, Any]) -> str:
+    running = position.get("p2p")
+    p2p = f", its point-to-point group {running} running" if running else ""
     if position["wait"] is not None:
         kind, group, seq, seconds = position["wait"]
-        return f"waiting in {kind} #{seq} over ranks {group} for {seconds:.0f} s"
+        return f"waiting in {kind} #{seq} over ranks {group} for {seconds:.0f} s{p2p}"
     what, seconds = position["doing"]
-    return f"{what} for {seconds:.0f} s"
+    return f"{what} for {seconds:.0f} s{p2p}"
 
 
 def _exit(line: str) -> None:
