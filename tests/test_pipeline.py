@@ -2,7 +2,9 @@
 stages on a ``pp`` axis, run by each schedule the runtime has, alone and with data and tensor
 parallel inside the stages, trained 5 AdamW steps in float64 beside the eager model stepped by
 ``torch.optim``; every step's loss and every parameter compared. The user's loop is the one
-device's: ``loss = pm(*batch); loss.backward(); opt.step()``."""
+device's: ``loss = pm(*batch); loss.backward(); opt.step()``. The ranks keep NCCL's
+point-to-point order (``comm.strict_p2p``): an order GPUs would hang on stops the run, named
+by the watchdog."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from test_runtime import megatron
 
 import autoshard
-from autoshard import parallelize, shard_inputs, single_device
+from autoshard import comm, parallelize, shard_inputs, single_device, watch
 from autoshard.graph import StageError, capture_modes, cut_at_modules, cut_balanced
 from autoshard.mesh import mesh_info
 from autoshard.models import build, reference_config
@@ -267,8 +269,17 @@ def _flops_are_the_whole_batchs() -> str:
     return ""
 
 
-def _cases_world2(path: str) -> list[str]:
+def _nccl_order(cases: Any, *args: Any) -> list[str]:
+    """``cases(*args)`` with point-to-point groups in NCCL's order (a send waits for its
+    receiver; ``comm.strict_p2p``) and every wait bounded by the watchdog, so an order that
+    would hang on GPUs stops the ranks with a message naming the wait."""
     torch.set_num_threads(1)
+    watch.start(180.0)
+    with comm.strict_p2p():
+        return cases(*args)
+
+
+def _cases_world2(path: str) -> list[str]:
     out = [
         _against_pytorch("gpt", {"pp": 2}, schedule="1f1b", microbatches=4, clip=0.05),
         _against_pytorch("llama", {"pp": 2}, schedule="gpipe", microbatches=2),
@@ -316,7 +327,6 @@ def _planned(name: str, world: int, batches: list | None = None, **given: Any) -
 
 
 def _cases_world4() -> list[str]:
-    torch.set_num_threads(1)
     out = [
         _planned("gpt", 4, pp=2),
         _against_pytorch("llama", {"dp": 2, "pp": 2}, search="optimal", microbatches=2),
@@ -369,17 +379,16 @@ def _cases_world4() -> list[str]:
 
 
 def test_pipelines_of_two_ranks_train_as_pytorch(tmp_path) -> None:
-    for problems in run_ranks(_cases_world2, 2, str(tmp_path / "ckpt"), timeout=600):
+    for problems in run_ranks(_nccl_order, 2, _cases_world2, str(tmp_path / "ckpt"), timeout=600):
         assert problems == []
 
 
 def test_pipelines_with_data_and_tensor_parallel_train_as_pytorch() -> None:
-    for problems in run_ranks(_cases_world4, 4, timeout=600):
+    for problems in run_ranks(_nccl_order, 4, _cases_world4, timeout=600):
         assert problems == []
 
 
 def _cases_world8() -> list[str]:
-    torch.set_num_threads(1)
     mesh = {"dp": 2, "pp": 2, "tp": 2}
     out = [
         _against_pytorch(
@@ -406,7 +415,7 @@ def test_data_pipeline_and_tensor_parallel_on_8_ranks_train_as_pytorch() -> None
     """3D: dp 2 x pp 2 x tp 2 (Megatron's strategies inside each stage) under ZeRO 1, every
     schedule, with recompute (full, selective) and without: losses and every tensor as plain
     PyTorch's."""
-    for problems in run_ranks(_cases_world8, 8, timeout=900):
+    for problems in run_ranks(_nccl_order, 8, _cases_world8, timeout=900):
         assert problems == []
 
 

@@ -24,7 +24,7 @@ from autoshard.redistribution import gather_tensor
 from autoshard.runtime.pipeline.microbatch_loss import CountedLoss
 from autoshard.runtime.pipeline.step import SavedBytes, Step
 from autoshard.runtime.program import ParallelModule, local_input
-from autoshard.schedule import Action, Schedule
+from autoshard.schedule import Schedule, forward_only
 from autoshard.search import Plan
 
 
@@ -231,16 +231,9 @@ class PipelineModule(ParallelModule):
     def _forward_only(self, args: tuple, kwargs: dict) -> Any:
         mode = self.training
         run = Step(self, mode, self._split(args, kwargs, mode))
-        for i in range(self._microbatches):
-            for s in self._pipe.stages:
-                if s > 0 and self._pipe.schedule.placement[s - 1] != self._pipe.coordinate:
-                    run.do(Action("RECV_F", s, i, s - 1))
-                with torch.no_grad():
-                    run.do(Action("F", s, i))
-                if s < len(self._pipe.schedule.placement) - 1 and (
-                    self._pipe.schedule.placement[s + 1] != self._pipe.coordinate
-                ):
-                    run.do(Action("SEND_F", s, i, s + 1))
+        with torch.no_grad():
+            for action in forward_only(self._pipe.schedule).actions[self._pipe.coordinate]:
+                run.do(action)
         run.finish()
         self._state.microbatch = 0
         return self._broadcast_loss(run.loss(), mode)

@@ -1,6 +1,8 @@
 """One step of a pipeline schedule on this rank (``PipelineModule`` runs it): each action of
 the rank's list is one call, with the state they share (inputs, saved values, what is in
-flight)."""
+flight). The sends and receives between two other actions are posted as one group when the
+next other action comes (``autoshard.schedule.p2p_groups``): NCCL runs a rank's groups in
+order, and the schedule orders them so that both sides of every pair agree."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch.fx as fx
 from autoshard import comm
 from autoshard.graph import OpGraph
 from autoshard.layout import Layout
-from autoshard.schedule import Action
+from autoshard.schedule import COMM, Action
 from autoshard.search import Plan
 
 
@@ -74,6 +76,7 @@ class Step:
         self.inbox: dict[tuple[str, int, int], tuple[comm.Posted, list[torch.Tensor]]] = {}
         self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.sent: list[comm.Posted] = []
+        self.group: list[Action] = []  # sends and receives waiting for the next other action
         self.losses: list[torch.Tensor] = []
         self.split = self.pipe.schedule.split_backward and mode
         self.ys: dict[tuple[int, int], tuple] = {}
@@ -89,6 +92,10 @@ class Step:
         return bool(info.requires_grad) and info.dtype.is_floating_point
 
     def do(self, a: Action) -> None:
+        if a.kind in COMM:
+            self.group.append(a)
+            return
+        self.post()
         # dropout's masks are those of the micro-batch's rows of the whole batch, also when a
         # backward runs a recomputed forward again
         self.pm.run_state.microbatch = max(a.microbatch, 0)
@@ -117,15 +124,32 @@ class Step:
             out.append(torch.empty(layout.local_shape(), dtype=dtype))
         return out
 
-    def _post_receive(self, a: Action, names: tuple[str, ...]) -> None:
-        """Buffers for ``names`` from ``a.peer``'s rank, posted; what reads them waits."""
-        bufs = self._buffers(names)
-        peer = self.pipe.rank_of(a.peer)
-        posted = comm.post_p2p([], [(b, peer) for b in bufs])
-        self.inbox[(a.kind[-1], a.stage, a.microbatch)] = (posted, bufs)
+    def post(self) -> None:
+        """Post the sends and receives gathered since the last other action, as one group:
+        the sends first, then the receives (a forward's send with a backward's receive)."""
+        if not self.group:
+            return
+        group, self.group = self.group, []
+        start = time.perf_counter()
+        sends, recvs, received = [], [], []
+        for a in group:
+            peer = self.pipe.rank_of(a.peer)
+            tensors = getattr(self, "_" + a.kind.lower())(a)
+            if a.kind.startswith("SEND"):
+                sends += [(t, peer) for t in tensors]
+            else:
+                recvs += [(t, peer) for t in tensors]
+                received.append(((a.kind[-1], a.stage, a.microbatch), tensors))
+        posted = comm.post_p2p(sends, recvs)
+        for key, tensors in received:
+            self.inbox[key] = (posted, tensors)
+        self.sent.append(posted)
+        if self.record is not None:
+            end = time.perf_counter()
+            self.record += [(str(a), start - self.t0, end - self.t0) for a in group]
 
-    def _recv_f(self, a: Action) -> None:
-        self._post_receive(a, self.cut.receives[a.stage])
+    def _recv_f(self, a: Action) -> list[torch.Tensor]:
+        return self._buffers(self.cut.receives[a.stage])
 
     def _f(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
@@ -156,15 +180,14 @@ class Step:
             self.losses.append(out[self.og.outputs[0]])
         self.outs[(s, i)] = out
 
-    def _send_f(self, a: Action) -> None:
+    def _send_f(self, a: Action) -> list[torch.Tensor]:
         out = self.outs[(a.stage, a.microbatch)]
         if not torch.is_grad_enabled():
             self.outs.pop((a.stage, a.microbatch))
-        peer = self.pipe.rank_of(a.peer)
-        self.sent.append(comm.post_p2p([(t.detach(), peer) for t in out], []))
+        return [t.detach() for t in out]
 
-    def _recv_b(self, a: Action) -> None:
-        self._post_receive(a, tuple(n for n in self.cut.sends(a.stage) if self.needs_grad(n)))
+    def _recv_b(self, a: Action) -> list[torch.Tensor]:
+        return self._buffers(tuple(n for n in self.cut.sends(a.stage) if self.needs_grad(n)))
 
     def _targets(self, s: int, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What the backward of stage ``s`` on micro-batch ``i`` starts from: the loss (the
@@ -259,10 +282,8 @@ class Step:
         finally:
             self.pm.grad_sync.syncing = True
 
-    def _send_b(self, a: Action) -> None:
-        grads = self.grads_out.pop((a.stage, a.microbatch))
-        peer = self.pipe.rank_of(a.peer)
-        self.sent.append(comm.post_p2p([(g, peer) for g in grads], []))
+    def _send_b(self, a: Action) -> list[torch.Tensor]:
+        return self.grads_out.pop((a.stage, a.microbatch))
 
     def _reduce_grad(self, a: Action) -> None:
         """The stage's data-parallel sums: run in its last backward's buckets already, or
@@ -272,6 +293,7 @@ class Step:
             self.pm.zero_units.sum_held(self.pm._reduce_at[a.stage])
 
     def finish(self) -> None:
+        self.post()
         for posted in self.sent:
             posted.wait()
         self.sent = []
