@@ -70,7 +70,9 @@ def test_an_order_gloo_lets_pass_hangs_in_strict_mode_and_the_watchdog_names_it(
     assert run_ranks(_crossed, 2, False, timeout=60) == [[1.0, 1.0], [0.0, 0.0]]
     with pytest.raises(RankFailure) as failure:
         run_ranks(_crossed, 2, True, timeout=60)
-    assert str(failure.value).count("exited with code 124") == 2, failure.value
+    # the first rank the watchdog stops closes its connections: the other ends by its own
+    # watchdog or by the error of its receive, whichever comes first
+    assert "exited with code 124" in str(failure.value), failure.value
     said = re.search(r"autoshard: error: (.*)", capfd.readouterr().err)
     assert said, failure.value
     assert re.fullmatch(
