@@ -22,7 +22,7 @@ MODEL_ARGS = {"model", "example_inputs", "loss_fn", "example_kwargs", "captured"
 #: options only a run reads (the search plans the same without them)
 RUN_ONLY = {
     "input_layouts", "plan", "replicas", "bucket_cap_mb", "init", "seed", "timeout_s",
-    "reshard_after_forward", "stages",
+    "reshard_after_forward", "stages", "device",
 }  # fmt: skip
 FIELDS = {f.name for f in dataclasses.fields(Options)}
 
@@ -56,6 +56,8 @@ def test_every_keyword_of_the_entry_points_is_an_option() -> None:
         ({"virtual_stages": 2, "schedule": "1f1b"}, "virtual_stages=2 with schedule='1f1b'"),
         ({"stages": [3]}, "stages=(3,): expected the module paths"),
         ({"seed": "0"}, "seed='0': expected an int"),
+        ({"device": "gpu"}, "device='gpu': expected 'cpu', 'cuda', 'cuda:N' or a torch.device"),
+        ({"device": "meta"}, "device='meta': expected 'cpu', 'cuda'"),
     ],
 )
 def test_an_option_out_of_range_is_named(given, named) -> None:

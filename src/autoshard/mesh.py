@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,11 +29,16 @@ from autoshard import comm, watch
 __all__ = [
     "MeshError",
     "MeshInfo",
+    "NCCL_ENVIRONMENT",
+    "TRACE_PREFIX",
     "check_world",
     "ensure_process_group",
+    "group_timeout",
     "init_mesh",
     "mesh_axes",
     "mesh_info",
+    "nccl_environment",
+    "rank_device",
 ]
 
 
@@ -178,12 +184,69 @@ def ensure_process_group(timeout_s: float | None = None) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backstop = 600.0 if timeout_s is None else timeout_s + watch.BACKSTOP_S
-    dist.init_process_group(backend, timeout=timedelta(seconds=backstop))
+        nccl_environment()  # read when the group is made
+    dist.init_process_group(backend, timeout=group_timeout(timeout_s))
     # autoshard joined it, so autoshard leaves it when the script ends
     atexit.register(comm.leave)
     if timeout_s is not None:
         watch.start(timeout_s)
+
+
+def group_timeout(timeout_s: float | None) -> timedelta:
+    """The process group's own timeout: torch's 600 s, or :data:`watch.BACKSTOP_S` after the
+    watchdog's ``timeout_s``. Under NCCL it bounds what runs on the device (NCCL's watchdog
+    aborts a collective past it); the watchdog, first, names the rank that never arrived."""
+    return timedelta(seconds=600.0 if timeout_s is None else timeout_s + watch.BACKSTOP_S)
+
+
+#: where torch's flight recorder writes each rank's last collectives (the rank appended)
+TRACE_PREFIX = os.path.join(tempfile.gettempdir(), "autoshard-nccl-trace-rank-")
+#: what NCCL's watchdog is told where autoshard makes the process group: a collective past the
+#: group's timeout aborts the communicator and ends the process (not a hang), and the flight
+#: recorder keeps each rank's last collectives and writes them out then (both names torch
+#: has read for these)
+NCCL_ENVIRONMENT = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": TRACE_PREFIX,
+    "TORCH_FR_DUMP_TEMP_FILE": TRACE_PREFIX,
+}
+
+
+def nccl_environment(environ: Any = None) -> dict[str, str]:
+    """Set :data:`NCCL_ENVIRONMENT` in ``environ`` (default ``os.environ``) where it has no
+    value of its own (a user's setting wins); returns what was set."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+def rank_device(device: Any = None) -> torch.device:
+    """The device this rank computes on: ``device`` as given, else ``cuda:LOCAL_RANK`` under
+    a NCCL process group, else the CPU. A CUDA device becomes the current one (NCCL's
+    streams and buffers are made there). An error names a device this rank cannot use."""
+    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    if device is None:
+        count = max(1, torch.cuda.device_count()) if nccl else 1
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % count if nccl else 0))
+        device = f"cuda:{local}" if nccl else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MeshError(f"device={str(device)!r}, but this torch sees no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif nccl and "gloo" not in str(dist.get_backend()):
+        raise MeshError(
+            f"device={str(device)!r} under the NCCL backend, which moves CUDA tensors only: "
+            "give a cuda device, or make the process group with gloo"
+        )
+    return device
 
 
 def init_mesh(axes: Mapping[str, int] | Any, *, timeout_s: float | None = None) -> DeviceMesh:

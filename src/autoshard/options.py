@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from autoshard.mesh import MeshInfo, mesh_info
 from autoshard.precision import Precision, precision_policy
 from autoshard.schedule import SCHEDULES
@@ -100,6 +102,9 @@ class Options:
     #: the longest wait in a collective; then every rank stops, naming the ranks that never
     #: arrived (docs/failures.md; None: the process group's own timeout, naming none)
     timeout_s: float | None = None
+    #: the device this rank computes on: "cpu", "cuda", "cuda:1" or a torch.device (None:
+    #: ``cuda:LOCAL_RANK`` under a NCCL process group, else the CPU; docs/devices.md)
+    device: Any = None
     #: pipeline ranks (``autoshard.plan``; ``parallelize`` reads the mesh's ``pp`` axis)
     pp: int | None = None
     #: "gpipe", "1f1b" (``parallelize``'s default), "interleaved-1f1b", "zb-h1" or "zbv"
@@ -124,6 +129,8 @@ class Options:
     def __post_init__(self) -> None:
         for name in ("mesh", "strategies", "input_layouts", "zero", "recompute"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
+        if isinstance(self.device, str):
+            object.__setattr__(self, "device", _device(self.device))
         if isinstance(self.stages, Sequence) and not isinstance(self.stages, str):
             object.__setattr__(self, "stages", tuple(self.stages))
         bad = _problems(self)
@@ -303,8 +310,21 @@ def _problems(o: Options) -> list[str]:
         )
     if o.stages is not None and not all(isinstance(s, str) for s in o.stages):
         bad.append(f"stages={o.stages!r}: expected the module paths where stages 2, 3, ... begin")
+    if o.device is not None and (
+        not isinstance(o.device, torch.device) or o.device.type not in ("cpu", "cuda")
+    ):
+        shown = str(o.device) if isinstance(o.device, torch.device) else o.device
+        bad.append(f"device={shown!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device")
     precision_policy(o.precision)  # its own error names what it expected
     return bad
+
+
+def _device(name: str) -> Any:
+    """A device's name as a torch.device (one torch cannot read stays as given: an error)."""
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError):
+        return name
 
 
 def _number_problems(o: Options) -> list[str]:

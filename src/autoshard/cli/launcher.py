@@ -109,6 +109,9 @@ def launch(cfg: Any, nproc: int, torchrun_args: list[str]) -> int:
         progress = Path(scratch) / "step"
         env = {"OMP_NUM_THREADS": "1", **os.environ, PROGRESS: str(progress),
                WORKER: json.dumps(dataclasses.asdict(cfg))}  # fmt: skip
+        from autoshard.mesh import nccl_environment  # imports torch: once a run launches
+
+        nccl_environment(env)  # NCCL's watchdog and flight recorder, where the user set none
         proc = subprocess.Popen(
             command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
             preexec_fn=_bound_to_launcher,

@@ -56,6 +56,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     init: Any = None,
     timeout_s: float | None = None,
+    device: Any = None,
     pp: int | None = None,
     schedule: str | None = None,
     microbatches: int | None = None,

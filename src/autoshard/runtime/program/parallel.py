@@ -20,7 +20,7 @@ from autoshard import watch
 from autoshard.graph import OpGraph, call_inputs, capture_modes
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, check_recompute, lower
-from autoshard.mesh import MeshInfo
+from autoshard.mesh import MeshInfo, rank_device
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
@@ -49,8 +49,10 @@ class ParallelModule(nn.Module):
         ``model``): the runtime reads its seed, replicas, buckets, precision, ZeRO 3's
         resharding, init and recompute."""
         super().__init__()
+        #: the device this rank computes on, where its shards and every tensor it makes live
+        self.device = rank_device(options.device)
         #: every choice this module was made with (``autoshard.options.Options``)
-        self.options = options
+        self.options = options = options.replace(device=self.device)
         self._recompute = check_recompute(options.recompute or "none")
         self.precision = precision = options.policy
         # the plans as this module runs them: copies under its precision policy
@@ -114,10 +116,10 @@ class ParallelModule(nn.Module):
     def _local_state(
         self, model: nn.Module, captured: dict[bool, OpGraph]
     ) -> tuple[dict[str, torch.Tensor], torch.device]:
-        """This rank's local tensor of every parameter and buffer, registered on the module."""
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        if device.type == "meta":
-            device = torch.device("cpu")
+        """This rank's local tensor of every parameter and buffer, registered on the module:
+        cut from the model wherever it was built, then moved to the rank's device (a shard
+        at a time: the whole model is never there)."""
+        device = self.device
         self._layouts: dict[str, Layout] = {}
         values = dict(model.named_parameters(remove_duplicate=False))
         values |= dict(model.named_buffers(remove_duplicate=False))
@@ -130,7 +132,7 @@ class ParallelModule(nn.Module):
                 self._layouts[fqn] = p.layout
             full = values[fqn].detach()
             local = (  # a meta tensor gets its memory once ZeRO has cut it (_make_real)
-                shard_tensor(full, p.layout, self._rank).to(device)
+                shard_tensor(full, p.layout, self._rank).to(device, non_blocking=True)
                 if not full.is_meta
                 else torch.empty(p.layout.local_shape(), dtype=full.dtype, device="meta")
             )
@@ -172,7 +174,7 @@ class ParallelModule(nn.Module):
             raise ValueError(f"inputs {spec} do not match the example inputs {captured.in_spec}")
         cast = self.precision.compute is not None
         local = [
-            local_input(x, plan.inputs[name], self._rank, name, cast)
+            local_input(x, plan.inputs[name], self._rank, name, cast, self.device)
             for x, name in zip(flat, captured.inputs, strict=True)
         ]
         with self._zero.saving():
@@ -408,15 +410,19 @@ def _part_of(value: torch.Tensor, layout: Layout, key: str, rank: int) -> torch.
     return redistribute(local, src, layout)
 
 
-def local_input(x: Any, layout: Layout, rank: int, name: str, cast: bool = False) -> Any:
+def local_input(
+    x: Any, layout: Layout, rank: int, name: str, cast: bool = False, device: Any = None
+) -> Any:
+    """This rank's part of an input (given whole or as the part already), on ``device``:
+    cut first, so only the part moves; from pinned host memory the copy does not block."""
     if not isinstance(x, torch.Tensor):
         return x
     if cast and x.is_floating_point() and x.dtype != layout.dtype:
         x = x.to(layout.dtype)  # mixed precision: inputs in the compute dtype
+    if tuple(x.shape) == layout.shape and tuple(x.shape) != layout.local_shape():
+        x = shard_tensor(x, layout, rank)
     if tuple(x.shape) == layout.local_shape():
-        return x
-    if tuple(x.shape) == layout.shape:
-        return shard_tensor(x, layout, rank)
+        return x if device is None else x.to(device, non_blocking=True)
     raise ValueError(
         f"input {name} has shape {tuple(x.shape)}; expected its part {layout.local_shape()} "
         f"of {layout} or the whole {layout.shape}"
@@ -433,10 +439,12 @@ def single_device(
     captured: dict[bool, OpGraph] | None = None,
     precision: str | Precision | None = None,
     init: Any = None,
+    device: Any = None,
 ) -> ParallelModule:
     """The model as one device runs it under autoshard (the same dropout masks as any split,
     the same ``precision`` policy, the same ``init`` of a meta model): the reference every
-    parallel run must equal. Runs without collectives, on any rank."""
+    parallel run must equal. Runs without collectives, on any rank, on ``device`` (the
+    rank's, as ``parallelize`` picks it)."""
     check_init(model, init)
     info = MeshInfo(("dp",), (1,), ("dp",))
     policy = precision_policy(precision).resolve(model)
@@ -447,7 +455,7 @@ def single_device(
         )
     plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
     return ParallelModule(
-        model, captured, plans, 0, Options(seed=seed, precision=policy, init=init)
+        model, captured, plans, 0, Options(seed=seed, precision=policy, init=init, device=device)
     )
 
 
