@@ -344,3 +344,64 @@ def test_the_room_checks_see_a_violation() -> None:
     assert "_pipe" in {attr for attr, _ in read}  # the pipeline room's own, read by its executor
     zero, _ = _private_names(MODULES["autoshard.runtime.program.parallel"])
     assert "_zero" in zero  # so ``pm._zero`` read in the pipeline room would be named
+
+
+#: where every tensor made is made on the rank's device (docs/devices.md)
+ON_DEVICE = ("runtime", "ops", "redistribution", "lower")
+#: torch's factories of new tensors (``*_like`` take the device of the tensor they copy)
+FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand",
+             "randint", "randperm", "linspace", "logspace", "eye", "empty_strided",
+             "as_tensor", "normal"}  # fmt: skip
+#: the comment that says why a factory makes a host tensor on purpose
+HOST_REASON = "# host:"
+
+
+def _deviceless_factories(module: str, text: str) -> list[str]:
+    """Each call of a torch factory with no ``device=``, or with a device written as a
+    literal (a host tensor) and no ``# host:`` reason on its line or the line before; the
+    meta device (shapes, no memory) is not a device a tensor is made on."""
+    lines = text.splitlines()
+    bad = []
+    for node in ast.walk(ast.parse(text)):
+        func = node.func if isinstance(node, ast.Call) else None
+        if not (isinstance(func, ast.Attribute) and func.attr in FACTORIES):
+            continue
+        if not (isinstance(func.value, ast.Name) and func.value.id == "torch"):
+            continue
+        device = next((k.value for k in node.keywords if k.arg == "device"), None)
+        if isinstance(device, ast.Constant) and device.value == "meta":
+            continue
+        if device is not None and not isinstance(device, ast.Constant):
+            continue
+        near = lines[max(0, node.lineno - 2) : node.end_lineno]
+        if not any(HOST_REASON in line for line in near):
+            what = "no device=" if device is None else f"device={device.value!r}"
+            bad.append(f"{module}:{node.lineno}: torch.{func.attr} with {what}")
+    return bad
+
+
+def test_every_tensor_the_runtime_makes_is_made_on_the_rank_s_device() -> None:
+    bad = [
+        problem
+        for module, path in MODULES.items()
+        if module.count(".") > 1 and module.split(".")[1] in ON_DEVICE
+        for problem in _deviceless_factories(module, path.read_text())
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_device_check_sees_a_violation() -> None:
+    text = (
+        "import torch\n"
+        "a = torch.zeros(3)\n"
+        "b = torch.empty(3, device=x.device)\n"
+        "c = torch.tensor([1], device='cpu')\n"
+        "# host: counts staged for the exchange\n"
+        "d = torch.tensor([1], device='cpu')\n"
+        "e = torch.empty(3, device='meta')\n"
+        "f = torch.zeros_like(b)\n"
+    )
+    assert _deviceless_factories("m", text) == [
+        "m:2: torch.zeros with no device=",
+        "m:4: torch.tensor with device='cpu'",
+    ]

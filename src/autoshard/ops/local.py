@@ -155,7 +155,8 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def _mix32_int(h: int) -> int:
-    return int(_mix32(torch.tensor(h & _M32, dtype=torch.int64)))
+    # host: a key of a few ints, made once an op, read back as a Python int
+    return int(_mix32(torch.tensor(h & _M32, dtype=torch.int64, device="cpu")))
 
 
 def dropout_key(seed: int, step: int, op: int) -> int:

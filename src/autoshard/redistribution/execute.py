@@ -136,12 +136,14 @@ def start_execute(x: torch.Tensor, plan: RedistributionPlan, rank: int) -> Any:
     return finish
 
 
-def _run_send_recv(x: torch.Tensor | None, step: Step, rank: int) -> torch.Tensor | None:
+def _run_send_recv(
+    x: torch.Tensor | None, step: Step, rank: int, device: torch.device
+) -> torch.Tensor | None:
+    """A move across ranks; ``device``: the rank's (the tensor ``execute`` was given: a rank
+    that only receives holds no part to take it from)."""
     send_to = [receiver for sender, receiver in step.groups if sender == rank]
     recv_from = next((sender for sender, receiver in step.groups if receiver == rank), None)
-    like = torch.empty(step.dst.local_shape(), dtype=step.dst.dtype)
-    if x is not None and x.device != like.device:
-        like = like.to(x.device)
+    like = torch.empty(step.dst.local_shape(), dtype=step.dst.dtype, device=device)
     return comm.send_recv(x, send_to, recv_from, like if recv_from is not None else None)
 
 
@@ -149,7 +151,7 @@ def execute(x: torch.Tensor, plan: RedistributionPlan, rank: int) -> torch.Tenso
     current: torch.Tensor | None = x if rank in plan.src.ranks else None
     for step in plan.steps:
         if step.kind == "send_recv":
-            current = _run_send_recv(current, step, rank)
+            current = _run_send_recv(current, step, rank, x.device)
         elif current is not None:
             current = _run_step(current, step, rank)
     if rank not in plan.dst.ranks:

@@ -115,7 +115,7 @@ class PipelineModule(ParallelModule):
         object.__setattr__(self, "_pipe", pipe)
         object.__setattr__(self, "_microbatches", microbatches)
         super().__init__(*args, **kwargs)
-        self._anchor = torch.zeros((), requires_grad=True)
+        self._anchor = torch.zeros((), requires_grad=True, device=self.device)
         #: record each action's start and end in the steps that follow (``timeline``)
         self.recording = False
         #: the last recorded step of this rank: (action, start s, end s) from the step's start
@@ -262,7 +262,8 @@ class PipelineModule(ParallelModule):
             else:
                 chunks = [x] * m
             for i in range(m):
-                parts[i].append(local_input(chunks[i], layout, self._rank, name, cast))
+                part = local_input(chunks[i], layout, self._rank, name, cast, self.device)
+                parts[i].append(part)
                 whole[i].append(chunks[i])
         counted = self._counted[mode]
         shares = counted.weights(whole) if counted is not None else None
@@ -287,7 +288,9 @@ class PipelineModule(ParallelModule):
             shape = (
                 dst.shape if not dst.shape else (dst.shape[0] * self._microbatches, *dst.shape[1:])
             )
-            loss = torch.empty(shape, dtype=self.precision.compute or dst.dtype)
+            # as the last stage makes it: the captured graph's dtype (a float32 loss of a
+            # model computing in bfloat16 stays float32)
+            loss = torch.empty(shape, dtype=dst.dtype, device=self.device)
         everyone = [
             last[0],
             *[r for r in range(torch.distributed.get_world_size()) if r != last[0]],
@@ -329,7 +332,7 @@ class PipelineModule(ParallelModule):
             x = (
                 held[fqn].contiguous()
                 if self._rank == owner[fqn]
-                else torch.empty(shape, dtype=dtype)
+                else torch.empty(shape, dtype=dtype, device=self.device)
             )
             out[fqn] = comm.broadcast_(x, [owner[fqn], *(r for r in world if r != owner[fqn])])
         named = {}

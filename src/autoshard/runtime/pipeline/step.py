@@ -118,10 +118,10 @@ class Step:
     def _buffers(self, names: tuple[str, ...]) -> list[torch.Tensor]:
         out = []
         for name in names:
+            # the shape and dtype the sending stage makes: the captured graph's (captured in
+            # the compute dtype, so a value the model upcasts stays float32)
             layout = _value_layout(self.plan, self.og, name)
-            dtype = self.pm.precision.compute or layout.dtype
-            dtype = dtype if layout.dtype.is_floating_point else layout.dtype
-            out.append(torch.empty(layout.local_shape(), dtype=dtype))
+            out.append(torch.empty(layout.local_shape(), dtype=layout.dtype, device=self.pm.device))
         return out
 
     def post(self) -> None:
@@ -306,7 +306,7 @@ class Step:
             return None
         parts = [x.detach() for x in self.losses]
         if parts[0].dim() == 0:
-            shares = torch.tensor(self.pm._shares, dtype=parts[0].dtype)
+            shares = torch.tensor(self.pm._shares, dtype=parts[0].dtype, device=parts[0].device)
             return (torch.stack(parts) * shares).sum()
         return torch.cat(parts)
 

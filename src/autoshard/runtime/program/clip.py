@@ -34,13 +34,13 @@ def clip_grad_norm_(
     ``max_norm``; returns the global norm (before clipping), the same on every rank."""
     grads = {fqn: t.grad for fqn, t in pm.local_tensors().items() if t.grad is not None}
     if not grads:
-        return torch.tensor(0.0)
+        return torch.zeros((), device=pm.device)
     device = next(iter(grads.values())).device
     if error_if_nonfinite:
         _raise_if_nonfinite(grads, pm.rank)
     if math.isinf(norm_type):
-        local = max(g.detach().abs().max().to(torch.float64) for g in grads.values())
-        total = local.reshape(1).to(device)
+        maxima = [g.detach().abs().max().to(torch.float64) for g in grads.values()]
+        total = torch.stack(maxima).max().reshape(1)  # on the device: no host sync
         if _world() > 1:
             total = comm.all_reduce_max(total, list(range(_world())))
         norm = total[0]
@@ -54,10 +54,12 @@ def clip_grad_norm_(
         if _world() > 1:
             comm.all_reduce_(total, list(range(_world())))
         norm = total[0] ** (1.0 / norm_type)
-    if torch.isfinite(norm):
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads.values():
-            g.detach().mul_(scale.to(g.dtype))
+    # a non-finite norm scales by 1 (every rank skips the step alike), decided on the device
+    # rather than by reading the norm back to the host
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))
+    for g in grads.values():
+        g.detach().mul_(scale.to(g.dtype))
     return norm.to(next(iter(grads.values())).dtype)
 
 
