@@ -8,6 +8,12 @@ issues them in the same order) and when it waits for one; the runtime tells it t
 what the rank is doing outside collectives (reading a batch, the optimizer step). Once a tick
 the thread writes that position into the process group's store, under this rank's key.
 
+Under NCCL a collective's ``wait()`` returns once the compute stream is ordered after it,
+before the device has run it, so a hang on the device is never a wait of the host. There the
+watchdog follows the device instead: after each collective this rank waits for, it records a
+CUDA event on the current stream, and a collective whose event has not completed
+``timeout_s`` after it was waited for is a wait that ran out, diagnosed as below.
+
 When a wait passes ``timeout_s``, the waiting rank reads its group's positions from the store:
 a member that has issued fewer collectives on the group than the one waited for never arrived,
 and the message says where that member is instead and for how long. The rank prints it as one
@@ -24,10 +30,12 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -61,12 +69,24 @@ class _State:
         self.step = 0
         self.beat = 0
         self.p2p: str | None = None  # the point-to-point group running (strict mode)
+        #: the collectives waited for whose device has not yet run them, oldest first:
+        #: (kind, group, number, since, marker)
+        self.on_device: deque[tuple[str, tuple[int, ...], int, float, Any]] = deque()
+
+    def late_on_device(self) -> tuple[str, tuple[int, ...], int, float] | None:
+        """The oldest collective the device still runs (markers complete in stream order,
+        so those before the first not done are all done)."""
+        while self.on_device and self.on_device[0][4].query():
+            self.on_device.popleft()
+        return self.on_device[0][:4] if self.on_device else None
 
     def position(self) -> dict[str, Any]:
         now = time.monotonic()
         wait = None
-        if self.wait is not None:
-            kind, group, seq, since = self.wait
+        # on the device: the oldest collective it has not run (a copy: the main thread appends)
+        waited = self.wait or next(iter(list(self.on_device)), (None,) * 4)[:4]
+        if waited[0] is not None:
+            kind, group, seq, since = waited
             wait = [kind, list(group), seq, now - since]
         return {
             # a copy first: the main thread may add a group while this thread reads
@@ -106,6 +126,8 @@ def waiting(what: tuple[str, tuple[int, ...], int]) -> Iterator[None]:
         yield
     finally:
         _state.wait = outer
+        if _thread is not None and _thread.marker is not None:
+            _state.on_device.append((kind, group, seq, time.monotonic(), _thread.marker()))
         if outer is None:
             _state.doing = ("outside any collective", time.monotonic())
 
@@ -140,11 +162,22 @@ def doing(what: str) -> None:
     _state.doing = (what, time.monotonic())
 
 
-def start(timeout_s: float, tick_s: float | None = None) -> None:
+def _cuda_marker() -> Any:
+    """A CUDA event on the current stream: done once the device has run what came before."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def start(timeout_s: float, tick_s: float | None = None, marker: Any = None) -> None:
     """Bound every wait of this rank's collectives by ``timeout_s`` (a later call sets a new
     bound); needs an initialised process group. Without one (a single process) it does
-    nothing."""
+    nothing. ``marker``: made after each collective waited for, its ``query()`` says whether
+    the device has run it (default: a CUDA event under NCCL, none under gloo, whose waits
+    return only once the collective is done)."""
     global _thread
+    if marker is None and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        marker = _cuda_marker
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     if not timeout_s or timeout_s <= 0:
@@ -152,8 +185,9 @@ def start(timeout_s: float, tick_s: float | None = None) -> None:
     tick = tick_s or min(1.0, timeout_s / 10)
     if _thread is not None:
         _thread.timeout_s, _thread.tick_s = float(timeout_s), tick
+        _thread.marker = marker or _thread.marker
         return
-    _thread = _Watchdog(float(timeout_s), tick)
+    _thread = _Watchdog(float(timeout_s), tick, marker)
     _thread.start()
 
 
@@ -167,9 +201,9 @@ def stop() -> None:
 
 
 class _Watchdog(threading.Thread):
-    def __init__(self, timeout_s: float, tick_s: float) -> None:
+    def __init__(self, timeout_s: float, tick_s: float, marker: Any) -> None:
         super().__init__(name="autoshard-watchdog", daemon=True)
-        self.timeout_s, self.tick_s = timeout_s, tick_s
+        self.timeout_s, self.tick_s, self.marker = timeout_s, tick_s, marker
         self.rank = dist.get_rank()
         # a torchrun restart of the same job shares the store: its attempt has keys of its own
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -187,6 +221,9 @@ class _Watchdog(threading.Thread):
             wait = _state.wait
             if wait is not None and time.monotonic() - wait[3] > self.timeout_s:
                 self._give_up(wait)
+            late = _state.late_on_device() if self.marker is not None else None
+            if late is not None and time.monotonic() - late[3] > self.timeout_s:
+                self._give_up(late, "'s device")
 
     def _publish(self) -> None:
         _state.beat += 1
@@ -195,16 +232,16 @@ class _Watchdog(threading.Thread):
             told = self.store.get("stopped").decode()
             _exit(f"autoshard: rank {self.rank} stopped: {told}")
 
-    def _give_up(self, wait: tuple[str, tuple[int, ...], int, float]) -> None:
+    def _give_up(self, wait: tuple[str, tuple[int, ...], int, float], who: str = "") -> None:
         try:
-            message = self._diagnose(wait)
+            message = self._diagnose(wait, who)
             self.store.set("stopped", message)
         except Exception as err:  # no store to ask: say what this rank knows
             kind, group, seq, _ = wait
             message = (
-                f"rank {self.rank} waited {self.timeout_s:g} s in {kind} #{seq} over ranks "
-                f"{list(group)} (step {_state.step}); the job's store could not be asked which "
-                f"rank is missing ({type(err).__name__}: the rank hosting it may have died)"
+                f"rank {self.rank}{who} waited {self.timeout_s:g} s in {kind} #{seq} over "
+                f"ranks {list(group)} (step {_state.step}); the job's store could not be asked "
+                f"which rank is missing ({type(err).__name__}: the rank hosting it may have died)"
             )
         _exit(f"autoshard: error: {message}")
 
@@ -216,8 +253,9 @@ class _Watchdog(threading.Thread):
                 found[r] = json.loads(self.store.get(key))
         return found
 
-    def _diagnose(self, wait: tuple[str, tuple[int, ...], int, float]) -> str:
-        """One line: the wait that ran out, and where each member that never arrived is."""
+    def _diagnose(self, wait: tuple[str, tuple[int, ...], int, float], who: str = "") -> str:
+        """One line: the wait that ran out (``who``: "'s device" where the device waits),
+        and where each member that never arrived is."""
         kind, group, seq, _ = wait
         others = [r for r in group if r != self.rank]
         first = self._positions(others)
@@ -232,7 +270,7 @@ class _Watchdog(threading.Thread):
                 missing.append((r, _where(now, frozen)))
         running = f", its point-to-point group {_state.p2p} running" if _state.p2p else ""
         what = (
-            f"rank {self.rank} waited {self.timeout_s:g} s in {kind} #{seq} over ranks "
+            f"rank {self.rank}{who} waited {self.timeout_s:g} s in {kind} #{seq} over ranks "
             f"{list(group)} (step {_state.step}{running})"
         )
         if missing:
