@@ -16,13 +16,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.mesh import (
-    NCCL_ENVIRONMENT,
-    MeshError,
-    group_timeout,
-    nccl_environment,
-    rank_device,
-)
+from autoshard.devices import DeviceError, host_ints, rank_device
+from autoshard.mesh import NCCL_ENVIRONMENT, group_timeout, nccl_environment
 from autoshard.options import Options
 from autoshard.testing import RankFailure, run_ranks
 from autoshard.watch import BACKSTOP_S
@@ -57,9 +52,9 @@ def test_without_a_process_group_the_rank_computes_on_the_cpu() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the device is usable")
 def test_a_cuda_device_without_cuda_is_named() -> None:
-    with pytest.raises(MeshError, match="device='cuda:0', but this torch sees no CUDA device"):
+    with pytest.raises(DeviceError, match="device='cuda:0', but this torch sees no CUDA device"):
         rank_device("cuda:0")
-    with pytest.raises(MeshError, match="no CUDA device"):
+    with pytest.raises(DeviceError, match="no CUDA device"):
         autoshard.parallelize(_mlp(), _batch(), {"dp": 1}, loss_fn=_LOSS, device="cuda")
 
 
@@ -100,6 +95,17 @@ def test_the_train_launcher_gives_torchrun_nccl_s_settings(monkeypatch, tmp_path
     assert {k: seen[k] for k in NCCL_ENVIRONMENT if k not in _users()} == {
         k: v for k, v in NCCL_ENVIRONMENT.items() if k not in _users()
     }
+
+
+def test_host_ints_reads_counts_in_one_copy() -> None:
+    counts = torch.tensor([[3, 0], [1, 2]])
+    assert host_ints([counts.sum(1), counts[1]]) == [[3, 3], [1, 2]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_host_ints_stages_cuda_counts_through_pinned_memory() -> None:
+    counts = torch.arange(6, device="cuda").reshape(2, 3)
+    assert host_ints([counts.sum(1), counts[0]]) == [[3, 12], [0, 1, 2]]
 
 
 def _users() -> set[str]:

@@ -210,12 +210,17 @@ class Planned(Protocol):
     #: whether forward takes whole global batches (a pipeline cuts them itself)
     whole_batch: bool
 
+    #: the device the rank computes on
+    device: torch.device
+
 
 def loader(dataset: Dataset, pm: Planned, batch_size: int, **kwargs: Any) -> ShardLoader:
     """This rank's loader of ``dataset`` for a ParallelModule: its shard of every global batch
     of ``batch_size`` samples, cut to the plan's input layouts (a pipeline's: whole batches;
     ``shuffle``, ``seed``, ``end="drop"|"pad"`` and DataLoader options such as
-    ``num_workers`` pass through)."""
+    ``num_workers`` pass through). For a rank computing on CUDA its batches come in pinned
+    memory (``pin_memory``, unless given), so moving them there does not block the host."""
+    kwargs.setdefault("pin_memory", pm.device.type == "cuda")
     plan = pm.plan
     layouts = [] if pm.whole_batch else [plan.inputs[name] for name in pm.input_names]
     return ShardLoader(dataset, batch_size, layouts, pm.rank, **kwargs)

@@ -38,7 +38,6 @@ __all__ = [
     "mesh_axes",
     "mesh_info",
     "nccl_environment",
-    "rank_device",
 ]
 
 
@@ -223,30 +222,6 @@ def nccl_environment(environ: Any = None) -> dict[str, str]:
     added = {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in environ}
     environ.update(added)
     return added
-
-
-def rank_device(device: Any = None) -> torch.device:
-    """The device this rank computes on: ``device`` as given, else ``cuda:LOCAL_RANK`` under
-    a NCCL process group, else the CPU. A CUDA device becomes the current one (NCCL's
-    streams and buffers are made there). An error names a device this rank cannot use."""
-    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
-    if device is None:
-        count = max(1, torch.cuda.device_count()) if nccl else 1
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % count if nccl else 0))
-        device = f"cuda:{local}" if nccl else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise MeshError(f"device={str(device)!r}, but this torch sees no CUDA device")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    elif nccl and "gloo" not in str(dist.get_backend()):
-        raise MeshError(
-            f"device={str(device)!r} under the NCCL backend, which moves CUDA tensors only: "
-            "give a cuda device, or make the process group with gloo"
-        )
-    return device
 
 
 def init_mesh(axes: Mapping[str, int] | Any, *, timeout_s: float | None = None) -> DeviceMesh:

@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard import comm
+from autoshard.devices import host_ints
 from autoshard.layout import Factored, Layout, LayoutError
 from autoshard.mesh import MeshInfo
 from autoshard.ops.base import FIXED, FREE, SUM, Space, SpaceRule, Strategy, StrategyError
@@ -138,9 +139,9 @@ def dispatched(
     order = torch.argsort(key, stable=True)
     counts = counts_of(key, per * size).view(size, per)  # [member, expert]
     got = comm.all_to_all_v(counts, [1] * size, [1] * size, group)  # [source, my expert]
-    # the one read of counts to the host: the all-to-all's sizes and the experts' segments
-    host = torch.cat([counts.sum(1), got.reshape(-1)]).tolist()
-    send, table = host[:size], [host[size + i * per : size + (i + 1) * per] for i in range(size)]
+    # the exchange's one host sync: the all-to-all's sizes and the experts' segments
+    send, flat = host_ints([counts.sum(1), got.reshape(-1)])
+    table = [flat[i * per : (i + 1) * per] for i in range(size)]
     recv = [sum(row) for row in table]
     rows = _AllToAllV.apply(x[order // top_k], send, recv, group)
     # the received rows come by source, each source's by expert: sorted by expert for one

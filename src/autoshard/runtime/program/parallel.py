@@ -17,10 +17,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard import watch
+from autoshard.devices import rank_device
 from autoshard.graph import OpGraph, call_inputs, capture_modes
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, check_recompute, lower
-from autoshard.mesh import MeshInfo, rank_device
+from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
