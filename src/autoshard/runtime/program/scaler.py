@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard import comm
+from autoshard.devices import rank_device
 
 
 class GradScaler:
@@ -63,8 +64,10 @@ class GradScaler:
             return
         if id(optimizer) in self._unscaled:
             raise RuntimeError("unscale_() was already called on this optimizer since update()")
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        # the flag every rank sums: on the rank's device, also where no gradient is
+        device = params[0].device if params else rank_device()
         overflow = torch.zeros(1, dtype=torch.float32, device=device)
         with torch.no_grad():
             for grad in grads:  # no host sync per tensor: one flag, read once
