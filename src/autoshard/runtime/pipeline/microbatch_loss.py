@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoshard.devices import host_ints
 from autoshard.graph import OpGraph
 
 _MEAN = 1  # torch's Reduction::Mean
@@ -60,11 +61,13 @@ class CountedLoss:
     def weights(self, microbatches: Sequence[Sequence[Any]]) -> list[float] | None:
         """Each micro-batch's share of the counted targets (its whole inputs given, in the
         model's input order); None when nothing is counted (a loss of nan, as one device's)."""
-        counts = []
+        counted = []
         for inputs in microbatches:
             with torch.no_grad():
                 target = self.program(*inputs)
-            counts.append(int((target != self.ignore_index).sum()))
+            counted.append((target != self.ignore_index).sum().reshape(1))
+        # read together: targets on the device cost the host one wait a step, not one each
+        (counts,) = host_ints([torch.cat(counted)])
         total = sum(counts)
         return [c / total for c in counts] if total else None
 
