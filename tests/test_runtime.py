@@ -701,7 +701,12 @@ def _clipped_training(mesh: Any, strategies: Any, inject: bool) -> dict:
     opt.zero_grad()
     after = pm.full_state_dict()
     unchanged = all(torch.equal(after[k], before[k]) for k in before)
-    return {"norms": norms, "losses": losses, "skipped": skipped, "unchanged": unchanged}
+    pm(*shard_inputs(data[1], pm)).backward()
+    if dist.get_rank() == 1:  # a rank without gradients joins the norm's sums all the same
+        opt.zero_grad()
+    alone = float(clip_grad_norm_(pm, 0.05))
+    out = {"norms": norms, "losses": losses, "skipped": skipped, "unchanged": unchanged}
+    return {**out, "alone": alone}
 
 
 def _clipped_meshes(cases: list[tuple]) -> list[dict]:
@@ -728,6 +733,7 @@ def test_clipping_equals_one_device_and_a_nonfinite_gradient_skips_everywhere() 
             for loss, expected in outcome["losses"]:  # and each step's loss against the eager
                 assert loss == pytest.approx(expected, rel=1e-9), mesh
             assert outcome["skipped"] and outcome["unchanged"], mesh
+        assert all(r["alone"] == got[0]["alone"] > 0 for r in got), mesh
 
 
 # -- gradient accumulation with no_sync ------------------------------------------------------------

@@ -33,13 +33,13 @@ def clip_grad_norm_(
     """Scale every gradient of ``pm`` so that their global ``norm_type`` norm is at most
     ``max_norm``; returns the global norm (before clipping), the same on every rank."""
     grads = {fqn: t.grad for fqn, t in pm.local_tensors().items() if t.grad is not None}
-    if not grads:
-        return torch.zeros((), device=pm.device)
-    device = next(iter(grads.values())).device
+    # a rank without gradients still joins every collective below, or the others would wait
+    device = pm.device
     if error_if_nonfinite:
         _raise_if_nonfinite(grads, pm.rank)
     if math.isinf(norm_type):
         maxima = [g.detach().abs().max().to(torch.float64) for g in grads.values()]
+        maxima.append(torch.zeros((), dtype=torch.float64, device=device))
         total = torch.stack(maxima).max().reshape(1)  # on the device: no host sync
         if _world() > 1:
             total = comm.all_reduce_max(total, list(range(_world())))
@@ -60,7 +60,9 @@ def clip_grad_norm_(
     scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))
     for g in grads.values():
         g.detach().mul_(scale.to(g.dtype))
-    return norm.to(next(iter(grads.values())).dtype)
+    # the gradients' dtype, a rank without any the parameters': the same norm everywhere
+    tensors = list(grads.values()) or list(pm.local_tensors().values())
+    return norm.to(tensors[0].dtype if tensors else torch.float32)
 
 
 def _raise_if_nonfinite(grads: dict[str, torch.Tensor], rank: int) -> None:
