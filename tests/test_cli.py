@@ -377,14 +377,14 @@ def test_train_names_pipeline_settings_it_cannot_take(tmp_path) -> None:
 
 
 def test_train_names_a_target_that_gives_no_model(tmp_path, monkeypatch) -> None:
-    from autoshard.cli.train import _parts, user_function
+    from autoshard.cli.user_fn import parts_of, user_function
 
     (tmp_path / "broken_fn.py").write_text("def make():\n    return 3\n")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="broken_fn:make: return \\(model, data"):
-        _parts(user_function("broken_fn:make"), "broken_fn:make")
+        parts_of(user_function("broken_fn:make"), "broken_fn:make")
     with pytest.raises(ValueError, match="no nn.Module under 'model'"):
-        _parts({"model": 3, "batch": ()}, "x:y")
+        parts_of({"model": 3, "batch": ()}, "x:y")
     with pytest.raises(ValueError, match="has no function 'nothing'"):
         user_function("broken_fn:nothing")
 

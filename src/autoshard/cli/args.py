@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from autoshard.cost.cluster import PRESETS
+from autoshard.options import ATTENTION_METHODS, RECOMPUTE_MODES, SEARCHES
+from autoshard.precision import PRECISIONS
+from autoshard.schedule import SCHEDULES
 
 DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -19,6 +23,59 @@ autoshard plan --model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 -
     --seq 2048 --batch 64 --cluster dgx-h100 --nodes 8 [--json plan.json]
 autoshard calibrate --out cpu.json  # measure this machine into a cluster spec
 """
+
+#: the values an option may take, the same wherever it is given
+CHOICES: dict[str, Any] = {
+    "search": SEARCHES,
+    "zero": [0, 1, 2, 3],
+    "precision": list(PRECISIONS),
+    "attention": ATTENTION_METHODS,
+    "schedule": SCHEDULES,
+    "recompute": RECOMPUTE_MODES,
+}
+_ATTENTION = "how attention computes over a split sequence (left out: searched)"
+
+_DEMO_HELP = {
+    "ranks": "local CPU ranks (processes)",
+    "steps": "training steps",
+    "layers": "GPT blocks",
+    "hidden": "hidden size",
+    "heads": "attention heads",
+    "seq": "sequence length (bytes)",
+    "batch": "global batch (sequences)",
+    "lr": "AdamW learning rate",
+    "search": "plan search over the ranks' meshes",
+    "every": "steps between metrics lines",
+}
+
+_TRAIN_HELP = {
+    "steps": "optimizer steps in all",
+    "batch_size": "global batch (samples)",
+    "lr": "AdamW learning rate",
+    "search": "plan search (not with --plan)",
+    "plan": "a plan JSON file (autoshard plan --json)",
+    "zero": "ZeRO stage",
+    "precision": "compute precision (float32 master weights)",
+    "clip": "clip the gradient norm to this",
+    "checkpoint_dir": "checkpoints go here; a run resumes from the latest one in it",
+    "checkpoint_every": "steps between checkpoints (0: none)",
+    "log": "metrics of every step, one JSON per line",
+    "log_every": "steps between printed lines",
+    "seed": "data order and dropout seed",
+    "cluster": "cluster preset or spec the search prices",
+    "picture": "draw the loss and throughput of the metrics log here at the end (matplotlib)",
+    "timeout": "the longest a rank waits for the others in a collective; then every rank "
+    "stops and the ones that waited name the ranks that never arrived",
+    "tp": "tensor-parallel degree (left out: searched)",
+    "cp": "context-parallel degree: every sequence split over this many ranks",
+    "attention": _ATTENTION,
+    "ep": "expert-parallel degree: a mesh of dp x ep (x cp x tp where given), each MoE "
+    "layer's experts split over ep",
+    "sequence_parallel": "split every op over the tensor-parallel axes where it can be "
+    "(Megatron's)",
+    "restart": "train from step 1 even where --checkpoint-dir holds checkpoints",
+}
+_METAVARS = {"picture": "FILE.png", "timeout": "SECONDS"}
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -39,6 +96,9 @@ def build_parser(
     runs: Mapping[str, Callable[[argparse.Namespace], int]],
 ) -> argparse.ArgumentParser:
     """The parser; ``runs`` maps each command to what runs it (``args.run``)."""
+    from autoshard.cli.demo import DemoConfig
+    from autoshard.cli.simulate import add_options
+
     parser = argparse.ArgumentParser(
         prog="autoshard", description=_USAGE, formatter_class=_Formatter
     )
@@ -51,27 +111,19 @@ def build_parser(
         p.set_defaults(run=runs[name])
         return p
 
-    _demo_options(
-        command(
-            "demo", "plan and train a small GPT on local CPU ranks, checked against one process"
-        )
+    demo = command(
+        "demo", "plan and train a small GPT on local CPU ranks, checked against one process"
     )
-    red = command("redistribute", "print the least-bytes redistribution plan of a tensor")
-    red.add_argument("--mesh", required=True, help="axis sizes, major first: dp=2,tp=2")
-    red.add_argument("--shape", required=True, help="global tensor shape: 16,32")
-    red.add_argument(
-        "--src", required=True, help="axes per dim, _ for none: dp,_ ; dp+tp,_ ; _,_,P:tp"
+    _settings(demo, DemoConfig(), _DEMO_HELP, search=["optimal", "recursive"])
+    demo.add_argument(
+        "--layouts",
+        action="store_true",
+        help="instead: move a tensor between the layouts of Z = (X*W)*V on 4 ranks",
     )
-    red.add_argument("--dst", required=True, help="the layout to move to, in the form of --src")
-    red.add_argument("--dtype", default="f32", choices=sorted(DTYPES), help="element type")
-    red.add_argument(
-        "--picture",
-        metavar="STEM",
-        help="draw both layouts' tiles by rank: STEM-src.png and STEM-dst.png (matplotlib)",
+    _redistribute_options(
+        command("redistribute", "print the least-bytes redistribution plan of a tensor")
     )
     _plan_options(command("plan", "search the fastest plan of a model on a cluster"))
-    from autoshard.cli.simulate import add_options
-
     add_options(command("simulate", "play a pipeline schedule: its timeline, bubble, memory"))
     _train_options(command("train", "plan and train your own model under torchrun"))
     cal = command("calibrate", "measure this machine into a cluster spec JSON")
@@ -88,29 +140,38 @@ def build_parser(
     return parser
 
 
-def _demo_options(p: argparse.ArgumentParser) -> None:
-    from autoshard.cli.demo import DemoConfig
+def _settings(p: argparse.ArgumentParser, config: Any, helps: dict[str, str], **choices) -> None:
+    """An option for each field of ``config`` that ``helps`` names, its default the field's
+    and its type the field's annotation (``int | None``: int); a bool is a switch."""
+    for field in dataclasses.fields(config):
+        if field.name not in helps:
+            continue
+        flag, default = f"--{field.name.replace('_', '-')}", getattr(config, field.name)
+        if field.type == "bool":
+            p.add_argument(flag, action="store_true", help=helps[field.name])
+            continue
+        p.add_argument(
+            flag,
+            type={"int": int, "float": float}.get(str(field.type).partition(" ")[0], str),
+            default=default,
+            choices=choices.get(field.name, CHOICES.get(field.name)),
+            metavar=_METAVARS.get(field.name),
+            help=helps[field.name],
+        )
 
-    d = DemoConfig()
-    p.add_argument("--ranks", type=int, default=d.ranks, help="local CPU ranks (processes)")
-    p.add_argument("--steps", type=int, default=d.steps, help="training steps")
-    p.add_argument("--layers", type=int, default=d.layers, help="GPT blocks")
-    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size")
-    p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
-    p.add_argument("--seq", type=int, default=d.seq, help="sequence length (bytes)")
-    p.add_argument("--batch", type=int, default=d.batch, help="global batch (sequences)")
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+
+def _redistribute_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", required=True, help="axis sizes, major first: dp=2,tp=2")
+    p.add_argument("--shape", required=True, help="global tensor shape: 16,32")
     p.add_argument(
-        "--search",
-        default=d.search,
-        choices=["optimal", "recursive"],
-        help="plan search over the ranks' meshes",
+        "--src", required=True, help="axes per dim, _ for none: dp,_ ; dp+tp,_ ; _,_,P:tp"
     )
-    p.add_argument("--every", type=int, default=d.every, help="steps between metrics lines")
+    p.add_argument("--dst", required=True, help="the layout to move to, in the form of --src")
+    p.add_argument("--dtype", default="f32", choices=sorted(DTYPES), help="element type")
     p.add_argument(
-        "--layouts",
-        action="store_true",
-        help="instead: move a tensor between the layouts of Z = (X*W)*V on 4 ranks",
+        "--picture",
+        metavar="STEM",
+        help="draw both layouts' tiles by rank: STEM-src.png and STEM-dst.png (matplotlib)",
     )
 
 
@@ -130,88 +191,24 @@ def _pp(text: str) -> int | str:
 def _train_options(p: argparse.ArgumentParser) -> None:
     from autoshard.cli.train import TrainConfig
 
-    d = TrainConfig(target="")
     p.add_argument(
         "target",
         help="module:function returning (model, dataset or batch[, "
         "loss_fn]) or a dict; or a TOML file with a [train] table of these options",
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this node")
-    p.add_argument("--nnodes", default=None, help="nodes, passed to torchrun")
-    p.add_argument("--node-rank", default=None, help="this node's rank, passed to torchrun")
-    p.add_argument("--master-addr", default=None, help="rank 0's host, passed to torchrun")
-    p.add_argument("--master-port", default=None, help="rank 0's port, passed to torchrun")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in all")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (samples)")
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
-    p.add_argument(
-        "--search",
-        default=d.search,
-        choices=["optimal", "recursive", "propagate"],
-        help="plan search (not with --plan)",
-    )
-    p.add_argument("--plan", default=d.plan, help="a plan JSON file (autoshard plan --json)")
-    p.add_argument("--zero", type=int, default=d.zero, choices=[0, 1, 2, 3], help="ZeRO stage")
-    p.add_argument(
-        "--precision",
-        default=d.precision,
-        choices=["fp32", "bf16", "fp16"],
-        help="compute precision (float32 master weights)",
-    )
-    p.add_argument("--clip", type=float, default=d.clip, help="clip the gradient norm to this")
-    p.add_argument(
-        "--checkpoint-dir",
-        default=d.checkpoint_dir,
-        help="checkpoints go here; a run resumes from the latest one in it",
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=d.checkpoint_every,
-        help="steps between checkpoints (0: none)",
-    )
-    p.add_argument(
-        "--restart",
-        action="store_true",
-        help="train from step 1 even where --checkpoint-dir holds checkpoints",
-    )
+    for flag, what in (
+        ("nnodes", "nodes"),
+        ("node-rank", "this node's rank"),
+        ("master-addr", "rank 0's host"),
+        ("master-port", "rank 0's port"),
+    ):
+        p.add_argument(f"--{flag}", help=f"{what}, passed to torchrun")
+    _settings(p, TrainConfig(target=""), _TRAIN_HELP)
     _pipeline_options(
         p,
         int,
         "pipeline stages (left out: searched when another pipeline flag is given, else none)",
-    )
-    _train_parallel_options(p)
-    _train_output_options(p, d)
-
-
-def _train_parallel_options(p: argparse.ArgumentParser) -> None:
-    """The parallel degrees and layouts ``autoshard train`` may fix (the others searched)."""
-    p.add_argument(
-        "--tp", type=int, default=None, help="tensor-parallel degree (left out: searched)"
-    )
-    p.add_argument(
-        "--cp",
-        type=int,
-        default=None,
-        help="context-parallel degree: every sequence split over this many ranks",
-    )
-    p.add_argument(
-        "--attention",
-        default=None,
-        choices=["allgather", "ulysses", "ring"],
-        help="how attention computes over a split sequence (left out: searched)",
-    )
-    p.add_argument(
-        "--ep",
-        type=int,
-        default=None,
-        help="expert-parallel degree: a mesh of dp x ep (x cp x tp where given), each MoE "
-        "layer's experts split over ep",
-    )
-    p.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="split every op over the tensor-parallel axes where it can be (Megatron's)",
     )
 
 
@@ -222,47 +219,18 @@ def _pipeline_options(p: argparse.ArgumentParser, pp_type: Any, pp_help: str) ->
     p.add_argument(
         "--microbatches",
         type=int,
-        default=None,
         help="micro-batches a step (they divide the batch; left out: searched)",
     )
     p.add_argument(
-        "--schedule",
-        default=None,
-        choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"],
-        help="pipeline schedule (left out: searched)",
+        "--schedule", choices=CHOICES["schedule"], help="pipeline schedule (left out: searched)"
     )
     p.add_argument(
-        "--virtual-stages",
-        type=int,
-        default=None,
-        help="stages a rank of interleaved-1f1b (left out: 2)",
+        "--virtual-stages", type=int, help="stages a rank of interleaved-1f1b (left out: 2)"
     )
     p.add_argument(
         "--recompute",
-        default=None,
-        choices=["none", "selective", "full"],
+        choices=CHOICES["recompute"],
         help="recompute of the repeated blocks in backward (left out: searched)",
-    )
-
-
-def _train_output_options(p: argparse.ArgumentParser, d: Any) -> None:
-    p.add_argument("--log", default=d.log, help="metrics of every step, one JSON per line")
-    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between printed lines")
-    p.add_argument("--seed", type=int, default=d.seed, help="data order and dropout seed")
-    p.add_argument("--cluster", default=d.cluster, help="cluster preset or spec the search prices")
-    p.add_argument(
-        "--picture",
-        metavar="FILE.png",
-        default=d.picture,
-        help="draw the loss and throughput of the metrics log here at the end (matplotlib)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=d.timeout,
-        metavar="SECONDS",
-        help="the longest a rank waits for the others in a collective; then every rank stops "
-        "and the ones that waited name the ranks that never arrived",
     )
 
 
@@ -291,38 +259,31 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-heads",
         type=int,
-        default=None,
         help="key/value heads of grouped-query attention (llama; None: --heads)",
     )
     p.add_argument(
         "--ffn",
         type=int,
-        default=None,
         help="feed-forward width, each expert's for moe (None: the model's rule from --hidden)",
     )
-    p.add_argument("--experts", type=int, default=None, help="experts of each MoE layer (moe)")
-    p.add_argument("--top-k", type=int, default=None, help="experts each token goes to (moe)")
+    p.add_argument("--experts", type=int, help="experts of each MoE layer (moe)")
+    p.add_argument("--top-k", type=int, help="experts each token goes to (moe)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--untie-embeddings", action="store_true", help="gpt: its own lm_head weight")
     p.add_argument(
         "--seq",
         type=int,
-        default=None,
         help="sequence length (None: 128; with --model-fn: dim 1 of every input of two or more "
         "dims, None: the data's)",
     )
     p.add_argument(
         "--batch",
         type=int,
-        default=None,
         help="global batch, sequences per step (None: 8; with --model-fn: dim 0 of every input, "
         "None: the batch's, or 8 samples of the dataset)",
     )
     _plan_cluster_options(p)
-    _plan_pipeline_options(p)
-
-
-def _plan_pipeline_options(p: argparse.ArgumentParser) -> None:
+    _plan_parallel_options(p)
     _pipeline_options(
         p,
         _pp,
@@ -331,89 +292,41 @@ def _plan_pipeline_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _plan_precision_options(p: argparse.ArgumentParser) -> None:
+def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
+    """The cluster planned for and the precision the plan keeps."""
     p.add_argument(
         "--precision",
         default="bf16",
-        choices=["fp32", "bf16", "fp16"],
+        choices=CHOICES["precision"],
         help="the mixed precision policy planned, as parallelize(precision=...) runs it: bf16 "
         "computes in bfloat16 and keeps float32 master weights, gradients and Adam moments "
         "(docs/precision.md)",
     )
     p.add_argument(
         "--dtype",
-        default=None,
         choices=sorted(DTYPES),
         help="train in this one dtype throughout instead of a --precision policy (the model, "
         "its gradients and optimizer state all in it)",
     )
-
-
-def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
-    """The parallel degrees and the ZeRO stage a plan may fix (the others are searched)."""
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel degree, fixed (left out: searched; may span nodes when given)",
-    )
-    p.add_argument(
-        "--zero",
-        type=int,
-        default=None,
-        choices=[0, 1, 2, 3],
-        help="ZeRO stage, fixed (left out: searched)",
-    )
-    p.add_argument(
-        "--cp",
-        type=int,
-        default=1,
-        help="context-parallel degree: every sequence split over this many devices, a cp "
-        "mesh axis (1: none fixed; the search may still split the sequence)",
-    )
-
-
-def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
-    _plan_precision_options(p)
     p.add_argument(
         "--cluster",
         default="dgx-h100",
         help=f"a preset ({', '.join(PRESETS)}) or a cluster spec JSON file (autoshard calibrate)",
     )
-    p.add_argument("--nodes", type=int, default=None, help="nodes (None: the preset's)")
+    p.add_argument("--nodes", type=int, help="nodes (None: the preset's)")
     p.add_argument(
         "--devices",
         type=int,
-        default=None,
         help="devices in all, instead of --nodes (fewer than a node, or whole nodes)",
     )
     p.add_argument(
-        "--memory-gib",
-        type=float,
-        default=None,
-        help="memory per device in GiB (None: the cluster's)",
+        "--memory-gib", type=float, help="memory per device in GiB (None: the cluster's)"
     )
     p.add_argument(
         "--search",
         default="optimal",
-        choices=["optimal", "recursive", "propagate"],
+        choices=CHOICES["search"],
         help="search algorithm (docs/search.md)",
-    )
-    p.add_argument(
-        "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
-    )
-    _plan_parallel_options(p)
-    p.add_argument(
-        "--attention",
-        default=None,
-        choices=["allgather", "ulysses", "ring"],
-        help="how attention computes over a split sequence (left out: searched)",
-    )
-    p.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="split every op over the tensor-parallel axes where it can be: norms, dropouts "
-        "and residuals by sequence between the tensor-parallel linears (Megatron's)",
     )
     p.add_argument("--json", help="write the plan JSON here ('-': to stdout, no table)")
     p.add_argument(
@@ -423,4 +336,36 @@ def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-__all__ = ["DTYPES", "build_parser", "version"]
+def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
+    """The parallel degrees, layouts and ZeRO stage a plan may fix (the others searched)."""
+    p.add_argument(
+        "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel degree, fixed (left out: searched; may span nodes when given)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=CHOICES["zero"],
+        help="ZeRO stage, fixed (left out: searched)",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: every sequence split over this many devices, a cp "
+        "mesh axis (1: none fixed; the search may still split the sequence)",
+    )
+    p.add_argument("--attention", choices=CHOICES["attention"], help=_ATTENTION)
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split every op over the tensor-parallel axes where it can be: norms, dropouts "
+        "and residuals by sequence between the tensor-parallel linears (Megatron's)",
+    )
+
+
+__all__ = ["CHOICES", "DTYPES", "build_parser", "version"]

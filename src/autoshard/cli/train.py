@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -80,9 +81,16 @@ class TrainConfig:
         split = {"attention": self.attention, "sequence_parallel": self.sequence_parallel}
         if not self.ep:  # with experts over ep, the mesh holds tp and cp (mesh())
             split |= {"tp": self.tp, "cp": self.cp}
-        return Options(cluster=self.run_cluster(per_node), precision=self.precision,
-                       zero=self.zero or None, seed=self.seed, timeout_s=self.timeout,
-                       **planned, **split, **self.pipeline)  # fmt: skip
+        return Options(
+            cluster=self.run_cluster(per_node),
+            precision=self.precision,
+            zero=self.zero or None,
+            seed=self.seed,
+            timeout_s=self.timeout,
+            **planned,
+            **split,
+            **self.pipeline,
+        )
 
     def run_cluster(self, per_node: int | None = None) -> Any:
         """The cluster the search prices: the preset or spec named; the ``cpu`` preset with
@@ -100,10 +108,8 @@ class TrainConfig:
         degrees leave (the pipeline's axis outermost where ``pp`` is given)."""
         if not self.ep:
             return world
-        fixed = {"pp": self.pp or 1, "ep": self.ep, "cp": self.cp or 1, "tp": self.tp or 1}
-        rest = world // max(1, fixed["pp"] * fixed["ep"] * fixed["cp"] * fixed["tp"])
-        axes = {"pp": fixed["pp"], "dp": rest, "ep": self.ep, "cp": fixed["cp"],
-                "tp": fixed["tp"]}  # fmt: skip
+        axes = {"pp": self.pp or 1, "dp": 1, "ep": self.ep, "cp": self.cp or 1, "tp": self.tp or 1}
+        axes["dp"] = world // math.prod(axes.values())
         return {n: k for n, k in axes.items() if k > 1 or n == "ep"}
 
     @property
@@ -157,51 +163,6 @@ class TrainConfig:
         return cls(**table)
 
 
-def user_function(target: str) -> Any:
-    """``module:function`` from the current directory or the installed packages, called."""
-    import importlib
-
-    module_name, _, name = target.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"{target!r}: expected module:function, e.g. mymodels:make")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise ValueError(
-            f"{target!r}: no module {err.name!r} (looked in {os.getcwd()} and the installed "
-            "packages)"
-        ) from err
-    if not callable(getattr(module, name, None)):
-        raise ValueError(f"{target!r}: {module_name} has no function {name!r}")
-    return getattr(module, name)()
-
-
-def _parts(made: Any, target: str) -> dict[str, Any]:
-    """The user function's result as ``model``, ``dataset`` or ``batch``, ``loss_fn``,
-    ``optimizer``."""
-    if isinstance(made, dict):
-        parts = dict(made)
-    elif isinstance(made, tuple | list) and len(made) in (2, 3):
-        parts = {"model": made[0], "data": made[1], "loss_fn": made[2] if len(made) > 2 else None}
-    else:
-        raise ValueError(f"{target}: return (model, data[, loss_fn]) or a dict, not {made!r:.80}")
-    data = parts.pop("data", None)
-    if data is not None:
-        keywords = isinstance(data, dict)  # a batch the model takes as keywords
-        tensors = data.values() if keywords else data
-        batch = isinstance(data, tuple | list | dict) and all(
-            isinstance(t, torch.Tensor) for t in tensors
-        )
-        parts["batch" if batch else "dataset"] = data if keywords or not batch else tuple(data)
-    if not isinstance(parts.get("model"), torch.nn.Module):
-        raise ValueError(f"{target}: no nn.Module under 'model'")
-    if parts.get("dataset") is None and parts.get("batch") is None:
-        raise ValueError(f"{target}: give a dataset or an example batch")
-    return parts
-
-
 def _batches(parts: dict[str, Any], pm: Any, cfg: TrainConfig) -> tuple[Any, Iterator[Any]]:
     """The loader (None for one batch) and this rank's batches, epoch after epoch."""
     from autoshard.data import loader
@@ -219,24 +180,14 @@ def _batches(parts: dict[str, Any], pm: Any, cfg: TrainConfig) -> tuple[Any, Ite
     return feed, forever()
 
 
-def _example(parts: dict[str, Any], cfg: TrainConfig) -> tuple:
-    if parts.get("batch") is not None:
-        return parts["batch"]
-    from torch.utils.data import default_collate
-
-    dataset = parts["dataset"]
-    if len(dataset) < cfg.batch_size:
-        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than --batch-size")
-    batch = default_collate([dataset[i] for i in range(cfg.batch_size)])
-    return batch if isinstance(batch, dict) else tuple(batch)  # a dict: the model's keywords
-
-
 def _parallel(parts: dict[str, Any], example: tuple, cfg: TrainConfig) -> Any:
     from autoshard.runtime import parallelize
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return parallelize(parts["model"], example, None if cfg.plan else cfg.mesh(world), None,
-                       parts.get("loss_fn"), options=cfg.options())  # fmt: skip
+    mesh = None if cfg.plan else cfg.mesh(world)
+    return parallelize(
+        parts["model"], example, mesh, loss_fn=parts.get("loss_fn"), options=cfg.options()
+    )
 
 
 def _work(example: tuple, pm: Any, cfg: TrainConfig) -> tuple[float, str, int]:
@@ -320,13 +271,14 @@ def worker(cfg: TrainConfig) -> None:
     """One rank's run: plan, resume from the newest whole checkpoint, train, log, checkpoint."""
     from autoshard import comm, watch
     from autoshard.cli.launcher import record_step
+    from autoshard.cli.user_fn import parts_of, train_example, user_function
     from autoshard.runtime import clip_grad_norm_, save
     from autoshard.testing import peak_resident_bytes
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.manual_seed(cfg.seed)  # the same model on every rank, and from run to run
-    parts = _parts(user_function(cfg.target), cfg.target)
-    example = _example(parts, cfg)
+    parts = parts_of(user_function(cfg.target), cfg.target)
+    example = train_example(parts, cfg.batch_size)
     pm = _parallel(parts, example, cfg)
     opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, **parts.get("optimizer", {}))
     feed, batches = _batches(parts, pm, cfg)
@@ -350,13 +302,17 @@ def worker(cfg: TrainConfig) -> None:
             opt.zero_grad()
         seconds = time.perf_counter() - began
         record = {
-            "step": step + 1, "loss": loss.item(), "step_s": seconds, "unit": unit,
-            f"{unit}_per_s": per_step / seconds, "mfu": flops / seconds / peak,
+            "step": step + 1,
+            "loss": loss.item(),
+            "step_s": seconds,
+            "unit": unit,
+            f"{unit}_per_s": per_step / seconds,
+            "mfu": flops / seconds / peak,
             "memory_bytes": sum(pm.state_bytes(opt).values()),
             "peak_rss_bytes": peak_resident_bytes(),
             "bytes_sent": sum(c["bytes"] for c in sent.values()),
             "grad_norm": None if norm is None else float(norm),
-        }  # fmt: skip
+        }
         log.step(record, cfg.steps)
         if pm.rank == 0:
             record_step(step + 1)
@@ -404,36 +360,34 @@ def _peak_flops(cfg: TrainConfig, pm: Any) -> float:
 
 
 def _resume(cfg: TrainConfig, pm: Any, opt: Any, feed: Any, log: _Log) -> int:
-    """The step to start from: the newest whole checkpoint's, else 0. A checkpoint that
-    proves damaged when it is read (a checksum) is named and the next older one tried."""
-    from autoshard.cli.train_checkpoints import check_checkpoints
-    from autoshard.runtime import CheckpointDamaged, latest, load
+    """The step to start from: the newest whole checkpoint's, else 0 (``runtime.resume``)."""
+    from autoshard.runtime import resume
 
     if not cfg.checkpoint_dir:
         return 0
     if cfg.restart:
         log.say(f"--restart: training from step 1, not from {cfg.checkpoint_dir}")
         return 0
-    skipped: list[Path] = []
-    failed: list[str] = []
-    while True:
-        with warnings.catch_warnings(record=True) as passed:
-            warnings.simplefilter("always")
-            found = latest(cfg.checkpoint_dir, skip=skipped)
-        for warning in passed:
-            log.say(str(warning.message).removeprefix("autoshard: "))
-        if found is None:
-            check_checkpoints(cfg, failed)  # damaged ones and no whole one: not from step 1
-            return 0
-        try:
-            step = load(found, pm, opt, loader=feed)["step"]
-        except CheckpointDamaged as err:
-            log.say(f"not resuming from {found}: {err}")
-            skipped.append(found)
-            failed.append(f"{found} ({' '.join(str(err).removeprefix(f'{found}: ').split())})")
-            continue
-        log.say(f"resumed from {found} at step {step}")
-        return step
+    step, failed = resume(cfg.checkpoint_dir, pm, opt, feed, log.say)
+    if not step:
+        check_checkpoints(cfg, failed)  # damaged ones and no whole one: not from step 1
+    return step
+
+
+def check_checkpoints(cfg: TrainConfig, failed: list[str] | tuple = ()) -> None:
+    """A checkpoint directory whose checkpoints are all damaged does not restart the run
+    from step 1 unasked: a ValueError naming each and why (``failed``: those that failed to
+    load, and why), unless ``restart`` starts over on purpose."""
+    from autoshard.runtime import unresumable
+
+    listed = (
+        [] if not cfg.checkpoint_dir or cfg.restart else unresumable(cfg.checkpoint_dir, failed)
+    )
+    if listed:
+        raise ValueError(
+            f"--checkpoint-dir {cfg.checkpoint_dir} has no whole checkpoint to resume from: "
+            f"{'; '.join(listed)}; --restart trains from step 1 over them"
+        )
 
 
 def _run_rank(cfg: TrainConfig) -> int:
@@ -483,7 +437,7 @@ def _first_to_fail() -> bool:
         return True
 
 
-__all__ = ["TrainConfig", "worker"]
+__all__ = ["TrainConfig", "check_checkpoints", "worker"]
 
 if __name__ == "__main__":  # a rank torchrun started (launch)
     sys.exit(_run_rank(TrainConfig(**json.loads(os.environ[WORKER]))))

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from autoshard.cli.train import TrainConfig, _example, _parts, user_function
-from autoshard.cli.train_checkpoints import check_checkpoints
+from autoshard.cli.train import TrainConfig, check_checkpoints
+from autoshard.cli.user_fn import parts_of, train_example, user_function
 
 
 def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
@@ -31,8 +31,8 @@ def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
             raise ValueError("--picture needs matplotlib: pip install matplotlib") from None
     check_checkpoints(cfg)
     torch.manual_seed(cfg.seed)
-    parts = _parts(user_function(cfg.target), cfg.target)
-    example = _example(parts, cfg)
+    parts = parts_of(user_function(cfg.target), cfg.target)
+    example = train_example(parts, cfg.batch_size)
     _check_microbatches(cfg, example)
     if cfg.plan is not None:
         _check_plan(cfg, parts, example, world)

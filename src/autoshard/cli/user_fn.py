@@ -11,6 +11,8 @@ plans for the batch, or for ``--batch`` samples of the dataset, shaped by ``--ba
 from __future__ import annotations
 
 import math
+import os
+import sys
 from typing import Any
 
 import torch
@@ -18,6 +20,63 @@ import torch.utils._pytree as pytree
 
 #: samples of a dataset that ``plan`` plans for without ``--batch`` (``train``'s default)
 DEFAULT_BATCH = 8
+
+
+def user_function(target: str) -> Any:
+    """``module:function`` from the current directory or the installed packages, called."""
+    import importlib
+
+    module_name, _, name = target.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"{target!r}: expected module:function, e.g. mymodels:make")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise ValueError(
+            f"{target!r}: no module {err.name!r} (looked in {os.getcwd()} and the installed "
+            "packages)"
+        ) from err
+    if not callable(getattr(module, name, None)):
+        raise ValueError(f"{target!r}: {module_name} has no function {name!r}")
+    return getattr(module, name)()
+
+
+def parts_of(made: Any, target: str) -> dict[str, Any]:
+    """What ``target``'s function returned (``made``) as ``model``, ``dataset`` or
+    ``batch``, ``loss_fn``, ``optimizer``."""
+    if isinstance(made, dict):
+        parts = dict(made)
+    elif isinstance(made, tuple | list) and len(made) in (2, 3):
+        parts = {"model": made[0], "data": made[1], "loss_fn": made[2] if len(made) > 2 else None}
+    else:
+        raise ValueError(f"{target}: return (model, data[, loss_fn]) or a dict, not {made!r:.80}")
+    data = parts.pop("data", None)
+    if data is not None:
+        keywords = isinstance(data, dict)  # a batch the model takes as keywords
+        tensors = data.values() if keywords else data
+        batch = isinstance(data, tuple | list | dict) and all(
+            isinstance(t, torch.Tensor) for t in tensors
+        )
+        parts["batch" if batch else "dataset"] = data if keywords or not batch else tuple(data)
+    if not isinstance(parts.get("model"), torch.nn.Module):
+        raise ValueError(f"{target}: no nn.Module under 'model'")
+    if parts.get("dataset") is None and parts.get("batch") is None:
+        raise ValueError(f"{target}: give a dataset or an example batch")
+    return parts
+
+
+def train_example(parts: dict[str, Any], batch_size: int) -> tuple | dict[str, Any]:
+    """The first global batch ``train`` plans and trains on: the batch given, or the first
+    ``batch_size`` samples of the dataset."""
+    if parts.get("batch") is not None:
+        return parts["batch"]
+    if len(parts["dataset"]) < batch_size:
+        raise ValueError(
+            f"the dataset has {len(parts['dataset'])} samples, fewer than --batch-size"
+        )
+    return collated(parts["dataset"], batch_size)
 
 
 def collated(dataset: Any, size: int) -> tuple | dict[str, Any]:
@@ -51,10 +110,8 @@ def plan_inputs(target: str, batch: int | None, seq: int | None) -> tuple[Any, A
     """The model, the example batch and the loss function ``plan --model-fn`` plans:
     ``batch`` sets dim 0 of every input (the samples of a dataset), ``seq`` dim 1 of every
     input of two or more dims (the sequence of token batches)."""
-    from autoshard.cli.train import _parts, user_function
-
     try:
-        parts = _parts(user_function(target), target)
+        parts = parts_of(user_function(target), target)
     except ValueError as err:
         raise ValueError(f"--model-fn {err}") from err
     for flag, value in (("--batch", batch), ("--seq", seq)):
@@ -70,4 +127,12 @@ def plan_inputs(target: str, batch: int | None, seq: int | None) -> tuple[Any, A
     return parts["model"], example, parts.get("loss_fn")
 
 
-__all__ = ["DEFAULT_BATCH", "collated", "plan_inputs", "resized"]
+__all__ = [
+    "DEFAULT_BATCH",
+    "collated",
+    "parts_of",
+    "plan_inputs",
+    "resized",
+    "train_example",
+    "user_function",
+]

@@ -21,7 +21,9 @@ from autoshard.runtime.state import (
     load,
     materialize,
     meta_init,
+    resume,
     save,
+    unresumable,
 )
 
 __all__ = [
@@ -32,7 +34,9 @@ __all__ = [
     "load",
     "materialize",
     "meta_init",
+    "resume",
     "save",
+    "unresumable",
     "GradScaler",
     "GradSync",
     "NonFiniteGradientError",
