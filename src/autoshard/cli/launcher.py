@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -33,14 +34,19 @@ _TORCHRUN_FAILED = re.compile(r"torch/distributed/elastic/.*failed \(exitcode")
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal this process gets when its parent ends
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """This process ends when its parent does: Linux's parent-death signal where the C
-    library offers ``prctl``, and everywhere a thread that watches the parent's pid (the
-    signal alone misses a parent that ended before it was set)."""
-    parent = os.getppid()
+def _parent_death_signal(sig: int) -> None:
+    """``sig`` to this process when its parent ends, where the C library offers ``prctl``
+    (torchrun's start takes SIGTERM, which it passes on to the ranks)."""
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """This process ends when its parent does: Linux's parent-death signal, and everywhere a
+    thread that watches the parent's pid (the signal alone misses a parent that ended before
+    it was set)."""
+    parent = os.getppid()
+    _parent_death_signal(sig)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -48,13 +54,6 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
     threading.Thread(target=watch, name="autoshard-parent", daemon=True).start()
-
-
-def _bound_to_launcher() -> None:
-    """torchrun's start (``preexec_fn``): told to stop (SIGTERM, which it passes on to the
-    ranks) when the launcher ends, even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 class _Stopper:
@@ -99,23 +98,26 @@ def launch(cfg: Any, nproc: int, torchrun_args: list[str]) -> int:
     and the last line says why the run stopped: the first ``autoshard: error:`` a rank
     printed, or the exit code and where torchrun's report is. Stopped by a signal, the run
     ends with one line saying at which step and from which checkpoint it can go on."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        *torchrun_args, "-m", "autoshard.cli.train",
-    ]  # fmt: skip
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    command = [*run, *torchrun_args, "-m", "autoshard.cli.train"]
     report_path = Path(cfg.log).parent / "autoshard-torchrun.log"  # beside the metrics
     report_path.unlink(missing_ok=True)  # a report left by an earlier run is not this one's
     with tempfile.TemporaryDirectory(prefix="autoshard-train-") as scratch:
         progress = Path(scratch) / "step"
-        env = {"OMP_NUM_THREADS": "1", **os.environ, PROGRESS: str(progress),
-               WORKER: json.dumps(dataclasses.asdict(cfg))}  # fmt: skip
+        env = {"OMP_NUM_THREADS": "1", **os.environ, PROGRESS: str(progress)}
+        env[WORKER] = json.dumps(dataclasses.asdict(cfg))
         from autoshard.mesh import nccl_environment  # imports torch: once a run launches
 
         nccl_environment(env)  # NCCL's watchdog and flight recorder, where the user set none
         proc = subprocess.Popen(
-            command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            preexec_fn=_bound_to_launcher,
-        )  # fmt: skip
+            command,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            # told to stop when the launcher ends, even by SIGKILL
+            preexec_fn=functools.partial(_parent_death_signal, signal.SIGTERM),
+        )
         stopper = _Stopper(proc)
         try:
             with proc:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from autoshard.cli import simulate
 from autoshard.cli.args import DTYPES as _DTYPES
 from autoshard.cli.args import build_parser
 from autoshard.cli.plan_text import format_search, write_json
@@ -112,9 +113,9 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reference_model(args: argparse.Namespace):
-    """A reference model with two of its blocks, on the meta device, its example batch (the
-    model returns its loss) and its real depth."""
+def _reference_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A reference model with two of its blocks, on the meta device, and its example batch
+    (the model returns its loss)."""
     from autoshard.models import build, reference_config
 
     config = reference_config(
@@ -131,16 +132,7 @@ def _reference_model(args: argparse.Namespace):
         **({"tie_embeddings": False} if args.untie_embeddings else {}),
     )
     with torch.device("meta"):
-        model = build(config)
-        example = config.example_batch(args.batch or 8)
-    return model, example, {"layers": args.layers}, None
-
-
-def _user_model(args: argparse.Namespace):
-    from autoshard.cli.user_fn import plan_inputs
-
-    model, example, loss_fn = plan_inputs(args.model_fn, args.batch, args.seq)
-    return model, example, None, loss_fn
+        return build(config), config.example_batch(args.batch or 8)
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -151,100 +143,104 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
     import time
 
+    from autoshard.cli.plan_pipeline import PlanJob
+    from autoshard.cli.user_fn import plan_inputs
     from autoshard.graph import BlocksDiffer, blocks_cut
 
     start = time.perf_counter()
     spec = _planned_cluster(args)
     if args.model_fn:
-        model, example, depth, loss_fn = _user_model(args)
+        model, example, loss_fn = plan_inputs(args.model_fn, args.batch, args.seq)
+        depth = None
     else:
-        model, example, depth, loss_fn = _reference_model(args)
+        (model, example), depth, loss_fn = _reference_model(args), {"layers": args.layers}, None
     model, example, policy = _planned_precision(args, model, example)
-    planned = (args, spec, model, example, depth, loss_fn, policy, start)
+    job = PlanJob(args, spec, model, example, depth, loss_fn, policy, start)
     if args.model_fn and not args.every_block:  # like blocks captured two, priced all
         try:
             with blocks_cut(model) as cut:
-                return _planned(*planned[:4], cut or None, *planned[5:])
+                return _planned(dataclasses.replace(job, depth=cut or None))
         except BlocksDiffer as err:
             print(f"autoshard: {err}; capturing every block", file=sys.stderr)
-    return _planned(*planned)
+    return _planned(job)
 
 
-def _planned(args, spec, model, example, depth, loss_fn, policy, start: float) -> int:
-    """The plan of ``model`` (``depth``: its block lists' real depth, fewer captured)."""
-    from autoshard.cli.plan_pipeline import pipeline_plan, plan_options
+def _planned(job: Any) -> int:
+    """The plan of the job's model."""
+    from autoshard.cli.plan_pipeline import pipeline_plan
 
-    opts = plan_options(args, policy)
-    if args.pp != "auto" and opts.replace(pp=None if opts.pp == 1 else opts.pp).staged:
+    opts = job.options()
+    if job.args.pp != "auto" and opts.replace(pp=None if opts.pp == 1 else opts.pp).staged:
         # a pipeline flag given: the other pipeline flags are searched
-        return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
-    ahead = _stages_ahead(args, spec, model, example, depth, loss_fn, start, policy)
+        return pipeline_plan(job)
+    ahead = _stages_ahead(job)
     try:
-        return _searched(args, spec, model, example, depth, loss_fn, policy, start, ahead)
+        return _searched(job, ahead)
     finally:
         if ahead is not None:
             ahead.stop()
 
 
-def _stages_ahead(args, spec, model, example, depth, loss_fn, start, policy) -> Any:
+def _stages_ahead(job: Any) -> Any:
     """The search with stages begun in a fork (``cli.stages_ahead``), where the command is
     this process's own and may need it: no ``--pp`` given (``auto`` compares the two)."""
+    import dataclasses
+
     from autoshard.cli.plan_pipeline import pipeline_plan
     from autoshard.cli.stages_ahead import StagesAhead
     from autoshard.search.helper import helper_cores
 
-    if not _OWN_PROCESS[0] or args.pp is not None or helper_cores() == 0:
+    if not _OWN_PROCESS[0] or job.args.pp is not None or helper_cores() == 0:
         return None
 
     def run(json: str | None) -> int:
-        held = argparse.Namespace(**{**vars(args), "json": json or args.json})
-        return pipeline_plan(held, spec, model, example, depth, loss_fn, start, policy=policy)
+        held = argparse.Namespace(**{**vars(job.args), "json": json or job.args.json})
+        return pipeline_plan(dataclasses.replace(job, args=held))
 
     try:
-        return StagesAhead(run, args.json)
+        return StagesAhead(run, job.args.json)
     except OSError:  # no fork here
         return None
 
 
-def _searched(args, spec, model, example, depth, loss_fn, policy, start, ahead) -> int:
+def _searched(job: Any, ahead: Any) -> int:
     """The plan without stages, or with them where none fits without (the fork's, where it
     searched them ahead)."""
     import time
 
-    from autoshard.cli.plan_pipeline import pipeline_plan, plan_options
+    from autoshard.cli.plan_pipeline import pipeline_plan
     from autoshard.graph import capture, check_depth
     from autoshard.search import PlanningError, run_search
     from autoshard.search.driver import build_plan
 
-    captured = capture(model, example, {}, loss_fn=loss_fn, train=True, dtype=policy.compute)
-    check_depth(captured, depth)
-    captured_s = time.perf_counter() - start
+    dtype = job.policy.compute
+    captured = capture(job.model, job.example, {}, loss_fn=job.loss_fn, train=True, dtype=dtype)
+    check_depth(captured, job.depth)
+    captured_s = time.perf_counter() - job.start
+    devices = job.spec.num_devices
     try:
-        opts = plan_options(args, policy)
-        result = run_search(captured, spec.num_devices, spec, depth=depth,
-                            **opts.search_keywords())  # fmt: skip
+        keywords = job.options().search_keywords()
+        result = run_search(captured, devices, job.spec, depth=job.depth, **keywords)
     except PlanningError as err:
-        if args.pp is not None and args.pp != "auto":  # --pp 1: no stages
+        if job.args.pp not in (None, "auto"):  # --pp 1: no stages
             print(f"autoshard: error: {err}", file=sys.stderr)
             return 3
-        print(f"without pipeline stages: {_one_line(err)}\nsearching pipeline stages",
-              file=sys.stderr)  # fmt: skip
+        print(f"without pipeline stages: {_one_line(err)}", file=sys.stderr)
+        print("searching pipeline stages", file=sys.stderr)
         code = ahead.finish() if ahead is not None else None
-        if code is not None:
-            return code
-        return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy)
+        return pipeline_plan(job) if code is None else code
     if ahead is not None:  # a plan fits without stages: the fork's is not wanted
         ahead.stop()
-    built = build_plan(captured, result, spec)
+    built = build_plan(captured, result, job.spec)
 
     def show() -> int:
-        return _show_plan(args, built, result, captured_s, start)
+        return _show_plan(job, built, result, captured_s)
 
-    if args.pp == "auto":  # the pipeline search's best against the plan without stages
-        return pipeline_plan(args, spec, model, example, depth, loss_fn, start, policy=policy,
-                             baseline=(built.predicted.step_time, show))  # fmt: skip
+    if job.args.pp == "auto":  # the pipeline search's best against the plan without stages
+        return pipeline_plan(job, baseline=(built.predicted.step_time, show))
     return show()
 
 
@@ -290,17 +286,17 @@ def _planned_precision(args: argparse.Namespace, model, example):
     return model, example, precision_policy(args.precision).resolve(model)
 
 
-def _show_plan(args: argparse.Namespace, built, result, captured_s: float, start: float) -> int:
+def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
     """The plan without stages: its JSON (``--json``, with the options it was made under),
     its table and its picture."""
     import time
 
     from autoshard.cli.plan_pipeline import plan_options
 
-    data = built.json
+    args, data = job.args, built.json
     data["options"] = plan_options(args, built.precision).as_json()
     data["predicted"]["capture_s"] = captured_s
-    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
+    data["predicted"]["end_to_end_s"] = time.perf_counter() - job.start
     write_json(args.json, data)
     if args.json != "-":
         print(format_search(data, result, built))
@@ -376,12 +372,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (MeshError, LayoutError, PlanningError, CaptureError, ValueError, OSError, ImportError)
 
 
-def _simulate_command(args: argparse.Namespace) -> int:
-    from autoshard.cli.simulate import run
-
-    return run(args)
-
-
 def _parsed(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = build_parser(
         {
@@ -390,7 +380,7 @@ def _parsed(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.N
             "plan": _plan_command,
             "calibrate": _calibrate_command,
             "train": _train_command,
-            "simulate": _simulate_command,
+            "simulate": simulate.run,
         }
     )
     return parser, parser.parse_args(argv)
@@ -406,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()
     try:
         parser, args = _parsed(argv)
-        ends = argv is None and args.run in (_plan_command, _simulate_command)
+        ends = argv is None and args.command in ("plan", "simulate")
     finally:
         # the collector stays off to the end of a process that plans and exits: the search
         # pauses it (``paused_gc``), and turning it on again after the search would start a

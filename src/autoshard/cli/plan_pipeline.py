@@ -4,6 +4,7 @@ searched), its table, and the plan without stages to compare with (``--pp auto``
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -16,20 +17,45 @@ from autoshard.options import Options
 def plan_options(args: Any, policy: Any) -> Options:
     """The options ``autoshard plan``'s flags give (``--pp auto`` fixes no degree)."""
     return Options(
-        search=args.search, tp=args.tp, cp=args.cp, tp_across_nodes=args.tp_across_nodes,
-        attention=args.attention, sequence_parallel=args.sequence_parallel, precision=policy,
-        zero=args.zero, pp=args.pp if isinstance(args.pp, int) else None,
-        microbatches=args.microbatches, schedule=args.schedule,
-        virtual_stages=args.virtual_stages, recompute=args.recompute,
-    )  # fmt: skip
+        search=args.search,
+        tp=args.tp,
+        cp=args.cp,
+        tp_across_nodes=args.tp_across_nodes,
+        attention=args.attention,
+        sequence_parallel=args.sequence_parallel,
+        precision=policy,
+        zero=args.zero,
+        pp=args.pp if isinstance(args.pp, int) else None,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        recompute=args.recompute,
+    )
 
 
-def pipeline_plan(
-    args, spec, model, example, depth, loss_fn, start, baseline=None, policy=None
-) -> int:
+@dataclasses.dataclass(frozen=True)
+class PlanJob:
+    """What ``autoshard plan`` plans: its flags, the cluster, the model (on meta) with its
+    example batch and loss function, its block lists' real depth (fewer captured), the
+    precision policy a run keeps, and when the command began."""
+
+    args: Any
+    spec: Any
+    model: Any
+    example: Any
+    depth: Any
+    loss_fn: Any
+    policy: Any
+    start: float
+
+    def options(self) -> Options:
+        return plan_options(self.args, self.policy)
+
+
+def pipeline_plan(job: PlanJob, baseline: Any = None) -> int:
     """The fastest pipeline configuration that fits (the flags given fixed). ``baseline``
     (``--pp auto``): the plan without stages, (its step, a function that shows it), shown
-    instead where it is faster or no pipeline fits. ``policy``: the precision a run keeps."""
+    instead where it is faster or no pipeline fits."""
     import torch
     import torch.utils._pytree as pytree
 
@@ -38,15 +64,20 @@ def pipeline_plan(
     from autoshard.search.pipelined import search_pipeline
     from autoshard.search.plans import staged_json
 
-    opts = plan_options(args, policy)
-    batch = next(t for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)).shape[0]
+    opts, spec = job.options(), job.spec
+    leaves = pytree.tree_leaves(job.example)
+    batch = next(t for t in leaves if isinstance(t, torch.Tensor)).shape[0]
     if opts.microbatches and batch % opts.microbatches:
-        print(f"autoshard: error: --microbatches {opts.microbatches} does not divide "
-              f"--batch {batch}", file=sys.stderr)  # fmt: skip
+        print(
+            f"autoshard: error: --microbatches {opts.microbatches} does not divide --batch {batch}",
+            file=sys.stderr,
+        )
         return 2
-    micro, captured_s = _micro_graphs(model, example, loss_fn, opts, depth)
+    micro, captured_s = _micro_graphs(job, opts)
     try:
-        best, tried, search_s = search_pipeline(micro, batch, spec.num_devices, spec, opts, depth)
+        best, tried, search_s = search_pipeline(
+            micro, batch, spec.num_devices, spec, opts, job.depth
+        )
     except BlocksDiffer:
         raise  # the caller captures every block
     except (PlanningError, ValueError) as err:
@@ -55,24 +86,27 @@ def pipeline_plan(
             return baseline[1]()
         print(f"autoshard: error: {err}", file=sys.stderr)
         return 3
-    if baseline is not None and baseline[0] <= best.predicted.step_time:
-        print(f"without pipeline stages {baseline[0] * 1e3:.1f} ms a step, with them (the best "
-              f"of {len(tried)} priced) {best.predicted.step_time * 1e3:.1f} ms: the plan "
-              "without them", file=sys.stderr)  # fmt: skip
+    step = best.predicted.step_time
+    if baseline is not None and baseline[0] <= step:
+        print(
+            f"without pipeline stages {baseline[0] * 1e3:.1f} ms a step, with them (the best "
+            f"of {len(tried)} priced) {step * 1e3:.1f} ms: the plan without them",
+            file=sys.stderr,
+        )
         return baseline[1]()
     data = staged_json(best, tried, search_s, opts)
     if baseline is not None:
         data["pipeline"]["without_stages_step_s"] = baseline[0]
     data["predicted"]["capture_s"] = captured_s[0]
-    data["predicted"]["end_to_end_s"] = time.perf_counter() - start
-    write_json(args.json, data)
-    if args.json != "-":
+    data["predicted"]["end_to_end_s"] = time.perf_counter() - job.start
+    write_json(job.args.json, data)
+    if job.args.json != "-":
         print("\n".join(pipeline_lines(data, spec)))
         print(format_search(data, best.result, best.stage))
     return 0
 
 
-def _micro_graphs(model, example, loss_fn, opts: Options, depth) -> tuple[Any, list]:
+def _micro_graphs(job: PlanJob, opts: Options) -> tuple[Any, list]:
     """The model's graph for one of ``m`` micro-batches, as a function of ``m``, each checked
     against the depth it is priced at, and the seconds spent making them (a one-item list,
     added to as they are made)."""
@@ -80,15 +114,18 @@ def _micro_graphs(model, example, loss_fn, opts: Options, depth) -> tuple[Any, l
     from autoshard.graph.batches import micro_batch_graphs
 
     made = micro_batch_graphs(
-        model, example, loss_fn=loss_fn,
-        dtype=opts.policy.compute, searched=not opts.microbatches,
-    )  # fmt: skip
+        job.model,
+        job.example,
+        loss_fn=job.loss_fn,
+        dtype=opts.policy.compute,
+        searched=not opts.microbatches,
+    )
     captured_s = [0.0]
 
     def micro(m: int) -> Any:
         began = time.perf_counter()
         graph = made(m)
-        check_depth(graph, depth)
+        check_depth(graph, job.depth)
         captured_s[0] += time.perf_counter() - began
         return graph
 
@@ -166,4 +203,4 @@ def _same(t: dict, pipe: dict) -> bool:
     return all(t.get(k) == pipe.get(k) for k in keys)
 
 
-__all__ = ["pipeline_lines", "pipeline_plan", "plan_options", "tried_lines"]
+__all__ = ["PlanJob", "pipeline_lines", "pipeline_plan", "plan_options", "tried_lines"]

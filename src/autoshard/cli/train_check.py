@@ -110,6 +110,7 @@ def _check_plan(cfg: TrainConfig, parts: dict[str, Any], example: tuple, world: 
     layouts and strategies fit the model's captured graph."""
     from autoshard.graph import capture
     from autoshard.mesh import mesh_info
+    from autoshard.runtime import check_plan_fits
     from autoshard.search import load_plan
 
     data = load_plan(cfg.plan)
@@ -124,22 +125,7 @@ def _check_plan(cfg: TrainConfig, parts: dict[str, Any], example: tuple, world: 
     if pipeline:  # a stage's plan fits a stage's graph, which only the ranks cut
         return
     graph = capture(parts["model"], example, {}, loss_fn=parts.get("loss_fn"), train=True)
-    _fits(cfg.plan, data, graph)
-
-
-def _fits(path: str, data: dict[str, Any], graph: Any) -> None:
-    from autoshard.layout import LayoutError
-    from autoshard.mesh import mesh_info
-    from autoshard.ops import StrategyError
-    from autoshard.search import input_layouts, plan_graph
-
-    try:
-        layouts = input_layouts(graph, data)
-        plan_graph(graph, mesh_info(data["mesh"]), data["strategies"], input_layouts=layouts)
-    except (LayoutError, StrategyError) as err:
-        raise ValueError(
-            f"plan {path} does not fit this model (made for another?): {err}"
-        ) from None
+    check_plan_fits(graph, cfg.plan)
 
 
 __all__ = ["check"]

@@ -3,7 +3,7 @@
 ZeRO and replicas), ``pipeline`` (stages and the executor of their schedule) and ``entry``
 (``parallelize`` and its plans), each room importing only the faces of those before it."""
 
-from autoshard.runtime.entry import PlanMismatchError, parallelize
+from autoshard.runtime.entry import PlanMismatchError, check_plan_fits, parallelize
 from autoshard.runtime.program import (
     GradScaler,
     GradSync,
@@ -43,6 +43,7 @@ __all__ = [
     "clip_grad_norm_",
     "ParallelModule",
     "PlanMismatchError",
+    "check_plan_fits",
     "parallelize",
     "shard_inputs",
     "single_device",

@@ -84,18 +84,32 @@ def plan_modes(
         "attention": opts.attention,
         "sequence_parallel": opts.sequence_parallel,
     }
-    try:
-        train = ready or plan_graph(captured[True], info, opts.strategies, **how)
-    except StrategyError as err:
-        if not source:
-            raise
-        raise StrategyError(f"{source} does not fit this model (made for another?): {err}") from err
+    train = ready or _planned_for(captured[True], info, opts.strategies, source, **how)
     param_layouts = {fqn: p.layout for fqn, p in train.params.items()}
     # strict=False: dropout nodes exist in the train graph only
     evaluate = plan_graph(
         captured[False], info, opts.strategies, param_layouts=param_layouts, strict=False, **how
     )
     return {True: train, False: evaluate}
+
+
+def _planned_for(og: OpGraph, info: MeshInfo, strategies: Any, source: str, **how) -> Plan:
+    """``og`` planned under ``strategies``; where they do not fit it, an error naming
+    ``source`` (the plan they came from) as made for another model."""
+    try:
+        return plan_graph(og, info, strategies, **how)
+    except StrategyError as err:
+        if not source:
+            raise
+        raise StrategyError(f"{source} does not fit this model (made for another?): {err}") from err
+
+
+def check_plan_fits(og: OpGraph, plan: str | Path) -> None:
+    """The plan file ``plan`` fits ``og``, a capture of the model it is to run: its input
+    layouts and strategies plan the graph (else an error naming the file)."""
+    source, data = f"plan {plan}", load_plan(plan)
+    layouts = inputs_of(og, data, None, source)
+    _planned_for(og, mesh_info(data["mesh"]), data["strategies"], source, input_layouts=layouts)
 
 
 def given_plan(opts: Options, og: OpGraph) -> tuple[Plan | None, Options, str]:
@@ -173,6 +187,7 @@ def compare_plans(plan: Plan, rank: int) -> None:
 __all__ = [
     "PlanMismatchError",
     "check_fits",
+    "check_plan_fits",
     "compare_plans",
     "given_plan",
     "inputs_of",
