@@ -11,6 +11,7 @@ rank reads its shard of every global batch) or one global batch, trained on agai
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -27,15 +28,14 @@ from autoshard.cli.launcher import WORKER
 from autoshard.cli.metrics_log import open_log
 from autoshard.options import Options
 
-#: the types a setting may have, by its annotation (a TOML value is checked against them)
+#: the types a setting may have, by the names in its annotation (a TOML value is checked
+#: against them)
 _KINDS: dict[str, tuple[type, ...]] = {
     "str": (str,),
     "int": (int,),
     "float": (float, int),
-    "str | None": (str, type(None)),
-    "int | None": (int, type(None)),
-    "float | None": (float, int, type(None)),
     "bool": (bool,),
+    "None": (type(None),),
 }
 
 
@@ -128,21 +128,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            kinds = _KINDS[field.type]
+            kinds = sum((_KINDS[name] for name in str(field.type).split(" | ")), ())
             if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
                 wanted = " or ".join("none" if k is type(None) else k.__name__ for k in kinds)
                 raise ValueError(f"train setting {field.name} = {value!r}: expected {wanted}")
         positive = ("steps", "batch_size", "log_every", "timeout", "lr")
         bad = [f"{n} = {getattr(self, n)!r}" for n in positive if getattr(self, n) <= 0]
-        bad += [f"zero = {self.zero!r}"] if self.zero not in (0, 1, 2, 3) else []
         bad += [f"checkpoint_every = {self.checkpoint_every}"] if self.checkpoint_every < 0 else []
-        staged = ("pp", "microbatches", "virtual_stages", "tp", "cp", "ep")
-        bad += [f"{n} = {getattr(self, n)}" for n in staged if (getattr(self, n) or 1) < 1]
+        # the degrees the mesh of ``ep`` reads; the options check the others' ranges
+        bad += [
+            f"{n} = {getattr(self, n)}" for n in ("tp", "cp", "ep") if (getattr(self, n) or 1) < 1
+        ]
         if bad:
             raise ValueError(
                 f"train settings out of range: {', '.join(bad)} (steps, batch_size, log_every, "
-                "timeout and lr are positive; zero is 0-3; checkpoint_every is 0 or more; pp, "
-                "microbatches, virtual_stages, tp, cp and ep are 1 or more)"
+                "timeout and lr are positive; checkpoint_every is 0 or more; tp, cp and ep are 1 "
+                "or more)"
             )
 
     @classmethod
@@ -169,15 +170,9 @@ def _batches(parts: dict[str, Any], pm: Any, cfg: TrainConfig) -> tuple[Any, Ite
     from autoshard.runtime import shard_inputs
 
     if parts.get("dataset") is None:
-        local = shard_inputs(parts["batch"], pm)
-        return None, iter(lambda: local, None)
+        return None, itertools.repeat(shard_inputs(parts["batch"], pm))
     feed = loader(parts["dataset"], pm, cfg.batch_size, seed=cfg.seed)
-
-    def forever() -> Iterator[Any]:
-        while True:
-            yield from feed
-
-    return feed, forever()
+    return feed, itertools.chain.from_iterable(itertools.repeat(feed))
 
 
 def _parallel(parts: dict[str, Any], example: tuple, cfg: TrainConfig) -> Any:
@@ -272,6 +267,7 @@ def worker(cfg: TrainConfig) -> None:
     from autoshard import comm, watch
     from autoshard.cli.launcher import record_step
     from autoshard.cli.user_fn import parts_of, train_example, user_function
+    from autoshard.cost import cluster_spec
     from autoshard.runtime import clip_grad_norm_, save
     from autoshard.testing import peak_resident_bytes
 
@@ -288,7 +284,9 @@ def worker(cfg: TrainConfig) -> None:
     start = _resume(cfg, pm, opt, feed, log)
     log.start(start)
     flops, unit, per_step = _work(example, pm, cfg)
-    peak = _peak_flops(cfg, pm) * int(os.environ.get("WORLD_SIZE", "1"))
+    # the cluster's peak of one device, in the dtype the model computes in, for each rank
+    dtype = pm.precision.compute or torch.float32
+    peak = cluster_spec(cfg.cluster).peak_flops(dtype) * int(os.environ.get("WORLD_SIZE", "1"))
     for step in range(start, cfg.steps):
         watch.step(step + 1)
         watch.doing("reading its batch")
@@ -350,13 +348,6 @@ def _described(pm: Any) -> list[str]:
         return [head, *_experts({}, pm.plan), *attention_methods(pm.plan)]
     except (AttributeError, KeyError):  # a stage's plan without its whole graph
         return [head]
-
-
-def _peak_flops(cfg: TrainConfig, pm: Any) -> float:
-    """One device's peak of the cluster preset, in the dtype the model computes in."""
-    from autoshard.cost import cluster_spec
-
-    return cluster_spec(cfg.cluster).peak_flops(pm.precision.compute or torch.float32)
 
 
 def _resume(cfg: TrainConfig, pm: Any, opt: Any, feed: Any, log: _Log) -> int:
