@@ -97,42 +97,64 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
-def test_a_stopped_launcher_leaves_no_rank_running(tmp_path, sig) -> None:
+def test_a_stopped_launcher_leaves_no_rank_running(tmp_path) -> None:
     """Ctrl-C (SIGINT), SIGTERM or SIGHUP to ``autoshard train`` a few steps in: one line saying at
     which step it stopped and where its last checkpoint is, status 128 + the signal, and
     torchrun and both ranks gone within 30 s. SIGKILL of the launcher (no handler runs):
-    torchrun and the ranks notice it is gone and end within 30 s."""
-    argv = ["usermodel:make", "--nproc-per-node", "2", "--steps", "100000", "--batch-size", "8"]
-    argv += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5"]
-    command, env = _command(tmp_path, *argv)
-    proc = subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    torchrun and the ranks notice it is gone and end within 30 s. The four runs are launched
+    side by side, each stopped by its signal once its checkpoint of step 5 is written."""
+    runs = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL):
+        (tmp_path / sig.name).mkdir()
+        runs[sig] = _stoppable(tmp_path / sig.name)
+    stopped = {}
+    deadline = time.time() + 300
+    while len(stopped) < len(runs) and time.time() < deadline:
+        for sig, (directory, proc) in runs.items():
+            if sig in stopped:
+                continue
+            assert proc.poll() is None, (sig, proc.communicate())
+            if (directory / "ckpt" / "step5").is_dir():
+                pids = [int(p) for r in "01" for p in (directory / r).read_text().split()]
+                assert all(_alive(p) for p in pids), sig
+                proc.send_signal(sig)
+                stopped[sig] = (time.time(), pids)
+        time.sleep(0.2)
+    assert len(stopped) == len(runs), (
+        f"no checkpoint of step 5 in 300 s: {set(runs) - set(stopped)}"
     )
-    log = tmp_path / "log.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (tmp_path / "ckpt" / "step5").is_dir():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    assert log.exists(), proc.communicate()
-    pids = [int(p) for r in "01" for p in (tmp_path / r).read_text().split()]
-    assert all(_alive(p) for p in pids)
-    proc.send_signal(sig)
-    stopped = time.time()
+    for sig, (directory, proc) in runs.items():
+        _stopped_whole(sig, directory, proc, *stopped[sig])
+
+
+def _stoppable(directory: Path) -> tuple[Path, subprocess.Popen]:
+    """``autoshard train`` on 2 ranks for many steps, a checkpoint every 5, started."""
+    argv = ["usermodel:make", "--nproc-per-node", "2", "--steps", "100000", "--batch-size", "8"]
+    argv += ["--checkpoint-dir", str(directory / "ckpt"), "--checkpoint-every", "5"]
+    command, env = _command(directory, *argv)
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(command, cwd=directory, env=env, stdout=pipe, stderr=pipe, text=True)
+    return directory, proc
+
+
+def _stopped_whole(sig, directory: Path, proc: subprocess.Popen, when: float, pids: list) -> None:
+    """The launcher stopped by ``sig`` at ``when``: every process of its run gone within 30 s,
+    and (but for SIGKILL) its one line and status."""
     out, err = proc.communicate(timeout=60)
-    while any(_alive(p) for p in pids) and time.time() - stopped < 30:
+    while any(_alive(p) for p in pids) and time.time() - when < 30:
         time.sleep(0.2)
-    assert not [p for p in pids if _alive(p)], (pids, err)
+    assert not [p for p in pids if _alive(p)], (sig, pids, err)
     if sig == signal.SIGKILL:
         return
-    assert proc.returncode == 128 + sig, err
-    assert "Traceback" not in err and "torch" not in err, err
+    assert proc.returncode == 128 + sig, (sig, err)
+    assert "Traceback" not in err and "torch" not in err, (sig, err)
     last = out.strip().splitlines()[-1]
     step = int(last.split("stopped at step ")[1].split(";")[0])
-    assert step >= 5 and step >= len(log.read_text().splitlines()) - 1, out
-    assert last.startswith("autoshard train: stopped at step "), out
-    assert "; the last checkpoint is " + str(tmp_path / "ckpt" / "step") in last, out
-    assert not (tmp_path / "autoshard-torchrun.log").exists()
+    log = directory / "log.jsonl"
+    assert step >= 5 and step >= len(log.read_text().splitlines()) - 1, (sig, out)
+    assert last.startswith("autoshard train: stopped at step "), (sig, out)
+    assert "; the last checkpoint is " + str(directory / "ckpt" / "step") in last, (sig, out)
+    assert not (directory / "autoshard-torchrun.log").exists(), sig
 
 
 def _fails_before_any_rank(monkeypatch, capsys, *argv: str) -> str:
@@ -236,42 +258,84 @@ def test_a_directory_of_damaged_checkpoints_is_not_a_silent_restart(
     check(TrainConfig("usermodel:make", checkpoint_dir="ckpt"), nproc=2)
 
 
-@pytest.mark.parametrize(
-    ("target", "flags", "shown"),
-    [
-        ("llama", ["--cp", "2", "--attention", "ring", "--zero", "1"],
-         ["cp(2)", "ZeRO 1", "attention over a split sequence: ring"]),
-        ("moe", ["--ep", "2"], ["ep(2)", "experts layers.*"]),
-        ("llama", ["--tp", "2", "--sequence-parallel"], ["tp(2)"]),
-    ],
-)  # fmt: skip
-def test_the_parallel_flags_train_as_plain_pytorch(tmp_path, target, flags, shown) -> None:
-    """``--cp``/``--attention``, ``--ep``, ``--tp``/``--sequence-parallel`` and ``--zero`` on 2
-    CPU ranks: the plan printed names the mesh, the ZeRO stage and the attention's and
-    experts' layouts, and every step's loss is plain PyTorch's (the model's eager forward and
+#: each run: its target, its flags, and what the plan printed names
+FLAG_RUNS = {
+    "cp": (
+        "llama",
+        ["--cp", "2", "--attention", "ring", "--zero", "1"],
+        ["cp(2)", "ZeRO 1", "attention over a split sequence: ring"],
+    ),
+    "ep": ("moe", ["--ep", "2"], ["ep(2)", "experts layers.*"]),
+    "tp": ("llama", ["--tp", "2", "--sequence-parallel"], ["tp(2)"]),
+}
+
+
+def _launched(monkeypatch, *argv: str) -> dict:
+    """The settings ``autoshard train`` hands torchrun's ranks for ``argv``, after its
+    checks before any rank starts (torchrun itself not started)."""
+    import dataclasses
+
+    from autoshard.cli import launcher
+    from autoshard.cli.main import main
+
+    handed = []
+    monkeypatch.setattr(launcher, "launch", lambda cfg, *_: handed.append(cfg) or 0)
+    assert main(["train", *argv]) == 0
+    return dataclasses.asdict(handed[0])
+
+
+def _trained(settings: dict[str, dict]) -> dict[str, str]:
+    """On each rank, each run's settings trained in turn as a rank torchrun starts trains
+    them (``worker``); what each run printed."""
+    import contextlib
+    import io
+
+    from autoshard.cli.train import TrainConfig, worker
+
+    printed = {}
+    for name, fields in settings.items():
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            worker(TrainConfig(**fields))
+        printed[name] = out.getvalue()
+    return printed
+
+
+def test_the_parallel_flags_train_as_plain_pytorch(tmp_path, monkeypatch) -> None:
+    """``--cp``/``--attention``, ``--ep``, ``--tp``/``--sequence-parallel`` and ``--zero``:
+    the command line hands them to the ranks, and on 2 CPU ranks (one spawn for the three
+    runs) the plan printed names the mesh, the ZeRO stage and the attention's and experts'
+    layouts, and every step's loss is plain PyTorch's (the model's eager forward and
     backward, torch.optim.AdamW) on the same batch."""
-    out = _run(tmp_path, f"usermodel:{target}", "--nproc-per-node", "2", "--steps", "3", *flags)
-    assert out.returncode == 0, out.stderr
-    plan = [line for line in out.stdout.splitlines() if "step " not in line]
-    assert plan[0].startswith("autoshard train: plan over 2 rank(s): "), out.stdout
-    for text in shown:
-        assert any(text in line for line in plan), (text, out.stdout)
-    losses = [
-        json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
-    ]
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import usermodel
-    finally:
-        sys.path.remove(str(tmp_path))
-    torch.manual_seed(0)
-    model, batch = getattr(usermodel, target)()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    expected = []
-    for _ in range(3):
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
-    assert losses == pytest.approx(expected, rel=1e-4, abs=1e-5), (losses, expected)
+    from autoshard.testing import run_ranks
+
+    (tmp_path / "usermodel.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = {}
+    for name, (target, flags, _) in FLAG_RUNS.items():
+        log = str(tmp_path / f"{name}.jsonl")
+        argv = [f"usermodel:{target}", "--nproc-per-node", "2", "--steps", "3", "--log", log]
+        settings[name] = _launched(monkeypatch, *argv, *flags)
+        for flag in flags[::2]:  # each flag given reached the ranks' settings
+            assert settings[name][flag[2:].replace("-", "_")] not in (None, False), flag
+    printed = run_ranks(_trained, 2, settings, timeout=300)[0]
+    import usermodel
+
+    for name, (target, _, shown) in FLAG_RUNS.items():
+        plan = [line for line in printed[name].splitlines() if "step " not in line]
+        assert plan[0].startswith("autoshard train: plan over 2 rank(s): "), printed[name]
+        for text in shown:
+            assert any(text in line for line in plan), (name, text, printed[name])
+        log = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        losses = [json.loads(line)["loss"] for line in log]
+        torch.manual_seed(0)
+        model, batch = getattr(usermodel, target)()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        expected = []
+        for _ in range(3):
+            loss = model(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            expected.append(loss.item())
+        assert losses == pytest.approx(expected, rel=1e-4, abs=1e-5), (name, losses, expected)
