@@ -383,12 +383,12 @@ def cases_world4() -> list[tuple]:
     return out
 
 
-def test_equivalence_on_2_ranks() -> None:
-    run_ranks(run_cases, 2, cases_world2(), timeout=300)
+def test_equivalence_on_2_ranks(on_2_ranks: list[dict]) -> None:
+    assert all("equivalence" in outcome for outcome in on_2_ranks)  # each case asserts on the ranks
 
 
-def test_equivalence_on_4_ranks() -> None:
-    run_ranks(run_cases, 4, cases_world4(), timeout=600)
+def test_equivalence_on_4_ranks(on_4_ranks: list[dict]) -> None:
+    assert all("equivalence" in outcome for outcome in on_4_ranks)
 
 
 # -- communication volume and parameter bytes ------------------------------------------------------
@@ -499,8 +499,8 @@ def _llama_block_inputs_summed_once() -> dict:
     }
 
 
-def test_megatron_llama_sums_each_block_input_gradient_once() -> None:
-    for outcome in run_ranks(_llama_block_inputs_summed_once, 2, timeout=120):
+def test_megatron_llama_sums_each_block_input_gradient_once(on_2_ranks: list[dict]) -> None:
+    for outcome in (r["block_inputs"] for r in on_2_ranks):
         # per layer: after wo and after w2 forward; the inputs of q/k/v and of w1/w3 backward
         assert outcome["forward"] == 2 * outcome["layers"], outcome
         assert outcome["backward"] == 2 * outcome["layers"], outcome
@@ -516,12 +516,12 @@ def _different_plans() -> None:
         parallelize(model.double(), data[0], 2, strategies)
 
 
-def test_megatron_layer_moves_the_analytic_volume() -> None:
-    run_ranks(_megatron_layer_volume, 2, timeout=120)
+def test_megatron_layer_moves_the_analytic_volume(on_2_ranks: list[dict]) -> None:
+    assert all("volume" in outcome for outcome in on_2_ranks)  # it asserts on the ranks
 
 
-def test_ranks_with_different_plans_fail_before_training() -> None:
-    run_ranks(_different_plans, 2, timeout=120)
+def test_ranks_with_different_plans_fail_before_training(on_2_ranks: list[dict]) -> None:
+    assert all("different_plans" in outcome for outcome in on_2_ranks)
 
 
 # -- coalesced gradient sums -----------------------------------------------------------------------
@@ -573,8 +573,8 @@ def _coalesced_gradients() -> None:
         torch.testing.assert_close(p.grad, p_ref.grad, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_gradient_sums_are_coalesced_and_accumulate() -> None:
-    run_ranks(_coalesced_gradients, 2, timeout=120)
+def test_gradient_sums_are_coalesced_and_accumulate(on_2_ranks: list[dict]) -> None:
+    assert all("coalesced" in outcome for outcome in on_2_ranks)  # it asserts on the ranks
 
 
 # -- replicas start equal --------------------------------------------------------------------------
@@ -617,9 +617,11 @@ def _perturbed_starts(modes: list[str]) -> list[dict]:
     return [_perturbed_start(mode) for mode in modes]
 
 
-def test_replicas_start_equal_or_the_rank_that_differs_is_named() -> None:
-    modes = ["broadcast", "check", "none"]
-    outcomes = run_ranks(_perturbed_starts, 4, modes, timeout=180)
+REPLICAS_MODES = ["broadcast", "check", "none"]
+
+
+def test_replicas_start_equal_or_the_rank_that_differs_is_named(on_4_ranks: list[dict]) -> None:
+    outcomes = [r["replicas"] for r in on_4_ranks]
     broadcast, check, none = ([r[k] for r in outcomes] for k in range(3))
     for outcome in broadcast:
         assert outcome == {"equal": True, "both axes": True}  # rank 3's copy replaced
@@ -714,11 +716,20 @@ def _clipped_meshes(cases: list[tuple]) -> list[dict]:
     return [_clipped_training(*case) for case in cases]
 
 
-def test_clipping_equals_one_device_and_a_nonfinite_gradient_skips_everywhere() -> None:
+def _clip_cases() -> list[tuple]:
     meshes = [({"dp": 4}, None), ({"tp": 4}, "tp"), ({"dp": 2, "tp": 2}, "tp")]
-    cases = [(mesh, megatron("gpt", tp) if tp else None, inject)
-             for mesh, tp in meshes for inject in (False, True)]  # fmt: skip
-    outcomes = run_ranks(_clipped_meshes, 4, cases, timeout=600)
+    return [
+        (mesh, megatron("gpt", tp) if tp else None, inject)
+        for mesh, tp in meshes
+        for inject in (False, True)
+    ]
+
+
+def test_clipping_equals_one_device_and_a_nonfinite_gradient_skips_everywhere(
+    on_4_ranks: list[dict],
+) -> None:
+    cases = _clip_cases()
+    outcomes = [r["clipping"] for r in on_4_ranks]
     for k, (mesh, _, inject) in enumerate(cases):
         got = [r[k] for r in outcomes]
         if inject:
@@ -781,11 +792,10 @@ def _assert_same_state(pm: Any, ref: Any) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "mesh, tp", [({"dp": 2}, None), ({"dp": 2, "tp": 2}, "tp")], ids=["dp", "dp x tp"]
 )
-def test_no_sync_accumulates_and_sums_once_per_step(mesh: Any, tp: Any) -> None:
+def test_no_sync_accumulates_and_sums_once_per_step(mesh: Any, tp: Any, request) -> None:
     # dp x tp: the batch split over dp and the weights over tp, so weights need dp sums
-    strategies = mixed("gpt", 2, 2) if tp else None
-    world = 4 if tp else 2
-    for calls in run_ranks(_accumulate_with_no_sync, world, mesh, strategies, timeout=240):
+    spawned = request.getfixturevalue("on_4_ranks" if tp else "on_2_ranks")
+    for calls in (r["no_sync"] for r in spawned):
         skipped = [c for i, c in enumerate(calls) if i % 4 != 3]
         synced = [c for i, c in enumerate(calls) if i % 4 == 3]
         # the synced backward makes at least the bucket's all-reduce more than the others
@@ -848,32 +858,33 @@ def _bucket_cases(cases: list[tuple]) -> list[list[int]]:
     return [_bucketed_training(*case) for case in cases]
 
 
-@pytest.mark.parametrize(
-    "world, cases",
-    [
-        (2, [("gpt", {"dp": 2}, None, 1), ("llama", {"dp": 2}, None, 2)]),
-        (
-            4,
-            [
-                ("gpt", {"dp": 4}, None, 1),
-                ("llama", {"dp": 4}, None, 1),
-                ("gpt", {"dp": 2, "tp": 2}, "mixed", 1),
-                ("llama", {"dp": 2, "tp": 2}, "megatron", 1),
-                ("gpt", {"dp": 2, "tp": 2}, "mixed", 3),
-            ],
-        ),
+#: the bucket cases by the ranks they run on: (model, mesh, strategies, micro-batches)
+BUCKET_CASES = {
+    2: [("gpt", {"dp": 2}, None, 1), ("llama", {"dp": 2}, None, 2)],
+    4: [
+        ("gpt", {"dp": 4}, None, 1),
+        ("llama", {"dp": 4}, None, 1),
+        ("gpt", {"dp": 2, "tp": 2}, "mixed", 1),
+        ("llama", {"dp": 2, "tp": 2}, "megatron", 1),
+        ("gpt", {"dp": 2, "tp": 2}, "mixed", 3),
     ],
-    ids=["2 ranks", "4 ranks"],
-)
-def test_buckets_train_as_one_device(world: int, cases: list[tuple]) -> None:
-    """dp and dp x tp, tied embeddings (GPT) and an unused parameter, with gradient
-    accumulation under no_sync, each against one device."""
+}
+
+
+def _bucket_given(cases: list[tuple]) -> list[tuple]:
     chosen = {"mixed": mixed, "megatron": lambda name, *_: megatron(name)}
-    given = [
+    return [
         (name, mesh, how and {f"inner.{k}": v for k, v in chosen[how](name, 2, 2).items()}, k)
         for name, mesh, how, k in cases
     ]
-    for per_rank in run_ranks(_bucket_cases, world, given, timeout=600):
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["2 ranks", "4 ranks"])
+def test_buckets_train_as_one_device(world: int, request) -> None:
+    """dp and dp x tp, tied embeddings (GPT) and an unused parameter, with gradient
+    accumulation under no_sync, each against one device."""
+    cases = BUCKET_CASES[world]
+    for per_rank in (r["buckets"] for r in request.getfixturevalue(f"on_{world}_ranks")):
         for case, calls in zip(cases, per_rank, strict=True):
             assert len(set(calls)) == 1 and calls[0] >= 2, (case, calls)  # several buckets
 
@@ -904,8 +915,8 @@ def _bucket_starts_during_backward() -> dict:
     }
 
 
-def test_a_bucket_sum_starts_before_backward_ends() -> None:
-    for outcome in run_ranks(_bucket_starts_during_backward, 2, timeout=120):
+def test_a_bucket_sum_starts_before_backward_ends(on_2_ranks: list[dict]) -> None:
+    for outcome in (r["bucket_starts"] for r in on_2_ranks):
         events = outcome["events"]
         kinds = [e[0] for e in events]
         first_sum = kinds.index("all_reduce")
@@ -957,8 +968,8 @@ def _gradients_of_some_parameters() -> None:
         torch.autograd.grad(pm(*shard_inputs(data[3], pm)), list(pm.parameters()))
 
 
-def test_gradients_of_some_parameters_through_buckets() -> None:
-    run_ranks(_gradients_of_some_parameters, 2, timeout=120)
+def test_gradients_of_some_parameters_through_buckets(on_2_ranks: list[dict]) -> None:
+    assert all("some_parameters" in outcome for outcome in on_2_ranks)  # it asserts on the ranks
 
 
 def _bucket_buffers_across_steps() -> dict:
@@ -981,9 +992,54 @@ def _bucket_buffers_across_steps() -> dict:
     return {"ptrs": ptrs, "kept_unchanged": bool(torch.equal(kept, value))}
 
 
-def test_a_bucket_keeps_its_buffer_unless_a_gradient_is_still_held() -> None:
-    for outcome in run_ranks(_bucket_buffers_across_steps, 2, timeout=120):
+def test_a_bucket_keeps_its_buffer_unless_a_gradient_is_still_held(on_2_ranks: list[dict]) -> None:
+    for outcome in (r["bucket_buffers"] for r in on_2_ranks):
         ptrs = outcome["ptrs"]
         assert ptrs[0] == ptrs[1] == ptrs[2], ptrs  # dropped by zero_grad: the same buffer
         assert ptrs[3] != ptrs[2], ptrs  # step 2's gradient still held: a new buffer
         assert outcome["kept_unchanged"]
+
+
+# -- one spawn for each count of ranks ------------------------------------------------------------
+
+
+def _checks_on(world: int) -> dict[str, tuple]:
+    """This module's checks on ``world`` ranks, each a function and its arguments: one spawn
+    runs them all in turn, since spawning and a new process's first capture dominate their
+    time."""
+    if world == 2:
+        return {
+            "equivalence": (run_cases, cases_world2()),
+            "block_inputs": (_llama_block_inputs_summed_once,),
+            "volume": (_megatron_layer_volume,),
+            "different_plans": (_different_plans,),
+            "coalesced": (_coalesced_gradients,),
+            "no_sync": (_accumulate_with_no_sync, {"dp": 2}, None),
+            "buckets": (_bucket_cases, _bucket_given(BUCKET_CASES[2])),
+            "bucket_starts": (_bucket_starts_during_backward,),
+            "some_parameters": (_gradients_of_some_parameters,),
+            "bucket_buffers": (_bucket_buffers_across_steps,),
+        }
+    return {
+        "equivalence": (run_cases, cases_world4()),
+        "replicas": (_perturbed_starts, REPLICAS_MODES),
+        "clipping": (_clipped_meshes, _clip_cases()),
+        "no_sync": (_accumulate_with_no_sync, {"dp": 2, "tp": 2}, mixed("gpt", 2, 2)),
+        "buckets": (_bucket_cases, _bucket_given(BUCKET_CASES[4])),
+    }
+
+
+def _run_checks(world: int) -> dict[str, Any]:
+    return {name: fn(*args) for name, (fn, *args) in _checks_on(world).items()}
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks() -> list[dict]:
+    """Every rank's outcome of each check on 2 ranks, by name."""
+    return run_ranks(_run_checks, 2, 2, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def on_4_ranks() -> list[dict]:
+    """Every rank's outcome of each check on 4 ranks, by name."""
+    return run_ranks(_run_checks, 4, 4, timeout=2400)
