@@ -60,14 +60,6 @@ def build_model(cfg: DemoConfig) -> torch.nn.Module:
     return build(reference_config("gpt", hidden=cfg.hidden, **sizes))
 
 
-def flops_per_step(model: torch.nn.Module, cfg: DemoConfig) -> float:
-    """Training FLOPs of a step: 6 per parameter per token (forward and backward) and the
-    attention scores' 12 * layers * hidden * seq per token."""
-    params = sum(p.numel() for p in model.parameters())
-    tokens = cfg.batch * cfg.seq
-    return 6.0 * params * tokens + 12.0 * cfg.layers * cfg.hidden * cfg.seq * tokens
-
-
 def _metrics(cfg: DemoConfig, step: int, window: dict[str, float], pm: Any, opt: Any) -> str:
     from autoshard.cost import cluster_spec
     from autoshard.testing import peak_resident_bytes
@@ -101,9 +93,8 @@ def train_rank(config: dict[str, Any], directory: str) -> list[float]:
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's, not the user's
     cfg = DemoConfig(**config)
-    data, model = _text(), build_model(cfg)
-    flops = flops_per_step(model, cfg)
-    pm, opt = _parallel(model, batch_at(data, cfg, 0), cfg)
+    data = _text()
+    pm, opt = _parallel(build_model(cfg), batch_at(data, cfg, 0), cfg)
     loud = pm.rank == 0
     if loud:
         print(f"plan for {cfg.ranks} ranks, searched ({cfg.search}):\n{pm.plan}\n", flush=True)
@@ -127,7 +118,7 @@ def train_rank(config: dict[str, Any], directory: str) -> list[float]:
         window["steps"] += 1
         window["loss"] += losses[-1]
         window["bytes"] += sum(c["bytes"] for c in sent.values())
-        window["flops"] += flops
+        window["flops"] += pm.flops_per_step  # the model's, forward and backward
         if (step + 1) % cfg.every == 0 or step + 1 == cfg.steps:
             if loud:
                 print(_metrics(cfg, step + 1, window, pm, opt), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -102,8 +103,8 @@ def _demo_command(args: argparse.Namespace) -> int:
     if not args.layouts:
         from autoshard.cli.demo import DemoConfig, run_demo
 
-        names = ("ranks", "steps", "layers", "hidden", "heads", "seq", "batch", "lr", "search")
-        run_demo(DemoConfig(**{n: getattr(args, n) for n in names}, every=args.every))
+        given = {f.name for f in dataclasses.fields(DemoConfig)} & set(vars(args))
+        run_demo(DemoConfig(**{name: getattr(args, name) for name in given}))
         return 0
     from autoshard.testing import run_ranks
 
@@ -143,7 +144,6 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import dataclasses
     import time
 
     from autoshard.cli.plan_pipeline import PlanJob
@@ -187,8 +187,6 @@ def _planned(job: Any) -> int:
 def _stages_ahead(job: Any) -> Any:
     """The search with stages begun in a fork (``cli.stages_ahead``), where the command is
     this process's own and may need it: no ``--pp`` given (``auto`` compares the two)."""
-    import dataclasses
-
     from autoshard.cli.plan_pipeline import pipeline_plan
     from autoshard.cli.stages_ahead import StagesAhead
     from autoshard.search.helper import helper_cores
@@ -246,7 +244,6 @@ def _searched(job: Any, ahead: Any) -> int:
 
 def _planned_cluster(args: argparse.Namespace):
     """The cluster ``--cluster``, ``--nodes``/``--devices`` and ``--memory-gib`` name."""
-    import dataclasses
 
     from autoshard.cost import cluster_spec
 
@@ -308,9 +305,6 @@ def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    import dataclasses
-    import os
-
     from autoshard.cli.launcher import launch
     from autoshard.cli.train import TrainConfig, worker
     from autoshard.cli.train_check import check

@@ -113,13 +113,6 @@ class TrainConfig:
         return {n: k for n, k in axes.items() if k > 1 or n == "ep"}
 
     @property
-    def layout(self) -> dict[str, Any]:
-        """The parallel degrees and layouts given (each fixes that choice)."""
-        names = ("tp", "cp", "attention", "ep")
-        given = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-        return given | ({"sequence_parallel": True} if self.sequence_parallel else {})
-
-    @property
     def pipeline(self) -> dict[str, Any]:
         """The pipeline settings given (any of them plans stages; the others are searched)."""
         names = ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
@@ -317,6 +310,13 @@ def worker(cfg: TrainConfig) -> None:
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             watch.doing("saving a checkpoint")
             save(Path(cfg.checkpoint_dir) / f"step{step + 1}", pm, opt, step=step + 1, loader=feed)
+    _finish(cfg, pm, log)
+
+
+def _finish(cfg: TrainConfig, pm: Any, log: _Log) -> None:
+    """The log closed, every rank waited for, the metrics drawn (``--picture``)."""
+    from autoshard import comm, watch
+
     log.close()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         watch.doing("finishing")

@@ -86,7 +86,9 @@ def _check_degrees(cfg: TrainConfig, world: int) -> None:
 def _check_plan_flags(cfg: TrainConfig) -> None:
     if not Path(cfg.plan).is_file():
         raise ValueError(f"plan {cfg.plan!r}: no such file")
-    fixed = {**cfg.pipeline, **cfg.layout}
+    pipeline = ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
+    layout = ("tp", "cp", "attention", "ep", "sequence_parallel")
+    fixed = [n for n in (*pipeline, *layout) if getattr(cfg, n) not in (None, False)]
     if fixed:
         raise ValueError(
             f"--plan {cfg.plan} carries its own pipeline and parallel settings; leave out "
