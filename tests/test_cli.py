@@ -6,11 +6,9 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -459,120 +457,6 @@ def test_one_long_sequence_on_one_node_fits_by_context_parallelism_and_recompute
         if not given:
             assert "recompute selective, ZeRO 3" in head, head
     assert steps[0] < steps[1], steps
-
-
-#: the plan's fork runs on Linux only (elsewhere the command searches without it)
-_LINUX_FORK = pytest.mark.skipif(sys.platform != "linux", reason="the plan's fork: Linux only")
-
-
-def _shows(code: int):
-    def run(json_path):
-        print("the plan with stages")
-        print("a warning", file=sys.stderr)
-        if json_path is not None:
-            with open(json_path, "w") as f:
-                f.write("{}")
-        if code < 0:
-            raise RuntimeError("a bug")
-        return code
-
-    return run
-
-
-@_LINUX_FORK
-def test_stages_ahead_shows_what_it_held_only_when_let_out(tmp_path, capfd) -> None:
-    from autoshard.cli.stages_ahead import StagesAhead
-
-    plan = tmp_path / "plan.json"
-    ahead = StagesAhead(_shows(3), str(plan))
-    assert ahead.finish() == 3  # its output and file, once let out
-    out, err = capfd.readouterr()
-    assert (out, err) == ("the plan with stages\n", "a warning\n")
-    assert plan.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
-    plan.unlink()
-    ahead = StagesAhead(_shows(0), str(plan))
-    time.sleep(0.5)  # (it has run: its file held)
-    ahead.stop()  # a plan fit without stages: nothing shown, no file left
-    assert capfd.readouterr() == ("", "") and list(tmp_path.iterdir()) == []
-    ahead = StagesAhead(_shows(-1), None)
-    assert ahead.finish() is None  # it raised: the planning process searches itself
-    assert capfd.readouterr() == ("", "")
-
-
-def _sticks(json_path):
-    time.sleep(600)  # no processor time: as a fork stuck on a lock
-    return 0
-
-
-@_LINUX_FORK
-def test_stages_ahead_stuck_is_stopped_and_searched_here(monkeypatch, capfd) -> None:
-    from autoshard.cli import stages_ahead
-
-    monkeypatch.setattr(stages_ahead, "STARVED_S", 1.0)
-    began = time.perf_counter()
-    ahead = stages_ahead.StagesAhead(_sticks, None)
-    assert ahead.finish() is None and ahead.pid is None
-    assert time.perf_counter() - began < 30
-    assert capfd.readouterr() == ("", "")
-
-
-def _crawls(json_path):
-    while True:  # a tenth of a core: a fork at the lowest priority on a busy machine
-        began = time.process_time()
-        while time.process_time() - began < 0.02:
-            pass
-        time.sleep(0.2)
-
-
-@_LINUX_FORK
-def test_stages_ahead_starved_is_stopped_and_searched_here(capfd) -> None:
-    """A fork that gets next to no processor time while the command waits for it (the
-    lowest priority beside other work) is not waited for: the command searches itself."""
-    from autoshard.cli.stages_ahead import StagesAhead
-
-    began = time.perf_counter()
-    ahead = StagesAhead(_crawls, None)
-    assert ahead.finish() is None and ahead.pid is None
-    assert time.perf_counter() - began < 10  # STARVED_S after it began waiting, and a bit
-    assert capfd.readouterr() == ("", "")
-
-
-def _forks_and_sticks(json_path):
-    import multiprocessing
-
-    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
-    child.start()
-    with open(json_path, "w") as f:
-        f.write(str(child.pid))
-    time.sleep(600)
-    return 0
-
-
-@_LINUX_FORK
-def test_stages_ahead_stopped_takes_its_helpers_along(tmp_path) -> None:
-    from autoshard.cli.stages_ahead import StagesAhead
-
-    plan = tmp_path / "plan.json"
-    ahead = StagesAhead(_forks_and_sticks, str(plan))
-    held = tmp_path / f"plan.json.{os.getpid()}.partial"
-    waited = time.perf_counter()
-    while not (held.exists() and held.read_text()) and time.perf_counter() - waited < 30:
-        time.sleep(0.05)
-    helper = int(held.read_text())
-    ahead.stop()
-    waited = time.perf_counter()
-    while _running(helper) and time.perf_counter() - waited < 10:
-        time.sleep(0.05)
-    assert not _running(helper), "a helper of the fork outlived it"
-    assert list(tmp_path.iterdir()) == []
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie is gone)
-    except OSError:
-        return False
 
 
 def test_plan_command_unties_gpt_s_output_layer() -> None:

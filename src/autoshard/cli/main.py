@@ -176,37 +176,11 @@ def _planned(job: Any) -> int:
     if job.args.pp != "auto" and opts.replace(pp=None if opts.pp == 1 else opts.pp).staged:
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(job)
-    ahead = _stages_ahead(job)
-    try:
-        return _searched(job, ahead)
-    finally:
-        if ahead is not None:
-            ahead.stop()
+    return _searched(job)
 
 
-def _stages_ahead(job: Any) -> Any:
-    """The search with stages begun in a fork (``cli.stages_ahead``), where the command is
-    this process's own and may need it: no ``--pp`` given (``auto`` compares the two)."""
-    from autoshard.cli.plan_pipeline import pipeline_plan
-    from autoshard.cli.stages_ahead import StagesAhead
-    from autoshard.search.helper import helper_cores
-
-    if not _OWN_PROCESS[0] or job.args.pp is not None or helper_cores() == 0:
-        return None
-
-    def run(json: str | None) -> int:
-        held = argparse.Namespace(**{**vars(job.args), "json": json or job.args.json})
-        return pipeline_plan(dataclasses.replace(job, args=held))
-
-    try:
-        return StagesAhead(run, job.args.json)
-    except OSError:  # no fork here
-        return None
-
-
-def _searched(job: Any, ahead: Any) -> int:
-    """The plan without stages, or with them where none fits without (the fork's, where it
-    searched them ahead)."""
+def _searched(job: Any) -> int:
+    """The plan without stages, or with them where none fits without."""
     import time
 
     from autoshard.cli.plan_pipeline import pipeline_plan
@@ -228,10 +202,7 @@ def _searched(job: Any, ahead: Any) -> int:
             return 3
         print(f"without pipeline stages: {_one_line(err)}", file=sys.stderr)
         print("searching pipeline stages", file=sys.stderr)
-        code = ahead.finish() if ahead is not None else None
-        return pipeline_plan(job) if code is None else code
-    if ahead is not None:  # a plan fits without stages: the fork's is not wanted
-        ahead.stop()
+        return pipeline_plan(job)
     built = build_plan(captured, result, job.spec)
 
     def show() -> int:
@@ -397,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
         # full collection over the millions of objects left (0.37 s after Llama-3-8B's plan)
         if was and not ends:
             gc.enable()
-    _OWN_PROCESS[0] = ends
     try:
         code = args.run(args)
     except _user_errors() as err:
@@ -435,12 +405,6 @@ def _end_process(code: int) -> None:
         except OSError:
             code = code or 1
     os._exit(code)
-
-
-#: whether the command running is this process's own (``python -m autoshard.cli``, the
-#: ``autoshard`` script), not a call of ``main`` from Python: only it forks the search with
-#: stages ahead (``cli.stages_ahead``), whose output it lets out before the process ends
-_OWN_PROCESS = [False]
 
 
 def _one_line(err: BaseException) -> str:

@@ -114,6 +114,8 @@ class CostGraph:
     overlap: list[np.ndarray] = field(default_factory=list)
     window: list[np.ndarray] = field(default_factory=list)
     const_window: float = 0.0
+    #: what its linear relaxations learnt, by memory limit (``solvers.relaxed_bound``)
+    relaxed: dict[float, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def neighbours(self) -> list[list[tuple[int, np.ndarray]]]:
         """Per node: (other node, cost matrix oriented [this, other])."""

@@ -22,7 +22,6 @@ from autoshard.ops import Strategy
 from autoshard.options import SEARCHES
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
-from autoshard.search.ahead import MeshesAhead
 from autoshard.search.costgraph import CostGraph
 from autoshard.search.notes import with_notes
 from autoshard.search.plans import (
@@ -141,7 +140,6 @@ def run_search(
     sequence_parallel: bool = False,
     precision: Precision | None = None,
     tp: int | None = None,
-    then_bare: tuple[int, ...] = (),
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``, or those of
     tensor-parallel degree ``tp``) and ZeRO
@@ -150,9 +148,7 @@ def run_search(
     over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice);
     ``sequence_parallel``: every op split over the tensor-parallel axes where it can be;
     ``precision``: the mixed precision policy a run keeps the parameters under (``og``
-    captured in its compute dtype; the master weights in its resolved ``master``).
-    ``then_bare``: ZeRO stages whose graphs without moves are built after the search, kept
-    in the session for later searches (the pipeline search's helper builds them ahead)."""
+    captured in its compute dtype; the master weights in its resolved ``master``)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
@@ -167,11 +163,8 @@ def run_search(
         priced_as((attention, sequence, sequence_parallel, precision))
         context = options.searching(attention, sequence, sequence_parallel)
         with paused_gc(), context, pricing.priced_under(precision):
-            result = _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
-                                 depth, fixed, zero, step_share, precision)  # fmt: skip
-            for z in then_bare:
-                bare_graphs(og, mesh_list, (z,), cluster, depth, step_share, math.inf)
-            return result
+            return _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
+                               depth, fixed, zero, step_share, precision)  # fmt: skip
 
 
 def _sequence(og: OpGraph, meshes: list[MeshInfo]) -> int | None:
@@ -206,34 +199,32 @@ def _run_search(
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     estimated = _Estimates(og, cluster, precision)
     whole = moves_once(og, cluster, depth, step_share)
-    how = (shapes, levels, depth, step_share)  # (optimal search: a helper shares the work)
-    with MeshesAhead(og, cluster, how, whole, limit, search == "optimal") as ahead:
-        # first each mesh's options without the moves between them (cheap): a lower bound
-        # that orders the meshes (at a tie the higher ZeRO stage first: its optimum may serve
-        # the lower's) and skips those that cannot win before their moves are priced
-        graphs, floors = ahead.bare()
-        ranked = sorted(range(len(meshes)), key=lambda k: _rank(graphs[k], floors[k]))
-        for k in ranked:
-            row: dict[str, Any] = {"mesh": meshes[k].as_dict(), "zero": levels[k % len(levels)]}
-            if graphs[k] is None:  # not built: ZeRO 3 on this mesh does not fit: nothing does
-                tried.append({**row, "skipped": "memory", "least_memory": floors[k]})
-                continue
-            past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
-            graph = whole_within(graphs, k, past, row, ahead.build(k), limit,
-                                 relax=search == "optimal", solved=solved)  # fmt: skip
-            if graph is None:
-                tried.append(row)
-                continue
-            solve = _solver(search, graph, fixed, solved)
-            sol = _fitting(estimated, solve, graph, meshes[k], limit)
-            if sol is None:
-                row["fits"] = False
-            else:
-                row.update(step_s=sol.seconds, memory=sol.memory, solve_s=sol.solve_seconds)
-                found.append((k, sol, row))
-                if best is None or _better(sol, meshes[k], best[1], meshes[best[0]]):
-                    best = (k, sol)
+    # first each mesh's options without the moves between them (cheap): a lower bound
+    # that orders the meshes (at a tie the higher ZeRO stage first: its optimum may serve
+    # the lower's) and skips those that cannot win before their moves are priced
+    graphs, floors = bare_graphs(og, shapes, levels, cluster, depth, step_share, limit)
+    ranked = sorted(range(len(meshes)), key=lambda k: _rank(graphs[k], floors[k]))
+    for k in ranked:
+        row: dict[str, Any] = {"mesh": meshes[k].as_dict(), "zero": levels[k % len(levels)]}
+        if graphs[k] is None:  # not built: ZeRO 3 on this mesh does not fit: nothing does
+            tried.append({**row, "skipped": "memory", "least_memory": floors[k]})
+            continue
+        past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
+        graph = whole_within(graphs, k, past, row, whole, limit,
+                             relax=search == "optimal", solved=solved)  # fmt: skip
+        if graph is None:
             tried.append(row)
+            continue
+        solve = _solver(search, graph, fixed, solved)
+        sol = _fitting(estimated, solve, graph, meshes[k], limit)
+        if sol is None:
+            row["fits"] = False
+        else:
+            row.update(step_s=sol.seconds, memory=sol.memory, solve_s=sol.solve_seconds)
+            found.append((k, sol, row))
+            if best is None or _better(sol, meshes[k], best[1], meshes[best[0]]):
+                best = (k, sol)
+        tried.append(row)
     if best is None:
         built = [k for k, g in enumerate(graphs) if g is not None]
         raise PlanningError(_nothing_fits(og, [graphs[k] for k in built],

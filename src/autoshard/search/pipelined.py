@@ -26,9 +26,8 @@ from autoshard.layout import Layout
 from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
 from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search, size_text
-from autoshard.search.helper import Helper, helper_cores
 from autoshard.search.plans import Plan, PlanningError, staged_json
-from autoshard.search.pruning import adopt, built_for, search_session
+from autoshard.search.pruning import search_session
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,6 @@ def search_pipeline(
     cluster: ClusterSpec,
     opts: Options,
     depth: Any = None,
-    helper: bool | None = None,
 ) -> tuple[PipelinePlan, list[Tried], float]:
     """The fastest pipeline configuration that fits ``opts.memory_limit`` (default the
     cluster's memory): ``opts`` fixes any of ``pp``, ``microbatches``, ``schedule``,
@@ -108,8 +106,6 @@ def search_pipeline(
     the others are searched, each stage plan by ``opts.search`` under its other options.
     ``capture(m)``: the graph of one of ``m`` micro-batches of the ``batch``. Returns the
     plan, every configuration priced and the seconds spent.
-    ``helper``: the first stage search of each later degree runs in a second process
-    (``search.helper``; None: where there is a core for it); the plan is the same.
 
     The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
     recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
@@ -117,13 +113,13 @@ def search_pipeline(
     start = time.perf_counter()
     if opts.memory_limit is not None:
         cluster = dataclasses.replace(cluster, memory_bytes=opts.memory_limit)
-    search = _Search(capture, batch, num_devices, cluster, opts, depth, helper, opts.stage_mesh)
+    search = _Search(capture, batch, num_devices, cluster, opts, depth, opts.stage_mesh)
     return search.run(), search.tried, time.perf_counter() - start
 
 
 @dataclass
 class _Search:
-    """A pipeline search's state: graphs, stage plans, helpers searching ahead, what it priced."""
+    """A pipeline search's state: graphs, stage plans, what it priced."""
 
     capture: Callable[[int], OpGraph]
     batch: int
@@ -131,40 +127,27 @@ class _Search:
     cluster: ClusterSpec
     opts: Options
     depth: Any
-    helper: bool | None
     fixed: Any  # a stage's sub-mesh where the options fix one
     graphs: dict[int, OpGraph] = dataclasses.field(default_factory=dict)
     #: one spec a sub-mesh size: the session's pricing is kept by the spec's id
     subs: dict[int, ClusterSpec] = dataclasses.field(default_factory=dict)
     #: (sub-mesh devices, micro-batch size, ZeRO, limit): the stage plan and its search
     stage_plans: dict[tuple, tuple[Plan, SearchResult]] = dataclasses.field(default_factory=dict)
-    helpers: list[Helper] = dataclasses.field(default_factory=list)
-    #: jobs taken off the helper's list, run here, by job
-    stolen: dict[tuple, tuple[str, Any]] = dataclasses.field(default_factory=dict)
     tried: list[Tried] = dataclasses.field(default_factory=list)
     best: PipelinePlan | None = None
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
     unfit: float = math.inf  # the fastest priced at this ZeRO stage that does not fit
 
     def run(self) -> PipelinePlan:
-        """Coarse, then fine (the helper searching ahead of this process); the best."""
-        opts, fixed, zero = self.opts, self.fixed, self.opts.zero or 0
+        """Coarse, then fine; the best."""
+        opts, fixed = self.opts, self.fixed
         pps = [opts.pp] if opts.pp else _degrees(self)
         within = fixed.num_devices if fixed else (opts.cp or 1) * (opts.tp or 1)  # a stage's
         pps = [pp for pp in pps if (self.num_devices // pp) % within == 0] or [1]  # holds it
-        try:
-            firsts = [(pp, self.counts(pp)[0]) for pp in pps if self.counts(pp)]
-            self.ahead([(pp, m, zero, math.inf) for pp, m in firsts[1:]])
-            for pp, m in firsts:
-                self.price(pp, m)
-                if self.helpers and self.best is not None:
-                    jobs = [(*job, zero, math.inf) for job in self.fine()]
-                    self.helpers[0].offer([job for job in jobs if job not in self.stolen])
-            for pp, m in self.fine():
-                self.price(pp, m)
-        finally:
-            for h in self.helpers:
-                h.stop()
+        for pp, m in [(pp, self.counts(pp)[0]) for pp in pps if self.counts(pp)]:
+            self.price(pp, m)
+        for pp, m in self.fine():
+            self.price(pp, m)
         if self.best is None:
             raise PlanningError(_nothing_fits(self))
         validate(self.best.schedule)
@@ -186,30 +169,6 @@ class _Search:
 
     def sub(self, pp: int) -> ClusterSpec:
         return self.subs.setdefault(pp, cluster_spec(self.cluster, self.num_devices // pp))
-
-    def stage_search(self, job: tuple[int, int, int, float], ahead: bool = False) -> tuple:
-        """The stage plan's search for ``pp`` ranks, ``m`` micro-batches, ``zero`` and
-        ``limit``, and the cost graphs it built (for this process's session, where the
-        helper ran it; ``ahead``: with the graphs without moves of the later ZeRO stages
-        ``price`` may try, which the helper builds ahead)."""
-        pp, m, zero, limit = job
-        levels = [0, 1, 2, 3] if m == 1 else [0, 1, 2]
-        later = tuple(z for z in levels if z > zero) if ahead and self.opts.zero is None else ()
-        og, sub = self.graph(m), self.sub(pp)
-        how = self.opts.search_keywords() | {"zero": zero, "memory_limit": limit}
-        how |= {"depth": self.depth, "mesh": self.fixed, "step_share": 1 / m, "then_bare": later}
-        result = run_search(og, self.num_devices // pp, sub, **how)
-        return result, built_for(og, sub)
-
-    def ahead(self, jobs: list[tuple[int, int, int, float]]) -> None:
-        """The stage searches of ``jobs`` (none run yet) in a helper."""
-        if not jobs or not (self.helper if self.helper is not None else helper_cores() > 0):
-            return
-        run = functools.partial(self.stage_search, ahead=True)
-        try:
-            self.helpers.append(Helper(jobs, run, (PlanningError,)))
-        except (OSError, AssertionError, ValueError):  # no fork here (a daemonic process)
-            pass
 
     def price(self, pp: int, m: int) -> None:
         # ZeRO raised a stage at a time while nothing fits, or while a configuration that does
@@ -246,42 +205,14 @@ class _Search:
             limit, before = tighter, lowest
         return False
 
-    def run_here(self, job: tuple[int, int, int, float]) -> tuple[str, Any]:
-        began = time.perf_counter()
-        try:
-            return "here", self.stage_search(job)[0]
-        except PlanningError as err:
-            return "error", err
-        finally:
-            for h in self.helpers:
-                h.ran_here(time.perf_counter() - began)
-
-    def searched(self, job: tuple[int, int, int, float]) -> tuple[str, Any]:
-        """The stage search of ``job``: ("here", result) where this process ran it, ("ok",
-        (result, graphs built)) where the helper did, ("error", PlanningError). Where the
-        helper runs it (or holds it to run), this process runs the jobs it has not begun,
-        from its last, instead of waiting (their outcomes kept for when they are priced)."""
-        for h in self.helpers:
-            while h.would_wait(job):
-                other = h.steal()
-                if other is None or other == job:
-                    break
-                self.stolen[other] = self.run_here(other)
-        outcome = self.stolen.pop(job, None)
-        outcome = outcome or next(filter(None, (h.take(job) for h in self.helpers)), None)
-        return outcome or self.run_here(job)
-
     def stage_plan(self, pp: int, m: int, zero: int, limit: float) -> tuple[Plan, SearchResult]:
         """The stage plan for ``pp`` ranks, ``m`` micro-batches, ``zero``, ``limit``, once."""
         key = (self.num_devices // pp, self.batch // m, zero, limit)
         if key not in self.stage_plans:
             og, sub = self.graph(m), self.sub(pp)
-            outcome = self.searched((pp, m, zero, limit))
-            if outcome[0] == "error":
-                raise outcome[1]
-            result, built = outcome[1] if outcome[0] == "ok" else (outcome[1], None)
-            if built is not None:
-                adopt(og, sub, built)
+            how = self.opts.search_keywords() | {"zero": zero, "memory_limit": limit}
+            how |= {"depth": self.depth, "mesh": self.fixed, "step_share": 1 / m}
+            result = run_search(og, self.num_devices // pp, sub, **how)
             self.stage_plans[key] = (build_plan(og, result, sub), result)
         return self.stage_plans[key]
 

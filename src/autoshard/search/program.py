@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from autoshard.search.costgraph import CostGraph
+from autoshard.search.state import cache
 
 #: the objective's unit, microseconds: its coefficients stay near 1, and HiGHS's tolerances
 #: (1e-6 absolute gap, 1e-7 feasibility) stay below the nanoseconds plans can differ by
@@ -140,22 +140,18 @@ class Program:
             )
 
 
-#: each move matrix's classes (``_classes``), kept while the matrix lives: a mesh's moves are
-#: shared by the programs of its ZeRO stages and memory limits; id -> (weak reference, classes)
-_CLASSES: dict[int, tuple[weakref.ref, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-
-
 def _classes(m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A move matrix by classes: each row's class, each column's, and the matrix of the
-    classes (rows equal in every entry are one class; columns so too)."""
-    key = id(m)
-    kept = _CLASSES.get(key)
-    if kept is not None and kept[0]() is m:
+    classes (rows equal in every entry are one class; columns so too). Found once a search
+    for each matrix (a mesh's moves are shared by the programs of its ZeRO stages and memory
+    limits), which the search's cache keeps alive with them."""
+    kept = cache("classes").get(id(m))
+    if kept is not None and kept[0] is m:
         return kept[1]
     row_of, firsts = _first_of_equal(m)
     col_of, col_firsts = _first_of_equal(np.ascontiguousarray(m[firsts].T))
     out = (row_of, col_of, m[np.ix_(firsts, col_firsts)])
-    _CLASSES[key] = (weakref.ref(m, lambda _: _CLASSES.pop(key, None)), out)
+    cache("classes")[id(m)] = (m, out)
     return out
 
 
@@ -233,8 +229,7 @@ def solve_program(program: Program, c: np.ndarray, a: Any, integral: bool) -> So
         highs = highspy.Highs()
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("mip_rel_gap", 1e-9)
-        # one thread: no worker threads a fork (the pipeline search's helper) would lack;
-        # these programs gained nothing from more
+        # one thread: these programs gained nothing from more
         highs.setOptionValue("threads", 1)
         # Presolve shrinks these programs little and took most of a relaxation's time (a
         # fifth without it); a restart after the root's presolve rounds, a third of a hard

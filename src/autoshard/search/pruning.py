@@ -59,39 +59,6 @@ def bare_graph(
     return under_way.bare[key][1]
 
 
-def built_for(
-    og: OpGraph, cluster: ClusterSpec, mesh: MeshInfo | None = None, bare: bool = True
-) -> tuple[Any, list, list]:
-    """What the session built for ``og`` on ``cluster`` (on ``mesh`` only, if given; its
-    moves only, without ``bare``): its pricing context, and each bare graph and mesh's moves
-    under the rest of its key (``adopt`` takes them in another process, where ``og`` and
-    ``cluster`` are copies at other ids)."""
-    under_way = state()
-
-    def mine(key: tuple) -> bool:
-        return (key[0], key[2]) == (id(og), id(cluster)) and mesh in (None, key[1])
-
-    graphs = [(key[1], *key[3:], graph) for key, (_, graph) in under_way.bare.items()
-              if bare and mine(key)]  # fmt: skip
-    moves = [(key[1], key[3], made) for key, (_, made) in under_way.moves.items() if mine(key)]
-    return under_way.priced_as, graphs, moves
-
-
-def adopt(og: OpGraph, cluster: ClusterSpec, built: tuple[Any, list, list]) -> None:
-    """``built_for``'s graphs (built for a copy of ``og`` and ``cluster``) kept as if built
-    here, where this session prices under the same context (one that prices otherwise
-    forgets them as it would its own)."""
-    under_way = state()
-    context, bare, moves = built
-    priced_as(context)
-    for mesh, depth, zero, share, graph in bare:
-        under_way.bare.setdefault(
-            (id(og), mesh, id(cluster), depth, zero, share), ((og, cluster), graph)
-        )
-    for mesh, depth, made in moves:
-        under_way.moves.setdefault((id(og), mesh, id(cluster), depth), ((og, cluster), made))
-
-
 def bare_graphs(
     og: OpGraph,
     shapes: list[MeshInfo],
@@ -230,10 +197,8 @@ def whole_within(
 
 
 __all__ = [
-    "adopt",
     "alike",
     "bare_graph",
-    "built_for",
     "bare_graphs",
     "least_memory",
     "moves_once",

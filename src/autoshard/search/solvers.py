@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,17 +41,12 @@ class _Relaxed:
     optimum: Solution | None  # the integer optimum, where the relaxation proved it
 
 
-#: what ``relaxed_bound`` found: id(graph) -> (a weak reference to it, {memory limit: what it
-#: learnt}); the weak reference tells a graph from a later one at its id
-_RELAXED: dict[int, tuple[weakref.ref, dict[float, _Relaxed]]] = {}
-
-
 def solve_optimal(graph: CostGraph, memory_limit: float = math.inf) -> Solution | None:
     """The exact optimum of the cost graph under the memory limit (None when nothing fits):
     the one ``relaxed_bound`` proved on its way where it did, else the integer program's, on
     the options its relaxation leaves in the running where it was solved (``_in_the_running``)."""
     start = time.perf_counter()
-    learnt = relaxed_learnt(graph)
+    learnt = graph.relaxed
     proved = learnt.get(memory_limit)
     if proved is not None and proved.optimum is not None:
         sol = proved.optimum
@@ -86,8 +80,8 @@ def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
     """No plan on this mesh under the memory limit is faster (seconds; infinity when none
     fits): the integer program's linear relaxation, a tenth of the integer solve or less and
     far tighter than ``lower_bound``, since it keeps the moves' marginals and the limit.
-    Solved once a graph and limit (or learnt from a helper: ``learn_relaxed``)."""
-    known = relaxed_learnt(graph).get(memory_limit)
+    Solved once a graph and limit."""
+    known = graph.relaxed.get(memory_limit)
     if known is not None:
         return graph.const_time + known.bound / SCALE
     start = time.perf_counter()
@@ -98,31 +92,16 @@ def relaxed_bound(graph: CostGraph, memory_limit: float = math.inf) -> float:
     bound = graph.const_time + float(result.fun) / SCALE
     optimum = _if_optimal(graph, memory_limit, program, result.x, bound, start)
     n = program.num_x
-    learn_relaxed(
-        graph, memory_limit, _Relaxed(float(result.fun), result.x[:n], result.reduced[:n], optimum)
+    graph.relaxed[memory_limit] = _Relaxed(
+        float(result.fun), result.x[:n], result.reduced[:n], optimum
     )
     return bound
-
-
-def relaxed_learnt(graph: CostGraph) -> dict[float, _Relaxed]:
-    """What the relaxations of ``graph`` solved so far learnt, by memory limit."""
-    learnt = _RELAXED.get(id(graph))
-    return learnt[1] if learnt is not None and learnt[0]() is graph else {}
-
-
-def learn_relaxed(graph: CostGraph, memory_limit: float, relaxed: _Relaxed) -> None:
-    """``graph``'s relaxation under ``memory_limit`` is ``relaxed`` (solved here, or by a
-    helper on a graph equal to it)."""
-    key = id(graph)
-    if key not in _RELAXED or _RELAXED[key][0]() is not graph:
-        _RELAXED[key] = (weakref.ref(graph, lambda _: _RELAXED.pop(key, None)), {})
-    _RELAXED[key][1][memory_limit] = relaxed
 
 
 def relaxed_known(graph: CostGraph, memory_limit: float) -> float | None:
     """The bound a relaxation of ``graph`` already solved under ``memory_limit`` or more room
     gives under ``memory_limit`` (None: none was solved)."""
-    bounds = [r.bound for limit, r in relaxed_learnt(graph).items() if limit >= memory_limit]
+    bounds = [r.bound for limit, r in graph.relaxed.items() if limit >= memory_limit]
     return graph.const_time + max(bounds) / SCALE if bounds else None
 
 
