@@ -822,6 +822,38 @@ def test_a_mesh_whose_zero_3_does_not_fit_is_not_built_at_other_stages(monkeypat
         driver.run_search(captured, 32, cluster, memory_limit=limit, mesh=mesh)
 
 
+def test_a_mesh_s_moves_are_priced_once_from_its_graph_without_them(monkeypatch) -> None:
+    """A search prices each mesh's moves once, from the regions its graph without moves
+    priced (no second build of the graph), for every ZeRO stage it solves; the graphs with
+    them are the ones ``build_cost_graph`` gives, and the plan the same."""
+    from autoshard.search.costgraph import _Builder
+
+    captured = _meta_model("llama", 16, 256, 128)[2]
+    cluster = cluster_spec("dgx-h100", 16)
+    moved, built = [], []
+    monkeypatch.setattr(_Builder, "tied_parameters", _counted(_Builder.tied_parameters, moved))
+    monkeypatch.setattr(_Builder, "__init__", _counted(_Builder.__init__, built))
+    result = driver.run_search(captured, 16, cluster)
+    meshes = {row["mesh"]["tp"] for row in result.tried if "bound_s" in row}
+    solved = {row["mesh"]["tp"] for row in result.tried if "step_s" in row}
+    assert len(built) == len(driver.mesh_shapes(16, cluster)), built  # one build a mesh
+    assert solved and 1 <= len(moved) <= len(meshes), (moved, meshes)  # at most once a mesh
+    alone = build_cost_graph(captured, result.mesh, cluster, zero=result.graph.zero)
+    assert alone.edges.keys() == result.graph.edges.keys()
+    for a, b in zip(alone.unary, result.graph.unary, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    for key, m in alone.edges.items():
+        np.testing.assert_array_equal(m, result.graph.edges[key])
+
+
+def _counted(method, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(args[:1])
+        return method(self, *args, **kwargs)
+
+    return counted
+
+
 def test_the_plan_reads_the_estimate_the_search_made_as_made_afresh() -> None:
     """The search's finalists and ZeRO 2-3 solutions are estimated once (``_Estimates``); the
     chosen one's estimate rides on the result to ``build_plan``, which gives the same plan,

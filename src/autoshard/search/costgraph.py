@@ -193,6 +193,7 @@ class _Builder:
         self.overlap = [np.zeros(len(o)) for o in self.opts]
         self.window = [np.zeros(len(o)) for o in self.opts]
         self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.diagonal = [np.zeros(len(o)) for o in self.opts]  # moves within a representative
         self.weights = [0.0 for _ in self.reps]
         # Weight-like values have one layout whatever the plan (as the planner gives them).
         self.const_layout, self.owner = pricing.weight_layouts(graph, self.weight, mesh)
@@ -270,7 +271,7 @@ class _Builder:
     def add_edge(self, u: fx.Node, v: fx.Node, mat: np.ndarray) -> None:
         i, j = self.index[self.rep.get(u, u)], self.index[self.rep.get(v, v)]
         if i == j:
-            self.unary[i] += np.diag(mat)
+            self.diagonal[i] += np.diag(mat)
         elif i < j:
             self.edges[(i, j)] = self.edges.get((i, j), 0) + mat
         else:
@@ -306,19 +307,14 @@ class _Builder:
         return seconds, bucketed, owned
 
     def decision_node(self, node: fx.Node) -> float:
-        """Add a decision node's region under each option, and the edges to the decision nodes
-        that consume its values; returns its model FLOPs."""
+        """Add a decision node's region under each option; returns its model FLOPs."""
         r = self.index[self.rep.get(node, node)]
         k = self.scale([node])
         own = self.og[node].flops
         follow = [self.og[f].flops for f in self.followers[node]]
         self.weights[r] += k * (own + sum(follow))
-        region_opts = options(node, self.mesh)
-        edge_terms: dict[fx.Node, np.ndarray] = {}
-        for s, opt in enumerate(region_opts):
-            seconds, mem, values, (bucketed, backward), owned = self.region.price(
-                node, opt.strategy
-            )
+        for s, opt in enumerate(options(node, self.mesh)):
+            seconds, mem, _, (bucketed, backward), owned = self.region.price(node, opt.strategy)
             if node.op == "call_function":
                 seconds, own_bucketed, mine = self.own_inputs(node, opt.strategy, seconds)
                 bucketed, owned = bucketed + own_bucketed, owned + tuple(mine)
@@ -328,7 +324,15 @@ class _Builder:
             self.memory[r][s] += k * mem
             self.overlap[r][s] += k * bucketed
             self.window[r][s] += k * backward
-            for value, layout in values.items() if self.with_edges else ():
+        return k * own + sum(k * f for f in follow)
+
+    def moves(self, node: fx.Node) -> None:
+        """Add the edges from a decision node to the decision nodes that consume its values
+        (the layouts of its region's values are its options' prices, made already)."""
+        region_opts = options(node, self.mesh)
+        edge_terms: dict[fx.Node, np.ndarray] = {}
+        for s, opt in enumerate(region_opts):
+            for value, layout in self.region.price(node, opt.strategy).values.items():
                 for user in value.users:
                     if user not in self.decision or user is node:
                         continue
@@ -339,7 +343,6 @@ class _Builder:
                         mat[s] += pricing.edge_row(value, layout, user, i, self.mesh, self.cluster)
         for user, mat in edge_terms.items():
             self.add_edge(node, user, mat * self.scale([node, user]))
-        return k * own + sum(k * f for f in follow)
 
     def tied_parameters(self) -> None:
         """Parameters shared by two decision nodes (tied weights): an edge between their owners."""
@@ -369,7 +372,7 @@ def _empty(rows: int, user: fx.Node, mesh: MeshInfo) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Moves:
-    """What ``build_cost_graph`` adds with ``edges=True`` over ``edges=False``: the moves
+    """What ``ByZero.moves`` adds to a graph priced without them: the moves
     between decision nodes' options, which depend on the mesh and not on the ZeRO stage
     (the parameters' layouts are the options' own), so one mesh's serve all its stages."""
 
@@ -379,12 +382,6 @@ class Moves:
     diagonal: list[np.ndarray]
 
 
-def moves_of(whole: CostGraph, bare: CostGraph) -> Moves:
-    """The moves of ``whole``, the graph ``bare`` is with its moves."""
-    diagonal = [w - b for w, b in zip(whole.unary, bare.unary, strict=True)]
-    return Moves(whole.edges, diagonal)
-
-
 def with_moves(bare: CostGraph, moves: Moves) -> CostGraph:
     """``bare`` (built with ``edges=False``) with a mesh's ``moves``, as if built with them."""
     unary = [u + d for u, d in zip(bare.unary, moves.diagonal, strict=True)]
@@ -392,11 +389,20 @@ def with_moves(bare: CostGraph, moves: Moves) -> CostGraph:
 
 
 def build_cost_graph(
-    og: OpGraph, mesh: MeshInfo, cluster: ClusterSpec, *, zero: int = 0, **how: Any
+    og: OpGraph,
+    mesh: MeshInfo,
+    cluster: ClusterSpec,
+    *,
+    zero: int = 0,
+    edges: bool = True,
+    **how: Any,
 ) -> CostGraph:
     """The cost graph of ``og`` on ``mesh`` with its parameters at ZeRO stage ``zero``
-    (docs/zero.md); ``how``: ``cost_graphs``'s keywords."""
-    return cost_graphs(og, mesh, cluster, **how).at(zero)
+    (docs/zero.md); ``how``: ``cost_graphs``'s keywords. ``edges=False``: the options' own
+    costs only, without the moves between them (most of the pricing; a lower bound still
+    holds, since moves cost nothing less than zero)."""
+    priced = cost_graphs(og, mesh, cluster, **how)
+    return with_moves(priced.at(zero), priced.moves()) if edges else priced.at(zero)
 
 
 def cost_graphs(
@@ -408,23 +414,17 @@ def cost_graphs(
     group_layers: bool = True,
     optimizer_states: int = ADAM_STATES,
     step_share: float = 1.0,
-    edges: bool = True,
 ) -> ByZero:
     """The cost graph of ``og`` on ``mesh`` at every ZeRO stage (``ByZero.at``), priced
-    once but for the parameters' terms. ``depth`` prices a repeated block list as if it held
-    more blocks than were captured (``{"layers": 80}`` with two blocks captured).
-    ``step_share``: the weight of what runs once a step (parameters' gradient sums, the
-    optimizer) against what runs once a batch: ``1 / microbatches`` for a pipeline stage's
-    micro-batch. ``edges=False``: the options' own costs only, without the moves between them
-    (most of the pricing; a lower bound still holds, since moves cost nothing less than
-    zero)."""
+    once but for the parameters' terms, and without the moves between the options
+    (``ByZero.moves``). ``depth`` prices a repeated block list as if it held more blocks
+    than were captured (``{"layers": 80}`` with two blocks captured). ``step_share``: the
+    weight of what runs once a step (parameters' gradient sums, the optimizer) against
+    what runs once a batch: ``1 / microbatches`` for a pipeline stage's micro-batch."""
     start = time.perf_counter()
     b = _Builder(og, mesh, cluster, depth, group_layers, optimizer_states, step_share)
-    b.with_edges = edges
     constants = b.constants()
     flops = sum(b.decision_node(node) for node in b.order)
-    if edges:
-        b.tied_parameters()
     return ByZero(b, constants, flops, time.perf_counter() - start)
 
 
@@ -436,8 +436,22 @@ class ByZero:
         self, b: _Builder, constants: tuple[float, float, float], flops: float, seconds: float
     ) -> None:
         self.b, self.constants, self.flops, self.seconds = b, constants, flops, seconds
+        self.made: Moves | None = None
+
+    def moves(self) -> Moves:
+        """The moves between the options, priced once (``with_moves`` adds them to a graph
+        ``at`` makes: they are the same at every ZeRO stage)."""
+        if self.made is None:
+            start, b = time.perf_counter(), self.b
+            for node in b.order:
+                b.moves(node)
+            b.tied_parameters()
+            self.made = Moves(b.edges, b.diagonal)
+            self.seconds += time.perf_counter() - start
+        return self.made
 
     def at(self, zero: int) -> CostGraph:
+        """The graph at ZeRO stage ``zero``, without its moves (``with_moves`` adds them)."""
         start, b = time.perf_counter(), self.b
         seconds, memory, bucketed = b.params.at(zero, b.offsets[-1])
         cuts = b.offsets[1:-1]
@@ -454,7 +468,7 @@ class ByZero:
             options=b.opts,
             unary=[u + x for u, x in zip(b.unary, np.split(seconds, cuts), strict=True)],
             memory=[m + x for m, x in zip(b.memory, np.split(memory, cuts), strict=True)],
-            edges=dict(b.edges),
+            edges={},
             weight=b.weights,
             instances={n.name: b.rep.get(n, n).name for n in b.order},
             const_time=const_time,
@@ -475,6 +489,5 @@ __all__ = [
     "Moves",
     "build_cost_graph",
     "cost_graphs",
-    "moves_of",
     "with_moves",
 ]

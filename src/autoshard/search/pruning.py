@@ -15,9 +15,7 @@ from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.search.costgraph import (
     CostGraph,
-    build_cost_graph,
     cost_graphs,
-    moves_of,
     with_moves,
 )
 from autoshard.search.solvers import Solution, lower_bound, relaxed_bound, relaxed_known
@@ -53,7 +51,7 @@ def bare_graph(
     if key not in under_way.bare:
         stages = (id(og), mesh, id(cluster), _items(depth), step_share)
         if stages not in under_way.priced:
-            priced = cost_graphs(og, mesh, cluster, depth=depth, step_share=step_share, edges=False)
+            priced = cost_graphs(og, mesh, cluster, depth=depth, step_share=step_share)
             under_way.priced[stages] = ((og, cluster), priced)
         under_way.bare[key] = ((og, cluster), under_way.priced[stages][1].at(zero))
     return under_way.bare[key][1]
@@ -100,11 +98,9 @@ def moves_once(
     def whole(bare: CostGraph) -> CostGraph:
         under_way = state()
         key = (id(og), bare.mesh, id(cluster), _items(depth))
-        if key not in under_way.moves:
-            built = build_cost_graph(
-                og, bare.mesh, cluster, depth=depth, zero=bare.zero, step_share=step_share
-            )
-            under_way.moves[key] = ((og, cluster), moves_of(built, bare))
+        if key not in under_way.moves:  # (the bare graph's pricing holds what they need)
+            priced = under_way.priced[(*key, step_share)][1]
+            under_way.moves[key] = ((og, cluster), priced.moves())
         return with_moves(bare, under_way.moves[key][1])
 
     return whole
