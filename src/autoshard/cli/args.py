@@ -129,14 +129,18 @@ def build_parser(
     cal = command("calibrate", "measure this machine into a cluster spec JSON")
     cal.add_argument("--out", default="cluster.json", help="where to write the cluster spec")
     cal.add_argument(
-        "--ranks", type=int, default=None,
+        "--ranks",
+        type=int,
+        default=None,
         help="local ranks to time collectives on (CPU: 2; CUDA: every GPU here)",
-    )  # fmt: skip
+    )
     cal.add_argument("--threads", type=int, default=1, help="threads per CPU rank")
     cal.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
         help="what to measure: CPU ranks over gloo, or GPUs over NCCL (auto: CUDA where present)",
-    )  # fmt: skip
+    )
     return parser
 
 

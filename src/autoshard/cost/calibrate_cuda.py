@@ -191,9 +191,10 @@ def measure_nccl(device: torch.device) -> dict[str, Any]:
     group = dist.new_group(list(range(world)), backend="nccl")
     dist.barrier(group=group, device_ids=[device.index])
     times = {
-        "all_reduce": [cuda_time(_collective("all_reduce", n, world, group, device))
-                       for n in CUDA_COMM_SIZES],
-    }  # fmt: skip
+        "all_reduce": [
+            cuda_time(_collective("all_reduce", n, world, group, device)) for n in CUDA_COMM_SIZES
+        ],
+    }
     for kind in KINDS:
         times[kind] = [
             cuda_time(_collective(kind, n, world, group, device)) for n in CUDA_KIND_SIZES
@@ -223,32 +224,44 @@ def cuda_spec(per_rank: list[dict[str, Any]], ranks: int, name: str) -> ClusterS
         return statistics.median(float(r[key]) for r in per_rank)
 
     curves = [r["matmul_efficiency"] for r in per_rank]
-    curve = [[size, statistics.median(c[i][1] for c in curves)] for i, (size, _) in
-             enumerate(curves[0])]  # fmt: skip
+    curve = [
+        [size, statistics.median(c[i][1] for c in curves)] for i, (size, _) in enumerate(curves[0])
+    ]
     shares = [statistics.median(r["attention_efficiency"][i] for r in per_rank) for i in (0, 1)]
     nccl = per_rank[0].get("nccl")
     factors: dict[str, float] = {}
     if nccl:
-        link = fit_all_reduce([(ranks, n, t) for n, t in
-                               zip(CUDA_COMM_SIZES, nccl["all_reduce"], strict=True)])  # fmt: skip
+        link = fit_all_reduce(
+            [(ranks, n, t) for n, t in zip(CUDA_COMM_SIZES, nccl["all_reduce"], strict=True)]
+        )
         kinds = {k: v for k, v in nccl.items() if k in KINDS}
         factors = kind_factors(kinds, ranks, link["latency"], link["bandwidth"], CUDA_KIND_SIZES)
     else:  # one device: nothing between devices to measure
         link = {"latency": 5e-6, "bandwidth": 1e11}
     return ClusterSpec(
-        name=name, nodes=1, devices_per_node=ranks,
+        name=name,
+        nodes=1,
+        devices_per_node=ranks,
         flops={k: median(k) for k in ("bfloat16", "float16", "float32")},
         memory_bytes=min(r["memory_bytes"] for r in per_rank),
         memory_bandwidth=median("memory_bandwidth"),
-        intra_bandwidth=link["bandwidth"], intra_latency=link["latency"],
-        inter_bandwidth=link["bandwidth"], inter_latency=link["latency"],
-        op_overhead=median("op_overhead"), optimizer_passes=median("optimizer_passes"),
-        matmul_efficiency=curve, attention_efficiency=shares,
+        intra_bandwidth=link["bandwidth"],
+        intra_latency=link["latency"],
+        inter_bandwidth=link["bandwidth"],
+        inter_latency=link["latency"],
+        op_overhead=median("op_overhead"),
+        optimizer_passes=median("optimizer_passes"),
+        matmul_efficiency=curve,
+        attention_efficiency=shares,
         grouped_mm_efficiency=median("grouped_mm_efficiency"),
         collective_factors=factors,
-        extra={"device": "cuda", "attention_kernel": per_rank[0]["attention_kernel"],
-               "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "nccl": nccl or {}},
-    )  # fmt: skip
+        extra={
+            "device": "cuda",
+            "attention_kernel": per_rank[0]["attention_kernel"],
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "nccl": nccl or {},
+        },
+    )
 
 
 def calibrate_cuda(ranks: int = 1, name: str = "calibrated") -> ClusterSpec:

@@ -105,9 +105,14 @@ def _no_rng(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _cuda_forward(
-    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
     bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     aten = torch.ops.aten
     if name == "flash":
@@ -126,9 +131,17 @@ def _cuda_forward(
 
 
 def _cuda_backward(
-    name: str, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    name: str,
+    g: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
     q, k, v, out, g = (_aligned(t) for t in (q, k, v, out, g))
     aten, (seed, offset) = torch.ops.aten, _no_rng(q)
     rows, keys = q.shape[-2], k.shape[-2]
@@ -139,15 +152,40 @@ def _cuda_backward(
         )
     if name == "cudnn":
         return aten._scaled_dot_product_cudnn_attention_backward(
-            g, q, k, v, out, lse.unsqueeze(-1), seed, offset, bias, None, None, rows, keys,
-            0.0, causal, scale=scale,
-        )  # fmt: skip
+            g,
+            q,
+            k,
+            v,
+            out,
+            lse.unsqueeze(-1),
+            seed,
+            offset,
+            bias,
+            None,
+            None,
+            rows,
+            keys,
+            0.0,
+            causal,
+            scale=scale,
+        )
     padded = lse.new_zeros((*lse.shape[:-1], math.ceil(rows / 32) * 32))
     padded[..., :rows] = lse
     return aten._scaled_dot_product_efficient_attention_backward(
-        g, q, k, v, bias, out, padded, seed, offset, 0.0, (True, True, True, False), causal,
+        g,
+        q,
+        k,
+        v,
+        bias,
+        out,
+        padded,
+        seed,
+        offset,
+        0.0,
+        (True, True, True, False),
+        causal,
         scale=scale,
-    )[:3]  # fmt: skip
+    )[:3]
 
 
 def pair_forward(
@@ -177,9 +215,16 @@ def pair_forward(
 
 
 def _explicit_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool,
-    mask: torch.Tensor | None, cols: slice, rows: slice, acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+    mask: torch.Tensor | None,
+    cols: slice,
+    rows: slice,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = _grouped(k, q), _grouped(v, q)
     s = scores(q.to(acc), k.to(acc), scale, diagonal, mask, cols, rows)
     top = s.amax(dim=-1)
@@ -236,10 +281,19 @@ def pair_backward(
 
 
 def _explicit_backward(
-    g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None, cols: slice,
-    rows: slice, acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    g: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+    mask: torch.Tensor | None,
+    cols: slice,
+    rows: slice,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qa, ga = q.to(acc), g.to(acc)
     ka, va = _grouped(k, q).to(acc), _grouped(v, q).to(acc)
     s = scores(qa, ka, scale, diagonal, mask, cols, rows)
