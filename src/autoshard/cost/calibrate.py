@@ -120,16 +120,10 @@ def measure_compute(threads: int = 1) -> dict[str, Any]:
     seconds = _median_time(lambda: dst.copy_(big), reps=9)
     bandwidth = 2 * big.numel() * 4 / seconds
     out["memory_bandwidth"] = bandwidth
-    x = torch.ones(4, requires_grad=True)
-    ops = 50
+    from autoshard.cost.calibrate_cuda import kernel_overhead
 
-    def chain() -> None:
-        y = x
-        for _ in range(ops):
-            y = y * 1.0001
-        y.sum().backward()
-
-    overhead = _median_time(chain, reps=15) / (2 * ops)
+    cpu = torch.device("cpu")
+    overhead = kernel_overhead(cpu, lambda chain: _median_time(chain, reps=15))
     out["op_overhead"] = overhead
     # A model's parameters: several tensors of a few MiB, stepped one after the other.
     params = [torch.nn.Parameter(torch.zeros(2**19)) for _ in range(8)]  # 8 x 2 MiB

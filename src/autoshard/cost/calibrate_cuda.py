@@ -131,7 +131,7 @@ def measure_device(device: torch.device) -> dict[str, Any]:
     )
     out["memory_bytes"] = float(torch.cuda.mem_get_info(device)[1])
     out["memory_bandwidth"] = _bandwidth(device)
-    out["op_overhead"] = _overhead(device)
+    out["op_overhead"] = kernel_overhead(device, cuda_time)
     out["optimizer_passes"] = _adamw_passes(device, out["memory_bandwidth"])
     return out
 
@@ -144,8 +144,9 @@ def _bandwidth(device: torch.device) -> float:
     return 2 * big.numel() * 2 / cuda_time(lambda: dst.copy_(big))
 
 
-def _overhead(device: torch.device) -> float:
-    """Seconds a small kernel costs beyond its work, through autograd (forward and backward)."""
+def kernel_overhead(device: torch.device, timed: Callable[[Callable[[], None]], float]) -> float:
+    """Seconds a small kernel costs beyond its work, through autograd (forward and backward),
+    by ``timed`` (the CPU's median of repeats, or CUDA's events)."""
     x = torch.ones(4, device=device, requires_grad=True)
     ops = 50
 
@@ -155,7 +156,7 @@ def _overhead(device: torch.device) -> float:
             y = y * 1.0001
         y.sum().backward()
 
-    return cuda_time(chain) / (2 * ops)
+    return timed(chain) / (2 * ops)
 
 
 def _adamw_passes(device: torch.device, bandwidth: float) -> float:
