@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from autoshard.models.dlrm import DLRM, DLRMConfig
 from autoshard.models.gpt import GPT, GPTConfig
 from autoshard.models.llama import Llama, LlamaConfig
 from autoshard.models.mlp import MLP, MLPConfig
@@ -69,16 +70,36 @@ REFERENCE_MODELS: dict[str, tuple[type[nn.Module], type, dict[str, str], dict]] 
         {"layers": "num_layers", "hidden": "in_features", "ffn": "hidden", "vocab": "out_features"},
         {"hidden": ("in_features", 4)},
     ),
+    "dlrm": (
+        DLRM,
+        DLRMConfig,
+        {"rows": "num_rows", "tables": "num_tables", "hidden": "hidden", "dim": "embedding_dim"},
+        {},
+    ),
 }
 
 
 #: the sizes any reference model may be given (one it has no use for is ignored)
-SIZES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "experts", "top_k")
+SIZES = (
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "ffn",
+    "vocab",
+    "seq",
+    "experts",
+    "top_k",
+    "rows",
+    "tables",
+    "dim",
+)
 
 
 def reference_config(name: str, **sizes: Any) -> Any:
     """The config of reference model ``name`` with the given sizes (``layers``, ``hidden``,
-    ``heads``, ``kv_heads``, ``ffn``, ``vocab``, ``seq``, ``experts``, ``top_k``; None keeps the
+    ``heads``, ``kv_heads``, ``ffn``, ``vocab``, ``seq``, ``experts``, ``top_k``; for ``dlrm``
+    ``rows``, ``tables`` and ``dim`` of its embedding tables; None keeps the
     default; a size the model has no use for is ignored) or config fields given by their own
     names."""
     if name not in REFERENCE_MODELS:
@@ -110,6 +131,8 @@ def build(config: Any) -> nn.Module:
 
 
 __all__ = [
+    "DLRM",
+    "DLRMConfig",
     "GPT",
     "MLP",
     "REFERENCE_MODELS",
