@@ -38,6 +38,7 @@ __all__ = [
     "counting",
     "in_flight",
     "leave",
+    "make_groups",
     "Posted",
     "post_exchange",
     "post_p2p",
@@ -134,6 +135,22 @@ def _group(ranks: Sequence[int]) -> object:
         with watch.waiting(watch.issued("new_group", key)):  # its members meet in the store
             _groups[key] = dist.new_group(list(key), use_local_synchronization=True)
     return _groups[key]
+
+
+def make_groups(groups: Sequence[Sequence[int]]) -> None:
+    """Make ``groups`` now, every rank of the world calling this with the same list. A group
+    made on first use is named by its members and the count of groups each member made before
+    it, so members must meet it having made equally many; ranks whose groups are used in an
+    order no schedule fixes (a parameter server's pairs of a worker and a server) make them
+    all at once here instead."""
+    for ranks in groups:
+        key = tuple(sorted(ranks))
+        if key in _groups or key == tuple(range(dist.get_world_size())):
+            continue
+        with watch.waiting(watch.issued("new_group", tuple(range(dist.get_world_size())))):
+            group = dist.new_group(list(key))
+        if dist.get_rank() in key:
+            _groups[key] = group
 
 
 def leave() -> None:
