@@ -38,7 +38,7 @@ TOP = len(LAYERS)  # autoshard/__init__.py: the public surface over everything
 
 #: a package's rooms (sub-packages), bottom first: a room imports the faces (``__init__``) of
 #: the rooms before it, never their modules, never a room after it
-ROOMS = {"runtime": ("state", "program", "pipeline", "entry")}
+ROOMS = {"runtime": ("state", "program", "ps", "pipeline", "entry")}
 
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60

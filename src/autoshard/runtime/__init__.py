@@ -1,7 +1,8 @@
 """The runtime, in rooms whose faces the others use (docs/architecture.md): ``state``
 (checkpoints, models built on meta), ``program`` (the one-program module with its buckets,
-ZeRO and replicas), ``pipeline`` (stages and the executor of their schedule) and ``entry``
-(``parallelize`` and its plans), each room importing only the faces of those before it."""
+ZeRO and replicas), ``ps`` (parameter servers, ``autoshard.ps``), ``pipeline`` (stages
+and the executor of their schedule) and ``entry`` (``parallelize`` and its plans), each room
+importing only the faces of those before it."""
 
 from autoshard.runtime.entry import PlanMismatchError, check_plan_fits, parallelize
 from autoshard.runtime.program import (

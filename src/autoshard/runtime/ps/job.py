@@ -1,0 +1,151 @@
+"""A parameter-server job's roles, its settings, and its bookkeeping in the job's store.
+
+Ranks ``0 .. servers-1`` are servers, the rest workers. What a scheduler would do is done in
+the process group's store: each server announces the rows it holds, each request a worker makes
+of a server is a numbered entry of that server's queue, each step a server has applied is a key
+a worker can wait for, and a role that fails writes what failed, so that the others stop with
+its name instead of waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from autoshard import comm
+from autoshard.devices import rank_device
+
+__all__ = ["TABLE_OPTIMIZERS", "Job", "PSConfig", "PSError", "row_ranges"]
+
+#: the optimizers servers apply to the rows they hold (``torch.optim``'s, sparse-aware)
+TABLE_OPTIMIZERS = ("adagrad", "sgd")
+#: a wait in the store looks again after this pause, doubled each time up to the last
+_FIRST_PAUSE_S = 0.0005
+_LAST_PAUSE_S = 0.02
+
+_runs = 0  # jobs started in this process group: each gets its own keys
+
+
+class PSError(RuntimeError):
+    """A role of the job failed or stopped answering; the message names it."""
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """A parameter-server job: ``servers`` ranks hold the tables, the others are workers.
+    ``staleness`` None is synchronous (every worker's step sees the same table version: one
+    device's training); an integer k lets a worker run at most k steps ahead of the oldest
+    update its rows include, the servers applying each worker's rows as they come."""
+
+    servers: int
+    staleness: int | None = None
+    table_optimizer: str = "adagrad"
+    table_lr: float = 0.1
+    dense_lr: float = 1e-3
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.servers < 1:
+            raise ValueError(f"servers must be at least 1, got {self.servers}")
+        if self.staleness is not None and self.staleness < 0:
+            raise ValueError(
+                f"staleness must be None or a count of steps >= 0, got {self.staleness}"
+            )
+        if self.table_optimizer not in TABLE_OPTIMIZERS:
+            raise ValueError(
+                f"table_optimizer {self.table_optimizer!r}: expected one of {TABLE_OPTIMIZERS}"
+            )
+        if not self.timeout_s or self.timeout_s <= 0:
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds, got {self.timeout_s}"
+            )
+
+    @property
+    def bound(self) -> int:
+        """The staleness a pull may see: 0 when synchronous."""
+        return 0 if self.staleness is None else self.staleness
+
+
+def row_ranges(num_rows: int, servers: int) -> list[tuple[int, int]]:
+    """Rows ``[lo, hi)`` of a table each server holds: contiguous blocks, the first
+    ``num_rows % servers`` one row longer."""
+    base, extra = divmod(num_rows, servers)
+    bounds = [0]
+    for s in range(servers):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+class Job:
+    """This rank's view of the job: its role, the others' ranks, and the store's keys."""
+
+    def __init__(self, config: PSConfig) -> None:
+        global _runs
+        if not dist.is_initialized():
+            raise ValueError("a parameter-server job needs torch.distributed initialised")
+        world = dist.get_world_size()
+        if world < config.servers + 1:
+            raise ValueError(
+                f"servers({config.servers}) + at least 1 worker > world_size {world}: "
+                "start more ranks or fewer servers"
+            )
+        _runs += 1
+        self.config = config
+        self.rank = dist.get_rank()
+        self.servers = list(range(config.servers))
+        self.workers = list(range(config.servers, world))
+        self.device = rank_device()  # the shards' and rows' device
+        self.store = dist.distributed_c10d._get_default_store()
+        self.prefix = f"autoshard/ps/{_runs}/"
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank in self.servers
+
+    def name(self, rank: int) -> str:
+        if rank in self.servers:
+            return f"server {rank} (rank {rank})"
+        return f"worker {rank - len(self.servers)} (rank {rank})"
+
+    def key(self, *parts: object) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def connect(self) -> None:
+        """Make the workers' group and every worker-server pair's, on every rank at once:
+        a pair's members would otherwise meet its group having made different counts of
+        groups before it (``comm.make_groups``)."""
+        pairs = [(w, s) for w in self.workers for s in self.servers]
+        comm.make_groups([self.workers, *pairs])
+
+    def fail(self, error: BaseException) -> None:
+        """Tell the other roles that this one failed, and why."""
+        self.store.set(self.key("failed"), f"{self.name(self.rank)}: {error!r}")
+
+    def post(self, server: int, message: str) -> None:
+        """Append ``message`` to ``server``'s queue of requests."""
+        number = self.store.add(self.key("queue", server, "n"), 1)
+        self.store.set(self.key("queue", server, number), message)
+
+    def wait(self, keys: list[str], what: str, ranks: list[int]) -> None:
+        """Wait until every key exists, bounded by the timeout; a failed role or a silent one
+        ends the wait with an error naming it."""
+        deadline = time.monotonic() + self.config.timeout_s
+        failed, pause = self.key("failed"), _FIRST_PAUSE_S
+        # polled: a blocking wait in the store cannot also watch for a failed role
+        while not self.store.check(keys):
+            if self.store.check([failed]):
+                raise PSError(f"{self.name(self.rank)} stopped: {self.store.get(failed).decode()}")
+            if time.monotonic() > deadline:
+                names = ", ".join(self.name(r) for r in ranks)
+                raise PSError(
+                    f"{self.name(self.rank)} waited {self.config.timeout_s:g} s for {what} "
+                    f"from {names}; none came"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_PAUSE_S)
+
+    def get(self, key: str, what: str, ranks: list[int]) -> str:
+        self.wait([key], what, ranks)
+        return self.store.get(key).decode()

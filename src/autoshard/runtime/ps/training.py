@@ -1,0 +1,73 @@
+"""``train``: every rank of the job runs it and takes its role, server or worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from autoshard import watch
+from autoshard.mesh import ensure_process_group
+from autoshard.runtime.ps.job import Job, PSConfig
+from autoshard.runtime.ps.server import Server
+from autoshard.runtime.ps.worker import Worker, find_tables
+
+__all__ = ["train"]
+
+
+def train(
+    model_fn: Callable[[], nn.Module],
+    batches: Callable[[int, int], tuple[Any, ...]],
+    steps: int,
+    config: PSConfig,
+) -> dict[str, Any]:
+    """Train ``model_fn()``'s model for ``steps`` steps with its tables on ``config.servers``
+    servers; every rank calls it. ``model_fn`` must build the same model on every rank (the
+    servers read their rows from it, the workers its dense part); ``batches(worker, step)`` is
+    worker ``worker``'s batch of that step (the model returns its mean loss on it; every
+    worker's batch of a step has the same size, so their mean is the loss of their union).
+
+    A server returns the rows it holds (``ranges``, ``shards``), its version counters
+    (``applied``), the largest staleness a pull saw and the rows it sent and received; a
+    worker returns the losses over all workers, its dense ``state`` and the bytes of rows it
+    pulled and pushed each step.
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    ensure_process_group(config.timeout_s)  # under torchrun, joins its group
+    job = Job(config)
+    model = model_fn()
+    tables = find_tables(model)
+    try:
+        job.connect()
+        if job.is_server:
+            weights = {path: table.weight for path, table in tables.items()}
+            return {"role": "server", **Server(job, weights).serve()}
+        return _work(job, model, tables, batches, steps)
+    except BaseException as error:
+        job.fail(error)
+        raise
+
+
+def _work(
+    job: Job,
+    model: nn.Module,
+    tables: dict[str, nn.Module],
+    batches: Callable[[int, int], tuple[Any, ...]],
+    steps: int,
+) -> dict[str, Any]:
+    worker = Worker(job, model, tables)
+    losses = []
+    for step in range(steps):
+        watch.doing(f"reading batch {step}")
+        losses.append(worker.step(batches(worker.index, step)))
+    worker.finish()
+    return {
+        "role": "worker",
+        "index": worker.index,
+        "losses": losses,
+        "state": {name: value.detach().clone() for name, value in model.state_dict().items()},
+        "pulled_bytes": worker.pulled_bytes,
+        "pushed_bytes": worker.pushed_bytes,
+    }

@@ -1,0 +1,201 @@
+"""A worker: the model with each table replaced by :class:`RemoteTable`, which pulls the unique
+rows its input names from the servers that hold them, and a step that pushes those rows'
+gradients back once, deduplicated, and sums the dense gradients over the workers (data
+parallelism, AdamW on every replica)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard import comm, watch
+from autoshard.runtime.ps.job import Job
+
+__all__ = ["RemoteTable", "Worker", "find_tables"]
+
+
+def find_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's tables servers hold: every ``nn.EmbeddingBag`` or ``nn.Embedding`` made
+    with ``sparse=True``, by module path."""
+    tables = {
+        path: module
+        for path, module in model.named_modules()
+        if isinstance(module, nn.EmbeddingBag | nn.Embedding) and module.sparse
+    }
+    if not tables:
+        raise ValueError(
+            f"{type(model).__name__} has no table for servers to hold: make its embeddings "
+            "nn.EmbeddingBag or nn.Embedding with sparse=True"
+        )
+    for path, module in tables.items():
+        if module.padding_idx is not None or module.max_norm is not None:
+            raise ValueError(
+                f"table {path!r}: padding_idx and max_norm are not supported on servers "
+                f"(padding_idx={module.padding_idx}, max_norm={module.max_norm})"
+            )
+    return tables
+
+
+class RemoteTable(nn.Module):
+    """Stands where a table was: its forward pulls the unique rows it is given from the
+    servers and pools them as the table would; the pulled rows are a leaf whose gradient
+    is what the worker pushes."""
+
+    def __init__(self, path: str, table: nn.Module, worker: Worker) -> None:
+        super().__init__()
+        self.path, self.worker = path, worker
+        self.num_rows, self.dim = table.weight.shape
+        self.dtype = table.weight.dtype
+        self.mode = table.mode if isinstance(table, nn.EmbeddingBag) else None
+        self.pulled: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.pulled is not None:
+            raise ValueError(f"table {self.path!r} is called twice in one step: pull it once")
+        if input.numel() and (int(input.min()) < 0 or int(input.max()) >= self.num_rows):
+            raise ValueError(
+                f"table {self.path!r}: row ids must be in [0, {self.num_rows}), got "
+                f"[{int(input.min())}, {int(input.max())}]"
+            )
+        unique, local = torch.unique(input, return_inverse=True)
+        rows = self.worker.pull(self.path, unique).requires_grad_()
+        self.pulled = (unique, rows)
+        if self.mode is None:
+            return F.embedding(local, rows)
+        return F.embedding_bag(
+            local, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights
+        )
+
+
+class Worker:
+    """One worker's model, its dense optimizer, and the rows it exchanges with the servers."""
+
+    def __init__(self, job: Job, model: nn.Module, tables: dict[str, nn.Module]) -> None:
+        self.job = job
+        self.index = job.workers.index(job.rank)
+        self.ranges = {path: self._ranges(path) for path in tables}
+        self.remote = {path: RemoteTable(path, table, self) for path, table in tables.items()}
+        for path, remote in self.remote.items():
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, remote)
+        self.model = model.to(job.device)  # without its tables: those stay on the servers
+        self.dense = [p for p in model.parameters() if p.requires_grad]
+        self._same_dense()
+        self.optimizer = torch.optim.AdamW(self.dense, lr=job.config.dense_lr)
+        self.step_number = 0
+        self.slices: dict[str, list[tuple[int, int, int]]] = {}  # table -> (server, a, b)
+        self.pulling = 0  # bytes of rows pulled in the step under way
+        self.pulled_bytes: list[int] = []  # per step, counted where the rows cross
+        self.pushed_bytes: list[int] = []
+
+    def _ranges(self, path: str) -> list[tuple[int, int]]:
+        """The rows each server announced it holds."""
+        job = self.job
+        ranges = []
+        for s in job.servers:
+            text = job.get(job.key("rows", path, s), f"the rows of {path!r} it holds", [s])
+            lo, hi = text.split()
+            ranges.append((int(lo), int(hi)))
+        return ranges
+
+    def _same_dense(self) -> None:
+        """The first worker's dense parameters on every worker: replicas start equal."""
+        if self.dense:
+            flat = torch.cat([p.detach().reshape(-1) for p in self.dense])
+            comm.broadcast_(flat, self.job.workers)
+            torch.nn.utils.vector_to_parameters(flat, self.dense)
+
+    def pull(self, path: str, unique: torch.Tensor) -> torch.Tensor:
+        """The rows ``unique`` (sorted) of table ``path``, each from the server holding it."""
+        job, remote = self.job, self.remote[path]
+        parts, self.slices[path] = [], []
+        for s, (lo, hi) in zip(job.servers, self.ranges[path], strict=True):
+            a, b = (
+                int(i)
+                for i in torch.searchsorted(unique, torch.tensor([lo, hi], device=unique.device))
+            )
+            job.post(s, f"pull {job.rank} {self.step_number} {path} {b - a}")
+            if b == a:
+                continue
+            self.slices[path].append((s, a, b))
+            comm.broadcast_((unique[a:b] - lo).contiguous(), [job.rank, s])
+            rows = torch.empty(b - a, remote.dim, dtype=remote.dtype, device=job.device)
+            parts.append(comm.broadcast_(rows, [s, job.rank]))
+            self.pulling += rows.numel() * rows.element_size()
+        if not parts:
+            return torch.empty(0, remote.dim, dtype=remote.dtype, device=job.device)
+        return torch.cat(parts)
+
+    def step(self, batch: tuple[Any, ...]) -> float:
+        """One training step on this worker's batch; returns the loss over every worker's."""
+        job, workers = self.job, self.job.workers
+        watch.step(self.step_number)
+        self._wait_for_versions()
+        device = self.job.device
+        loss = self.model(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in batch))
+        (loss / len(workers)).backward()
+        self._sum_dense()
+        self._push()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = comm.all_reduce(loss.detach().reshape(1), workers) / len(workers)
+        self.step_number += 1
+        job.store.set(job.key("at", job.rank), str(self.step_number))
+        return float(total)
+
+    def _wait_for_versions(self) -> None:
+        """Wait until every server has applied every worker's step ``t - k - 1``: the pulls of
+        step t then include all but the last k steps (synchronous: k = 0)."""
+        oldest = self.step_number - self.job.config.bound - 1
+        if oldest < 0:
+            return
+        job = self.job
+        keys = [job.key("applied", s, w, oldest) for s in job.servers for w in job.workers]
+        watch.doing(f"waiting for the servers to apply step {oldest}")
+        job.wait(keys, f"step {oldest} applied", job.servers)
+
+    def _sum_dense(self) -> None:
+        if not self.dense:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
+        flat = comm.all_reduce_(torch.cat([g.reshape(-1) for g in grads]), self.job.workers)
+        offset = 0
+        for p in self.dense:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def _push(self) -> None:
+        """Each server gets the gradients of the rows it sent this step, in the order it sent
+        them; every server hears of every step, rows or none, so it can count it."""
+        job = self.job
+        grads: dict[int, list[torch.Tensor]] = {s: [] for s in job.servers}
+        for path, remote in self.remote.items():
+            if remote.pulled is None:
+                continue
+            _, rows = remote.pulled
+            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            for s, a, b in self.slices[path]:
+                grads[s].append(grad[a:b].contiguous())
+            remote.pulled = None
+        pushed = 0
+        for s in job.servers:
+            job.post(s, f"push {job.rank} {self.step_number}")
+            for grad in grads[s]:
+                comm.broadcast_(grad, [job.rank, s])
+                pushed += grad.numel() * grad.element_size()
+        self.pushed_bytes.append(pushed)
+        self.pulled_bytes.append(self.pulling)
+        self.pulling = 0
+
+    def finish(self) -> None:
+        """Tell every server this worker is done."""
+        for s in self.job.servers:
+            self.job.post(s, f"done {self.job.rank} {self.step_number}")

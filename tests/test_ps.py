@@ -1,0 +1,205 @@
+"""Parameter servers: 2 servers + 2 workers train as one device when synchronous; with a
+staleness bound they stay within it and converge as the synchronous run does."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.models import DLRM, DLRMConfig
+from autoshard.runtime.ps import PSConfig, find_tables, row_ranges, table_optimizer, train
+from autoshard.testing import RankFailure, run_ranks
+
+SERVERS, WORKERS = 2, 2
+SMALL = DLRMConfig(
+    num_tables=3, num_rows=50, embedding_dim=4, bag_size=3, dense_features=5, hidden=8
+)
+LONG = DLRMConfig(num_tables=3, num_rows=500, embedding_dim=8, bag_size=4, hidden=32)
+LONG_STEPS = 200
+LAST = 20
+
+
+def _model(config: DLRMConfig, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return DLRM(config).to(dtype)
+
+
+def _global_batch(config: DLRMConfig, dtype: torch.dtype, size: int, step: int) -> tuple:
+    dense, rows, clicks = config.example_batch(size, torch.Generator().manual_seed(100 + step))
+    return dense.to(dtype), rows, clicks.to(dtype)
+
+
+def _worker_batch(
+    config: DLRMConfig, dtype: torch.dtype, per_worker: int, worker: int, step: int
+) -> tuple:
+    batch = _global_batch(config, dtype, per_worker * WORKERS, step)
+    return tuple(t[worker * per_worker : (worker + 1) * per_worker] for t in batch)
+
+
+def _case(case: dict[str, Any]) -> dict[str, Any]:
+    dtype, config = case["dtype"], case["model"]
+    return train(
+        functools.partial(_model, config, dtype),
+        functools.partial(_worker_batch, config, dtype, case["per_worker"]),
+        case["steps"],
+        case["ps"],
+    )
+
+
+def _cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    torch.set_default_dtype(torch.float32)
+    return [_case(case) for case in cases]
+
+
+def _one_device(case: dict[str, Any]) -> tuple[list[float], nn.Module]:
+    """The same training on one device: torch.optim's sparse-aware optimizer on the tables,
+    AdamW on the rest, the workers' batches together."""
+    config, dtype, ps = case["model"], case["dtype"], case["ps"]
+    model = _model(config, dtype)
+    tables = [t.weight for t in find_tables(model).values()]
+    dense = [p for p in model.parameters() if all(p is not t for t in tables)]
+    optimizers = [
+        table_optimizer(ps.table_optimizer, tables, ps.table_lr),
+        torch.optim.AdamW(dense, lr=ps.dense_lr),
+    ]
+    losses = []
+    for step in range(case["steps"]):
+        loss = model(*_global_batch(config, dtype, case["per_worker"] * WORKERS, step))
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, model
+
+
+def _row_bytes(case: dict[str, Any], worker: int) -> list[int]:
+    """Per step, the unique rows worker ``worker``'s batch touches times a row's bytes."""
+    config, dtype = case["model"], case["dtype"]
+    row = config.embedding_dim * torch.empty((), dtype=dtype).element_size()
+    out = []
+    for step in range(case["steps"]):
+        _, rows, _ = _worker_batch(config, dtype, case["per_worker"], worker, step)
+        out.append(sum(len(rows[:, t].unique()) for t in range(config.num_tables)) * row)
+    return out
+
+
+SYNC = [
+    {"model": SMALL, "dtype": torch.float64, "per_worker": 4, "steps": 5, "ps": PSConfig(2)},
+    {
+        "model": SMALL,
+        "dtype": torch.float64,
+        "per_worker": 4,
+        "steps": 5,
+        "ps": PSConfig(2, table_optimizer="sgd", table_lr=0.5, dense_lr=1e-2),
+    },
+]
+LONG_RUNS = [
+    {"model": LONG, "dtype": torch.float32, "per_worker": 32, "steps": LONG_STEPS, "ps": ps}
+    for ps in (PSConfig(2, dense_lr=1e-2), PSConfig(2, staleness=2, dense_lr=1e-2))
+]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[list[dict[str, Any]]]:
+    """Every case on 2 servers + 2 workers, in one spawn: per case, the ranks' results."""
+    per_rank = run_ranks(_cases, SERVERS + WORKERS, SYNC + LONG_RUNS, timeout=600)
+    return [[rank[i] for rank in per_rank] for i in range(len(SYNC + LONG_RUNS))]
+
+
+def _check_against_one_device(case: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    losses, model = _one_device(case)
+    servers = [r for r in results if r["role"] == "server"]
+    workers = [r for r in results if r["role"] == "worker"]
+    assert len(servers) == SERVERS and len(workers) == WORKERS
+    for worker in workers:
+        torch.testing.assert_close(worker["losses"], losses)
+        dense = {k: v for k, v in model.state_dict().items() if not k.startswith("tables.")}
+        assert worker["state"].keys() == dense.keys()
+        for name, value in dense.items():
+            torch.testing.assert_close(worker["state"][name], value, msg=name)
+    for path, table in find_tables(model).items():
+        held = [s["ranges"][path] for s in servers]
+        assert held == row_ranges(table.weight.shape[0], SERVERS)
+        for server, (lo, hi) in zip(servers, held, strict=True):
+            torch.testing.assert_close(server["shards"][path], table.weight.detach()[lo:hi])
+
+
+@pytest.mark.parametrize("which", range(len(SYNC)), ids=["adagrad", "sgd"])
+def test_synchronous_training_equals_one_device(runs, which: int) -> None:
+    results = runs[which]
+    case = SYNC[which]
+    _check_against_one_device(case, results)
+    for server in (r for r in results if r["role"] == "server"):
+        assert server["max_staleness"] == 0
+        assert server["applied"] == dict.fromkeys(range(SERVERS, SERVERS + WORKERS), case["steps"])
+
+
+@pytest.mark.parametrize("which", range(len(SYNC)), ids=["adagrad", "sgd"])
+def test_bytes_pulled_and_pushed_are_the_unique_touched_rows(runs, which: int) -> None:
+    results, case = runs[which], SYNC[which]
+    total = 0
+    for worker in (r for r in results if r["role"] == "worker"):
+        expected = _row_bytes(case, worker["index"])
+        assert worker["pulled_bytes"] == expected
+        assert worker["pushed_bytes"] == expected
+        total += sum(expected)
+    row = SMALL.embedding_dim * 8
+    servers = [r for r in results if r["role"] == "server"]
+    assert sum(s["rows_out"] for s in servers) * row == total
+    assert sum(s["rows_in"] for s in servers) * row == total
+
+
+def test_bounded_staleness_stays_within_its_bound_and_converges(runs) -> None:
+    sync, stale = runs[len(SYNC)], runs[len(SYNC) + 1]
+    bound = LONG_RUNS[1]["ps"].staleness
+    for server in (r for r in stale if r["role"] == "server"):
+        assert 0 <= server["max_staleness"] <= bound
+        assert server["applied"] == dict.fromkeys(range(SERVERS, SERVERS + WORKERS), LONG_STEPS)
+    sync_losses = next(r for r in sync if r["role"] == "worker")["losses"]
+    stale_losses = next(r for r in stale if r["role"] == "worker")["losses"]
+    # one batch's loss moves by more than 5% from step to step; the loss at the last step is
+    # read as the mean of the last LAST steps' on both runs (the same batches)
+    sync_end = sum(sync_losses[-LAST:]) / LAST
+    stale_end = sum(stale_losses[-LAST:]) / LAST
+    # learned something, so that being near the synchronous run means something
+    assert sync_end < 0.5 * sync_losses[0], (sync_losses[0], sync_end)
+    assert abs(stale_end - sync_end) <= 0.05 * sync_end, (stale_end, sync_end)
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="servers must be at least 1"):
+        PSConfig(0)
+    with pytest.raises(ValueError, match="staleness"):
+        PSConfig(2, staleness=-1)
+    with pytest.raises(ValueError, match="table_optimizer 'adam'"):
+        PSConfig(2, table_optimizer="adam")
+    with pytest.raises(ValueError, match="no table for servers"):
+        find_tables(nn.Sequential(nn.Linear(2, 2), nn.Embedding(4, 2)))
+
+
+def _failing_batch(worker: int, step: int) -> tuple:
+    if worker == 1 and step == 2:
+        raise ValueError("no batch 2")
+    return _worker_batch(SMALL, torch.float64, 2, worker, step)
+
+
+def _failing(timeout_s: float) -> None:
+    train(
+        functools.partial(_model, SMALL, torch.float64),
+        _failing_batch,
+        4,
+        PSConfig(2, timeout_s=timeout_s),
+    )
+
+
+def test_a_worker_that_fails_stops_the_others_with_its_name() -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_failing, SERVERS + WORKERS, 3.0, timeout=120)
+    text = str(failure.value)
+    assert "no batch 2" in text
+    assert "worker 1 (rank 3)" in text
