@@ -309,3 +309,31 @@ def test_a_plan_for_another_model_under_autoshard_train_is_one_line_from_rank_ze
     line = _failing_train(tmp_path, fits, ["--plan", "plan.json"])
     assert "autoshard: error: plan plan.json does not fit this model" in line
     assert "axis names ['zz'] are not in mesh axes" in line
+
+
+def test_the_parameter_server_example_under_torchrun_matches_one_device():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+        "--master-port", str(_free_port()), str(EXAMPLES / "parameter_server.py"),
+        "--servers", "2", "--steps", "3",
+    ]  # fmt: skip
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", out.stdout, re.M)]
+    example = _module("parameter_server")
+    model = example.make_model()
+    tables = [t.weight for t in model.tables]
+    dense = [p for name, p in model.named_parameters() if not name.startswith("tables.")]
+    optimizers = [torch.optim.Adagrad(tables, lr=0.1), torch.optim.AdamW(dense, lr=1e-2)]
+    expected = []
+    for step in range(3):
+        parts = [example.batch_of(2, worker, step) for worker in range(2)]
+        loss = model(*(torch.cat(ts) for ts in zip(*parts, strict=True)))
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)

@@ -158,7 +158,8 @@ def test_bounded_staleness_stays_within_its_bound_and_converges(runs) -> None:
     sync, stale = runs[len(SYNC)], runs[len(SYNC) + 1]
     bound = LONG_RUNS[1]["ps"].staleness
     for server in (r for r in stale if r["role"] == "server"):
-        assert 0 <= server["max_staleness"] <= bound
+        # pushes go a step late, so some pull misses a step: the bound is met, not idle
+        assert 1 <= server["max_staleness"] <= bound
         assert server["applied"] == dict.fromkeys(range(SERVERS, SERVERS + WORKERS), LONG_STEPS)
     sync_losses = next(r for r in sync if r["role"] == "worker")["losses"]
     stale_losses = next(r for r in stale if r["role"] == "worker")["losses"]
@@ -202,4 +203,7 @@ def test_a_worker_that_fails_stops_the_others_with_its_name() -> None:
         run_ranks(_failing, SERVERS + WORKERS, 3.0, timeout=120)
     text = str(failure.value)
     assert "no batch 2" in text
-    assert "worker 1 (rank 3)" in text
+    # the servers wait for it in the store; the other worker may be there too, or in a
+    # collective with it, which the watchdog ends (docs/failures.md)
+    for rank in range(SERVERS):
+        assert f"server {rank} (rank {rank}) stopped: worker 1 (rank 3): ValueError" in text

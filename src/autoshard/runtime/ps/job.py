@@ -120,8 +120,8 @@ class Job:
         comm.make_groups([self.workers, *pairs])
 
     def fail(self, error: BaseException) -> None:
-        """Tell the other roles that this one failed, and why."""
-        self.store.set(self.key("failed"), f"{self.name(self.rank)}: {error!r}")
+        """Tell the other roles that this one failed, and why (the first to fail is named)."""
+        self.store.compare_set(self.key("failed"), "", f"{self.name(self.rank)}: {error!r}")
 
     def post(self, server: int, message: str) -> None:
         """Append ``message`` to ``server``'s queue of requests."""

@@ -49,7 +49,8 @@ class Server:
             job.config.table_optimizer, list(self.shards.values()), job.config.table_lr
         )
         self.applied = dict.fromkeys(job.workers, 0)  # the version counters
-        self.pulled: dict[int, dict[str, torch.Tensor]] = {w: {} for w in job.workers}
+        # per worker and step, the rows of each table it was sent, in the order sent
+        self.pulled: dict[int, dict[int, dict[str, torch.Tensor]]] = {w: {} for w in job.workers}
         self.waiting: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = {}
         self.max_staleness = 0
         self.rows_in = 0  # rows received and sent, counted where they cross
@@ -92,18 +93,17 @@ class Server:
             return
         pair = [worker, self.job.rank]
         rows = comm.broadcast_(torch.empty(count, dtype=torch.int64, device=self.job.device), pair)
-        self.pulled[worker][table] = rows
+        self.pulled[worker].setdefault(step, {})[table] = rows
         comm.broadcast_(self.shards[table].detach()[rows].contiguous(), pair[::-1])
         self.rows_out += count
 
     def _push(self, worker: int, step: int) -> None:
         grads = {}
-        for table, rows in self.pulled[worker].items():
+        for table, rows in self.pulled[worker].pop(step, {}).items():
             shard = self.shards[table]
             grad = torch.empty(len(rows), shard.shape[1], dtype=shard.dtype, device=shard.device)
             grads[table] = (rows, comm.broadcast_(grad, [worker, self.job.rank]))
             self.rows_in += len(rows)
-        self.pulled[worker] = {}
         if self.job.config.staleness is not None:
             self._apply([grads])
             self._applied([worker], step)

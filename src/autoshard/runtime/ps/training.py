@@ -9,7 +9,7 @@ from torch import nn
 
 from autoshard import watch
 from autoshard.mesh import ensure_process_group
-from autoshard.runtime.ps.job import Job, PSConfig
+from autoshard.runtime.ps.job import Job, PSConfig, PSError
 from autoshard.runtime.ps.server import Server
 from autoshard.runtime.ps.worker import Worker, find_tables
 
@@ -45,6 +45,8 @@ def train(
             weights = {path: table.weight for path, table in tables.items()}
             return {"role": "server", **Server(job, weights).serve()}
         return _work(job, model, tables, batches, steps)
+    except PSError:
+        raise  # another role's failure, already in the store
     except BaseException as error:
         job.fail(error)
         raise

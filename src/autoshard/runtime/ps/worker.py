@@ -92,6 +92,10 @@ class Worker:
         self.optimizer = torch.optim.AdamW(self.dense, lr=job.config.dense_lr)
         self.step_number = 0
         self.slices: dict[str, list[tuple[int, int, int]]] = {}  # table -> (server, a, b)
+        # with a staleness bound of 1 or more, a step's row gradients are pushed after the
+        # next step's pulls, as a push overlapped with the next step would arrive
+        bound = job.config.staleness
+        self.deferred: list | None = [] if bound is not None and bound >= 1 else None
         self.pulling = 0  # bytes of rows pulled in the step under way
         self.pulled_bytes: list[int] = []  # per step, counted where the rows cross
         self.pushed_bytes: list[int] = []
@@ -142,8 +146,15 @@ class Worker:
         device = self.job.device
         loss = self.model(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in batch))
         (loss / len(workers)).backward()
+        grads = self._take_grads()
         self._sum_dense()
-        self._push()
+        if self.deferred is None:
+            self._push(self.step_number, grads)
+        else:
+            # the rows' gradients go one step late: the next step's pulls run without them
+            previous, self.deferred = self.deferred, [(self.step_number, grads)]
+            for pending in previous:
+                self._push(*pending)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         total = comm.all_reduce(loss.detach().reshape(1), workers) / len(workers)
@@ -172,11 +183,10 @@ class Worker:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
-    def _push(self) -> None:
-        """Each server gets the gradients of the rows it sent this step, in the order it sent
-        them; every server hears of every step, rows or none, so it can count it."""
-        job = self.job
-        grads: dict[int, list[torch.Tensor]] = {s: [] for s in job.servers}
+    def _take_grads(self) -> dict[int, list[torch.Tensor]]:
+        """Per server, the gradients of the rows it sent this step, in the order it sent
+        them."""
+        grads: dict[int, list[torch.Tensor]] = {s: [] for s in self.job.servers}
         for path, remote in self.remote.items():
             if remote.pulled is None:
                 continue
@@ -185,17 +195,23 @@ class Worker:
             for s, a, b in self.slices[path]:
                 grads[s].append(grad[a:b].contiguous())
             remote.pulled = None
-        pushed = 0
+        self.pulled_bytes.append(self.pulling)
+        self.pulling = 0
+        return grads
+
+    def _push(self, step: int, grads: dict[int, list[torch.Tensor]]) -> None:
+        """Every server hears of every step, rows or none, so that it can count it."""
+        job, pushed = self.job, 0
         for s in job.servers:
-            job.post(s, f"push {job.rank} {self.step_number}")
+            job.post(s, f"push {job.rank} {step}")
             for grad in grads[s]:
                 comm.broadcast_(grad, [job.rank, s])
                 pushed += grad.numel() * grad.element_size()
         self.pushed_bytes.append(pushed)
-        self.pulled_bytes.append(self.pulling)
-        self.pulling = 0
 
     def finish(self) -> None:
-        """Tell every server this worker is done."""
+        """Push what is left and tell every server this worker is done."""
+        for pending in self.deferred or []:
+            self._push(*pending)
         for s in self.job.servers:
             self.job.post(s, f"done {self.job.rank} {self.step_number}")
