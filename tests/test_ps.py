@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.models import DLRM, DLRMConfig
+from autoshard.models import DLRM, DLRMConfig, build, reference_config
 from autoshard.runtime.ps import PSConfig, find_tables, row_ranges, table_optimizer, train
 from autoshard.testing import RankFailure, run_ranks
 
@@ -207,3 +207,21 @@ def test_a_worker_that_fails_stops_the_others_with_its_name() -> None:
     # collective with it, which the watchdog ends (docs/failures.md)
     for rank in range(SERVERS):
         assert f"server {rank} (rank {rank}) stopped: worker 1 (rank 3): ValueError" in text
+
+
+def test_the_dlrm_reference_is_sized_by_rows_tables_and_dim() -> None:
+    config = reference_config("dlrm", rows=300, tables=2, dim=6, hidden=16)
+    assert (config.num_rows, config.num_tables, config.embedding_dim) == (300, 2, 6)
+    model = build(config)
+    assert [t.weight.shape for t in model.tables] == [(300, 6), (300, 6)]
+    dense, rows, clicks = config.example_batch(8, torch.Generator().manual_seed(0))
+    assert rows.shape == (8, 2, config.bag_size) and int(rows.max()) < 300
+    model(dense, rows, clicks).backward()
+    assert all(t.weight.grad.is_sparse for t in model.tables)
+    assert model(dense, rows).shape == (8,)
+    with pytest.raises(ValueError, match=r"rows must be \[batch, num_tables\(2\), bag\]"):
+        model(dense, rows[:, :1])
+    with pytest.raises(ValueError, match=r"num_rows\(0\)"):
+        reference_config("dlrm", rows=0)
+    with pytest.raises(ValueError, match="pooling 'max'"):
+        DLRMConfig(pooling="max")
