@@ -225,3 +225,20 @@ def test_the_dlrm_reference_is_sized_by_rows_tables_and_dim() -> None:
         reference_config("dlrm", rows=0)
     with pytest.raises(ValueError, match="pooling 'max'"):
         DLRMConfig(pooling="max")
+
+
+def _uneven_batch(worker: int, step: int) -> tuple:
+    return _worker_batch(SMALL, torch.float64, 2 + worker, 0, step)
+
+
+def _uneven() -> None:
+    train(functools.partial(_model, SMALL, torch.float64), _uneven_batch, 2, PSConfig(2))
+
+
+def test_workers_batches_of_different_sizes_are_refused() -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_uneven, SERVERS + WORKERS, timeout=120)
+    text = str(failure.value)
+    for rank in (2, 3):
+        assert f"rank {rank}: raised" in text
+    assert "batches of step 0 differ in size (this worker's 2, 5 in all over 2 workers)" in text

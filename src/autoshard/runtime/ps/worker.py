@@ -157,10 +157,28 @@ class Worker:
                 self._push(*pending)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        total = comm.all_reduce(loss.detach().reshape(1), workers) / len(workers)
+        total = self._mean_loss(loss, batch)
         self.step_number += 1
         job.store.set(job.key("at", job.rank), str(self.step_number))
-        return float(total)
+        return total
+
+    def _mean_loss(self, loss: torch.Tensor, batch: tuple[Any, ...]) -> float:
+        """The workers' mean loss, after checking their batches were of one size (the first
+        input's first dim): only then is it, and the gradients summed, the whole batch's."""
+        first = batch[0] if batch and isinstance(batch[0], torch.Tensor) else None
+        size = float(first.shape[0]) if first is not None and first.dim() else 0.0
+        values = torch.tensor([size, size * size], dtype=torch.float64, device=loss.device)
+        sums = comm.all_reduce(
+            torch.cat([values, loss.detach().double().reshape(1)]), self.job.workers
+        )
+        count = len(self.job.workers)
+        if abs(count * float(sums[1]) - float(sums[0]) ** 2) > 0.5:
+            raise ValueError(
+                f"the workers' batches of step {self.step_number} differ in size (this "
+                f"worker's {int(size)}, {int(sums[0])} in all over {count} workers): each "
+                "worker's batch of a step must have as many samples"
+            )
+        return float(sums[2]) / count
 
     def _wait_for_versions(self) -> None:
         """Wait until every server has applied every worker's step ``t - k - 1``: the pulls of
