@@ -215,24 +215,31 @@ def _compute_ends(
     ends: dict[tuple[str, int, int], float] = {}
     at, clock = [0] * len(compute), [0.0] * len(compute)
     moved = True
-    while moved:
+    while moved:  # (a rank's needs read inline: this runs for every action of every rank)
         moved = False
         for r, order in enumerate(compute):
-            while at[r] < len(order):
-                a = order[at[r]]
-                needs = []
-                if a.kind == "F" and a.stage > 0:
-                    needs.append(("F", a.stage - 1, a.microbatch))
-                if a.kind in ("B", "I", "W"):
-                    needs.append(("I" if a.kind == "W" else "F", a.stage, a.microbatch))
-                if a.kind in ("B", "I") and a.stage < last:
-                    needs.append((back, a.stage + 1, a.microbatch))
-                if any(n not in ends for n in needs):
-                    break
-                start = max([clock[r], *(ends[n] for n in needs)])
-                clock[r] = ends[(a.kind, a.stage, a.microbatch)] = start + _NOMINAL[a.kind]
-                at[r] += 1
-                moved = True
+            k, now = at[r], clock[r]
+            while k < len(order):
+                kind, stage, microbatch = order[k].kind, order[k].stage, order[k].microbatch
+                if kind == "F":
+                    needs = (("F", stage - 1, microbatch),) if stage > 0 else ()
+                else:
+                    needs = (("I" if kind == "W" else "F", stage, microbatch),)
+                    if kind != "W" and stage < last:
+                        needs += ((back, stage + 1, microbatch),)
+                start = now
+                for n in needs:
+                    end = ends.get(n)
+                    if end is None:
+                        break
+                    start = max(start, end)
+                else:
+                    now = ends[(kind, stage, microbatch)] = start + _NOMINAL[kind]
+                    k += 1
+                    continue
+                break
+            moved |= k > at[r]
+            at[r], clock[r] = k, now
     return ends
 
 
