@@ -125,6 +125,9 @@ class Options:
     #: reduce-scattered by sequence, so what runs between the tensor-parallel linears runs on
     #: a block of the sequence
     sequence_parallel: bool = False
+    #: multi-copy parallelism: each rank's batch cut by its batch dim into this many copies,
+    #: interleaved so one copy's collectives overlap another's compute (docs/parallelism/copies.md)
+    copies: int = 1
 
     def __post_init__(self) -> None:
         for name in ("mesh", "strategies", "input_layouts", "zero", "recompute"):
@@ -273,6 +276,7 @@ class Options:
             else self.recompute,
             "attention": self.attention,
             "sequence_parallel": self.sequence_parallel,
+            "copies": self.copies,
         }
 
 
@@ -346,6 +350,7 @@ def _number_problems(o: Options) -> list[str]:
         "pp": o.pp,
         "microbatches": o.microbatches,
         "virtual_stages": o.virtual_stages,
+        "copies": o.copies,
     }
     bad += [
         f"{n}={v!r}: expected a positive int"

@@ -42,6 +42,7 @@ def plan(
     recompute: str | None = None,
     attention: str | None = None,
     sequence_parallel: bool = False,
+    copies: int = 1,
     precision: str | Precision | None = None,
     tp: int | None = None,
     cp: int | None = None,

@@ -65,6 +65,7 @@ def parallelize(
     recompute: str | Mapping[str, str] | None = None,
     attention: str | None = None,
     sequence_parallel: bool = False,
+    copies: int = 1,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies or a ``search``, check every rank planned the same, and lower this
