@@ -74,6 +74,8 @@ _TRAIN_HELP = {
     "sequence_parallel": "split every op over the tensor-parallel axes where it can be "
     "(Megatron's)",
     "restart": "train from step 1 even where --checkpoint-dir holds checkpoints",
+    "copies": "copies each rank's batch is cut into, interleaved so one copy's communication "
+    "runs beside another's compute (docs/parallelism/copies.md)",
 }
 _METAVARS = {"picture": "FILE.png", "timeout": "SECONDS"}
 
@@ -187,6 +189,19 @@ def _pp(text: str) -> int | str:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: a number of stages or auto") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
+
+
+def _copies(text: str) -> int | str:
+    """``--copies``: a positive int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of copies or auto") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: at least 1")
     return value
@@ -369,6 +384,14 @@ def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="split every op over the tensor-parallel axes where it can be: norms, dropouts "
         "and residuals by sequence between the tensor-parallel linears (Megatron's)",
+    )
+    p.add_argument(
+        "--copies",
+        type=_copies,
+        default=1,
+        help="copies each rank's batch is cut into, interleaved so one copy's communication "
+        "runs beside another's compute (auto: searched among 1, 2 and 4; "
+        "docs/parallelism/copies.md)",
     )
 
 

@@ -173,7 +173,10 @@ def _planned(job: Any) -> int:
     from autoshard.cli.plan_pipeline import pipeline_plan
 
     opts = job.options()
-    if job.args.pp != "auto" and opts.replace(pp=None if opts.pp == 1 else opts.pp).staged:
+    staged = opts.replace(pp=None if opts.pp == 1 else opts.pp).staged
+    if job.args.copies != 1 and (staged or job.args.pp == "auto"):
+        raise ValueError(f"--copies {job.args.copies}: the planner prices copies without stages")
+    if job.args.pp != "auto" and staged:
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(job)
     return _searched(job)
@@ -185,7 +188,9 @@ def _searched(job: Any) -> int:
 
     from autoshard.cli.plan_pipeline import pipeline_plan
     from autoshard.graph import capture, check_depth
-    from autoshard.search import PlanningError, run_search
+    from autoshard.graph.batches import micro_batch_graphs
+    from autoshard.search import PlanningError
+    from autoshard.search.copies import batch_of, search_copies, searched_with
     from autoshard.search.driver import build_plan
 
     dtype = job.policy.compute
@@ -195,15 +200,23 @@ def _searched(job: Any) -> int:
     devices = job.spec.num_devices
     try:
         keywords = job.options().search_keywords()
-        result = run_search(captured, devices, job.spec, depth=job.depth, **keywords)
+        search = searched_with(devices, job.spec, depth=job.depth, **keywords)
+        if job.args.copies == 1:
+            result = search(captured)
+            built = build_plan(captured, result, job.spec)
+        else:  # each copy count searched on one copy's graph
+            micro = micro_batch_graphs(job.model, job.example, loss_fn=job.loss_fn, dtype=dtype)
+            result, built = search_copies(
+                lambda k: captured if k == 1 else micro(k), batch_of(captured), job.args.copies,
+                search, job.spec,
+            )  # fmt: skip
     except PlanningError as err:
-        if job.args.pp not in (None, "auto"):  # --pp 1: no stages
+        if job.args.pp not in (None, "auto") or job.args.copies != 1:  # --pp 1: no stages
             print(f"autoshard: error: {err}", file=sys.stderr)
             return 3
         print(f"without pipeline stages: {_one_line(err)}", file=sys.stderr)
         print("searching pipeline stages", file=sys.stderr)
         return pipeline_plan(job)
-    built = build_plan(captured, result, job.spec)
 
     def show() -> int:
         return _show_plan(job, built, result, captured_s)
@@ -262,7 +275,8 @@ def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
     from autoshard.cli.plan_pipeline import plan_options
 
     args, data = job.args, built.json
-    data["options"] = plan_options(args, built.precision).as_json()
+    copies = data["predicted"].get("copies", 1)
+    data["options"] = plan_options(args, built.precision).replace(copies=copies).as_json()
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - job.start
     write_json(args.json, data)

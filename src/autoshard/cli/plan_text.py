@@ -61,6 +61,7 @@ def format_search(data: dict, result, built=None) -> str:
         job = data["predicted"]
         lines.append(f"capture {job['capture_s']:.2f} s, end to end {job['end_to_end_s']:.2f} s")
     lines += _meshes(data, pred)
+    lines += _copies(pred)
     lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
     if built is not None:
         lines += _named_strategies(data, built)
@@ -88,6 +89,26 @@ def _headline(data: dict, pred: dict) -> list[str]:
         f"peak memory {human_bytes(pred['peak_memory_bytes'])} per device",
         f"ZeRO stage {data.get('zero', 0)}; memory per device: {kinds}",
     ]
+
+
+def _copies(pred: dict) -> list[str]:
+    """The copies planned (docs/parallelism/copies.md): the communication the step waits for
+    with them and with the same copies run one after another, and the copies tried."""
+    if "copies" not in pred:
+        return []
+    lines = [
+        f"copies {pred['copies']}: exposed communication {pred['exposed_comm_s'] * 1e3:.3f} ms, "
+        f"{pred['exposed_comm_without_copies_s'] * 1e3:.3f} ms without copies (the copies one "
+        "after another)"
+    ]
+    if pred.get("copies_tried"):
+        tried = ", ".join(
+            f"{row['copies']}: {row['step_s'] * 1e3:.2f} ms (exposed communication "
+            f"{row['exposed_comm_s'] * 1e3:.3f} ms)"
+            for row in pred["copies_tried"]
+        )
+        lines.append(f"copies tried (predicted step, each searched): {tried}")
+    return lines
 
 
 def human_bytes(nbytes: float) -> str:

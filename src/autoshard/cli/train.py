@@ -71,6 +71,7 @@ class TrainConfig:
     ep: int | None = None
     sequence_parallel: bool = False
     restart: bool = False
+    copies: int = 1
 
     def options(self, per_node: int | None = None) -> Options:
         """The options a rank parallelizes the model with (stages, where a pipeline setting
@@ -87,6 +88,7 @@ class TrainConfig:
             zero=self.zero or None,
             seed=self.seed,
             timeout_s=self.timeout,
+            copies=self.copies,
             **planned,
             **split,
             **self.pipeline,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from autoshard.cost.copies import CopiesEstimate
 from autoshard.cost.estimate import Estimate, exposed
 from autoshard.graph import OpGraph
 
@@ -98,7 +99,10 @@ def _rest(est: Estimate, rows: object) -> list[LayerCost]:
         LayerCost("optimizer step", compute_s=est.optimizer),
         LayerCost("overlapped communication, exposed", comm_s=waited),
     ]
-    other_time = est.step_time - time - est.optimizer - waited
+    hidden = est.hidden_by_copies if isinstance(est, CopiesEstimate) else 0.0
+    if hidden:  # the layers' rows count every copy's communication in line
+        out.append(LayerCost("in-line communication hidden by copies", comm_s=-hidden))
+    other_time = est.step_time - time - est.optimizer - waited + hidden
     other_memory = est.peak_memory - memory
     other_time = 0.0 if abs(other_time) < 1e-9 * est.step_time else other_time  # rounding
     if abs(other_time) > 1e-12 * est.step_time or abs(other_memory) > 0.5:

@@ -11,10 +11,12 @@ import torch.nn as nn
 
 from autoshard.cost import ClusterSpec, cluster_spec
 from autoshard.graph import OpGraph, call_inputs, capture_modes
+from autoshard.graph.batches import micro_batch_graphs
 from autoshard.mesh import mesh_info
 from autoshard.options import Options
 from autoshard.precision import Precision
-from autoshard.search.driver import build_plan, run_search
+from autoshard.search.copies import batch_of, search_copies
+from autoshard.search.driver import SearchResult, build_plan, run_search
 from autoshard.search.pipelined import plan_with_stages
 from autoshard.search.plans import Plan
 from autoshard.search.semi import check_inputs, plan_graph
@@ -42,7 +44,7 @@ def plan(
     recompute: str | None = None,
     attention: str | None = None,
     sequence_parallel: bool = False,
-    copies: int = 1,
+    copies: int | str = 1,
     precision: str | Precision | None = None,
     tp: int | None = None,
     cp: int | None = None,
@@ -60,9 +62,12 @@ def plan(
     ``mesh`` hold for every stage. ``precision`` is priced as ``parallelize`` will run it; a
     ``captured`` given with it, in its compute dtype. Every other keyword is the field of
     :class:`~autoshard.options.Options` of its name (docs/options.md); ``zero`` (one stage,
-    searched where None), ``tp`` and ``cp`` fix what the search would pick; ``options``: an
+    searched where None), ``tp`` and ``cp`` fix what the search would pick; ``copies``
+    ``"auto"`` searches 1, 2 and 4 copies (docs/parallelism/copies.md); ``options``: an
     ``Options`` the keywords add to."""
+    wanted, copies = copies, 1 if copies == "auto" else copies
     opts = Options.from_call(locals(), options).for_search()
+    wanted = opts.copies if wanted == 1 else wanted
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     info = mesh_info(opts.mesh) if opts.mesh is not None else None
     spec = cluster_spec(opts.cluster)
@@ -72,26 +77,69 @@ def plan(
     opts = opts.replace(precision=opts.policy.resolve(model))
     inputs = tuple(example_inputs)
     if opts.staged:
+        if wanted != 1:
+            raise ValueError(f"copies={wanted!r}: the planner prices copies without stages only")
         return plan_with_stages(model, inputs, spec, num_devices, opts, loss_fn, example_kwargs)
+    where = (info, spec, num_devices, opts)
+    return _one_program(model, inputs, example_kwargs, loss_fn, captured, where, wanted)
+
+
+def _one_program(
+    model: nn.Module,
+    inputs: tuple,
+    example_kwargs: dict[str, Any] | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    captured: dict[bool, OpGraph] | None,
+    where: tuple,
+    copies: int | str,
+) -> Plan:
+    """The plan without stages, of ``copies`` copies; ``where``: the mesh, cluster, device
+    count and options searched under."""
+    info, _, _, opts = where
     if captured is None:
         compute = opts.policy.compute
         captured = capture_modes(model, inputs, example_kwargs, loss_fn=loss_fn, dtype=compute)
     if info is not None:
         check_inputs(captured[True], info)
-    return _searched(captured[True], info, spec, num_devices, opts)
+    og = captured[True]
+    if copies == 1:
+        built = build_plan(og, _search(og, *where), where[1])
+        return dataclasses.replace(built, json={**built.json, "options": opts.as_json()})
+    graphs = micro_batch_graphs(
+        model, inputs, example_kwargs, loss_fn=loss_fn, dtype=opts.policy.compute
+    )
+    return _with_copies(og, graphs, copies, *where)
 
 
-def _searched(og: OpGraph, info: Any, spec: ClusterSpec, num_devices: int, opts: Options) -> Plan:
-    """The one-program plan of ``og``: the strategies given fixed, the rest searched."""
+def _with_copies(
+    og: OpGraph, graphs: Callable[[int], OpGraph], copies: int | str, *args: Any
+) -> Plan:
+    """The plan of ``copies`` copies (``"auto"``: the fastest of 1, 2 and 4), searched on
+    one copy's graph (``graphs(k)``; ``og`` the whole batch's); ``args``: the mesh, cluster,
+    device count and options of ``_search``."""
+    info, spec, num_devices, opts = args
+    _, built = search_copies(
+        lambda k: og if k == 1 else graphs(k),
+        batch_of(og),
+        copies,
+        lambda graph: _search(graph, info, spec, num_devices, opts),
+        spec,
+    )
+    opts = opts.replace(copies=built.json["predicted"]["copies"])
+    return dataclasses.replace(built, json={**built.json, "options": opts.as_json()})
+
+
+def _search(
+    og: OpGraph, info: Any, spec: ClusterSpec, num_devices: int, opts: Options
+) -> SearchResult:
+    """The one-program search of ``og``: the strategies given fixed, the rest searched."""
     fixed = None
     if opts.strategies:
         if info is None:
             raise ValueError("search='propagate' with strategies needs the mesh they name")
         base = plan_graph(og, info, opts.strategies)
         fixed = {n.node: n.strategy for n in base.nodes.values() if n.configured}
-    result = run_search(og, num_devices, spec, mesh=info, fixed=fixed, **opts.search_keywords())
-    built = build_plan(og, result, spec)
-    return dataclasses.replace(built, json={**built.json, "options": opts.as_json()})
+    return run_search(og, num_devices, spec, mesh=info, fixed=fixed, **opts.search_keywords())
 
 
 __all__ = ["plan"]

@@ -1,0 +1,106 @@
+"""Copies in the search (docs/parallelism/copies.md): the plan of ``k`` copies is the plan of
+one copy's graph (the batch's rows cut to ``batch / k``, as a pipeline's stage plan is one
+micro-batch's), priced as ``k`` copies interleaved (``cost.copies``); ``copies="auto"``
+searches each of ``COPIES`` that divides the batch and keeps the fastest."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from autoshard.cost import ClusterSpec
+from autoshard.cost.breakdown import breakdown_rows
+from autoshard.cost.copies import with_copies
+from autoshard.graph import OpGraph
+from autoshard.search.driver import SearchResult, build_plan, run_search
+from autoshard.search.plans import Plan, PlanningError
+
+#: the copies ``copies="auto"`` tries
+COPIES = (1, 2, 4)
+
+
+def copies_tried(batch: int, copies: int | str) -> list[int]:
+    """The copies to search: the one given, or those of ``COPIES`` that divide the batch."""
+    if copies == "auto":
+        return [k for k in COPIES if batch % k == 0]
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies={copies!r}: expected a positive int or 'auto'")
+    if batch % copies:
+        raise PlanningError(
+            f"copies={copies}: the batch of {batch} rows does not cut into {copies} copies"
+        )
+    return [copies]
+
+
+def batch_of(og: OpGraph) -> int:
+    """The batch copies cut: dim 0 of the graph's first input of one or more dims."""
+    shapes = [i.out_shapes[0] for i in og if i.kind == "input" and i.out_shapes[0]]
+    if not shapes:
+        raise PlanningError("copies: the model takes no input with a batch dim to cut")
+    return shapes[0][0]
+
+
+def search_copies(
+    micro: Callable[[int], OpGraph],
+    batch: int,
+    copies: int | str,
+    search: Callable[[OpGraph], SearchResult],
+    cluster: ClusterSpec,
+) -> tuple[SearchResult, Plan]:
+    """The fastest plan over the copies tried (fewer copies where as fast): ``micro(k)`` the
+    graph of one of ``k`` copies, ``search`` the search of a graph. Copies are tried only
+    beside a plan that waits for in-line communication, which they alone can hide. Returns
+    the chosen search result and its plan, whose ``predicted`` prices every copy."""
+    best: tuple[float, SearchResult, Plan] | None = None
+    tried = []
+    for k in copies_tried(batch, copies):
+        og = micro(k)
+        result = search(og)
+        built = priced(build_plan(og, result, cluster), og, k, result.graph.depth)
+        step = built.predicted.step_time
+        tried.append({"copies": k, "step_s": step, "exposed_comm_s": built.predicted.exposed_comm})
+        if best is None or step < best[0] * (1 - 1e-9):
+            best = (step, result, built)
+        inline = built.predicted.comm_forward + built.predicted.comm_backward
+        if k == 1 and copies == "auto" and inline <= 0.0:
+            break
+    assert best is not None  # copies_tried gives 1 at least where it raises nothing
+    _, result, built = best
+    if copies == "auto":
+        built.json["predicted"]["copies_tried"] = tried
+    return result, built
+
+
+def priced(built: Plan, og: OpGraph, copies: int, depth: Mapping[str, int] | None) -> Plan:
+    """``built``, the plan of one copy's graph ``og``, priced as ``copies`` copies: its
+    prediction and the JSON's (``copies``, the exposed communication with the copies
+    interleaved and one after another)."""
+    pred = built.json["predicted"]
+    pred["copies"] = copies
+    pred["exposed_comm_s"] = pred["exposed_comm_without_copies_s"] = built.predicted.exposed_comm
+    if copies == 1:
+        return built
+    est = with_copies(built.predicted, built, og, copies, depth)
+    pred["exposed_comm_s"] = est.exposed_comm
+    pred["exposed_comm_without_copies_s"] = est.exposed_comm_without_copies
+    pred["step_time_s"], pred["mfu"] = est.step_time, est.mfu
+    pred["peak_memory_bytes"] = est.peak_memory
+    pred["memory_bytes"] = est.as_dict()["memory_bytes"]
+    pred["layers"] = breakdown_rows(est, og)
+    return dataclasses.replace(built, predicted=est)
+
+
+def searched_with(
+    num_devices: int, cluster: ClusterSpec, **keywords: Any
+) -> Callable[[OpGraph], SearchResult]:
+    """``run_search`` of a graph, its other arguments fixed (the search ``search_copies``
+    runs on each copy's graph)."""
+
+    def search(graph: OpGraph) -> SearchResult:
+        return run_search(graph, num_devices, cluster, **keywords)
+
+    return search
+
+
+__all__ = ["COPIES", "batch_of", "copies_tried", "priced", "search_copies", "searched_with"]
