@@ -158,3 +158,18 @@ def test_plan_command_with_copies_shows_the_exposed_communication(tmp_path, caps
     assert "in-line communication hidden by copies" in text
     assert main([*argv, "--copies", "3"]) == 3
     assert "does not cut into 3 copies" in capsys.readouterr().err
+
+
+def test_train_command_passes_copies_to_the_run() -> None:
+    from autoshard.cli.args import build_parser
+    from autoshard.cli.train import TrainConfig
+
+    commands = ("demo", "redistribute", "plan", "simulate", "train", "calibrate")
+    parser = build_parser(dict.fromkeys(commands, lambda args: 0))
+    args = parser.parse_args(["train", "usermodel:make", "--copies", "2"])
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    cfg = TrainConfig(**{n: getattr(args, n) for n in names})
+    assert cfg.options(per_node=2).copies == 2
+    assert TrainConfig(target="m:f").options(per_node=2).copies == 1
+    with pytest.raises(ValueError, match="copies=0"):
+        dataclasses.replace(cfg, copies=0).options(per_node=2)
