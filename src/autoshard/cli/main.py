@@ -202,7 +202,7 @@ def _searched(job: Any) -> int:
         keywords = job.options().search_keywords()
         search = searched_with(devices, job.spec, depth=job.depth, **keywords)
         if job.args.copies == 1:
-            result = search(captured)
+            result = search(captured, 1)
             built = build_plan(captured, result, job.spec)
         else:  # each copy count searched on one copy's graph
             micro = micro_batch_graphs(job.model, job.example, loss_fn=job.loss_fn, dtype=dtype)

@@ -13,7 +13,7 @@ from autoshard.cost import ClusterSpec
 from autoshard.cost.breakdown import breakdown_rows
 from autoshard.cost.copies import with_copies
 from autoshard.graph import OpGraph
-from autoshard.search.driver import SearchResult, build_plan, run_search
+from autoshard.search.driver import SearchResult, build_plan, run_search, size_text
 from autoshard.search.plans import Plan, PlanningError
 
 #: the copies ``copies="auto"`` tries
@@ -45,27 +45,36 @@ def search_copies(
     micro: Callable[[int], OpGraph],
     batch: int,
     copies: int | str,
-    search: Callable[[OpGraph], SearchResult],
+    search: Callable[[OpGraph, int], SearchResult],
     cluster: ClusterSpec,
+    memory_limit: float | None = None,
 ) -> tuple[SearchResult, Plan]:
-    """The fastest plan over the copies tried (fewer copies where as fast): ``micro(k)`` the
-    graph of one of ``k`` copies, ``search`` the search of a graph. Copies are tried only
-    beside a plan that waits for in-line communication, which they alone can hide. Returns
-    the chosen search result and its plan, whose ``predicted`` prices every copy."""
+    """The fastest plan that fits over the copies tried (fewer copies where as fast):
+    ``micro(k)`` the graph of one of ``k`` copies, ``search(graph, k)`` its search (what runs
+    once a step weighted ``1 / k``, as a pipeline's micro-batch weighs it). Copies are tried
+    only beside a plan that waits for in-line communication, which they alone can hide.
+    Returns the chosen search result and its plan, whose ``predicted`` prices every copy."""
+    limit = memory_limit or cluster.memory_bytes
     best: tuple[float, SearchResult, Plan] | None = None
-    tried = []
+    tried: list[dict[str, Any]] = []
     for k in copies_tried(batch, copies):
         og = micro(k)
-        result = search(og)
+        result = search(og, k)
         built = priced(build_plan(og, result, cluster), og, k, result.graph.depth)
-        step = built.predicted.step_time
-        tried.append({"copies": k, "step_s": step, "exposed_comm_s": built.predicted.exposed_comm})
-        if best is None or step < best[0] * (1 - 1e-9):
-            best = (step, result, built)
-        inline = built.predicted.comm_forward + built.predicted.comm_backward
-        if k == 1 and copies == "auto" and inline <= 0.0:
+        est = built.predicted
+        fits = est.peak_memory <= limit
+        tried.append({"copies": k, "step_s": est.step_time, "exposed_comm_s": est.exposed_comm,
+                      "peak_memory_bytes": est.peak_memory, "fits": fits})  # fmt: skip
+        if fits and (best is None or est.step_time < best[0] * (1 - 1e-9)):
+            best = (est.step_time, result, built)
+        if k == 1 and copies == "auto" and est.comm_forward + est.comm_backward <= 0.0:
             break
-    assert best is not None  # copies_tried gives 1 at least where it raises nothing
+    if best is None:
+        needs = ", ".join(f"{r['copies']}: {size_text(r['peak_memory_bytes'])}" for r in tried)
+        raise PlanningError(
+            f"copies={copies}: no plan fits in {size_text(limit)} a device (copies: {needs}); "
+            "every copy keeps its activations until backward"
+        )
     _, result, built = best
     if copies == "auto":
         built.json["predicted"]["copies_tried"] = tried
@@ -93,12 +102,12 @@ def priced(built: Plan, og: OpGraph, copies: int, depth: Mapping[str, int] | Non
 
 def searched_with(
     num_devices: int, cluster: ClusterSpec, **keywords: Any
-) -> Callable[[OpGraph], SearchResult]:
+) -> Callable[[OpGraph, int], SearchResult]:
     """``run_search`` of a graph, its other arguments fixed (the search ``search_copies``
     runs on each copy's graph)."""
 
-    def search(graph: OpGraph) -> SearchResult:
-        return run_search(graph, num_devices, cluster, **keywords)
+    def search(graph: OpGraph, copies: int = 1) -> SearchResult:
+        return run_search(graph, num_devices, cluster, step_share=1 / copies, **keywords)
 
     return search
 

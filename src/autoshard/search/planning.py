@@ -122,24 +122,33 @@ def _with_copies(
         lambda k: og if k == 1 else graphs(k),
         batch_of(og),
         copies,
-        lambda graph: _search(graph, info, spec, num_devices, opts),
+        lambda graph, k: _search(graph, info, spec, num_devices, opts, 1 / k),
         spec,
+        opts.memory_limit,
     )
     opts = opts.replace(copies=built.json["predicted"]["copies"])
     return dataclasses.replace(built, json={**built.json, "options": opts.as_json()})
 
 
 def _search(
-    og: OpGraph, info: Any, spec: ClusterSpec, num_devices: int, opts: Options
+    og: OpGraph,
+    info: Any,
+    spec: ClusterSpec,
+    num_devices: int,
+    opts: Options,
+    step_share: float = 1.0,
 ) -> SearchResult:
-    """The one-program search of ``og``: the strategies given fixed, the rest searched."""
+    """The one-program search of ``og``: the strategies given fixed, the rest searched;
+    ``step_share``: the weight of what runs once a step (``run_search``)."""
     fixed = None
     if opts.strategies:
         if info is None:
             raise ValueError("search='propagate' with strategies needs the mesh they name")
         base = plan_graph(og, info, opts.strategies)
         fixed = {n.node: n.strategy for n in base.nodes.values() if n.configured}
-    return run_search(og, num_devices, spec, mesh=info, fixed=fixed, **opts.search_keywords())
+    keywords = opts.search_keywords()
+    return run_search(og, num_devices, spec, mesh=info, fixed=fixed, step_share=step_share,
+                      **keywords)  # fmt: skip
 
 
 __all__ = ["plan"]
