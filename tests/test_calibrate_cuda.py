@@ -44,6 +44,10 @@ def test_the_measurements_make_a_spec_the_planner_reads(tmp_path) -> None:
         assert spec.collective_factors[kind] == pytest.approx(1.5)
     assert spec.grouped_mm_efficiency == 0.9 and spec.attention_efficiency == [0.5, 0.4]
     assert spec.extra["attention_kernel"] == "flash"
+    assert spec.overlap_efficiency == 1.0  # not measured: NCCL's own stream, as presets say
+    measured = _measured(8e-6, 4e11, 1.5)
+    measured[0]["nccl"]["overlap_efficiency"] = 0.8
+    assert cuda_spec(measured, 2, "gpus").overlap_efficiency == 0.8
     path = tmp_path / "gpus.json"
     spec.save(path)
     read = cluster_spec(str(path))

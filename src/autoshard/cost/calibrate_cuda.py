@@ -7,7 +7,8 @@ efficiency curve) and float32's peak; the fused attention a causal block runs, f
 backward (the share of peak, counted as the time model counts a causal kernel); the experts'
 grouped product against separate products of one expert's size; memory bandwidth (a copy of
 a quarter of the device's memory at most); the per-kernel overhead; AdamW's memory passes;
-NCCL's all-reduce fitted to the link model and its other collectives' factors over it. Every
+NCCL's all-reduce fitted to the link model and its other collectives' factors over it; the
+share of an NCCL all-reduce that products beside it hide (``overlap_efficiency``). Every
 time is a median of CUDA-event timings after a warm-up.
 """
 
@@ -174,13 +175,26 @@ def _collective(kind: str, nbytes: int, world: int, group: Any, device: torch.de
     part = torch.empty(nbytes // 2 // world, dtype=torch.bfloat16, device=device)
     whole = torch.ones(part.numel() * world, dtype=torch.bfloat16, device=device)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(whole, group=group)
+        return _Reduce(whole, group)
     if kind == "reduce_scatter":
         return lambda: dist.reduce_scatter_tensor(part, whole, group=group)
     if kind == "all_gather":
         return lambda: dist.all_gather_into_tensor(whole, part, group=group)
     out = torch.empty_like(whole)
     return lambda: dist.all_to_all_single(out, whole, group=group)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Reduce:
+    """An all-reduce of ``tensor`` over ``group``, called as the other kinds' closures are."""
+
+    tensor: torch.Tensor
+    group: Any
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self.tensor, group=self.group)
 
 
 def measure_nccl(device: torch.device) -> dict[str, Any]:
@@ -200,7 +214,32 @@ def measure_nccl(device: torch.device) -> dict[str, Any]:
         times[kind] = [
             cuda_time(_collective(kind, n, world, group, device)) for n in CUDA_KIND_SIZES
         ]
+    times["overlap_efficiency"] = measure_overlap(device, group)
     return times
+
+
+def measure_overlap(device: torch.device, group: Any, nbytes: int = 64 << 20) -> float:
+    """The share of the shorter of an NCCL all-reduce and a burst of products that running
+    them at once hides, ``(compute + comm - both) / min(compute, comm)``, as calibrate
+    measures it on CPU ranks: the all-reduce posted asynchronously (NCCL's own stream), the
+    bfloat16 products on the default stream meanwhile, sized to take about as long. Below
+    1 where NCCL's kernels take the streaming multiprocessors the products would use."""
+    import torch.distributed as dist
+
+    reduce = _collective("all_reduce", nbytes, 1, group, device)
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+
+    def run(products: int, comm: bool) -> None:
+        work = dist.all_reduce(reduce.tensor, group=group, async_op=True) if comm else None
+        for _ in range(products):
+            a @ a
+        if work is not None:
+            work.wait()  # the default stream waits for NCCL's: the end event sees both
+
+    comm, one = cuda_time(lambda: run(0, True)), cuda_time(lambda: run(1, False))
+    products = max(1, round(comm / one))
+    compute, both = cuda_time(lambda: run(products, False)), cuda_time(lambda: run(products, True))
+    return min(1.0, max(0.0, (compute + comm - both) / min(compute, comm)))
 
 
 def _measure_rank() -> dict[str, Any]:
@@ -256,6 +295,9 @@ def cuda_spec(per_rank: list[dict[str, Any]], ranks: int, name: str) -> ClusterS
         attention_efficiency=shares,
         grouped_mm_efficiency=median("grouped_mm_efficiency"),
         collective_factors=factors,
+        # NCCL on its own stream beside the products, measured (1 on one device: nothing to
+        # overlap, as the GPU presets assume)
+        overlap_efficiency=float(nccl.get("overlap_efficiency", 1.0)) if nccl else 1.0,
         extra={
             "device": "cuda",
             "attention_kernel": per_rank[0]["attention_kernel"],
