@@ -173,3 +173,29 @@ def test_train_command_passes_copies_to_the_run() -> None:
     assert TrainConfig(target="m:f").options(per_node=2).copies == 1
     with pytest.raises(ValueError, match="copies=0"):
         dataclasses.replace(cfg, copies=0).options(per_node=2)
+
+
+def test_a_pipeline_stage_s_copies_hide_its_collectives(mlp_tp) -> None:
+    from autoshard.cost.pipeline import model_pieces
+
+    graphs, cluster = mlp_tp
+    built, og, two = _priced(graphs, 2, cluster, tp=2)
+    serial = dataclasses.replace(two, overlap_efficiency=0.0)  # the same copies, none hidden
+    pieces = model_pieces(two, og)
+    flat = model_pieces(serial, og)
+    count = pieces[2]
+    inline = [p.forward + p.backward for p in (pieces[0], pieces[1], pieces[3])]
+    alone = [p.forward + p.backward for p in (flat[0], flat[1], flat[3])]
+    assert all(a <= b + 1e-12 for a, b in zip(inline, alone, strict=True))
+    hidden = sum(w * (b - a) for w, a, b in zip((1, count, 1), inline, alone, strict=True))
+    # each pass and piece its own timeline: at most what the whole step's hides
+    assert 0 < hidden <= two.hidden_by_copies * (1 + 1e-9)
+    # and through the pipeline search: copies inside each micro-batch
+    model, example = _model("mlp", 512, 512)
+    plan = autoshard.plan(
+        model, example, cluster_spec("cpu", 4), num_devices=4, tp=2, pp=2, microbatches=4,
+        schedule="1f1b", recompute="none", zero=0, copies=2,
+    )  # fmt: skip
+    assert plan.json["options"]["copies"] == 2 and plan.predicted.copies == 2
+    with pytest.raises(ValueError, match="copies=3 x microbatches=4 does not divide"):
+        autoshard.plan(model, example, "cpu", num_devices=4, pp=2, microbatches=4, copies=3)

@@ -174,8 +174,8 @@ def _planned(job: Any) -> int:
 
     opts = job.options()
     staged = opts.replace(pp=None if opts.pp == 1 else opts.pp).staged
-    if job.args.copies != 1 and (staged or job.args.pp == "auto"):
-        raise ValueError(f"--copies {job.args.copies}: the planner prices copies without stages")
+    if job.args.copies == "auto" and (staged or job.args.pp == "auto"):
+        raise ValueError("--copies auto is searched without stages; give stages a count")
     if job.args.pp != "auto" and staged:
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(job)

@@ -30,6 +30,7 @@ def plan_options(args: Any, policy: Any) -> Options:
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         recompute=args.recompute,
+        copies=args.copies if isinstance(args.copies, int) else 1,
     )
 
 

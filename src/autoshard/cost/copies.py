@@ -144,6 +144,31 @@ def with_copies(
     )
 
 
+def hidden_in(est: CopiesEstimate, ops: list[tuple[Estimate, int]]) -> tuple[float, float]:
+    """The in-line seconds of forward and of backward that ``est``'s copies hide over a run
+    of ``ops`` (each op's terms for every copy and its runs, in graph order: a run of ops
+    with the same runs repeated whole, as a block stands for its copies): a pipeline stage's
+    forward and backward, each its own timeline (``price_pipeline``)."""
+    k = est.copies
+    forward: list[tuple[int, float]] = []
+    backward: list[tuple[int, float]] = []
+    segment: list[Estimate] = []
+    for i, (terms, runs) in enumerate(ops):
+        segment.append(terms)
+        if i + 1 < len(ops) and ops[i + 1][1] == runs:
+            continue
+        for _ in range(runs):
+            for t in segment:
+                forward += [(COMM, t.comm_forward / k), (COMPUTE, t.compute_forward / k)]
+                backward += [(COMM, t.comm_backward / k), (COMPUTE, t.compute_backward / k)]
+        segment = []
+    out = []
+    for chain in (_merged(forward), _merged(backward[::-1])):
+        serial = k * sum(seconds for _, seconds in chain)
+        out.append(est.overlap_efficiency * max(0.0, serial - interleaved(chain, k)))
+    return out[0], out[1]
+
+
 def _activations(est: Estimate, plan: PlanDecisions, copies: int) -> float:
     """Every copy's activations and inputs: the interleaving runs all copies' forward
     before their backward, so each copy keeps its own until then; the casts of parameters
@@ -167,4 +192,12 @@ def _scaled(terms: Estimate, copies: int) -> Estimate:
     )
 
 
-__all__ = ["COMM", "COMPUTE", "CopiesEstimate", "copy_chain", "interleaved", "with_copies"]
+__all__ = [
+    "COMM",
+    "COMPUTE",
+    "CopiesEstimate",
+    "copy_chain",
+    "hidden_in",
+    "interleaved",
+    "with_copies",
+]

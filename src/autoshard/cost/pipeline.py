@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.collectives import PRODUCTS, collective_time
+from autoshard.cost.copies import CopiesEstimate, hidden_in
 from autoshard.cost.estimate import MEMORY_KINDS, Estimate
 from autoshard.graph import OpGraph
 from autoshard.schedule import Action, Schedule, Timeline, simulate
@@ -73,6 +74,7 @@ def model_pieces(est: Estimate, og: OpGraph) -> tuple[Piece, Piece, int, Piece]:
     pre, blocks, post = Piece(), Piece(), Piece()
     count, seen_block = 0, False
     prefix = next(iter(og.repeated), None)
+    runs: dict[int, list] = {id(pre): [], id(blocks): [], id(post): []}
     for node in og.graph.nodes:
         if node.name not in est.by_node:
             continue
@@ -81,6 +83,7 @@ def model_pieces(est: Estimate, og: OpGraph) -> tuple[Piece, Piece, int, Piece]:
         in_block = info.block is not None and info.block[0] == prefix
         seen_block |= in_block
         piece = blocks if in_block else (post if seen_block else pre)
+        runs[id(piece)].append((terms, copies))
         fwd = terms.compute_forward + terms.comm_forward
         bwd = terms.compute_backward + terms.comm_backward
         product = _product(str(info.op))
@@ -96,6 +99,10 @@ def model_pieces(est: Estimate, og: OpGraph) -> tuple[Piece, Piece, int, Piece]:
              if n.name in est.by_node and og[n].block and og[n].block[0] == prefix),
             default=1,
         )  # fmt: skip
+    if isinstance(est, CopiesEstimate):  # what a stage's copies hide of its collectives
+        for piece in (pre, blocks, post):
+            forward, backward = hidden_in(est, runs[id(piece)])
+            piece.forward, piece.backward = piece.forward - forward, piece.backward - backward
     _add_state(est, og, prefix, pre, blocks, post)
     return pre, blocks.scaled(1 / max(count, 1)), max(count, 1), post
 

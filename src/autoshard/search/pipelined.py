@@ -25,6 +25,7 @@ from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
 from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
+from autoshard.search.copies import priced
 from autoshard.search.driver import SearchResult, build_plan, paused_gc, run_search, size_text
 from autoshard.search.plans import Plan, PlanningError, staged_json
 from autoshard.search.pruning import search_session
@@ -113,6 +114,13 @@ def search_pipeline(
     start = time.perf_counter()
     if opts.memory_limit is not None:
         cluster = dataclasses.replace(cluster, memory_bytes=opts.memory_limit)
+    k = opts.copies  # copies inside a micro-batch: the stage plan is one copy's
+    if batch % k or (opts.microbatches and batch % (k * opts.microbatches)):
+        raise PlanningError(
+            f"copies={k} x microbatches={opts.microbatches or 1} does not divide the batch {batch}"
+        )
+    if k > 1:
+        capture, batch = functools.partial(_copy_graph, capture, k), batch // k
     search = _Search(capture, batch, num_devices, cluster, opts, depth, opts.stage_mesh)
     return search.run(), search.tried, time.perf_counter() - start
 
@@ -211,9 +219,11 @@ class _Search:
         if key not in self.stage_plans:
             og, sub = self.graph(m), self.sub(pp)
             how = self.opts.search_keywords() | {"zero": zero, "memory_limit": limit}
-            how |= {"depth": self.depth, "mesh": self.fixed, "step_share": 1 / m}
+            k = self.opts.copies
+            how |= {"depth": self.depth, "mesh": self.fixed, "step_share": 1 / (m * k)}
             result = run_search(og, self.num_devices // pp, sub, **how)
-            self.stage_plans[key] = (build_plan(og, result, sub), result)
+            built = priced(build_plan(og, result, sub), og, k, self.depth) if k > 1 else None
+            self.stage_plans[key] = (built or build_plan(og, result, sub), result)
         return self.stage_plans[key]
 
     def price_with(self, pp: int, m: int, zero: int, limit: float) -> tuple:
@@ -273,13 +283,19 @@ def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
 def _priced(og, stage, result, cluster, pp, m, name, v, recompute) -> PipelinePlan:
     """``stage``'s plan in ``pp`` stages under the schedule ``name`` and ``recompute``."""
     sched = _schedule(name, pp, m, v)
-    crossing = boundary_bytes(og, stage) if pp * v > 1 else 0.0  # one stage sends nothing
+    copies = stage.json["predicted"].get("copies", 1)  # each sends its rows
+    crossing = copies * boundary_bytes(og, stage) if pp * v > 1 else 0.0  # one stage: none
     mesh = stage.mesh
     stride = mesh.num_devices // mesh.size_of([n for n in mesh.names if n.startswith("dp")])
     predicted = price_pipeline(
         stage.predicted, og, sched, cluster, recompute, crossing, stride=max(stride, 1)
     )
     return PipelinePlan(stage, result, sched, recompute, predicted, crossing)
+
+
+def _copy_graph(capture: Callable[[int], OpGraph], copies: int, m: int) -> OpGraph:
+    """The graph of one of ``copies`` copies of one of ``m`` micro-batches."""
+    return capture(m * copies)
 
 
 def _blocks(og: OpGraph, depth: Any) -> int:

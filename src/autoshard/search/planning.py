@@ -77,8 +77,8 @@ def plan(
     opts = opts.replace(precision=opts.policy.resolve(model))
     inputs = tuple(example_inputs)
     if opts.staged:
-        if wanted != 1:
-            raise ValueError(f"copies={wanted!r}: the planner prices copies without stages only")
+        if wanted == "auto":
+            raise ValueError("copies='auto' is searched without stages; give stages a count")
         return plan_with_stages(model, inputs, spec, num_devices, opts, loss_fn, example_kwargs)
     where = (info, spec, num_devices, opts)
     return _one_program(model, inputs, example_kwargs, loss_fn, captured, where, wanted)
