@@ -181,30 +181,24 @@ def _redistribute_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _pp(text: str) -> int | str:
-    """``--pp``: a positive int, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of stages or auto") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: at least 1")
-    return value
+def _count_or_auto(what: str) -> Callable[[str], int | str]:
+    """An option's type: a positive int (a number of ``what``), or ``auto``."""
+
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a number of {what} or auto") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text}: at least 1")
+        return value
+
+    return parse
 
 
-def _copies(text: str) -> int | str:
-    """``--copies``: a positive int, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of copies or auto") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: at least 1")
-    return value
+_pp, _copies = _count_or_auto("stages"), _count_or_auto("copies")
 
 
 def _train_options(p: argparse.ArgumentParser) -> None:
