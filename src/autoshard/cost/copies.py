@@ -70,8 +70,8 @@ def interleaved(chain: list[tuple[int, float]], copies: int) -> float:
 def copy_chain(est: Estimate, og: OpGraph, depth: Mapping[str, int] | None = None) -> list:
     """One copy's in-line work as the run meets it: per op its inputs' moves then its
     compute in forward, its backward compute then its inputs' gradient moves in backward;
-    what no op holds (the inputs' intake, the outputs' moves) at the end of its pass. The
-    gradient sums of parameters run once a step and are not in it."""
+    what no op holds (the outputs' moves) at the end of forward and the start of backward.
+    The gradient sums of parameters run once a step and are not in it."""
     sequence, _ = _as_run(og, depth)
     forward: list[tuple[int, float]] = []
     backward: list[tuple[int, float]] = []
@@ -131,7 +131,7 @@ def with_copies(
         optimizer=est.optimizer,
         overlapped=[
             Overlapped(o.seconds, o.ready * stretch, o.due * stretch) for o in est.overlapped
-        ],  # fmt: skip
+        ],
         memory={**est.memory, "activations": _activations(est, plan, copies)},
         model_flops=copies * est.model_flops,
         num_devices=est.num_devices,
