@@ -420,3 +420,29 @@ def test_a_loss_computed_by_separate_passes_moves_its_logits_that_many_times() -
         assert backward == pytest.approx(14 * logits / spec.memory_bandwidth)
         plain = op_time(node, strategy, replace(spec, op_overhead=0.0))
         assert plain[0] < forward and plain[0] > 0
+
+
+def test_a_products_output_passed_through_a_copy_is_still_beside_the_product() -> None:
+    """A row-parallel product's output reaches the residual add through dropout's copy (it
+    drops nothing): the reduce-scatter of that copy runs beside the product, as Transformer
+    Engine's tensor-parallel overlap runs it, so ``tp_comm_overlap`` prices it in chunks;
+    a value an elementwise op made is not a product's."""
+    from dataclasses import replace
+
+    from autoshard.cost.collectives import is_product, move_time
+    from autoshard.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=96, block_size=8)
+    og = capture(GPT(config), config.example_batch(4))
+    nodes = {i.key: i.node for i in og.ops()}
+    copy = next(n for k, n in nodes.items() if "mlp.dropout" in k)
+    assert is_product(copy.args[0]) and is_product(copy)
+    assert not is_product(next(n for k, n in nodes.items() if "gelu" in k))
+    shape, bf16 = (4, 1024, 4096), torch.bfloat16
+    partial = Layout.from_named(shape, (None,) * 3, {"tp": 8}, partial=("tp",), dtype=bf16)
+    rows = Layout.from_named(shape, (None, "tp", None), {"tp": 8}, dtype=bf16)
+    spec = cluster_spec("dgx-h100")
+    overlapped = replace(spec, tp_comm_overlap=True)
+    whole = move_time(partial, rows, spec, beside_product=True)
+    assert move_time(partial, rows, overlapped, beside_product=False) == pytest.approx(whole)
+    assert move_time(partial, rows, overlapped, beside_product=True) < whole / 2

@@ -120,9 +120,25 @@ def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
 PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "linear", "convolution", "matmul")
 
 
+#: how many views and copies a product's output may pass through and still be its output
+_PASSED_ON = 8
+#: the ops that pass a value on unchanged: views and copies of the whole of it
+_PASSING = ("view", "_unsafe_view", "reshape", "clone", "alias", "detach", "contiguous")
+
+
 def is_product(node: Any) -> bool:
-    """Whether ``node`` (an fx node) is a matrix product."""
-    return node_info(node).op.split(".")[0] in PRODUCTS
+    """Whether ``node`` (an fx node) is a matrix product, or a product's output passed on
+    unchanged through views and copies (a dropout that drops nothing is a copy): the
+    software that overlaps a product with its output's reduce-scatter (Transformer Engine's
+    ``--tp-comm-overlap``) does so whatever views the model puts between them."""
+    for _ in range(_PASSED_ON):
+        if node_info(node).op.split(".")[0] in PRODUCTS:
+            return True
+        ins = tensor_inputs(node)
+        if len(ins) != 1 or node_info(node).op.split(".")[0] not in _PASSING:
+            return False
+        node = ins[0]
+    return False
 
 
 def move_time(src: Layout, dst: Layout, cluster: ClusterSpec, beside_product: bool) -> float:
