@@ -133,11 +133,13 @@ def runs() -> list[dict]:
 
 
 def _argv(r: dict, out: Path, cluster: Path) -> list[str]:
+    # a model of the run's own code where autoshard's reference model differs from it
+    sizes = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+    model = ["--model-fn", r["model_fn"]] if "model_fn" in r else ["--model", r["model"]]
+    if "model_fn" not in r:
+        model += [a for k in sizes if k in r for a in (f"--{k.replace('_', '-')}", str(r[k]))]
     argv = [
-        "plan", "--model", r["model"], "--layers", str(r["layers"]),
-        "--hidden", str(r["hidden"]), "--heads", str(r["heads"]),
-        *(["--kv-heads", str(r["kv_heads"]), "--ffn", str(r["ffn"])] if "ffn" in r else []),
-        "--seq", str(r["seq"]), "--vocab", str(r["vocab"]),
+        "plan", *model, "--seq", str(r["seq"]),
         "--batch", str(r["batch"]), "--cluster", str(cluster), "--devices", str(r["gpus"]),
         "--precision", r["precision"], "--zero", str(r["zero"]), "--tp", str(r["tp"]),
         "--pp", str(r["pp"]), "--microbatches", str(r["microbatches"]),

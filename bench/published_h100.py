@@ -44,6 +44,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from autoshard.models.llama import Llama, LlamaConfig, RMSNorm
+
 #: Megatron-LM README, model table: (name, heads, hidden, layers, tp, pp, dp, GPUs, batch,
 #: achieved teraFLOP/s per GPU)
 MEGATRON_CORE = [
@@ -90,6 +94,36 @@ CUDNN_ATTENTION = [518 / 989, 499 / 989]
 FLASH2_ATTENTION = [333 / 989, 318 / 989]
 
 
+class Float32RMSNorm(RMSNorm):
+    """torchtitan's ``RMSNorm`` of the benchmark's commit (``torchtitan/models/norms.py``,
+    ``norm_type = "rmsnorm"`` in ``llama3_8b.toml``): the input cast to float32, normalized
+    in float32, cast back, then scaled by the weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        normed = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight  # its type_as(x): a cast to x's dtype
+
+
+def titan_llama() -> dict:
+    """Llama 3.1 8B as torchtitan's benchmark ran it, for ``autoshard plan --model-fn``:
+    autoshard's Llama with torchtitan's float32 RMSNorm, on the meta device (``--batch`` and
+    ``--seq`` size its example batch)."""
+    s = LLAMA3_8B
+    config = LlamaConfig(
+        vocab_size=s["vocab"], max_seq=s["seq"], num_layers=s["layers"], num_heads=s["heads"],
+        num_kv_heads=s["kv_heads"], hidden=s["hidden"], ffn_hidden=s["ffn"],
+        rope_theta=500000.0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Llama(config)
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, RMSNorm):
+                    setattr(module, name, Float32RMSNorm(config.hidden, config.norm_eps))
+    return {"model": model, "batch": config.example_batch(1)}
+
+
 def _megatron_seconds(hidden, layers, gpus, batch, tflops) -> float:
     s, v, h, n = MEGATRON_SEQ, MEGATRON_VOCAB, hidden, layers
     flops = 12 * batch * s * n * h * h * (1 + 1 + s / h + 4 + v / (2 * n * h))
@@ -113,6 +147,7 @@ def runs() -> list[dict]:
     for table, gpus, batch, tps in TORCHTITAN:
         out.append({
             "source": "torchtitan-2024-12", "run": f"8B FSDP {gpus} ({table})", "model": "llama",
+            "model_fn": "bench.published_h100:titan_llama",
             **LLAMA3_8B, "tp": 1, "pp": 1, "gpus": gpus, "batch": batch, "microbatches": 1,
             "schedule": "1f1b", "virtual_stages": 1, "recompute": "selective",
             "sequence_parallel": False, "zero": 3, "precision": "bf16", "cluster": "titan",
