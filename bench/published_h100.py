@@ -36,7 +36,9 @@ Sources (the numbers are theirs; the code that reads them is this file):
   between the NVL's and the SXM's (835 and 989 dense bf16 TFLOP/s): the middle, 912, is
   taken. torch's SDPA ran FlashAttention-2 then (cuDNN's kernel was off by default,
   pytorch/pytorch#142132); the loss is ``cross_entropy(pred.float(), labels)``, the optimizer
-  torch's foreach AdamW.
+  torch's foreach AdamW. Its RMSNorm (``torchtitan/models/norms.py`` at that commit,
+  ``norm_type = "rmsnorm"``) computes in float32: the run is planned on autoshard's Llama with
+  that norm (``titan_llama``, through ``--model-fn``).
 """
 
 from __future__ import annotations
@@ -213,7 +215,9 @@ DESCRIBED = (
     "foreach AdamW, 20 passes) with `--zero 3 --recompute selective`. Its `op` policy keeps the "
     "attention's output and recomputes every second matrix product of a block (wk, wo, w3), "
     "where autoshard's `selective` keeps every product and recomputes the attention: 4.1 "
-    "against 3.6 ms a layer at the cost model's prices, under 1% of the step, not priced; nor "
-    "is its RMSNorm's float32 arithmetic (autoshard's Llama normalizes in the compute dtype). "
+    "against 3.6 ms a layer at the cost model's prices, under 1% of the step, not priced. Its "
+    "model is planned through `--model-fn bench.published_h100:titan_llama`: autoshard's Llama "
+    "with torchtitan's RMSNorm, which casts its input to float32, normalizes and casts back "
+    "(its rotary embedding's float32 complex product stays priced as autoshard's bf16 one). "
     "No parameter was set from these runs."
 )
