@@ -9,8 +9,11 @@ Sources (the numbers are theirs; the code that reads them is this file):
   the heads, hidden size, layers, tensor, pipeline and data-parallel sizes, GPUs, batch and
   the achieved teraFLOP/s per GPU. The model sizes it names are those of a GPT whose output
   layer has its own weight (``--untie-embeddings-and-output-weights``: 1.7B is 1.21B in the
-  blocks and two 0.27B vocabulary matrices, 1.48B tied; so for every row), planned with
-  ``--untie-embeddings``. Its throughput counts the FLOPs of Megatron-LM's
+  blocks and two 0.27B vocabulary matrices, 1.48B tied; so for every row), planned untied.
+  Megatron-Core lays its fused query-key-value projection out by head (each head's query,
+  key and value side by side), so that a tensor-parallel split of it holds whole heads: the
+  runs are planned on autoshard's GPT with that attention (``mcore_gpt``, through
+  ``--model-fn``). Its throughput counts the FLOPs of Megatron-LM's
   ``num_floating_point_operations`` of that commit, 12 B s l h^2 (1 + g/a + s/h + f/h +
   V/(2 l h)) for a GPT of f = 4h and g = a (no recompute counted); the step time is those
   FLOPs over the GPUs' achieved FLOP/s. The README names the software's overlaps: the
@@ -43,11 +46,14 @@ Sources (the numbers are theirs; the code that reads them is this file):
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from autoshard.models.gpt import GPT, CausalSelfAttention, GPTConfig
 from autoshard.models.llama import Llama, LlamaConfig, RMSNorm
 
 #: Megatron-LM README, model table: (name, heads, hidden, layers, tp, pp, dp, GPUs, batch,
@@ -94,6 +100,44 @@ TITAN_LOSS_BYTES = [6.0 + 16, 4.0 + 16 + 6]
 #: 318 at sequence 8192 (torchtitan's)
 CUDNN_ATTENTION = [518 / 989, 499 / 989]
 FLASH2_ATTENTION = [333 / 989, 318 / 989]
+
+
+class HeadGroupedAttention(CausalSelfAttention):
+    """Megatron-Core's self-attention (``megatron/core/transformer/attention.py``,
+    ``get_query_key_value_tensors``, r0.8.0): its fused projection's output is laid out by
+    head, each head's query, key and value side by side, and viewed ``[.., heads, 3 x head]``
+    before the split, so a tensor-parallel split of the projection's columns holds whole
+    heads (autoshard's GPT lays the three out one after the other)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, h = x.shape
+        head_dim = h // self.num_heads
+        qkv = self.c_attn(x).view(B, S, self.num_heads, 3 * head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(head_dim, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.0)
+        y = y.transpose(1, 2).contiguous().view(B, S, h)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def mcore_gpt(heads: int, hidden: int, layers: int) -> dict:
+    """A weak-scaling run's GPT as Megatron-Core runs it, for ``autoshard plan --model-fn``:
+    autoshard's GPT, its output layer untied, with Megatron-Core's head-grouped attention,
+    on the meta device (``--batch`` sizes its example batch)."""
+    config = GPTConfig(
+        vocab_size=MEGATRON_VOCAB, block_size=MEGATRON_SEQ, num_layers=layers, num_heads=heads,
+        hidden=hidden, tie_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(config)
+        for block in model.layers:
+            block.attn = HeadGroupedAttention(config)
+    return {"model": model, "batch": config.example_batch(1)}
+
+
+#: each Megatron-Core run's ``--model-fn`` name in this module (``mcore_gpt_1_7b``, ...)
+MCORE_FNS = {row[0]: "mcore_gpt_" + row[0].lower().replace(".", "_") for row in MEGATRON_CORE}
+for _name, _heads, _hidden, _layers, *_ in MEGATRON_CORE:
+    globals()[MCORE_FNS[_name]] = functools.partial(mcore_gpt, _heads, _hidden, _layers)
 
 
 class Float32RMSNorm(RMSNorm):
@@ -143,7 +187,7 @@ def runs() -> list[dict]:
             "tp": tp, "pp": pp, "gpus": gpus, "batch": batch,
             "microbatches": batch // dp, "schedule": "1f1b", "virtual_stages": 1,
             "recompute": None, "sequence_parallel": tp > 1, "zero": 1, "precision": "bf16",
-            "untie": True,
+            "model_fn": f"bench.published_h100:{MCORE_FNS[name]}",
             "cluster": "mcore", "seconds": _megatron_seconds(hidden, layers, gpus, batch, tflops),
         })  # fmt: skip
     for table, gpus, batch, tps in TORCHTITAN:
@@ -197,8 +241,11 @@ DESCRIBED = (
     "of that commit) and torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (Tables 1 "
     "and 3: Llama 3.1 8B, FSDP, selective activation checkpointing, sequence 8192 from its "
     "`llama3_8b.toml`, the eager bf16 rows; tokens a second a GPU). Megatron-Core's runs "
-    "planned as given on the `dgx-h100` preset with `--untie-embeddings` and the software "
-    "described (`h100-mcore.json`): attention by cuDNN's fused kernel, which Transformer Engine "
+    "planned as given on the `dgx-h100` preset, the model through `--model-fn "
+    "bench.published_h100:mcore_gpt_<size>` (autoshard's GPT, its output layer untied, with "
+    "Megatron-Core's attention, whose fused query-key-value projection is laid out by head "
+    "so that a tensor-parallel split holds whole heads), and the software described "
+    "(`h100-mcore.json`): attention by cuDNN's fused kernel, which Transformer Engine "
     "runs on Hopper, at the shares FlashAttention-3's paper measured for it (518 and 499 of 989 "
     "TFLOP/s forward and backward, head size 128, sequence 4096); the loss by Megatron-Core's "
     "vocabulary-parallel cross-entropy, float32 passes over the logits (`loss_bytes` 38 and 14 "
