@@ -68,3 +68,47 @@ def test_src_modified_is_asked_of_the_whole_repository(tmp_path, monkeypatch) ->
     git("checkout", "--", "src")
     (tmp_path / "bench/bench_x.py").write_text("1\n")
     assert main.machine_facts()["src_modified"] is True
+
+
+def test_megatron_cores_attention_is_autoshards_with_its_projection_laid_out_by_head() -> None:
+    """``bench.published_h100``'s Megatron-Core attention computes what autoshard's GPT
+    attention does once the fused projection's rows are laid out by head (each head's query,
+    key and value rows side by side): the same model, its weight stored as Megatron does."""
+    import torch
+
+    from autoshard.models.gpt import CausalSelfAttention, GPTConfig
+    from bench.published_h100 import HeadGroupedAttention
+
+    torch.manual_seed(0)
+    config = GPTConfig(hidden=32, num_heads=4)
+    ours, theirs = CausalSelfAttention(config), HeadGroupedAttention(config)
+    head = config.hidden // config.num_heads
+    rows = torch.arange(3 * config.hidden).view(3, config.num_heads, head).transpose(0, 1)
+    with torch.no_grad():
+        theirs.c_attn.weight.copy_(ours.c_attn.weight[rows.reshape(-1)])
+        theirs.c_attn.bias.copy_(ours.c_attn.bias[rows.reshape(-1)])
+        theirs.c_proj.load_state_dict(ours.c_proj.state_dict())
+    x = torch.randn(2, 8, config.hidden)
+    torch.testing.assert_close(theirs(x), ours(x))
+    assert not torch.allclose(HeadGroupedAttention(config)(x), ours(x))
+
+
+def test_the_megatron_core_models_count_the_readmes_parameters_and_torchtitans_norm_is_fp32() -> (
+    None
+):
+    """Each Megatron-Core run's ``--model-fn`` builds a GPT of the size its README row names
+    (output layer untied); torchtitan's RMSNorm normalizes in float32 and returns bf16."""
+    import torch
+
+    from bench import published_h100 as h100
+
+    for name, *_ in h100.MEGATRON_CORE:
+        model = getattr(h100, h100.MCORE_FNS[name])()["model"]
+        count = sum(p.numel() for p in model.parameters()) / 1e9
+        assert count == pytest.approx(float(name.rstrip("B")), rel=0.05), name
+    norm = h100.Float32RMSNorm(64, 1e-5).bfloat16()  # the weights as --precision bf16 keeps them
+    x = (torch.randn(3, 64) * 100).bfloat16()
+    y = x.float()
+    want = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    assert norm(x).dtype == torch.bfloat16
+    torch.testing.assert_close(norm(x), want, rtol=0, atol=0)
