@@ -97,7 +97,10 @@ TITAN_LOSS_BYTES = [6.0 + 16, 4.0 + 16 + 6]
 #: attention, which Transformer Engine runs on Hopper in preference to FlashAttention
 #: (Megatron-Core's), 518 and 499 TFLOP/s at sequence 4096; FlashAttention-2, torch's SDPA
 #: kernel of December 2024 (cuDNN's then off by default: pytorch/pytorch#142132), 333 and
-#: 318 at sequence 8192 (torchtitan's)
+#: 318 at sequence 8192 (torchtitan's). Read again from the figures' bar labels: the forward
+#: numbers are those of the lower of the paper's two head-size-128 forward panels (the other,
+#: without the causal mask, gives cuDNN 609 and FlashAttention-2 368 at 4096); the backward
+#: ones are its head-size-128 backward panel's, whose mask the labels do not say
 CUDNN_ATTENTION = [518 / 989, 499 / 989]
 FLASH2_ATTENTION = [333 / 989, 318 / 989]
 
