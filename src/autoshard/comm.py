@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce_",
     "all_reduce_async_",
     "all_to_all",
+    "all_to_all_async",
     "all_to_all_v",
     "all_gather_object",
     "barrier",
@@ -268,6 +269,13 @@ def all_to_all(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
         dist.all_to_all_single(out, x, group=group)
     back = _from_sorted(ranks)
     return out if back is None else out[back]
+
+
+def all_to_all_async(out: torch.Tensor, x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
+    """Start sending the contiguous ``x[i]`` to the ``i``-th member in ascending rank order,
+    ``out[j]`` receiving the ``j``-th's; both belong to the collective until ``wait()``."""
+    what = _count("all_to_all", ranks, x)
+    return watch.Watched(dist.all_to_all_single(out, x, group=_group(ranks), async_op=True), what)
 
 
 def all_to_all_v(

@@ -19,14 +19,17 @@ from autoshard.redistribution.planner import (
     replica_sum_groups,
     step_costs,
 )
+from autoshard.redistribution.posted import Finish, post_execute
 
 __all__ = [
+    "Finish",
     "RedistributionPlan",
     "Step",
     "StepCost",
     "backward_plan",
     "backward_source",
     "gradient_sum",
+    "post_execute",
     "execute",
     "gather_tensor",
     "redistribute",

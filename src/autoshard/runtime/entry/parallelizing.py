@@ -25,7 +25,7 @@ from autoshard.runtime.entry.planned import (
     zero_of,
 )
 from autoshard.runtime.entry.staged import parallelize_pipeline
-from autoshard.runtime.program import ParallelModule
+from autoshard.runtime.program import ParallelModule, copy_example
 from autoshard.runtime.state import check_init
 from autoshard.search import Plan, load_plan
 
@@ -72,7 +72,8 @@ def parallelize(
     rank's part: a ``ParallelModule``, or with a ``pp`` axis, a pipeline keyword or a plan with
     a ``pipeline`` section, a ``PipelineModule`` whose stages a ``search`` plans as
     ``autoshard.plan`` does (docs/parallelism/pipeline.md). ``captured`` (``capture_modes``)
-    skips the capture when planning again (with pipeline stages: of one micro-batch; a search
+    skips the capture when planning again (with pipeline stages: of one micro-batch; with
+    ``copies``, of one copy; a search
     with stages captures its own); given with a ``precision``, in its compute dtype. A dict
     ``example_inputs`` is the model's keywords (``pm(**batch)``); without ``loss_fn``, an
     output that carries a ``loss`` (a transformers ``ModelOutput``) is captured as that loss.
@@ -81,8 +82,14 @@ def parallelize(
     what it means (docs/options.md); ``options`` is an ``Options`` the keywords add to (one
     that disagrees with it is an error)."""
     opts = Options.from_call(locals(), options)
+    opts = opts.replace(copies=_copies(opts))
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     if _pipelined(opts):
+        if opts.copies > 1:
+            raise ValueError(
+                f"copies={opts.copies}: copies inside pipeline micro-batches are not run yet; "
+                "use copies=1 with pipeline stages"
+            )
         return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
     return _one_program(model, example_inputs, opts, loss_fn, example_kwargs, captured)
 
@@ -99,10 +106,9 @@ def _one_program(
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, opts.init)
     opts = opts.replace(precision=opts.policy.resolve(model))
-    if captured is None:
-        captured = capture_modes(
-            model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, dtype=opts.policy.compute
-        )
+    if captured is None:  # under copies, of one copy's rows: the program each copy runs
+        example, kwargs = copy_example(tuple(example_inputs), example_kwargs, opts.copies)
+        captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=opts.policy.compute)
     if opts.search is not None:
         made = search_plan(model, example_inputs, captured, opts)
         opts = opts.replace(search=None, plan=made)
@@ -115,6 +121,14 @@ def _one_program(
     if opts.memory_limit is not None and ready is None:
         check_fits(plans[True], captured[True], opts)
     return ParallelModule(model, captured, plans, rank, opts)
+
+
+def _copies(opts: Options) -> int:
+    """The copies to run: the options', else those a given plan was made with."""
+    if opts.copies != 1 or opts.plan is None:
+        return opts.copies
+    data = opts.plan.json if isinstance(opts.plan, Plan) else load_plan(opts.plan)
+    return int((data or {}).get("options", {}).get("copies", 1))
 
 
 def _pipelined(opts: Options) -> bool:

@@ -1,8 +1,7 @@
 """The runtime's pipeline room: the module of a rank's stages (``module``), the executor of
-their schedule's actions (``step``) and the loss of micro-batches weighed by their targets
-(``microbatch_loss``). The entry uses this face only."""
+their schedule's actions (``step``); the loss of micro-batches is weighed by their targets
+(``CountedLoss``, of the program room). The entry uses this face only."""
 
-from autoshard.runtime.pipeline.microbatch_loss import CountedLoss
 from autoshard.runtime.pipeline.module import (
     Pipe,
     PipelineModule,
@@ -12,6 +11,7 @@ from autoshard.runtime.pipeline.module import (
     pipeline_plans,
     stage_mesh,
 )
+from autoshard.runtime.program import CountedLoss
 
 __all__ = [
     "CountedLoss",

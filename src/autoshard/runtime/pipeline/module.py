@@ -21,9 +21,8 @@ from autoshard.graph import OpGraph, StageCut, cut_at_modules, cut_balanced
 from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
 from autoshard.redistribution import gather_tensor
-from autoshard.runtime.pipeline.microbatch_loss import CountedLoss
 from autoshard.runtime.pipeline.step import SavedBytes, Step
-from autoshard.runtime.program import ParallelModule, local_input
+from autoshard.runtime.program import CountedLoss, ParallelModule, local_input
 from autoshard.schedule import Schedule, forward_only
 from autoshard.search import Plan
 
@@ -241,7 +240,7 @@ class PipelineModule(ParallelModule):
     def _split(self, args: tuple, kwargs: dict, mode: bool) -> list[list[Any]]:
         """Each micro-batch's local inputs: every tensor cut into ``microbatches`` along its
         first dim, each part this rank's part of the plan's input layout. Sets ``_shares``:
-        each micro-batch's weight in the whole batch's loss (``microbatch_loss``)."""
+        each micro-batch's weight in the whole batch's loss (``CountedLoss``)."""
         captured, plan = self._captured[mode], self._plans[mode]
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:

@@ -1,9 +1,13 @@
 """The runtime's one-program room: the module each rank runs (``parallel``) with its gradient
 buckets overlapping backward (``grad_sync``), ZeRO's shards and units (``zero``), replicas made
-equal (``replicas``), clipping (``clip``) and loss scaling (``scaler``). The pipeline and the
+equal (``replicas``), clipping (``clip``), loss scaling (``scaler``), the loss of micro-batches
+and copies weighed by their targets (``counted_loss``) and the batch cut in copies whose
+collectives overlap each other's compute (``copies``). The pipeline and the
 entry use this face only."""
 
 from autoshard.runtime.program.clip import NonFiniteGradientError, clip_grad_norm_
+from autoshard.runtime.program.copies import copy_example
+from autoshard.runtime.program.counted_loss import CountedLoss
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.parallel import (
     ParallelModule,
@@ -15,12 +19,14 @@ from autoshard.runtime.program.replicas import ReplicaMismatchError
 from autoshard.runtime.program.scaler import GradScaler
 
 __all__ = [
+    "CountedLoss",
     "GradScaler",
     "GradSync",
     "NonFiniteGradientError",
     "ParallelModule",
     "ReplicaMismatchError",
     "clip_grad_norm_",
+    "copy_example",
     "local_input",
     "shard_inputs",
     "single_device",

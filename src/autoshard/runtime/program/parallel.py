@@ -25,6 +25,7 @@ from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
+from autoshard.runtime.program.copies import check_copies, rank_rows, run_copies
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.replicas import replica_group, sync_replicas
 from autoshard.runtime.program.zero import build_zero
@@ -91,6 +92,8 @@ class ParallelModule(nn.Module):
         self._programs = self._lower_programs(captured, plans, rank, device, tensors)
         if options.init is not None:
             fill(self, model, options.init, options.seed)
+        if options.copies > 1:
+            check_copies(self._programs[True], options.copies, captured[True].mutations)
 
     def _lower_programs(
         self,
@@ -174,12 +177,15 @@ class ParallelModule(nn.Module):
         if spec != captured.in_spec:
             raise ValueError(f"inputs {spec} do not match the example inputs {captured.in_spec}")
         cast = self.precision.compute is not None
-        local = [
-            local_input(x, plan.inputs[name], self._rank, name, cast, self.device)
-            for x, name in zip(flat, captured.inputs, strict=True)
-        ]
-        with self._zero.saving():
-            results = self._programs[mode](*local)
+        if self.options.copies > 1:
+            results = run_copies(self, flat, mode, local_input)
+        else:
+            local = [
+                local_input(x, plan.inputs[name], self._rank, name, cast, self.device)
+                for x, name in zip(flat, captured.inputs, strict=True)
+            ]
+            with self._zero.saving():
+                results = self._programs[mode](*local)
         with torch.no_grad():
             for i, fqn in captured.mutations.items():
                 # Through .data: the step's autograd graph saved the old buffer (batch norm's
@@ -212,7 +218,7 @@ class ParallelModule(nn.Module):
         """Model FLOPs of a training step over the example batch's global size: every matrix
         product forward and backward, as torch's FlopCounterMode counts them on one device
         (the numerator of MFU)."""
-        return sum(info.flops for info in self._captured[True].ops())
+        return sum(info.flops for info in self._captured[True].ops()) * self.options.copies
 
     @property
     def input_names(self) -> list[str]:
@@ -473,9 +479,11 @@ def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> A
         raise ValueError(
             f"batch has {len(tensors)} tensors; the model takes {len(captured.inputs)}"
         )
-    names = iter(captured.inputs)
+    names, k = iter(captured.inputs), pm.options.copies
     out = [
-        shard_tensor(x, plan.inputs[next(names)], pm._rank) if isinstance(x, torch.Tensor) else x
+        rank_rows(x, plan.inputs[n], k, pm.rank, n)
+        if isinstance(x, torch.Tensor) and (n := next(names))
+        else x
         for x in flat
     ]
     return pytree.tree_unflatten(out, spec)

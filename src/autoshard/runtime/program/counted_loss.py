@@ -1,4 +1,4 @@
-"""The weight of each micro-batch's loss in the whole batch's.
+"""The weight of each micro-batch's (or copy's) loss in the whole batch's.
 
 One device's mean cross-entropy over a batch divides the summed losses by the count of the
 targets it does not ignore (``ignore_index``). Each micro-batch's loss is that mean over its

@@ -1,0 +1,265 @@
+"""Multi-copy parallelism equals plain PyTorch: each rank's batch cut into copies whose
+collectives overlap each other's compute trains as the eager model stepped by
+``torch.optim.AdamW`` does, in float64 over 5 steps, every loss and every parameter compared.
+
+Two spawns: 2 ranks run transformers' Llama under Megatron's tensor parallelism with 2 and 4
+copies (its own loss, padding ignored: copies weighted by their counted targets), the MoE
+reference model and Mixtral (built from a config) with their experts over ``ep`` with 2
+copies, the batch that does not cut into copies, and a traced step showing the interleaving;
+4 ranks run Llama on dp 2 x tp 2 with sequence parallelism and ZeRO 1 with 2 copies.
+
+The Llama runs equal one device on the whole batch. A MoE router's balance loss is a product
+of means over the tokens, not a mean: under copies each copy's is its own tokens', as one
+device computes it running the copies in turn (``_eager_copies``), which the MoE runs equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from autoshard.testing import run_ranks  # noqa: E402
+
+STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K, LR = 5, 8, 8, 64, 32, 4, 2, 1e-2
+
+
+def _megatron(seq: str | None = None, dp: str | None = None) -> dict[str, tuple]:
+    """Megatron's split of transformers' Llama layers over ``tp``."""
+    col, row = ((dp, seq, None), ("tp", None)), ((dp, seq, "tp"), (None, "tp"))
+    layer = "model.model.layers.*"
+    return {
+        f"{layer}.self_attn.[qkv]_proj": col,
+        f"{layer}.self_attn.o_proj": row,
+        f"{layer}.mlp.gate_proj": col,
+        f"{layer}.mlp.up_proj": col,
+        f"{layer}.mlp.down_proj": row,
+    }
+
+
+def _llama() -> torch.nn.Module:
+    import transformers
+    from test_hf_gpt2 import CausalLMLoss
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return CausalLMLoss(transformers.LlamaForCausalLM(config)).double()
+
+
+def _moe() -> torch.nn.Module:
+    from autoshard.models import build, reference_config
+
+    torch.manual_seed(0)
+    config = reference_config("moe", layers=2, hidden=HIDDEN, heads=4, kv_heads=2, ffn=16,
+                              vocab=VOCAB, seq=SEQ, experts=EXPERTS, top_k=TOP_K,
+                              aux_loss_coef=0.01)  # fmt: skip
+    return build(config).to(torch.float64)
+
+
+def _mixtral() -> torch.nn.Module:
+    """Mixtral with its router's balance loss in the loss."""
+    from test_expert import _mixtral as mixtral
+
+    return mixtral()
+
+
+MODELS = {"llama": _llama, "moe": _moe, "mixtral": _mixtral}
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Ids and targets; a few targets of each row ignored (-100), more in some rows than in
+    others, so copies hold different counts of counted targets."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        pad = torch.arange(SEQ) >= SEQ - torch.randint(0, 5, (BATCH, 1), generator=g)
+        out.append((ids, targets.masked_fill(pad, -100)))
+    return out
+
+
+# -- plain PyTorch -------------------------------------------------------------------------------
+
+
+def _eager(model: torch.nn.Module, copies: int = 1, parts: int = 1) -> dict[str, Any]:
+    """The eager model and AdamW on every batch: with ``copies``, the loss is the mean of
+    the copies' losses, copy ``c`` the ``c``-th ``1/copies`` of each of the ``parts`` blocks
+    of rows the ranks hold (one device running the copies in turn)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for batch in _batches():
+        if copies == 1:
+            loss = model(*batch)
+        else:
+            cut = [x.reshape(parts, copies, -1, *x.shape[1:]) for x in batch]
+            rows = [[x[:, c].reshape(-1, *x.shape[3:]) for x in cut] for c in range(copies)]
+            loss = sum(model(*r) for r in rows) / copies
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def _same(got: dict, want: dict, name: str, rtol: float, atol: float) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=rtol, abs=atol), (
+        name,
+        got["losses"],
+        want["losses"],
+    )
+    assert got["state"].keys() == want["state"].keys(), name
+    for key, value in want["state"].items():
+        torch.testing.assert_close(
+            got["state"][key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{name} {k}: {m}"
+        )
+
+
+# -- on the ranks --------------------------------------------------------------------------------
+
+
+def _trained(name: str, mesh: dict, strategies: Any = None, **options: Any) -> dict[str, Any]:
+    from autoshard import parallelize, shard_inputs
+
+    model = MODELS[name]()
+    batches = _batches()
+    pm = parallelize(model, batches[0], mesh, strategies, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    losses = []
+    for batch in batches:
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": pm.full_state_dict()}
+
+
+def _indivisible() -> str:
+    """A batch of 8 rows cut into 3 copies: the error, at ``parallelize`` and in forward."""
+    from autoshard import parallelize
+
+    batch = _batches()[0]
+    try:
+        parallelize(_llama(), batch, {"tp": 2}, _megatron(), copies=3)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _traced() -> dict[str, Any]:
+    """One step of Llama under tp 2 with 2 copies: the copies' posts, waits and compute in
+    forward and backward, and the collectives issued."""
+    from autoshard import comm, parallelize, shard_inputs
+    from autoshard.runtime.program.copies import tracing
+
+    batch = _batches()[0]
+    pm = parallelize(_llama(), batch, {"tp": 2}, _megatron(), copies=2)
+    with tracing() as trace, comm.recording() as issued:
+        pm(*shard_inputs(batch, pm)).backward()
+    return {"trace": trace, "issued": issued}
+
+
+def _world2() -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    return {
+        "llama tp copies 2": _trained("llama", {"tp": 2}, _megatron(), copies=2),
+        "llama tp copies 4": _trained("llama", {"tp": 2}, _megatron(), copies=4),
+        "moe ep copies 2": _trained("moe", {"ep": 2}, copies=2),
+        "mixtral ep copies 2": _trained("mixtral", {"ep": 2}, copies=2),
+        "indivisible": _indivisible(),
+        "traced": _traced(),
+    }
+
+
+def _world4() -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    return {
+        "llama dp tp sp zero1 copies 2": _trained(
+            "llama",
+            {"dp": 2, "tp": 2},
+            _megatron(dp="dp"),
+            copies=2,
+            sequence_parallel=True,
+            zero=1,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_world2, 2, timeout=1200)
+
+
+# transformers upcasts the logits: its loss is float32's
+HF = {"rtol": 1e-6, "atol": 1e-6}
+
+
+@pytest.mark.parametrize("copies", [2, 4])
+def test_llama_under_megatron_tp_with_copies_equals_one_device(on_2_ranks, copies) -> None:
+    want = _eager(_llama())
+    for result in on_2_ranks:
+        _same(result[f"llama tp copies {copies}"], want, f"copies {copies}", **HF)
+
+
+@pytest.mark.parametrize("name", ["moe", "mixtral"])
+def test_experts_over_ep_with_copies_equal_one_device_running_the_copies(
+    on_2_ranks, name
+) -> None:
+    want = _eager(MODELS[name](), copies=2, parts=2)  # ep 2 splits the batch in 2 blocks
+    tolerance = HF if name == "mixtral" else {"rtol": 1.3e-6, "atol": 1e-8}
+    for result in on_2_ranks:
+        _same(result[f"{name} ep copies 2"], want, name, **tolerance)
+
+
+def test_a_batch_that_does_not_cut_into_copies_is_named(on_2_ranks) -> None:
+    for result in on_2_ranks:
+        message = result["indivisible"]
+        assert "copies=3" in message and "8 rows" in message, message
+
+
+def _between(trace: list, first: tuple, then: tuple, other: str) -> bool:
+    """Whether ``trace`` has ``first``, later ``then``, and the other copy's ``other``
+    between them."""
+    i, j = trace.index(first), trace.index(then)
+    return i < j and any(e[0] == other and e[1] != first[1] for e in trace[i:j])
+
+
+def test_a_copys_collective_travels_while_the_other_copy_computes(on_2_ranks) -> None:
+    """In forward every move a copy posts is waited after the other copy computed; in
+    backward every gradient collective too, so both directions overlap."""
+    for result in on_2_ranks:
+        trace = result["traced"]["trace"]
+        posts = [e for e in trace if e[0] == "post"]
+        assert len(posts) >= 8 and {e[1] for e in posts} == {0, 1}, posts
+        for _, c, n in posts:
+            assert _between(trace, ("post", c, n), ("wait", c, n), "compute"), (c, n)
+        grads = [e for e in trace if e[0] == "post_grad"]
+        assert len(grads) == len(posts), grads  # every move's gradient passes back
+        overlapped = [
+            (c, n)
+            for _, c, n in grads
+            if _between(trace, ("post_grad", c, n), ("wait_grad", c, n), "compute_grad")
+        ]
+        # the first copy's last move has nothing of the other's after it in backward
+        assert len(overlapped) >= len(grads) - 2, (overlapped, grads)
+        kinds = {e[0] for e in result["traced"]["issued"] if isinstance(e[0], str)}
+        assert "all_reduce" in kinds, kinds
+
+
+def test_llama_on_dp_tp_with_sequence_parallelism_and_zero_1_with_copies() -> None:
+    results = run_ranks(_world4, 4, timeout=1200)
+    want = _eager(_llama())
+    for result in results:
+        _same(result["llama dp tp sp zero1 copies 2"], want, "dp tp sp zero1", **HF)
