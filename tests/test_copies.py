@@ -15,7 +15,6 @@ device computes it running the copies in turn (``_eager_copies``), which the MoE
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any
 
@@ -214,9 +213,7 @@ def test_llama_under_megatron_tp_with_copies_equals_one_device(on_2_ranks, copie
 
 
 @pytest.mark.parametrize("name", ["moe", "mixtral"])
-def test_experts_over_ep_with_copies_equal_one_device_running_the_copies(
-    on_2_ranks, name
-) -> None:
+def test_experts_over_ep_with_copies_equal_one_device_running_the_copies(on_2_ranks, name) -> None:
     want = _eager(MODELS[name](), copies=2, parts=2)  # ep 2 splits the batch in 2 blocks
     tolerance = HF if name == "mixtral" else {"rtol": 1.3e-6, "atol": 1e-8}
     for result in on_2_ranks:

@@ -23,8 +23,8 @@ from autoshard.graph import StageError, capture_modes, cut_at_modules, cut_balan
 from autoshard.mesh import mesh_info
 from autoshard.models import build, reference_config
 from autoshard.redistribution import shard_tensor
-from autoshard.runtime.program import CountedLoss
 from autoshard.runtime.pipeline.module import microbatch_example, pipeline_groups
+from autoshard.runtime.program import CountedLoss
 from autoshard.schedule import ScheduleError
 from autoshard.testing import LiveBytes, run_ranks
 
