@@ -73,6 +73,8 @@ _TRAIN_HELP = {
     "layer's experts split over ep",
     "sequence_parallel": "split every op over the tensor-parallel axes where it can be "
     "(Megatron's)",
+    "copies": "cut each rank's batch into this many copies whose collectives overlap each "
+    "other's compute (docs/parallelism/copies.md; 1: none)",
     "restart": "train from step 1 even where --checkpoint-dir holds checkpoints",
     "copies": "copies each rank's batch is cut into, interleaved so one copy's communication "
     "runs beside another's compute (docs/parallelism/copies.md)",

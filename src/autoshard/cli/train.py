@@ -70,6 +70,7 @@ class TrainConfig:
     attention: str | None = None
     ep: int | None = None
     sequence_parallel: bool = False
+    copies: int = 1
     restart: bool = False
     copies: int = 1
 
