@@ -155,14 +155,14 @@ def _indivisible() -> str:
     return "no error"
 
 
-def _traced() -> dict[str, Any]:
-    """One step of Llama under tp 2 with 2 copies: the copies' posts, waits and compute in
-    forward and backward, and the collectives issued."""
+def _traced(name: str, mesh: dict, strategies: Any = None) -> dict[str, Any]:
+    """One step with 2 copies: the copies' posts, waits and compute in forward and
+    backward, and the collectives issued."""
     from autoshard import comm, parallelize, shard_inputs
     from autoshard.runtime.program.copies import tracing
 
     batch = _batches()[0]
-    pm = parallelize(_llama(), batch, {"tp": 2}, _megatron(), copies=2)
+    pm = parallelize(MODELS[name](), batch, mesh, strategies, copies=2)
     with tracing() as trace, comm.recording() as issued:
         pm(*shard_inputs(batch, pm)).backward()
     return {"trace": trace, "issued": issued}
@@ -177,7 +177,8 @@ def _world2() -> dict[str, Any]:
         "moe ep copies 2": _trained("moe", {"ep": 2}, copies=2),
         "mixtral ep copies 2": _trained("mixtral", {"ep": 2}, copies=2),
         "indivisible": _indivisible(),
-        "traced": _traced(),
+        "traced llama": _traced("llama", {"tp": 2}, _megatron()),
+        "traced moe": _traced("moe", {"ep": 2}),
     }
 
 
@@ -233,17 +234,22 @@ def _between(trace: list, first: tuple, then: tuple, other: str) -> bool:
     return i < j and any(e[0] == other and e[1] != first[1] for e in trace[i:j])
 
 
-def test_a_copys_collective_travels_while_the_other_copy_computes(on_2_ranks) -> None:
-    """In forward every move a copy posts is waited after the other copy computed; in
-    backward every gradient collective too, so both directions overlap."""
+@pytest.mark.parametrize(
+    ("name", "kind"), [("llama", "all_reduce"), ("moe", "all_to_all")], ids=["tp", "ep"]
+)
+def test_a_copys_collective_travels_while_the_other_copy_computes(on_2_ranks, name, kind) -> None:
+    """In forward every move a copy posts (Megatron's all-reduces, the experts' dispatch and
+    combine) is waited after the other copy computed; in backward every gradient collective
+    too, so both directions overlap."""
     for result in on_2_ranks:
-        trace = result["traced"]["trace"]
+        trace = result[f"traced {name}"]["trace"]
         posts = [e for e in trace if e[0] == "post"]
         assert len(posts) >= 8 and {e[1] for e in posts} == {0, 1}, posts
         for _, c, n in posts:
             assert _between(trace, ("post", c, n), ("wait", c, n), "compute"), (c, n)
         grads = [e for e in trace if e[0] == "post_grad"]
-        assert len(grads) == len(posts), grads  # every move's gradient passes back
+        # the moves of what needs a gradient pass it back (not those of ids and targets)
+        assert len(grads) >= 8 and {e[1:] for e in grads} <= {e[1:] for e in posts}, grads
         overlapped = [
             (c, n)
             for _, c, n in grads
@@ -251,8 +257,8 @@ def test_a_copys_collective_travels_while_the_other_copy_computes(on_2_ranks) ->
         ]
         # the first copy's last move has nothing of the other's after it in backward
         assert len(overlapped) >= len(grads) - 2, (overlapped, grads)
-        kinds = {e[0] for e in result["traced"]["issued"] if isinstance(e[0], str)}
-        assert "all_reduce" in kinds, kinds
+        kinds = {e[0] for e in result[f"traced {name}"]["issued"] if isinstance(e[0], str)}
+        assert kind in kinds, kinds
 
 
 def test_llama_on_dp_tp_with_sequence_parallelism_and_zero_1_with_copies() -> None:

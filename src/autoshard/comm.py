@@ -13,7 +13,7 @@ assert that what was planned is what was sent.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +31,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_async",
     "all_to_all_v",
+    "all_to_all_v_async",
     "all_gather_object",
     "barrier",
     "broadcast_",
@@ -296,6 +297,27 @@ def all_to_all_v(
     with watch.waiting(what):
         dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=_group(ranks))
     return out
+
+
+def all_to_all_v_async(
+    x: torch.Tensor, send: Sequence[int], recv: Sequence[int], ranks: Sequence[int]
+) -> Callable[[], torch.Tensor]:
+    """``all_to_all_v`` issued now; what returns waits for it and gives the result."""
+    ranks = list(ranks)
+    assert ranks == sorted(ranks), "all_to_all_v takes its group in ascending rank order"
+    me = ranks.index(dist.get_rank())
+    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+    what = _count("all_to_all", ranks, x, (sum(send) - send[me]) * row)
+    out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if len(ranks) == 1:
+        out.copy_(x)
+        return lambda: out
+    x = x.contiguous()  # held by the closure until the wait
+    work = dist.all_to_all_single(
+        out, x, list(recv), list(send), group=_group(ranks), async_op=True
+    )
+    watched = watch.Watched(work, what)
+    return lambda: (watched.wait(), x, out)[2]
 
 
 def reduce_scatter(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:

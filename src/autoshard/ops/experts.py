@@ -17,7 +17,7 @@ received, and a second all-to-all brings the outputs back in token order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -129,6 +129,38 @@ def dispatched(
     blocks of ``len(gate_up)``, member ``i`` block ``blocks[i]``. The assignments go, sorted
     by expert, to their experts' ranks (the counts per rank and expert exchanged first), each
     rank runs its experts on what it received, and the outputs come back in the same order."""
+    turns = dispatch_turns(x, index, weight, gate_up, down, activation, group, blocks, _now)
+    while True:
+        try:
+            next(turns)
+        except StopIteration as done:
+            return done.value
+
+
+def _now(x: torch.Tensor, send: list[int], recv: list[int], group: list[int]) -> Callable:
+    y = _AllToAllV.apply(x, send, recv, group)
+    return lambda: y
+
+
+#: how ``dispatch_turns`` sends rows: ``(rows, send, recv, group)`` -> what gives the
+#: received rows when called (an all-to-all issued now and waited there, differentiably)
+RowExchange = Callable[[torch.Tensor, list[int], list[int], list[int]], Callable[[], torch.Tensor]]
+
+
+def dispatch_turns(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    group: list[int],
+    blocks: list[int],
+    exchange: RowExchange,
+) -> Generator[None, None, torch.Tensor]:
+    """``dispatched`` in turns: it yields while the dispatch and the combine travel (the
+    turn of another copy of the batch, ``runtime/program/copies.py``) and returns the
+    output; ``exchange`` issues each all-to-all."""
     per, size = gate_up.shape[0], len(group)
     top_k = index.shape[1]
     flat = index.reshape(-1)
@@ -143,7 +175,9 @@ def dispatched(
     send, flat = host_ints([counts.sum(1), got.reshape(-1)])
     table = [flat[i * per : (i + 1) * per] for i in range(size)]
     recv = [sum(row) for row in table]
-    rows = _AllToAllV.apply(x[order // top_k], send, recv, group)
+    arriving = exchange(x[order // top_k], send, recv, group)
+    yield
+    rows = arriving()
     # the received rows come by source, each source's by expert: sorted by expert for one
     # grouped product, and back in the order they came
     expert_of = torch.repeat_interleave(
@@ -153,7 +187,9 @@ def dispatched(
     sizes = [sum(col) for col in zip(*table, strict=True)]
     ys = grouped_ffn(rows[by_expert], got.sum(0), gate_up, down, activation, sizes)
     y = ys[torch.argsort(by_expert)]
-    back = _AllToAllV.apply(y, recv, send, group)
+    returning = exchange(y, recv, send, group)
+    yield
+    back = returning()
     weighted = back * weight.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add(0, order // top_k, weighted.to(x.dtype))
 
@@ -172,6 +208,14 @@ class LocalExperts(nn.Module):
                 x, index, weight, gate_up, down, self.activation, self.group, self.blocks
             )
         return experts_math(x, index, weight, gate_up, down, self.activation, self.first)
+
+    def turns(self, x, index, weight, gate_up, down, exchange: RowExchange) -> Any:  # noqa: ANN001
+        """``forward`` in turns around its all-to-alls (``dispatch_turns``); None when the
+        experts are not dispatched."""
+        if len(self.group) == 1:
+            return None
+        args = (self.activation, self.group, self.blocks, exchange)
+        return dispatch_turns(x, index, weight, gate_up, down, *args)
 
     def extra_repr(self) -> str:
         if len(self.group) > 1:
@@ -414,7 +458,9 @@ __all__ = [
     "IMBALANCE",
     "EXPERTS_OP",
     "ExpertsRule",
+    "RowExchange",
     "LocalExperts",
+    "dispatch_turns",
     "dispatch_group",
     "dispatched",
     "expert_ffn",

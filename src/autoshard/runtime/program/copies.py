@@ -23,6 +23,7 @@ or by ``1/k`` for a loss that is not a counted mean.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,9 +33,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autoshard import comm
 from autoshard.layout import Layout
 from autoshard.lower.lower import Dropout, Redistribute, ReduceGrad
+from autoshard.ops.experts import LocalExperts, RowExchange
 from autoshard.redistribution import (
+    Finish,
     backward_plan,
     gather_tensor,
     post_execute,
@@ -67,41 +71,67 @@ def _note(what: str, copy: int, move: int = -1) -> None:
 
 
 class _Move:
-    """One move of one copy: its plans and, between the two halves, the posted collective."""
+    """One move of one copy: what it issues each way and, between the two halves, the
+    collective in flight."""
 
-    def __init__(self, module: Any, copy: int, number: int, rank: int) -> None:
-        self.module, self.copy, self.number, self.rank = module, copy, number, rank
+    def __init__(self, copy: int, number: int) -> None:
+        self.copy, self.number = copy, number
         self.finish: Any = None
 
-    def forward_plan(self, dtype: torch.dtype) -> Any:
-        m = self.module
-        if isinstance(m, ReduceGrad):
-            return None
-        return redistribution_plan(m.src.with_dtype(dtype), m.dst.with_dtype(dtype))
+    def forward(self, x: torch.Tensor) -> Finish:
+        raise NotImplementedError
 
-    def backward_plan(self, dtype: torch.dtype) -> Any:
-        m = self.module
-        if isinstance(m, ReduceGrad):
-            return redistribution_plan(m.partial.with_dtype(dtype), m.full.with_dtype(dtype))
-        grad = None if m.grad is None else m.grad.with_dtype(dtype)
-        return backward_plan(m.src.with_dtype(dtype), m.dst.with_dtype(dtype), grad)
-
-    def post(self, x: torch.Tensor, plan: Any) -> None:
-        if plan is None:
-            self.finish = lambda: x
-        else:
-            self.finish = post_execute(x, plan, self.rank)
+    def backward(self, grad: torch.Tensor) -> Finish:
+        raise NotImplementedError
 
     def take(self) -> torch.Tensor:
         finish, self.finish = self.finish, None
         return finish()
 
 
+class _Redistributed(_Move):
+    """A move the plan inserted: a redistribution, or the sum of a reader's gradient."""
+
+    def __init__(self, module: Any, copy: int, number: int, rank: int) -> None:
+        super().__init__(copy, number)
+        self.module, self.rank = module, rank
+
+    def forward(self, x: torch.Tensor) -> Finish:
+        m = self.module
+        if isinstance(m, ReduceGrad):
+            return lambda: x
+        plan = redistribution_plan(m.src.with_dtype(x.dtype), m.dst.with_dtype(x.dtype))
+        return post_execute(x, plan, self.rank)
+
+    def backward(self, grad: torch.Tensor) -> Finish:
+        m, dtype = self.module, grad.dtype
+        if isinstance(m, ReduceGrad):
+            plan = redistribution_plan(m.partial.with_dtype(dtype), m.full.with_dtype(dtype))
+        else:
+            layout = None if m.grad is None else m.grad.with_dtype(dtype)
+            plan = backward_plan(m.src.with_dtype(dtype), m.dst.with_dtype(dtype), layout)
+        return post_execute(grad, plan, self.rank)
+
+
+class _Exchanged(_Move):
+    """The experts' dispatch or combine: rows to the group's ranks by counts, and back."""
+
+    def __init__(self, counts: tuple, copy: int, number: int) -> None:
+        super().__init__(copy, number)
+        self.send, self.recv, self.group = counts
+
+    def forward(self, x: torch.Tensor) -> Finish:
+        return comm.all_to_all_v_async(x, self.send, self.recv, self.group)
+
+    def backward(self, grad: torch.Tensor) -> Finish:
+        return comm.all_to_all_v_async(grad, self.recv, self.send, self.group)
+
+
 class _Post(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, move: _Move) -> torch.Tensor:
         ctx.move = move
-        move.post(x, move.forward_plan(x.dtype))
+        move.finish = move.forward(x)
         _note("post", move.copy, move.number)
         return x.new_empty(0)  # a token: autograd's link from the post to its wait
 
@@ -122,7 +152,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         move = ctx.move
-        move.post(grad, move.backward_plan(grad.dtype))
+        move.finish = move.backward(grad)
         _note("post_grad", move.copy, move.number)
         return grad.new_empty(0), None
 
@@ -183,7 +213,7 @@ class Interleaved:
 
     def _copy(self, c: int, inputs: list, shared: dict, results: list) -> Iterator[None]:
         env: dict[fx.Node, Any] = {}
-        given, moves = iter(inputs), 0
+        given, numbers = iter(inputs), itertools.count()
         for node in self.nodes:
             if node.op == "placeholder":
                 env[node] = next(given)
@@ -204,12 +234,38 @@ class Interleaved:
             args, kwargs = _read(args), _read(kwargs)
             module = self.modules.get(node.target) if node.op == "call_module" else None
             if isinstance(module, Redistribute | ReduceGrad):
-                move, moves = _Move(module, c, moves, self.rank), moves + 1
+                move = _Redistributed(module, c, next(numbers), self.rank)
                 env[node] = _Pending(_Post.apply(args[0], move), move)
+                continue
+            experts = isinstance(module, LocalExperts)
+            turns = module.turns(*args, self._exchange(c, numbers)) if experts else None
+            if turns is not None:  # the experts' all-to-alls: the other copies' turns between
+                env[node] = yield from self._turns(turns, c)
                 continue
             env[node] = self._run(node, args, kwargs)
             if _trace is not None:
                 env[node] = self._marked(env[node], c)
+
+    def _exchange(self, c: int, numbers: Iterator[int]) -> RowExchange:
+        def exchange(x: torch.Tensor, send: list, recv: list, group: list) -> Any:
+            move = _Exchanged((send, recv, group), c, next(numbers))
+            token = _Post.apply(x, move)
+            if _trace is None:
+                return lambda: _Wait.apply(token, move)
+            return lambda: self._marked(_Wait.apply(token, move), c)
+
+        return exchange
+
+    @staticmethod
+    def _turns(turns: Iterator[None], c: int) -> Iterator[None]:
+        """The experts' turns; each one's compute noted (``tracing``) as it gives way."""
+        while True:
+            try:
+                next(turns)
+            except StopIteration as done:
+                return done.value
+            _note("compute", c)
+            yield
 
     def _run(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         if node.op == "get_attr":
