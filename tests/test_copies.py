@@ -266,3 +266,10 @@ def test_llama_on_dp_tp_with_sequence_parallelism_and_zero_1_with_copies() -> No
     want = _eager(_llama())
     for result in results:
         _same(result["llama dp tp sp zero1 copies 2"], want, "dp tp sp zero1", **HF)
+
+
+def test_copies_with_pipeline_stages_are_refused_by_name() -> None:
+    from autoshard import parallelize
+
+    with pytest.raises(ValueError, match=r"copies=2: copies inside pipeline micro-batches"):
+        parallelize(_llama(), _batches()[0], {"pp": 2, "tp": 2}, copies=2)

@@ -85,11 +85,6 @@ def parallelize(
     opts = opts.replace(copies=_copies(opts))
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     if _pipelined(opts):
-        if opts.copies > 1:
-            raise ValueError(
-                f"copies={opts.copies}: copies inside pipeline micro-batches are not run yet; "
-                "use copies=1 with pipeline stages"
-            )
         return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
     return _one_program(model, example_inputs, opts, loss_fn, example_kwargs, captured)
 
@@ -125,10 +120,16 @@ def _one_program(
 
 def _copies(opts: Options) -> int:
     """The copies to run: the options', else those a given plan was made with."""
-    if opts.copies != 1 or opts.plan is None:
-        return opts.copies
-    data = opts.plan.json if isinstance(opts.plan, Plan) else load_plan(opts.plan)
-    return int((data or {}).get("options", {}).get("copies", 1))
+    copies = opts.copies
+    if copies == 1 and opts.plan is not None:
+        data = opts.plan.json if isinstance(opts.plan, Plan) else load_plan(opts.plan)
+        copies = int((data or {}).get("options", {}).get("copies", 1))
+    if copies > 1 and _pipelined(opts):
+        raise ValueError(
+            f"copies={copies}: copies inside pipeline micro-batches are not run yet; use "
+            "copies=1 with pipeline stages"
+        )
+    return copies
 
 
 def _pipelined(opts: Options) -> bool:
