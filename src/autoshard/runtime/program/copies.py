@@ -184,21 +184,22 @@ class _Pending:
         return self.value
 
 
-def _pending_in(value: Any) -> list[_Pending]:
-    return [v for v in pytree.tree_leaves(value) if isinstance(v, _Pending) and v.value is None]
-
-
-def _read(value: Any) -> Any:
-    return pytree.tree_map(lambda v: v.get() if isinstance(v, _Pending) else v, value)
-
-
 class Interleaved:
     """A program run as ``k`` interleaved copies (see the module's docstring)."""
 
     def __init__(self, program: fx.GraphModule, rank: int) -> None:
         self.program, self.rank = program, rank
-        self.nodes = list(program.graph.nodes)
         self.modules = dict(program.named_modules())
+        #: each node with what it is and the nodes it reads, found once
+        self.nodes = [(n, self._kind(n), n.all_input_nodes) for n in program.graph.nodes]
+
+    def _kind(self, node: fx.Node) -> str:
+        module = self.modules.get(node.target) if node.op == "call_module" else None
+        if node.op == "get_attr" or (module is not None and node.target.startswith("fetch_")):
+            return "shared"  # the parameter, or ZeRO's gather of it: once for all copies
+        if isinstance(module, Redistribute | ReduceGrad):
+            return "move"
+        return "experts" if isinstance(module, LocalExperts) else node.op
 
     def __call__(self, inputs: Sequence[Sequence[Any]]) -> list[Any]:
         """Each copy's outputs, from each copy's local inputs."""
@@ -214,31 +215,31 @@ class Interleaved:
     def _copy(self, c: int, inputs: list, shared: dict, results: list) -> Iterator[None]:
         env: dict[fx.Node, Any] = {}
         given, numbers = iter(inputs), itertools.count()
-        for node in self.nodes:
-            if node.op == "placeholder":
+        for node, kind, reads in self.nodes:
+            if kind == "placeholder":
                 env[node] = next(given)
                 continue
-            if node.op == "output":
-                results[c] = _read(fx.node.map_arg(node.args[0], env.__getitem__))
-                return
-            if node.op == "get_attr" or str(node.target).startswith("fetch_"):
-                # the parameter, or ZeRO's gather of it: once for all copies
+            if kind == "shared":
                 if node not in shared:
                     shared[node] = self._run(node, (), {})
                 env[node] = shared[node]
                 continue
+            waiting = [n for n in reads if isinstance(env[n], _Pending)]
+            if waiting:
+                yield  # the other copies compute while this one's collective travels
+                for n in waiting:  # read once: the wait is in the graph once
+                    env[n] = env[n].get()
+            if kind == "output":
+                results[c] = fx.node.map_arg(node.args[0], env.__getitem__)
+                return
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            if _pending_in((args, kwargs)):
-                yield  # the other copies compute while this one's collective travels
-            args, kwargs = _read(args), _read(kwargs)
-            module = self.modules.get(node.target) if node.op == "call_module" else None
-            if isinstance(module, Redistribute | ReduceGrad):
+            module = self.modules.get(node.target)
+            if kind == "move":
                 move = _Redistributed(module, c, next(numbers), self.rank)
                 env[node] = _Pending(_Post.apply(args[0], move), move)
                 continue
-            experts = isinstance(module, LocalExperts)
-            turns = module.turns(*args, self._exchange(c, numbers)) if experts else None
+            turns = module.turns(*args, self._exchange(c, numbers)) if kind == "experts" else None
             if turns is not None:  # the experts' all-to-alls: the other copies' turns between
                 env[node] = yield from self._turns(turns, c)
                 continue
