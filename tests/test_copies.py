@@ -273,3 +273,17 @@ def test_copies_with_pipeline_stages_are_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match=r"copies=2: copies inside pipeline micro-batches"):
         parallelize(_llama(), _batches()[0], {"pp": 2, "tp": 2}, copies=2)
+
+
+def test_autoshard_train_takes_copies_to_the_ranks_options() -> None:
+    from autoshard.cli.args import build_parser
+    from autoshard.cli.train import TrainConfig
+
+    commands = ("demo", "redistribute", "plan", "calibrate", "train", "simulate")
+    args = build_parser(dict.fromkeys(commands, print)).parse_args(
+        ["train", "m:f", "--copies", "2"]
+    )
+    assert args.copies == 2
+    assert TrainConfig("m:f", copies=args.copies).options(per_node=2).copies == 2
+    with pytest.raises(ValueError, match="copies=0"):
+        TrainConfig("m:f", copies=0).options(per_node=2)
