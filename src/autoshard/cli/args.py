@@ -76,8 +76,6 @@ _TRAIN_HELP = {
     "copies": "cut each rank's batch into this many copies whose collectives overlap each "
     "other's compute (docs/parallelism/copies.md; 1: none)",
     "restart": "train from step 1 even where --checkpoint-dir holds checkpoints",
-    "copies": "copies each rank's batch is cut into, interleaved so one copy's communication "
-    "runs beside another's compute (docs/parallelism/copies.md)",
 }
 _METAVARS = {"picture": "FILE.png", "timeout": "SECONDS"}
 

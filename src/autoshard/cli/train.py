@@ -72,7 +72,6 @@ class TrainConfig:
     sequence_parallel: bool = False
     copies: int = 1
     restart: bool = False
-    copies: int = 1
 
     def options(self, per_node: int | None = None) -> Options:
         """The options a rank parallelizes the model with (stages, where a pipeline setting
