@@ -38,6 +38,17 @@ def _strategies(name: str, how: str | None) -> dict[str, Any] | None:
     return {f"inner.{k}": v for k, v in given.items()}
 
 
+#: a rank's captures of the models it trains, by (model, dropout, dtype)
+_CAPTURES: dict[tuple, Any] = {}
+
+
+def _captured(model: torch.nn.Module, example: tuple, key: tuple) -> Any:
+    """Every build of a model is the same program: a rank exports it once."""
+    if key not in _CAPTURES:
+        _CAPTURES[key] = capture_modes(model, example)
+    return _CAPTURES[key]
+
+
 def _zero_training(
     name: str,
     mesh: Any,
@@ -52,10 +63,11 @@ def _zero_training(
     ``micro`` micro-batches (all but the last under no_sync), clipped to ``clip`` when given."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    inner, config = build(name, 0.1 if reference == ONE_DEVICE else 0.0)
+    dropout = 0.1 if reference == ONE_DEVICE else 0.0
+    inner, config = build(name, dropout)
     model = WithUnused(inner).to(torch.float64)
     data = batches(config, torch.float64)
-    captured = capture_modes(model, data[0])
+    captured = _captured(model, data[0], (name, dropout, torch.float64))
     if reference == PYTORCH:
         ref = copy.deepcopy(model)
     else:
@@ -90,19 +102,30 @@ def _zero_training(
     return {"norms": norms, "sharded": sharded}
 
 
-def _cases(cases: list[tuple]) -> list[dict]:
-    return [_zero_training(*case) for case in cases]
+def _cases(fn: Any, cases: list[tuple]) -> list[Any]:
+    """``fn`` on each case in turn; a case that fails is named in the failure."""
+    out = []
+    for case in cases:
+        try:
+            out.append(fn(*case))
+        except Exception as err:
+            err.add_note(f"in {fn.__name__}{case}")
+            raise
+    return out
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
-def test_zero_trains_as_one_device_on_2_ranks(level: int) -> None:
-    """... and as plain PyTorch: GPT (tied embeddings) with accumulation and clipping."""
-    cases = [
+def _trained_cases(level: int) -> list[tuple]:
+    return [
         ("gpt", {"dp": 2}, None, level),
         ("llama", {"dp": 2}, None, level, 2),
         ("gpt", {"dp": 2}, None, level, 2, 0.05, PYTORCH),
     ]
-    for per_rank in run_ranks(_cases, 2, cases, timeout=300):
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_zero_trains_as_one_device_on_2_ranks(level: int, on_2_ranks: list[dict]) -> None:
+    """... and as plain PyTorch: GPT (tied embeddings) with accumulation and clipping."""
+    for per_rank in (r["trains"][level - 1] for r in on_2_ranks):
         assert all(r["sharded"] > 0 for r in per_rank)
         for got, expected in per_rank[2]["norms"]:
             assert got == pytest.approx(expected, rel=1e-9)
@@ -117,19 +140,23 @@ def test_zero_argument_is_checked() -> None:
         check_zero({"x": True})
 
 
-def test_zero_with_tensor_parallelism_accumulation_and_clipping_on_4_ranks() -> None:
-    """Every stage over dp while the weights are split over tp (MindSpore's mixed tuples and
-    Megatron's strategies), and alone over dp 4; with gradient accumulation and clipping."""
-    cases = [
-        ("gpt", {"dp": 4}, None, 3, 1, 0.05),
-        ("llama", {"dp": 4}, None, 2, 2),
-        ("gpt", {"dp": 2, "tp": 2}, "mixed", 1, 2, 0.05),
-        ("gpt", {"dp": 2, "tp": 2}, "mixed", 3, 3),
-        ("llama", {"dp": 2, "tp": 2}, "megatron", 2, 1, 0.05),
-        ("llama", {"dp": 2, "tp": 2}, "megatron", 3, 2, 0.05),
-    ]
-    for per_rank in run_ranks(_cases, 4, cases, timeout=600):
-        for case, result in zip(cases, per_rank, strict=True):
+#: every stage over dp while the weights are split over tp (MindSpore's mixed tuples and
+#: Megatron's strategies), and alone over dp 4; with gradient accumulation and clipping
+CASES_ON_4 = [
+    ("gpt", {"dp": 4}, None, 3, 1, 0.05),
+    ("llama", {"dp": 4}, None, 2, 2),
+    ("gpt", {"dp": 2, "tp": 2}, "mixed", 1, 2, 0.05),
+    ("gpt", {"dp": 2, "tp": 2}, "mixed", 3, 3),
+    ("llama", {"dp": 2, "tp": 2}, "megatron", 2, 1, 0.05),
+    ("llama", {"dp": 2, "tp": 2}, "megatron", 3, 2, 0.05),
+]
+
+
+def test_zero_with_tensor_parallelism_accumulation_and_clipping_on_4_ranks(
+    on_4_ranks: list[dict],
+) -> None:
+    for per_rank in (r["trains"] for r in on_4_ranks):
+        for case, result in zip(CASES_ON_4, per_rank, strict=True):
             assert result["sharded"] > 0, case
             for got, expected in result["norms"]:
                 assert got == pytest.approx(expected, rel=1e-9), case
@@ -148,7 +175,12 @@ def _held_and_sent(
     inner, config = build("gpt", 0.0)
     model = WithUnused(inner)
     data = batches(config, torch.float32)
-    pm = parallelize(model, data[0], mesh, _strategies("gpt", how), zero=level, precision=precision)
+    # bf16 captures the model in its compute dtype: that program is parallelize's own
+    captured = None if precision else _captured(model, data[0], ("gpt", 0.0, torch.float32))
+    strategies = _strategies("gpt", how)
+    pm = parallelize(
+        model, data[0], mesh, strategies, captured=captured, zero=level, precision=precision
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     for step in range(2):
         with comm.counting() as sent:
@@ -172,7 +204,6 @@ def _held_and_sent(
     units = [sum(m.rows * m.row for m in u.members) for u in zero.units if u.used]
     compute = pm.precision.compute or torch.float32
     reduce = pm.precision.reduce or torch.float32
-    {m.fqn for u in zero.units if u.used for m in u.members}
     return {
         "predicted": estimate(pm.plan, pm.plan.graph, cluster_spec("cpu")).memory,
         "two_units": sum(sorted(units)[-2:]) * compute.itemsize,
@@ -203,16 +234,13 @@ def _held_and_sent(
     }
 
 
-def _held_cases(cases: list[tuple]) -> list[dict]:
-    return [_held_and_sent(*case) for case in cases]
+#: the mesh and strategies whose bytes are measured, by the ranks they run on
+HELD_ON = {2: ({"dp": 2}, None), 4: ({"dp": 2, "tp": 2}, "mixed")}
 
 
-@pytest.mark.parametrize(
-    "world, mesh, how", [(2, {"dp": 2}, None), (4, {"dp": 2, "tp": 2}, "mixed")]
-)
-def test_bytes_held_and_sent_follow_the_stage_formulas(world: int, mesh: Any, how: Any) -> None:
-    cases = [(mesh, how, level) for level in (0, 1, 2, 3)]
-    results = run_ranks(_held_cases, world, cases, timeout=300)[0]
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_held_and_sent_follow_the_stage_formulas(world: int, request) -> None:
+    results = request.getfixturevalue(f"on_{world}_ranks")[0]["held"]
     zero0 = results[0]
     for level, r in enumerate(results):
         _assert_predicted_memory(r, level)
@@ -263,12 +291,11 @@ def _assert_predicted_memory(r: dict[str, Any], level: int) -> None:
     assert predicted["optimizer"] == pytest.approx(moments, abs=pad), level
 
 
-def test_the_memory_planned_under_bf16_is_what_a_rank_holds() -> None:
+def test_the_memory_planned_under_bf16_is_what_a_rank_holds(on_2_ranks: list[dict]) -> None:
     """Under ``precision="bf16"`` a rank keeps float32 master weights, gradients and Adam
     moments (bfloat16 only where the program reads them, and in ZeRO's gathered copies): the
     plan's breakdown at every stage is those bytes, not bfloat16's half of them."""
-    cases = [({"dp": 2}, None, level, "bf16") for level in (0, 1, 2, 3)]
-    results = run_ranks(_held_cases, 2, cases, timeout=300)[0]
+    results = on_2_ranks[0]["bf16"]
     for level, r in enumerate(results):
         _assert_predicted_memory(r, level)
     for r in results[1:]:  # float32 state: four bytes an element of the parameters at stage 0
@@ -314,8 +341,50 @@ def _searched_plan_with_zero() -> dict[str, Any]:
     }
 
 
-def test_a_searched_plan_carries_its_zero_stage() -> None:
-    for result in run_ranks(_searched_plan_with_zero, 2, timeout=300):
+def test_a_searched_plan_carries_its_zero_stage(on_2_ranks: list[dict]) -> None:
+    for result in (r["searched"] for r in on_2_ranks):
         assert (result["zero"], result["stages"]) == (2, {2})
         for got, expected in result["losses"]:  # plain PyTorch's losses
             assert got == pytest.approx(expected, rel=1e-9)
+
+
+# -- one spawn for each count of ranks ------------------------------------------------------------
+
+
+def _checks_on(world: int) -> dict[str, tuple]:
+    """This module's checks on ``world`` ranks, each a function and its arguments: one spawn
+    runs them all in turn, since spawning and a new process's first capture dominate their
+    time."""
+    held = [(*HELD_ON[world], level) for level in (0, 1, 2, 3)]
+    if world == 4:
+        return {
+            "trains": (_cases, _zero_training, CASES_ON_4),
+            "held": (_cases, _held_and_sent, held),
+        }
+    levels = (1, 2, 3)
+    return {
+        "trains": (_by_level, [_trained_cases(level) for level in levels]),
+        "held": (_cases, _held_and_sent, held),
+        "bf16": (_cases, _held_and_sent, [({"dp": 2}, None, k, "bf16") for k in (0, *levels)]),
+        "searched": (_searched_plan_with_zero,),
+    }
+
+
+def _by_level(cases: list[list[tuple]]) -> list[list[dict]]:
+    return [_cases(_zero_training, level_cases) for level_cases in cases]
+
+
+def _run_checks(world: int) -> dict[str, Any]:
+    return {name: fn(*args) for name, (fn, *args) in _checks_on(world).items()}
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks() -> list[dict]:
+    """Every rank's outcome of each check on 2 ranks, by name."""
+    return run_ranks(_run_checks, 2, 2, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def on_4_ranks() -> list[dict]:
+    """Every rank's outcome of each check on 4 ranks, by name."""
+    return run_ranks(_run_checks, 4, 4, timeout=1200)
