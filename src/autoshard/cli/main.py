@@ -191,7 +191,7 @@ def _searched(job: Any) -> int:
     from autoshard.graph.batches import micro_batch_graphs
     from autoshard.search import PlanningError
     from autoshard.search.copies import batch_of, search_copies, searched_with
-    from autoshard.search.driver import build_plan
+    from autoshard.search.result_plan import build_plan
 
     dtype = job.policy.compute
     captured = capture(job.model, job.example, {}, loss_fn=job.loss_fn, train=True, dtype=dtype)

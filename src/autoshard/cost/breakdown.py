@@ -106,8 +106,13 @@ def _rest(est: Estimate, rows: object) -> list[LayerCost]:
     other_memory = est.peak_memory - memory
     other_time = 0.0 if abs(other_time) < 1e-9 * est.step_time else other_time  # rounding
     if abs(other_time) > 1e-12 * est.step_time or abs(other_memory) > 0.5:
-        out.append(LayerCost("other (inputs, output moves, ZeRO units)", comm_s=other_time,
-                             memory_bytes=other_memory))  # fmt: skip
+        out.append(
+            LayerCost(
+                "other (inputs, output moves, ZeRO units)",
+                comm_s=other_time,
+                memory_bytes=other_memory,
+            )
+        )
     return out
 
 

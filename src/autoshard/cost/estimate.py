@@ -292,6 +292,7 @@ def _price_params(
     for fqn, param in plan.params.items():
         memory, in_line = sum(est.memory.values()), est.grad_sync
         count = copies.get(fqn, 1)
+        kept = master_layout(param.layout, plan.precision)
         if kinds.get(fqn) != "param":
             est.memory["parameters"] += count * local_bytes(param.layout)
         elif zp := _zero_param(
@@ -301,17 +302,15 @@ def _price_params(
             optimizer_states,
             compute.get(fqn),
             reduce_dtype,
-            master_layout(param.layout, plan.precision),
+            kept,
         ):
             zeroed[fqn] = zp
             for kind, nbytes in zeroed[fqn].memory.items():
                 est.memory[kind] += count * nbytes
-            kept = master_layout(param.layout, plan.precision)
             est.optimizer += count * optimizer_time(kept, cluster, zeroed[fqn].share)
             est.grad_sync += count * zeroed[fqn].copy
         else:
-            bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count,
-                                  master_layout(param.layout, plan.precision))  # fmt: skip
+            bucket = _price_param(est, param, cluster, optimizer_states, reduce_dtype, count, kept)
             if bucket is not None:
                 bucketed[fqn] = bucket
         est.by_param[fqn] = (sum(est.memory.values()) - memory, est.grad_sync - in_line)
@@ -447,11 +446,8 @@ def _overlap_zero(
         est.bucket_latency += gather[1] + scatter[1]
     # stage 3: backward gathers each unit again, started when backward needs the unit before
     # it in backward's order (the first when forward ends), due when backward needs it
-    ends = sorted(
-        ((max(e for _, _, e in members), unit, members) for unit, members in units
-         if unit.level == 3),
-        key=lambda item: -item[0],
-    )  # fmt: skip
+    ends = [(max(e for _, _, e in ms), unit, ms) for unit, ms in units if unit.level == 3]
+    ends.sort(key=lambda item: -item[0])
     previous_end = len(run.backward_at) - 1
     for end, unit, members in ends:
         g, per_node = group_size(unit.groups[0], cluster.devices_per_node)

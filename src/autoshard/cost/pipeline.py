@@ -49,19 +49,29 @@ class Piece:
 
     def scaled(self, k: float) -> Piece:
         return Piece(
-            self.forward * k, self.backward * k, self.weight * k, self.again_selective * k,
-            self.kept * k, self.kept_selective * k, {n: v * k for n, v in self.state.items()},
-            self.grad_sums * k, self.gathers * k,
-        )  # fmt: skip
+            self.forward * k,
+            self.backward * k,
+            self.weight * k,
+            self.again_selective * k,
+            self.kept * k,
+            self.kept_selective * k,
+            {n: v * k for n, v in self.state.items()},
+            self.grad_sums * k,
+            self.gathers * k,
+        )
 
     def __add__(self, other: Piece) -> Piece:
         return Piece(
-            self.forward + other.forward, self.backward + other.backward,
-            self.weight + other.weight, self.again_selective + other.again_selective,
-            self.kept + other.kept, self.kept_selective + other.kept_selective,
+            self.forward + other.forward,
+            self.backward + other.backward,
+            self.weight + other.weight,
+            self.again_selective + other.again_selective,
+            self.kept + other.kept,
+            self.kept_selective + other.kept_selective,
             {n: self.state[n] + other.state[n] for n in self.state},
-            self.grad_sums + other.grad_sums, self.gathers + other.gathers,
-        )  # fmt: skip
+            self.grad_sums + other.grad_sums,
+            self.gathers + other.gathers,
+        )
 
 
 def _product(op: str) -> bool:
@@ -72,7 +82,7 @@ def model_pieces(est: Estimate, og: OpGraph) -> tuple[Piece, Piece, int, Piece]:
     """(before the blocks, one block, the number of blocks, after the blocks) of the estimate
     ``est`` of one micro-batch (at full depth: a captured block stands for its copies)."""
     pre, blocks, post = Piece(), Piece(), Piece()
-    count, seen_block = 0, False
+    count, seen_block, block_copies = 0, False, []
     prefix = next(iter(og.repeated), None)
     runs: dict[int, list] = {id(pre): [], id(blocks): [], id(post): []}
     for node in og.graph.nodes:
@@ -82,6 +92,8 @@ def model_pieces(est: Estimate, og: OpGraph) -> tuple[Piece, Piece, int, Piece]:
         info = og[node]
         in_block = info.block is not None and info.block[0] == prefix
         seen_block |= in_block
+        if in_block:
+            block_copies.append(copies)
         piece = blocks if in_block else (post if seen_block else pre)
         runs[id(piece)].append((terms, copies))
         fwd = terms.compute_forward + terms.comm_forward
@@ -94,11 +106,8 @@ def model_pieces(est: Estimate, og: OpGraph) -> tuple[Piece, Piece, int, Piece]:
         piece.kept += copies * terms.memory["activations"]
         piece.kept_selective += copies * (terms.memory["activations"] if product else 0.0)
     if prefix is not None:
-        count = len(og.repeated[prefix]) - 1 + max(
-            (est.by_node[n.name][1] for n in og.graph.nodes
-             if n.name in est.by_node and og[n].block and og[n].block[0] == prefix),
-            default=1,
-        )  # fmt: skip
+        # the last captured block stands for its copies, every other captured block for one
+        count = len(og.repeated[prefix]) - 1 + max(block_copies, default=1)
     if isinstance(est, CopiesEstimate):  # what a stage's copies hide of its collectives
         for piece in (pre, blocks, post):
             forward, backward = hidden_in(est, runs[id(piece)])

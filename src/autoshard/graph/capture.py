@@ -203,10 +203,12 @@ def _as_trained(model: nn.Module, own_loss: bool) -> Iterator[list[CaptureError]
         if not own_loss or isinstance(out, torch.Tensor) or not hasattr(out, "loss"):
             return out
         if not isinstance(out.loss, torch.Tensor):
-            refused.append(CaptureError(
-                f"{type(model).__name__} returned no loss: pass labels in the batch, or "
-                "return a scalar loss from forward"
-            ))  # fmt: skip
+            refused.append(
+                CaptureError(
+                    f"{type(model).__name__} returned no loss: pass labels in the batch, or "
+                    "return a scalar loss from forward"
+                )
+            )
             raise refused[-1]
         return out.loss
 

@@ -7,15 +7,12 @@ import dataclasses
 import gc
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from autoshard.cost import ClusterSpec, estimate
-from autoshard.cost.breakdown import breakdown_rows
+from autoshard.cost import ClusterSpec
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
@@ -23,14 +20,7 @@ from autoshard.options import SEARCHES
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
 from autoshard.search.costgraph import CostGraph
-from autoshard.search.notes import with_notes
-from autoshard.search.plans import (
-    FORMAT,
-    ZERO_LEVELS,
-    Plan,
-    PlanningError,
-    input_layouts,
-)
+from autoshard.search.plans import ZERO_LEVELS, Plan, PlanningError
 from autoshard.search.pruning import (
     bare_graphs,
     moves_once,
@@ -39,7 +29,7 @@ from autoshard.search.pruning import (
     solved_alike,
     whole_within,
 )
-from autoshard.search.semi import plan_graph
+from autoshard.search.result_plan import build_plan
 from autoshard.search.solvers import (
     Solution,
     lower_bound,
@@ -64,11 +54,10 @@ def mesh_shapes(
     if cp < 1 or num_devices % cp:
         raise PlanningError(f"cp {cp} does not divide the {num_devices} devices")
     if tp_degree is not None and (tp_degree < 1 or (num_devices // cp) % tp_degree):
+        leaves = " a context-parallel group leaves" if cp > 1 else ""
         raise PlanningError(
-            f"tp {tp_degree} does not divide the {num_devices // cp} devices a "
-            "context-parallel group leaves" if cp > 1 else
-            f"tp {tp_degree} does not divide the {num_devices} devices"
-        )  # fmt: skip
+            f"tp {tp_degree} does not divide the {num_devices // cp} devices{leaves}"
+        )
     for tp in range(1, num_devices // cp + 1):
         if (num_devices // cp) % tp or (tp_degree is not None and tp != tp_degree):
             continue
@@ -163,8 +152,19 @@ def run_search(
         priced_as((attention, sequence, sequence_parallel, precision))
         context = options.searching(attention, sequence, sequence_parallel)
         with paused_gc(), context, pricing.priced_under(precision):
-            return _run_search(og, num_devices, cluster, search, mesh_list, memory_limit,
-                               depth, fixed, zero, step_share, precision)  # fmt: skip
+            return _run_search(
+                og,
+                num_devices,
+                cluster,
+                search,
+                mesh_list,
+                memory_limit,
+                depth,
+                fixed,
+                zero,
+                step_share,
+                precision,
+            )
 
 
 def _sequence(og: OpGraph, meshes: list[MeshInfo]) -> int | None:
@@ -210,8 +210,9 @@ def _run_search(
             tried.append({**row, "skipped": "memory", "least_memory": floors[k]})
             continue
         past = math.inf if best is None else best[1].seconds * (1 + FINALIST_MARGIN)
-        graph = whole_within(graphs, k, past, row, whole, limit,
-                             relax=search == "optimal", solved=solved)  # fmt: skip
+        graph = whole_within(
+            graphs, k, past, row, whole, limit, relax=search == "optimal", solved=solved
+        )
         if graph is None:
             tried.append(row)
             continue
@@ -227,13 +228,15 @@ def _run_search(
         tried.append(row)
     if best is None:
         built = [k for k, g in enumerate(graphs) if g is not None]
-        raise PlanningError(_nothing_fits(og, [graphs[k] for k in built],
-                                          [meshes[k] for k in built], cluster, limit,
-                                          num_devices))  # fmt: skip
+        built_graphs, built_meshes = [graphs[k] for k in built], [meshes[k] for k in built]
+        raise PlanningError(
+            _nothing_fits(og, built_graphs, built_meshes, cluster, limit, num_devices)
+        )
     k, sol = _final(estimated, found, best, meshes, graphs)
     seconds = time.perf_counter() - start
-    return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision,
-                        estimated.made(graphs[k], sol))  # fmt: skip
+    return SearchResult(
+        meshes[k], graphs[k], sol, tried, seconds, precision, estimated.made(graphs[k], sol)
+    )
 
 
 def _rank(graph: CostGraph | None, floor: float) -> tuple[bool, float, int]:
@@ -404,88 +407,4 @@ def _fixed_options(graph: CostGraph, fixed: Mapping[str, Any]) -> dict[int, int]
     return out
 
 
-# -- the plan --------------------------------------------------------------------------------------
-
-
-def _jsonable(spec: Sequence[Any]) -> list[Any]:
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
-    """The Plan of ``og`` a search result gives, with its JSON (``plan.json``) and prediction.
-    The search's objective is a sum over ops: it prices the bucketed gradient sums in line
-    and without their buckets' latencies (docs/search.md); the prediction adds what the
-    buckets' overlap and latencies change, at the real depth."""
-    data = _json(og, result, cluster)
-    built = plan_graph(og, result.mesh, data["strategies"], input_layouts=input_layouts(og, data))
-    data["zero"] = result.graph.zero
-    if result.precision is not None and result.precision.compute is not None:
-        data["precision"] = result.precision.as_dict()
-    built = dataclasses.replace(
-        built, zero=result.graph.zero, json=data, searched=True, precision=result.precision
-    )
-    predicted = result.estimated
-    if predicted is None:
-        predicted = estimate(built, og, cluster, depth=result.graph.depth)
-    pred = data["predicted"]
-    pred["search_objective_s"] = pred["step_time_s"]
-    pred["step_time_s"] = predicted.step_time
-    pred["mfu"] *= pred["search_objective_s"] / pred["step_time_s"]
-    pred["search_memory_bytes"] = pred["peak_memory_bytes"]
-    pred["peak_memory_bytes"] = predicted.peak_memory
-    pred["memory_bytes"] = predicted.as_dict()["memory_bytes"]
-    pred["layers"] = breakdown_rows(predicted, og)
-    return with_notes(dataclasses.replace(built, predicted=predicted), og)
-
-
-def _json(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
-    reps = set(result.graph.instances.values())
-    strategies: dict[str, Any] = {}
-    inputs: dict[str, Any] = {}
-    chosen = result.strategies()
-    for name in result.graph.instances:
-        option = chosen[name]
-        info = og[og.by_name[name]]
-        if info.kind == "input":
-            inputs[name] = _jsonable(option.spec)
-        elif name in reps:
-            strategies[og.key_pattern(info)] = {"space": _jsonable(option.spec)}
-    graph = result.graph
-    seconds, memory = result.solution.seconds, result.solution.memory
-    flops = graph.model_flops
-    return {
-        "format": FORMAT,
-        "mesh": result.mesh.as_dict(),
-        "strategies": dict(sorted(strategies.items(), key=lambda kv: _order(kv[0], og))),
-        "inputs": inputs,
-        "predicted": {
-            "step_time_s": seconds,
-            "peak_memory_bytes": memory,
-            "mfu": flops / (seconds * result.mesh.num_devices * _peak(cluster, og)),
-            "dtype": _compute_dtype(og),
-            "search": result.solution.search,
-            "search_s": result.search_seconds,
-            "meshes": result.tried,
-        },
-        "cluster": cluster.to_json(),
-    }
-
-
-def _order(key: str, og: OpGraph) -> int:
-    """Where a strategy key's first op stands in the graph."""
-    ops = og.ops()
-    return next((i for i, info in enumerate(ops) if og.key_pattern(info) == key), len(ops))
-
-
-def _compute_dtype(og: OpGraph) -> str:
-    """The dtype most parameters have: the precision the plan computes in."""
-    dtypes = [info.dtype for info in og.state() if info.kind == "param"]
-    dtype = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
-    return str(dtype).removeprefix("torch.")
-
-
-def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
-    return cluster.peak_flops(getattr(torch, _compute_dtype(og)))
-
-
-__all__ = ["SEARCHES", "SearchResult", "build_plan", "mesh_shapes", "run_search", "size_text"]
+__all__ = ["SEARCHES", "SearchResult", "mesh_shapes", "run_search", "size_text"]

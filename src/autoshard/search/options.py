@@ -78,8 +78,9 @@ def searching(
         )
     with search_session() as under_way:
         kept = dict(under_way.context)
-        under_way.context.update(attention=attention, sequence=sequence,
-                                 sequence_parallel=sequence_parallel)  # fmt: skip
+        under_way.context.update(
+            attention=attention, sequence=sequence, sequence_parallel=sequence_parallel
+        )
         under_way.forget("node_options")
         try:
             yield

@@ -397,12 +397,15 @@ def pipeline_predicted(data: dict[str, Any]) -> dict[str, Any]:
     busiest = max(pipe["memory_bytes"], key=lambda m: sum(m.values()))
     pipe["one_stage_one_microbatch"] = stage
     data["predicted"] = {
-        "step_time_s": pipe["step_time_s"], "mfu": pipe["mfu"], "bubble": pipe["bubble"],
+        "step_time_s": pipe["step_time_s"],
+        "mfu": pipe["mfu"],
+        "bubble": pipe["bubble"],
         "peak_memory_bytes": pipe["peak_memory_bytes"],
         "memory_bytes": {**busiest, "total": sum(busiest.values())},
-        "dtype": stage.get("dtype", "float32"), "search": stage["search"],
+        "dtype": stage.get("dtype", "float32"),
+        "search": stage["search"],
         "search_s": pipe["search_s"],
-    }  # fmt: skip
+    }
     return data
 
 

@@ -47,12 +47,17 @@ def edge_row(
     if row is None:
         wants, where = _wants(user, i, mesh)
         beside = is_product(user) or is_product(value)
-        row = np.array([
-            move_cost(layout, w, backward, cluster, g, beside)
-            - (transition(g, w.without_partial(), cluster).seconds
-               if backward and g is not None and layout != w else 0.0)
-            for w, g in wants
-        ])[where]  # fmt: skip
+        row = np.array(
+            [
+                move_cost(layout, w, backward, cluster, g, beside)
+                - (
+                    transition(g, w.without_partial(), cluster).seconds
+                    if backward and g is not None and layout != w
+                    else 0.0
+                )
+                for w, g in wants
+            ]
+        )[where]
         rows_cache[key] = row
     return row
 
@@ -114,8 +119,9 @@ def zero_terms(
     key = (layout, grad, zero, optimizer_states, id(cluster), precision)
     if key not in zero_cache:
         compute = layout.dtype if sum_dtype(precision) else None
-        zero_cache[key] = zero_param(zero, _kept(layout), grad, cluster, optimizer_states, compute,
-                                sum_dtype(precision))  # fmt: skip
+        zero_cache[key] = zero_param(
+            zero, _kept(layout), grad, cluster, optimizer_states, compute, sum_dtype(precision)
+        )
     return zero_cache[key]
 
 

@@ -142,8 +142,11 @@ def alike(a: CostGraph, b: CostGraph) -> bool:
 def _alike_bound(graphs: list[CostGraph | None], k: int, limit: float) -> float:
     """The largest relaxed bound under ``limit`` known of a graph alike ``graphs[k]`` in no
     more bytes, which bounds ``graphs[k]`` as well (0: none is known)."""
-    bounds = [relaxed_known(g, limit) for g in graphs if g is not None and g is not graphs[k]
-              and g.mesh == graphs[k].mesh and alike(g, graphs[k])]  # fmt: skip
+    bounds = [
+        relaxed_known(g, limit)
+        for g in graphs
+        if g is not None and g is not graphs[k] and g.mesh == graphs[k].mesh and alike(g, graphs[k])
+    ]
     return max((b for b in bounds if b is not None), default=0.0)
 
 

@@ -290,8 +290,14 @@ class _Walk:
         its layout and the op runs alike on their ranks (no move, no sum of its own); or None."""
         args, og = tensor_inputs(node), self.og
         needs = [og[a].requires_grad for a in args]
-        reads = sum(1 for v in outs for u in v.users if og[u].kind != "getitem"
-                    for a in tensor_inputs(u) if a is v)  # fmt: skip
+        reads = sum(
+            1
+            for v in outs
+            for u in v.users
+            if og[u].kind != "getitem"
+            for a in tensor_inputs(u)
+            if a is v
+        )
         axes = {g.partial for _, (_, _, g) in uses}
         if needs.count(True) != 1 or reads != len(uses) or len(axes) != 1:
             return None
@@ -424,9 +430,16 @@ def plan_graph(
     shared = walk.share_reductions()
     nodes, inputs = walk.nodes, walk.inputs
     return Plan(
-        mesh, nodes, params, inputs, outputs, walk.warnings, shared_reduce=shared, graph=og,
+        mesh,
+        nodes,
+        params,
+        inputs,
+        outputs,
+        walk.warnings,
+        shared_reduce=shared,
+        graph=og,
         summed_at_params=walk.at_params,
-    )  # fmt: skip
+    )
 
 
 __all__ = ["check_inputs", "match_strategies", "plan_graph"]
