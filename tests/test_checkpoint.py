@@ -22,6 +22,9 @@ from autoshard.graph.capture import capture_modes
 from autoshard.runtime.state import checkpoint, dcp_io
 from autoshard.testing import run_ranks
 
+#: the process's capture of ``_model``'s program (every build is the same program)
+_CAPTURED: list[dict] = []
+
 
 def _model() -> tuple[torch.nn.Module, list, dict]:
     warnings.filterwarnings("ignore")
@@ -29,7 +32,9 @@ def _model() -> tuple[torch.nn.Module, list, dict]:
     model, config = build("gpt", 0.1)
     model = model.to(torch.float64)
     data = batches(config, torch.float64)
-    return model, data, capture_modes(model, data[0])
+    if not _CAPTURED:
+        _CAPTURED.append(capture_modes(model, data[0]))
+    return model, data, _CAPTURED[0]
 
 
 def _train(pm: Any, opt: Any, data: list, steps: range) -> list[float]:
@@ -102,22 +107,24 @@ def _save_then_load_elsewhere(directory: str, phase: str) -> dict[str, Any]:
     return {"at": at, "after": pm.full_state_dict(), "losses": losses}
 
 
-def test_a_checkpoint_loads_under_another_plan_mesh_zero_stage_and_world(tmp_path) -> None:
+def test_a_checkpoint_loads_under_another_plan_mesh_zero_stage_and_world(
+    saved: tuple[Path, dict], on_2_ranks: list[dict]
+) -> None:
     """Bitwise equal parameters where loaded; the optimizer's state (moments, step counts,
     settings) and the dropout step are loaded too, so the next steps equal the saving run's
     (float64; the sums run in another order on another split)."""
-    saved = run_ranks(_save_then_load_elsewhere, 4, str(tmp_path), "save", timeout=300)[0]
-    for world, phase in ((2, "tp2"), (1, "one")):
-        loaded = run_ranks(_save_then_load_elsewhere, world, str(tmp_path), phase, timeout=300)[0]
-        for k, v in saved["at"].items():
+    directory, at_save = saved
+    on_1_rank = run_ranks(_save_then_load_elsewhere, 1, str(directory), "one", timeout=300)
+    for phase, loaded in (("tp2", on_2_ranks[0]["tp2"]), ("one", on_1_rank[0])):
+        for k, v in at_save["at"].items():
             assert torch.equal(loaded["at"][k], v), (phase, k, loaded["at"][k][0, :3], v[0, :3])
-            torch.testing.assert_close(loaded["after"][k], saved["after"][k])
-        assert loaded["losses"] == pytest.approx(saved["losses"], rel=1e-9)
+            torch.testing.assert_close(loaded["after"][k], at_save["after"][k])
+        assert loaded["losses"] == pytest.approx(at_save["losses"], rel=1e-9)
     # into the single-device model, on one process
     model, _, _ = _model()
-    autoshard.load(tmp_path / "step_3", model)
+    autoshard.load(directory / "step_3", model)
     for k, v in model.state_dict().items():
-        assert torch.equal(v, saved["at"][k]), k
+        assert torch.equal(v, at_save["at"][k]), k
 
 
 def _hf_llama(seed: int) -> torch.nn.Module:
@@ -199,15 +206,16 @@ def _searched_llama_through_plain_dcp(directory: str) -> dict[str, Any]:
     return {"sizes": tuple(plan.mesh.sizes), "losses": losses, "state": state, "split": split}
 
 
-def test_a_searched_plan_saves_and_loads_through_plain_dcp_at_every_zero_stage(tmp_path):
+def test_a_searched_plan_saves_and_loads_through_plain_dcp_at_every_zero_stage(
+    on_2_ranks: list[dict],
+) -> None:
     """The state dict of a searched plan with a size-1 axis has no Partial placement (once
     every parameter was ``Partial`` on the size-1 ``tp`` axis, and DCP refused it). And the
     searched plan's training, saved, loaded under Megatron tensor parallel and continued, is
     plain PyTorch's: the eager model and its AdamW, 5 steps on one process, losses (computed
     in float32 by transformers, which upcasts the logits) within 1e-6 and every parameter at
     ``assert_close``'s float64 defaults."""
-    pytest.importorskip("transformers")
-    results = run_ranks(_searched_llama_through_plain_dcp, 2, str(tmp_path), timeout=300)
+    results = [r["searched"] for r in on_2_ranks]
     assert 1 in results[0]["sizes"], results[0]["sizes"]  # what DCP refused: dp 2 x tp 1
     assert len(results[0]["split"]) == 2 * 7  # q, k, v, o and the MLP's 3 weights of 2 layers
     eager = _hf_llama(0)
@@ -281,10 +289,10 @@ def _damaged_load(path: Path, pm: Any, opt: Any) -> str:
     return "loaded"
 
 
-def test_ten_steps_save_load_ten_more_equals_twenty_steps_bitwise(tmp_path) -> None:
+def test_ten_steps_save_load_ten_more_equals_twenty_steps_bitwise(on_2_ranks: list[dict]) -> None:
     """... and a file of the checkpoint cut short is one error naming it on every rank."""
-    straight = run_ranks(_resumed, 2, str(tmp_path), False, timeout=300)[0]
-    resumed = run_ranks(_resumed, 2, str(tmp_path), True, timeout=300)
+    straight = on_2_ranks[0]["straight"]
+    resumed = [r["resumed"] for r in on_2_ranks]
     assert resumed[0][:20] == straight[:20]
     for k, v in straight[20].items():
         assert torch.equal(resumed[0][20][k], v), k
@@ -411,3 +419,37 @@ def test_a_checkpoint_of_another_model_or_an_incomplete_one_is_a_clear_error(tmp
     with pytest.raises(autoshard.CheckpointError, match="not a complete autoshard checkpoint"):
         autoshard.load(tmp_path / "half.incomplete", model)
     assert autoshard.latest(tmp_path) == tmp_path / "small"
+
+
+# -- one spawn for each count of ranks ------------------------------------------------------------
+
+
+def _on_2_ranks(directory: str) -> dict[str, Any]:
+    """This module's checks on 2 ranks in turn, in one spawn (spawning and a new process's
+    first capture dominate their time); ``directory`` holds the 4 ranks' checkpoint, and a
+    folder of its own for each other check's."""
+    searched, resumed = Path(directory) / "searched", Path(directory) / "resumed"
+    for folder in (searched, resumed):
+        folder.mkdir(exist_ok=True)
+    return {
+        "tp2": _save_then_load_elsewhere(directory, "tp2"),
+        "searched": _searched_llama_through_plain_dcp(str(searched)),
+        "straight": _resumed(str(resumed), False),
+        "resumed": _resumed(str(resumed), True),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The directory of the checkpoint 4 ranks saved (dp 2 x tp 2 at ZeRO 2), and rank 0's
+    full state at it and after, and losses."""
+    directory = tmp_path_factory.mktemp("checkpoints")
+    return directory, run_ranks(_save_then_load_elsewhere, 4, str(directory), "save", timeout=300)[
+        0
+    ]
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks(saved: tuple[Path, dict]) -> list[dict]:
+    """Every rank's outcome of each check on 2 ranks, by name."""
+    return run_ranks(_on_2_ranks, 2, str(saved[0]), timeout=900)
