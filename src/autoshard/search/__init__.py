@@ -3,7 +3,7 @@
 (``solvers``), the driver from a graph to a search result (``driver``) and from that to a plan
 (``result_plan``), pipeline stages (``pipelined``) and ``plan`` from a model (``planning``)."""
 
-from autoshard.search.driver import SEARCHES, SearchResult, mesh_shapes, run_search
+from autoshard.search.driver import SEARCHES, mesh_shapes, run_search
 from autoshard.search.planning import plan
 from autoshard.search.plans import (
     FORMAT,
@@ -15,7 +15,7 @@ from autoshard.search.plans import (
     input_layouts,
     load_plan,
 )
-from autoshard.search.result_plan import build_plan
+from autoshard.search.result_plan import SearchResult, build_plan
 from autoshard.search.semi import match_strategies, plan_graph
 
 __all__ = [

@@ -13,8 +13,9 @@ from autoshard.cost import ClusterSpec
 from autoshard.cost.breakdown import breakdown_rows
 from autoshard.cost.copies import with_copies
 from autoshard.graph import OpGraph
-from autoshard.search.driver import SearchResult, build_plan, run_search, size_text
+from autoshard.search.driver import run_search, size_text
 from autoshard.search.plans import Plan, PlanningError
+from autoshard.search.result_plan import SearchResult, build_plan
 
 #: the copies ``copies="auto"`` tries
 COPIES = (1, 2, 4)

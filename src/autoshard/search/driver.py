@@ -3,19 +3,16 @@ and ``autoshard.plan``, from a model to a searched :class:`Plan` (docs/search.md
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from autoshard.cost import ClusterSpec
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
-from autoshard.ops import Strategy
 from autoshard.options import SEARCHES
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
@@ -29,7 +26,7 @@ from autoshard.search.pruning import (
     solved_alike,
     whole_within,
 )
-from autoshard.search.result_plan import build_plan
+from autoshard.search.result_plan import SearchResult, build_plan
 from autoshard.search.solvers import (
     Solution,
     lower_bound,
@@ -69,30 +66,6 @@ def mesh_shapes(
             sizes = (num_devices // (cp * tp), cp, tp)
             out.append(MeshInfo(("dp", "cp", "tp"), sizes, ("dp",), ("cp",)))
     return out
-
-
-@dataclass
-class SearchResult:
-    """The chosen mesh and one option per decision node, with the cost graph it came from."""
-
-    mesh: MeshInfo
-    graph: CostGraph
-    solution: Solution
-    tried: list[dict[str, Any]]
-    search_seconds: float
-    #: the precision policy the parameters were priced under (None: the graph's dtypes)
-    precision: Precision | None = None
-    #: the plan's estimate, where the search made it already (``build_plan`` reads it)
-    estimated: Any = dataclasses.field(default=None, compare=False, repr=False)
-
-    def strategies(self) -> dict[str, Strategy]:
-        """Every decision node's strategy (repeated layers share their representative's)."""
-        rep_index = {name: i for i, name in enumerate(self.graph.names)}
-        out = {}
-        for name, rep in self.graph.instances.items():
-            i = rep_index[rep]
-            out[name] = self.graph.options[i][self.solution.choice[i]]
-        return out
 
 
 @contextmanager
@@ -227,11 +200,7 @@ def _run_search(
                 best = (k, sol)
         tried.append(row)
     if best is None:
-        built = [k for k, g in enumerate(graphs) if g is not None]
-        built_graphs, built_meshes = [graphs[k] for k in built], [meshes[k] for k in built]
-        raise PlanningError(
-            _nothing_fits(og, built_graphs, built_meshes, cluster, limit, num_devices)
-        )
+        raise PlanningError(_nothing_fits(og, graphs, meshes, cluster, limit, num_devices))
     k, sol = _final(estimated, found, best, meshes, graphs)
     seconds = time.perf_counter() - start
     return SearchResult(
@@ -342,16 +311,17 @@ def _fitting(
 
 def _nothing_fits(
     og: OpGraph,
-    graphs: list[CostGraph],
+    graphs: list[CostGraph | None],
     meshes: list[MeshInfo],
     cluster: ClusterSpec,
     limit: float,
     num_devices: int,
 ) -> str:
-    """What a user reads when no plan fits: the plan of least memory found, its breakdown,
-    which part is over the limit, and what would make it fit."""
-    least = [_least_memory(g) for g in graphs]
-    k = min(range(len(graphs)), key=lambda i: least[i].memory)
+    """What a user reads when no plan fits: the plan of least memory found (of the graphs
+    built: None where a mesh's was not), its breakdown, which part is over the limit, and what
+    would make it fit."""
+    least = {i: _least_memory(g) for i, g in enumerate(graphs) if g is not None}
+    k = min(least, key=lambda i: least[i].memory)
     result = SearchResult(meshes[k], graphs[k], least[k], [], 0.0, state().precision)
     est = build_plan(og, result, cluster).predicted
     parts = ", ".join(f"{kind} {size_text(v)}" for kind, v in est.memory.items())
@@ -407,4 +377,4 @@ def _fixed_options(graph: CostGraph, fixed: Mapping[str, Any]) -> dict[int, int]
     return out
 
 
-__all__ = ["SEARCHES", "SearchResult", "mesh_shapes", "run_search", "size_text"]
+__all__ = ["SEARCHES", "mesh_shapes", "run_search", "size_text"]

@@ -26,10 +26,10 @@ from autoshard.layout import Layout
 from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape, validate
 from autoshard.search.copies import priced
-from autoshard.search.driver import SearchResult, paused_gc, run_search, size_text
+from autoshard.search.driver import paused_gc, run_search, size_text
 from autoshard.search.plans import Plan, PlanningError, staged_json
 from autoshard.search.pruning import search_session
-from autoshard.search.result_plan import build_plan
+from autoshard.search.result_plan import SearchResult, build_plan
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from autoshard.mesh import mesh_info
 from autoshard.options import Options
 from autoshard.precision import Precision
 from autoshard.search.copies import batch_of, search_copies
-from autoshard.search.driver import SearchResult, run_search
+from autoshard.search.driver import run_search
 from autoshard.search.pipelined import plan_with_stages
 from autoshard.search.plans import Plan
-from autoshard.search.result_plan import build_plan
+from autoshard.search.result_plan import SearchResult, build_plan
 from autoshard.search.semi import check_inputs, plan_graph
 
 

@@ -1,22 +1,49 @@
-"""The Plan a search result gives: its JSON (``plan.json``) and its prediction."""
+"""A search's result and the Plan it gives: its JSON (``plan.json``) and its prediction."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from autoshard.cost import ClusterSpec, estimate
 from autoshard.cost.breakdown import breakdown_rows
 from autoshard.graph import OpGraph
+from autoshard.mesh import MeshInfo
+from autoshard.ops import Strategy
+from autoshard.precision import Precision
+from autoshard.search.costgraph import CostGraph
 from autoshard.search.notes import with_notes
 from autoshard.search.plans import FORMAT, Plan, input_layouts
 from autoshard.search.semi import plan_graph
+from autoshard.search.solvers import Solution
 
-if TYPE_CHECKING:
-    from autoshard.search.driver import SearchResult
+
+@dataclass
+class SearchResult:
+    """The chosen mesh and one option per decision node, with the cost graph it came from."""
+
+    mesh: MeshInfo
+    graph: CostGraph
+    solution: Solution
+    tried: list[dict[str, Any]]
+    search_seconds: float
+    #: the precision policy the parameters were priced under (None: the graph's dtypes)
+    precision: Precision | None = None
+    #: the plan's estimate, where the search made it already (``build_plan`` reads it)
+    estimated: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def strategies(self) -> dict[str, Strategy]:
+        """Every decision node's strategy (repeated layers share their representative's)."""
+        rep_index = {name: i for i, name in enumerate(self.graph.names)}
+        out = {}
+        for name, rep in self.graph.instances.items():
+            i = rep_index[rep]
+            out[name] = self.graph.options[i][self.solution.choice[i]]
+        return out
 
 
 def _jsonable(spec: Sequence[Any]) -> list[Any]:
@@ -100,4 +127,4 @@ def _peak(cluster: ClusterSpec, og: OpGraph) -> float:
     return cluster.peak_flops(getattr(torch, _compute_dtype(og)))
 
 
-__all__ = ["build_plan"]
+__all__ = ["SearchResult", "build_plan"]
