@@ -178,11 +178,12 @@ def _timing(key: str) -> bool:
 
 
 def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> None:
-    args = [sys.executable, "-m", "autoshard.cli", "plan", "--model", "gpt", "--layers", "32",
-            "--hidden", "4096", "--heads", "32", "--seq", "2048", "--batch", "512", "--vocab",
-            "51200", "--cluster", "dgx-h100", "--nodes", "1"]  # fmt: skip
-    flat = subprocess.run([*args, "--pp", "1"], capture_output=True, text=True, timeout=300)
-    assert flat.returncode == 3 and "no plan fits in 80.00 GiB" in flat.stderr
+    plan = ["plan", "--model", "gpt", "--layers", "32", "--hidden", "4096", "--heads", "32",
+            "--seq", "2048", "--batch", "512", "--vocab", "51200", "--cluster", "dgx-h100",
+            "--nodes", "1"]  # fmt: skip
+    args = [sys.executable, "-m", "autoshard.cli", *plan]
+    assert main([*plan, "--pp", "1"]) == 3
+    assert "no plan fits in 80.00 GiB" in capsys.readouterr().err
     # without --pp: nothing fits without stages, so the stages are searched; on one core
     # (where the machine lets a process be bound to one) the same plan and output come out
     ahead = [*args, "--json", str(tmp_path / "ahead.json")]
@@ -203,16 +204,13 @@ def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> No
     assert searched.stderr == alone.stderr
     assert _plan_of(tmp_path / "ahead.json") == _plan_of(tmp_path / "alone.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ahead.json", "alone.json"]
-    staged = subprocess.run(
-        [*args, "--pp", "4", "--microbatches", "64", "--recompute", "full", "--schedule",
-         "1f1b", "--json", str(tmp_path / "plan.json")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert staged.returncode == 0, staged.stderr
-    assert "pipeline: pp(4) x" in staged.stdout and "1f1b, 64 micro-batches" in staged.stdout
-    bad = subprocess.run([*args, "--pp", "4", "--microbatches", "5"], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert bad.returncode == 2 and "--microbatches 5 does not divide --batch 512" in bad.stderr
+    staged = [*plan, "--pp", "4", "--microbatches", "64", "--recompute", "full", "--schedule",
+              "1f1b", "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    assert main(staged) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "pipeline: pp(4) x" in out and "1f1b, 64 micro-batches" in out
+    assert main([*plan, "--pp", "4", "--microbatches", "5"]) == 2
+    assert "--microbatches 5 does not divide --batch 512" in capsys.readouterr().err
 
     # the plan's pipeline played again by autoshard simulate, and drawn
     assert main(["simulate", str(tmp_path / "plan.json"), "--picture",
