@@ -869,3 +869,28 @@ def test_the_plan_reads_the_estimate_the_search_made_as_made_afresh() -> None:
         fresh = driver.build_plan(captured, again, cluster)
         built = driver.build_plan(captured, result, cluster)
         assert built.predicted == fresh.predicted and built.json == fresh.json
+
+
+def test_a_tied_weight_summed_apart_is_priced_as_the_estimate_prices_it(gpt_meta_graph) -> None:
+    """GPT's tied embedding where its second use needs no sum of its gradient: the planner
+    cannot defer the first use's sum to the parameter, so it runs in line (``ReduceGrad``, the
+    least-bytes plan), which the estimate prices with ``transition``. The search's tied edge
+    adds that, in place of the bucketed sum the owner's own term priced. On dp 4 x tp 2 the
+    least-bytes plan (split, all-reduce, all-gather) is not the bucket's one all-reduce."""
+    from autoshard.cost.collectives import gradient_transition, transition
+    from autoshard.layout.layout import Layout
+    from autoshard.search import pricing
+    from autoshard.search.state import search_session
+
+    og, cluster, mesh = gpt_meta_graph, cluster_spec("dgx-h100", 8), {"dp": 4, "tp": 2}
+    (weight,) = [i for i in og.state() if i.kind == "param" and len(i.node.users) == 2]
+    stored = Layout.from_named(weight.shape, (None, None), mesh, dtype=weight.dtype)
+    own_grad = Layout.from_named(
+        weight.shape, (None, None), mesh, partial=("dp",), dtype=weight.dtype
+    )
+    with search_session():
+        added = pricing.tied_grads(weight.node, stored, own_grad, stored, stored, cluster)
+        owners = sum(pricing.grad_reduce_parts(weight.node, own_grad, stored, cluster))
+    in_line = transition(own_grad, stored, cluster).seconds
+    assert owners + added == pytest.approx(in_line, rel=1e-12)
+    assert in_line < gradient_transition(own_grad, stored, cluster).seconds * 0.95

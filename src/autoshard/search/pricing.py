@@ -14,7 +14,7 @@ import numpy as np
 import torch.fx as fx
 
 from autoshard.cost import ClusterSpec, grad_sync, transition
-from autoshard.cost.collectives import exchange_times, gradient_transition, is_product, move_time
+from autoshard.cost.collectives import exchange_times, is_product, move_time
 from autoshard.cost.compute import (
     input_time,
     local_bytes,
@@ -427,7 +427,8 @@ def tied_grads(
     """Gradient sums of a parameter's second use beyond what its owner's term priced (one
     coalesced sum of the owner's gradient). As the planner does: when neither use moves the
     parameter and both gradients need the same sum, one deferred sum serves both; otherwise each
-    use that needs a sum does its own, alone."""
+    use that needs a sum does its own, alone and in line: the least-bytes plan the lowered
+    ``ReduceGrad`` runs and ``estimate`` prices, not the bucket's one all-reduce."""
     if not node_info(p).requires_grad or node_info(p).kind != "param":
         return 0.0
     own_needs = own_grad != stored
@@ -436,7 +437,7 @@ def tied_grads(
         return 0.0
     seconds = transition(grad, want.without_partial(), cluster).seconds if needs else 0.0
     if own_needs:
-        seconds += gradient_transition(own_grad, stored, cluster).seconds
+        seconds += transition(own_grad, stored, cluster).seconds
         seconds -= sum(grad_reduce_parts(p, own_grad, stored, cluster))  # in line or bucketed
     return seconds
 
