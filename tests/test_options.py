@@ -22,7 +22,7 @@ MODEL_ARGS = {"model", "example_inputs", "loss_fn", "example_kwargs", "captured"
 #: options only a run reads (the search plans the same without them)
 RUN_ONLY = {
     "input_layouts", "plan", "replicas", "bucket_cap_mb", "init", "seed", "timeout_s",
-    "reshard_after_forward", "stages", "device",
+    "reshard_after_forward", "stages", "device", "offload",
 }  # fmt: skip
 FIELDS = {f.name for f in dataclasses.fields(Options)}
 

@@ -24,6 +24,8 @@ SEARCHES = ("optimal", "recursive", "propagate")
 ATTENTION_METHODS = ("allgather", "ulysses", "ring")
 RECOMPUTE_MODES = ("none", "full", "selective")
 REPLICAS = ("broadcast", "check", "none")
+#: what ``offload=`` may move to the host
+OFFLOADS = ("optimizer",)
 #: DDP's default bucket size: the gradient sums that overlap backward
 BUCKET_CAP_MB = 25.0
 #: the stages a rank of ``interleaved-1f1b`` where none is given: the pipeline search's pick
@@ -128,9 +130,13 @@ class Options:
     #: multi-copy parallelism: each rank's batch cut by its batch dim into this many copies,
     #: interleaved so one copy's collectives overlap another's compute (docs/parallelism/copies.md)
     copies: int = 1
+    #: what lives on the host rather than the device: {"optimizer": fraction}, the fraction
+    #: (0-1, True for 1) of each tensor the optimizer steps whose master weights, optimizer
+    #: state and update are the host's (docs/offload.md; run-only: plans do not price it yet)
+    offload: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("mesh", "strategies", "input_layouts", "zero", "recompute"):
+        for name in ("mesh", "strategies", "input_layouts", "zero", "recompute", "offload"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if isinstance(self.device, str):
             object.__setattr__(self, "device", _device(self.device))
@@ -139,6 +145,9 @@ class Options:
         bad = _problems(self)
         if bad:
             raise ValueError("; ".join(bad))
+        if self.offload is not None:  # True is the whole of it
+            whole = {k: 1.0 if v is True else float(v) for k, v in self.offload.items()}
+            object.__setattr__(self, "offload", FrozenDict(whole))
 
     @classmethod
     def from_call(cls, given: Mapping[str, Any], base: Options | None = None) -> Options:
@@ -320,6 +329,33 @@ def _problems(o: Options) -> list[str]:
         shown = str(o.device) if isinstance(o.device, torch.device) else o.device
         bad.append(f"device={shown!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device")
     precision_policy(o.precision)  # its own error names what it expected
+    return bad + _offload_problems(o.offload)
+
+
+def _offload_problems(offload: Any) -> list[str]:
+    """What is wrong with ``offload=``: not a mapping, a key it does not know, a fraction out
+    of range."""
+    if offload is None:
+        return []
+    if not isinstance(offload, Mapping):
+        return [f"offload={offload!r}: expected a mapping such as {{'optimizer': 1.0}}"]
+    bad = [
+        f"offload[{key!r}]: unknown; expected one of {', '.join(OFFLOADS)}"
+        for key in offload
+        if key not in OFFLOADS
+    ]
+    fraction = offload.get("optimizer", 0.0)
+    if not (
+        isinstance(fraction, bool)
+        or (
+            not isinstance(fraction, bool)
+            and isinstance(fraction, int | float)
+            and 0 <= fraction <= 1
+        )
+    ):
+        bad.append(
+            f"offload['optimizer']={fraction!r}: expected a fraction from 0 to 1, or True or False"
+        )
     return bad
 
 
@@ -374,6 +410,7 @@ __all__ = [
     "ATTENTION_METHODS",
     "BUCKET_CAP_MB",
     "INTERLEAVED_STAGES",
+    "OFFLOADS",
     "RECOMPUTE_MODES",
     "REPLICAS",
     "RUN_AS_PLANNED",

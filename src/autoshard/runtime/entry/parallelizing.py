@@ -66,6 +66,7 @@ def parallelize(
     attention: str | None = None,
     sequence_parallel: bool = False,
     copies: int = 1,
+    offload: Mapping[str, Any] | None = None,
 ) -> ParallelModule:
     """Capture ``model`` (with ``loss_fn``, the last input is the target), plan it on ``mesh``
     with the given strategies or a ``search``, check every rank planned the same, and lower this
@@ -85,6 +86,8 @@ def parallelize(
     opts = opts.replace(copies=_copies(opts))
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     if _pipelined(opts):
+        if opts.offload and any(opts.offload.values()):
+            raise ValueError(f"offload={dict(opts.offload)}: not yet with pipeline stages")
         return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
     return _one_program(model, example_inputs, opts, loss_fn, example_kwargs, captured)
 

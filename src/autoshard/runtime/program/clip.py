@@ -32,13 +32,16 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale every gradient of ``pm`` so that their global ``norm_type`` norm is at most
     ``max_norm``; returns the global norm (before clipping), the same on every rank."""
-    grads = {fqn: t.grad for fqn, t in pm.local_tensors().items() if t.grad is not None}
+    # first the optimizer offload's (device heads and host tails, each a part of its tensor):
+    # taking them moves what is still in .grad there
+    grads = pm.offloaded_grads() if hasattr(pm, "offloaded_grads") else []
+    grads += [(fqn, t.grad) for fqn, t in pm.local_tensors().items() if t.grad is not None]
     # a rank without gradients still joins every collective below, or the others would wait
     device = pm.device
     if error_if_nonfinite:
         _raise_if_nonfinite(grads, pm.rank)
     if math.isinf(norm_type):
-        maxima = [g.detach().abs().max().to(torch.float64) for g in grads.values()]
+        maxima = [g.detach().abs().max().to(device, torch.float64) for _, g in grads]
         maxima.append(torch.zeros((), dtype=torch.float64, device=device))
         total = torch.stack(maxima).max().reshape(1)  # on the device: no host sync
         if _world() > 1:
@@ -47,9 +50,9 @@ def clip_grad_norm_(
     else:
         # Each part's share: its sum of powers over the number of ranks holding that same part.
         local = torch.zeros((), dtype=torch.float64, device=device)
-        for fqn, g in grads.items():
+        for fqn, g in grads:
             copies = pm.holders(fqn)
-            local += g.detach().to(torch.float64).abs().pow(norm_type).sum() / copies
+            local += g.detach().to(torch.float64).abs().pow(norm_type).sum().to(device) / copies
         total = local.reshape(1)
         if _world() > 1:
             comm.all_reduce_(total, list(range(_world())))
@@ -58,15 +61,15 @@ def clip_grad_norm_(
     # rather than by reading the norm back to the host
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))
-    for g in grads.values():
-        g.detach().mul_(scale.to(g.dtype))
+    for _, g in grads:
+        g.detach().mul_(scale.to(g.device, g.dtype))
     # the gradients' dtype, a rank without any the parameters': the same norm everywhere
-    tensors = list(grads.values()) or list(pm.local_tensors().values())
+    tensors = [g for _, g in grads] or list(pm.local_tensors().values())
     return norm.to(tensors[0].dtype if tensors else torch.float32)
 
 
-def _raise_if_nonfinite(grads: dict[str, torch.Tensor], rank: int) -> None:
-    mine = [f"rank {rank}: {fqn}" for fqn, g in grads.items() if not torch.isfinite(g).all()]
+def _raise_if_nonfinite(grads: list[tuple[str, torch.Tensor]], rank: int) -> None:
+    mine = [f"rank {rank}: {fqn}" for fqn, g in grads if not torch.isfinite(g).all()]
     everyone: list = [mine]
     if _world() > 1:
         everyone = comm.all_gather_object(mine)

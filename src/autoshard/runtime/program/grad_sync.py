@@ -3,6 +3,7 @@ reduction, DDP's buckets)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,9 @@ class GradSync:
         self._full: list[_Bucket] = []  # complete buckets whose sums have not started
         self._unsynced: set[int] = set()  # parameters whose .grad holds unsummed parts
         self._queued = False
+        #: called with a bucket's parameters once their sums are in ``.grad`` (the optimizer
+        #: offload)
+        self.summed: Callable[[list[torch.Tensor]], None] | None = None
 
     def watch(self, param: torch.Tensor, partial: Layout, full: Layout) -> None:
         """Sum ``param``'s gradient from ``partial`` to ``full`` in every backward."""
@@ -216,6 +220,8 @@ class GradSync:
             with torch.no_grad():
                 for param, how, part, slot_handed in bucket.ready:
                     self._place(bucket, param, how, part, slot_handed)
+            if self.summed is not None:
+                self.summed([param for param, *_ in bucket.ready])
             bucket.spare, bucket.flat, bucket.ready, bucket.work = bucket.flat, None, [], None
         self._accumulated = set()
 

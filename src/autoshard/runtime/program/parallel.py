@@ -25,8 +25,10 @@ from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
-from autoshard.runtime.program.copies import check_copies, rank_rows, run_copies
+from autoshard.runtime.offload import optimizer_offload
+from autoshard.runtime.program.copies import check_copies, run_copies
 from autoshard.runtime.program.grad_sync import GradSync
+from autoshard.runtime.program.inputs import local_input
 from autoshard.runtime.program.replicas import replica_group, sync_replicas
 from autoshard.runtime.program.zero import build_zero
 from autoshard.runtime.state import check_init, fill
@@ -94,6 +96,20 @@ class ParallelModule(nn.Module):
             fill(self, model, options.init, options.seed)
         if options.copies > 1:
             check_copies(self._programs[True], options.copies, captured[True].mutations)
+        self._offload = self._place_offload(options, device)
+
+    def _place_offload(self, options: Options, device: torch.device) -> Any:
+        """The optimizer offload of the tensors the optimizer steps (``options.offload``),
+        fed each gradient as its sum lands."""
+        trainable = {
+            fqn: t
+            for fqn, t in self.local_tensors().items()
+            if isinstance(t, nn.Parameter) and t.requires_grad
+        }
+        offload = optimizer_offload(options.offload, trainable, device)
+        if offload is not None:  # each final gradient leaves for the host at once
+            self._zero.summed = self._grad_sync.summed = offload.route
+        return offload
 
     def _lower_programs(
         self,
@@ -269,10 +285,16 @@ class ParallelModule(nn.Module):
         copies = len(replica_group(self._layouts[fqn], self._rank))
         return copies // self._zero.group_size(fqn)
 
-    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds now, by storage (a buffer shared by views counted once):
-        ``parameters`` (the optimizer's, ZeRO's gathered copies, buffers), ``gradients``
-        (``.grad`` and gradient buffers kept between backwards), ``optimizer`` (its state)."""
+    def state_bytes(
+        self, optimizer: torch.optim.Optimizer | None = None, tier: str = "device"
+    ) -> dict[str, int]:
+        """Bytes this rank holds now in ``tier`` ("device" or "host", the optimizer offload's
+        part there), by storage (a buffer shared by views counted once): ``parameters`` (the
+        optimizer's, ZeRO's gathered copies, buffers; on the host the master weights),
+        ``gradients`` (``.grad`` and gradient buffers kept between backwards), ``optimizer``
+        (its state)."""
+        if tier not in ("device", "host"):
+            raise ValueError(f"tier={tier!r}: expected 'device' or 'host'")
         seen: set[int] = set()
 
         def size(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -286,18 +308,48 @@ class ParallelModule(nn.Module):
                     total += storage.nbytes()
             return total
 
+        if tier == "host":
+            held = self._offload.host_tensors() if self._offload else {}
+            return {k: size(held.get(k, [])) for k in ("parameters", "gradients", "optimizer")}
         local = list(self.local_tensors().values())
         held = self._zero.held()
+        offloaded = self._offload.device_tensors() if self._offload else {}
+        state = [s for s in (optimizer.state.values() if optimizer else [])]
         return {
             "parameters": size(local + held["parameters"]),
-            "gradients": size([t.grad for t in local] + held["gradients"]),
+            "gradients": size(
+                [t.grad for t in local] + held["gradients"] + offloaded.get("gradients", [])
+            ),
             "optimizer": size(
-                v
-                for state in (optimizer.state.values() if optimizer else [])
-                for v in state.values()
-                if isinstance(v, torch.Tensor)
+                [v for st in state for v in st.values() if isinstance(v, torch.Tensor)]
+                + offloaded.get("optimizer", [])
             ),
         }
+
+    def offloaded_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """This step's gradients the optimizer offload holds, by name (a tensor's device
+        head and host tail each; clipping reads and scales them)."""
+        return self._offload.grads() if self._offload else []
+
+    def offloaded_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+        """The offloaded tensors' optimizer state by ``id`` of the tensor ``optimizer`` steps,
+        as without offload (checkpoints save it; ``load_offloaded_optimizer_state`` takes it
+        back). Made first if no step has made it."""
+        if self._offload is None or not self._offload.owns(optimizer):
+            return {}
+        self._offload.ready(optimizer)
+        return self._offload.state_of(optimizer)
+
+    def load_offloaded_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: dict[int, dict]
+    ) -> None:
+        if self._offload is not None and state:
+            self._offload.load_state(optimizer, state)
+
+    def loaded(self) -> None:
+        """The weights were loaded in place: the host's master copies follow them."""
+        if self._offload is not None:
+            self._offload.refresh()
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -370,6 +422,7 @@ class ParallelModule(nn.Module):
                 layout = self._layouts[fqn].with_dtype(t.dtype)
                 part = _part_of(state_dict[key], layout, key, self._rank)
                 t.copy_(self._zero.rows_of(fqn, part) if fqn in self._zero else part)
+        self.loaded()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Sharded, for ``torch.distributed.checkpoint``: the model's keys (tied ones too) as
@@ -417,25 +470,6 @@ def _part_of(value: torch.Tensor, layout: Layout, key: str, rank: int) -> torch.
     return redistribute(local, src, layout)
 
 
-def local_input(
-    x: Any, layout: Layout, rank: int, name: str, cast: bool = False, device: Any = None
-) -> Any:
-    """This rank's part of an input (given whole or as the part already), on ``device``:
-    cut first, so only the part moves; from pinned host memory the copy does not block."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if cast and x.is_floating_point() and x.dtype != layout.dtype:
-        x = x.to(layout.dtype)  # mixed precision: inputs in the compute dtype
-    if tuple(x.shape) == layout.shape and tuple(x.shape) != layout.local_shape():
-        x = shard_tensor(x, layout, rank)
-    if tuple(x.shape) == layout.local_shape():
-        return x if device is None else x.to(device, non_blocking=True)
-    raise ValueError(
-        f"input {name} has shape {tuple(x.shape)}; expected its part {layout.local_shape()} "
-        f"of {layout} or the whole {layout.shape}"
-    )
-
-
 def single_device(
     model: nn.Module,
     example_inputs: Sequence[Any] | Mapping[str, Any],
@@ -466,32 +500,4 @@ def single_device(
     )
 
 
-def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:
-    """This rank's part of a global batch, in the structure given (tensors in input order); a
-    pipeline (``whole_batch``) takes the whole batch and cuts it into micro-batches itself."""
-    if pm.whole_batch:
-        return batch
-    mode = pm.training if train is None else train
-    plan, captured = pm._plans[mode], pm._captured[mode]
-    flat, spec = pytree.tree_flatten(batch)
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    if len(tensors) != len(captured.inputs):
-        raise ValueError(
-            f"batch has {len(tensors)} tensors; the model takes {len(captured.inputs)}"
-        )
-    names, k = iter(captured.inputs), pm.options.copies
-    out = [
-        rank_rows(x, plan.inputs[n], k, pm.rank, n)
-        if isinstance(x, torch.Tensor) and (n := next(names))
-        else x
-        for x in flat
-    ]
-    return pytree.tree_unflatten(out, spec)
-
-
-__all__ = [
-    "ParallelModule",
-    "local_input",
-    "shard_inputs",
-    "single_device",
-]
+__all__ = ["ParallelModule", "single_device"]

@@ -25,7 +25,7 @@ reduce-scatters every micro-batch instead).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,6 +235,8 @@ class Zero:
         self._unit_of: dict[str, tuple[_Unit, _Member]] = {}
         self._stored: dict[int, tuple[_Unit, str, Any]] = {}  # storage -> gathered tensor
         self._queued = False
+        #: called with a unit's shards once their sums are in ``.grad`` (the optimizer offload)
+        self.summed: Callable[[list[torch.Tensor]], None] | None = None
 
     # -- building ---------------------------------------------------------------------------------
 
@@ -300,7 +302,7 @@ class Zero:
         """A new forward: forget fetches whose backward never came."""
         for unit in self.units:
             if unit.summing is not None:
-                unit.finish_sum()
+                self._finish_sum(unit)
             unit.fetched, unit.pending, unit.notes = set(), 0, 0
         self._queued = False
         self._stored = {k: v for k, v in self._stored.items() if v[2]() is not None}
@@ -381,8 +383,13 @@ class Zero:
         if unit.pending == 0 and self.syncing:
             for other in self.units:  # at most one sum in flight besides this one's
                 if other.summing is not None:
-                    other.finish_sum()
+                    self._finish_sum(other)
             unit.start_sum()
+
+    def _finish_sum(self, unit: _Unit) -> None:
+        unit.finish_sum()
+        if self.summed is not None:
+            self.summed([m.shard for m in unit.members])
 
     def _finish(self) -> None:
         """The end of a backward: sum what is left (members that got no gradient), wait for
@@ -394,7 +401,7 @@ class Zero:
                 unit.start_sum()
         for unit in self.units:
             if unit.summing is not None:
-                unit.finish_sum()
+                self._finish_sum(unit)
             if unit.level == 3:
                 unit.full = None
 
@@ -439,7 +446,7 @@ class Zero:
                 unit.start_sum()
         for unit in units:
             if unit.summing is not None:
-                unit.finish_sum()
+                self._finish_sum(unit)
 
     @contextmanager
     def paused(self) -> Iterator[None]:

@@ -86,12 +86,25 @@ def _model_state(module: nn.Module, saved: Mapping[str, str] | None = None) -> d
     }
 
 
+def _offloaded(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """The state of the tensors whose optimizer state the module keeps elsewhere (the host),
+    by ``id`` of the tensor ``optimizer`` steps, as it would be without offload."""
+    if hasattr(module, "offloaded_optimizer_state"):
+        return module.offloaded_optimizer_state(optimizer)
+    return {}
+
+
 def _optimizer_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, str] | None = None
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    saved: Mapping[str, str] | None = None,
+    offloaded: Mapping[int, dict] | None = None,
 ) -> dict[str, Any]:
     """The optimizer's state by ``optim.<name>.<key>`` (tensors shaped like their parameter
-    as its chunks) and its parameter groups' settings."""
+    as its chunks) and its parameter groups' settings; ``offloaded``: the state of the tensors
+    an offload holds, in place of the optimizer's own (none)."""
     parts = _parts(module)
+    offloaded = offloaded if offloaded is not None else _offloaded(module, optimizer)
     saved = saved or {}
     names = {id(t): name for name, (t, _, _, _) in parts.items()}
     out: dict[str, Any] = {}
@@ -107,7 +120,8 @@ def _optimizer_state(
         for p in group["params"]:
             name = names[id(p)]
             _, index, shape, rows = parts[name]
-            for key, value in optimizer.state.get(p, {}).items():
+            state = offloaded.get(id(p)) or optimizer.state.get(p, {})
+            for key, value in state.items():
                 where = f"optim.{saved.get(name, name)}.{key}"
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim():
                     out[where] = chunks_of(value, index, shape, rows)
@@ -117,11 +131,15 @@ def _optimizer_state(
     return out
 
 
-def _ready_optimizer(optimizer: torch.optim.Optimizer) -> None:
+def _ready_optimizer(
+    optimizer: torch.optim.Optimizer, elsewhere: Mapping[int, dict] | None = None
+) -> None:
     """Make the optimizer's state exist, so loading has tensors to read into: one step with
     zero gradients and a learning rate of 0 (parameters unchanged), as torch's
-    distributed state-dict helpers do."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    distributed state-dict helpers do; not for the tensors whose state is ``elsewhere``."""
+    params = [
+        p for g in optimizer.param_groups for p in g["params"] if id(p) not in (elsewhere or {})
+    ]
     if all(p in optimizer.state for p in params):
         return
     grads = [p.grad for p in params]
@@ -229,9 +247,11 @@ def load(
     path = Path(path)
     saved = verified(path, verify)
     state = _model_state(module, saved.get("aliases"))
+    offloaded: dict[int, dict] = {}
     if optimizer is not None:
-        _ready_optimizer(optimizer)
-        state |= _optimizer_state(module, optimizer, saved.get("aliases"))
+        offloaded = _offloaded(module, optimizer)
+        _ready_optimizer(optimizer, offloaded)
+        state |= _optimizer_state(module, optimizer, saved.get("aliases"), offloaded)
     objects = ["autoshard.run", "autoshard.extra"] + (["autoshard.loader"] if loader else [])
     for key in objects:
         state[key] = None
@@ -242,8 +262,11 @@ def load(
     if rng in reader.read_metadata().state_dict_metadata:
         state[rng] = torch.get_rng_state()
     state |= _read(path, state)  # the objects read
+    _loaded(module)
     if optimizer is not None:
         _restore_groups(optimizer, state["optim.param_groups"])
+        if offloaded:
+            module.load_offloaded_optimizer_state(optimizer, offloaded)
     if rng in state:
         torch.set_rng_state(state[rng])
     if loader is not None:
@@ -278,6 +301,13 @@ def load_weights(path: str | os.PathLike, module: nn.Module, *, verify: bool = T
     path = Path(path)
     saved = verified(path, verify)
     _read(path, _model_state(module, saved.get("aliases")))
+    _loaded(module)
+
+
+def _loaded(module: nn.Module) -> None:
+    """Tell a module whose weights were read in place (its host copies follow them)."""
+    if hasattr(module, "loaded"):
+        module.loaded()
 
 
 def _restore_groups(optimizer: torch.optim.Optimizer, groups: Any) -> None:

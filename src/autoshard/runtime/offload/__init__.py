@@ -1,0 +1,12 @@
+"""The runtime's offload room: training state kept on the host rather than the device
+(``optimizer``: a fraction of each tensor's master weights, optimizer state and update,
+docs/offload.md). The one-program room places its state here through this face."""
+
+from autoshard.runtime.offload.optimizer import (
+    CHUNK_BYTES,
+    OffloadError,
+    OptimizerOffload,
+    optimizer_offload,
+)
+
+__all__ = ["CHUNK_BYTES", "OffloadError", "OptimizerOffload", "optimizer_offload"]

@@ -1,0 +1,368 @@
+"""Optimizer offload (docs/offload.md): a fraction of each trainable tensor the optimizer steps
+(a ZeRO shard, or the whole local tensor at ZeRO 0) has its master weights, its optimizer
+state and its update on the host.
+
+Each such tensor is cut, flat, into a head of ``kept`` elements and a tail of the rest. The tail's
+master copy, gradient and optimizer state are separate host tensors (pinned where CUDA runs);
+the head's gradient and state stay on the device. When a gradient is final (a ZeRO unit's
+reduce-scatter or a bucket's all-reduce has landed in ``.grad``) it is routed at once: the tail
+copied to the host without blocking, the head kept as a view, ``.grad`` dropped, so the user's
+optimizer, built over ``pm.parameters()`` as always, finds no gradient there and keeps no state
+for it. After the user's ``optimizer.step()`` the same optimizer class, with that optimizer's
+settings of the moment (a scheduler's learning rate too), steps the tails on the host in chunks
+(torch's fused CPU kernel where it takes the dtype) and the heads on the device; each chunk's
+updated tail goes back to the device while the next chunk updates.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+#: host master bytes stepped in one go before that chunk's copy back starts
+CHUNK_BYTES = 32 * 2**20
+#: a group's settings the host and device optimizers keep their own of: how the kernels run
+_OWN_SETTINGS = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+class OffloadError(ValueError):
+    """An optimizer offload cannot run as asked; names what was wrong."""
+
+
+@dataclass(eq=False)
+class _Piece:
+    """One tensor the optimizer steps, its flat head on the device and its tail on the host."""
+
+    fqn: str
+    param: torch.Tensor  # what the program reads (a ZeRO shard or a local tensor)
+    kept: int  # elements of the head
+    host: torch.Tensor  # the tail's master weights (a leaf the host optimizer steps)
+    buffer: torch.Tensor  # the tail's gradient, filled by routing
+    head: torch.Tensor  # a view of the param's first ``kept`` elements
+    has_grad: bool = False
+    copied: Any = None  # the CUDA event after the gradient's copy to the host
+    returned: Any = None  # the CUDA event after the updated tail's copy back
+    order: int = 0  # when its gradient arrived in this step
+
+
+@dataclass(eq=False)
+class _Group:
+    """The host and device optimizers of the pieces one group of the user's optimizer holds."""
+
+    pieces: list[_Piece]
+    host: torch.optim.Optimizer | None
+    device: torch.optim.Optimizer | None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+class OptimizerOffload:
+    """The host tier of a rank's optimizer: ``fraction`` of each tensor of ``params``."""
+
+    def __init__(
+        self, params: dict[str, torch.Tensor], fraction: float, device: torch.device
+    ) -> None:
+        self.fraction = fraction
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self.pieces: dict[int, _Piece] = {}
+        for fqn, p in params.items():
+            n = p.numel()
+            kept = n - math.floor(fraction * n + 0.5)
+            flat = p.detach().reshape(-1)
+            # host: the tail's master copy, pinned so copies to and from CUDA do not block
+            host = torch.empty(n - kept, dtype=p.dtype, device="cpu", pin_memory=self._cuda)
+            host.copy_(flat[kept:])
+            buffer = torch.zeros_like(host)
+            self.pieces[id(p)] = _Piece(fqn, p, kept, host, buffer, flat[:kept])
+        self._groups: dict[int, list[_Group]] = {}  # id(user optimizer) -> its groups
+        self._arrived = 0
+        ref = weakref.ref(self)
+
+        def after_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            offload = ref()
+            if offload is not None and offload.owns(optimizer):
+                offload.step(optimizer)
+
+        handle = register_optimizer_step_post_hook(after_step)
+        weakref.finalize(self, handle.remove)
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps any tensor of this offload."""
+        return any(id(p) in self.pieces for g in optimizer.param_groups for p in g["params"])
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return id(param) in self.pieces
+
+    # -- gradients --------------------------------------------------------------------------------
+
+    def route(self, params: Iterable[torch.Tensor]) -> None:
+        """Move the final gradients of ``params`` (those offloaded) out of ``.grad``: each
+        tail to the host without blocking, each head kept on the device as a view."""
+        for p in params:
+            piece = self.pieces.get(id(p))
+            if piece is None or p.grad is None:
+                continue
+            flat = p.grad.detach().reshape(-1)
+            if piece.has_grad:  # a second backward before the step: add to what came
+                self._wait_copy(piece)
+                piece.buffer.add_(flat[piece.kept :].to("cpu"))
+            else:
+                self._copy_to_host(piece, flat[piece.kept :])
+            if piece.kept:
+                head = flat[: piece.kept]
+                piece.head.grad = head if piece.head.grad is None else piece.head.grad + head
+            piece.has_grad, piece.order = True, self._arrived
+            self._arrived += 1
+            p.grad = None
+
+    def _copy_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
+        if not self._cuda:
+            piece.buffer.copy_(tail)
+            return
+        # on a side stream after the sum that made the gradient; the device tensor is kept
+        # alive for that stream until the copy is done
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            piece.buffer.copy_(tail, non_blocking=True)
+            tail.record_stream(self._stream)
+            piece.copied = torch.cuda.Event()
+            piece.copied.record(self._stream)
+
+    def _wait_copy(self, piece: _Piece) -> None:
+        if piece.copied is not None:
+            piece.copied.synchronize()
+            piece.copied = None
+
+    def collect(self) -> None:
+        """Route what autograd left in ``.grad`` (a tensor no bucket or unit sums)."""
+        self.route(piece.param for piece in self.pieces.values())
+
+    def grads(self) -> list[tuple[str, torch.Tensor]]:
+        """This step's gradients of the offloaded tensors, by name: heads on the device,
+        tails on the host (their copies waited for); what clipping reads and scales."""
+        self.collect()
+        out = []
+        for piece in self.pieces.values():
+            if not piece.has_grad:
+                continue
+            self._wait_copy(piece)
+            if piece.kept:
+                out.append((piece.fqn, piece.head.grad))
+            if piece.host.numel():
+                out.append((piece.fqn, piece.buffer))
+        return out
+
+    # -- the update -------------------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step every piece with a gradient under ``optimizer``'s settings of now: the tails on
+        the host chunk by chunk, in the order their gradients came, each chunk sent back to
+        the device while the next updates; then the heads on the device."""
+        self.collect()
+        for group, settings in zip(self._groups_of(optimizer), optimizer.param_groups, strict=True):
+            ready = sorted((p for p in group.pieces if p.has_grad), key=lambda p: p.order)
+            if not ready:
+                continue
+            own = {k: v for k, v in settings.items() if k not in _OWN_SETTINGS}
+            if group.host is not None:
+                group.host.param_groups[0].update(own)
+                for chunk in _chunks([p for p in ready if p.host.numel()]):
+                    self._step_chunk(group.host, chunk)
+            if group.device is not None:
+                group.device.param_groups[0].update(own)
+                group.device.step()
+            for piece in ready:
+                piece.has_grad, piece.head.grad = False, None
+        if self._cuda:  # the next forward reads the tails sent back
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._arrived = 0
+
+    def _step_chunk(self, host: torch.optim.Optimizer, chunk: list[_Piece]) -> None:
+        for piece in chunk:
+            self._wait_copy(piece)
+            if piece.returned is not None:  # the last copy back still reads the master
+                piece.returned.synchronize()
+            piece.host.grad = piece.buffer
+        host.step()
+        for piece in chunk:
+            piece.host.grad = None
+            tail = piece.param.detach().reshape(-1)[piece.kept :]
+            if not self._cuda:
+                tail.copy_(piece.host)
+                continue
+            with torch.no_grad(), torch.cuda.stream(self._stream):
+                tail.copy_(piece.host, non_blocking=True)
+                piece.returned = torch.cuda.Event()
+                piece.returned.record(self._stream)
+
+    def _groups_of(self, optimizer: torch.optim.Optimizer) -> list[_Group]:
+        """The host and device optimizers beside each group of ``optimizer``, made at its
+        first step: the same class, the host one fused where torch has that kernel."""
+        if id(optimizer) in self._groups:
+            return self._groups[id(optimizer)]
+        groups, cls = [], type(optimizer)
+        for settings in optimizer.param_groups:
+            pieces = [self.pieces[id(p)] for p in settings["params"] if id(p) in self.pieces]
+            hosts = [p.host for p in pieces if p.host.numel()]
+            heads = [p.head for p in pieces if p.kept]
+            groups.append(
+                _Group(
+                    pieces,
+                    _make(cls, hosts, settings, host=True) if hosts else None,
+                    _make(cls, heads, settings, host=False) if heads else None,
+                )
+            )
+        self._groups[id(optimizer)] = groups
+        return groups
+
+    def ready(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the host and device state of ``optimizer``'s offloaded tensors exist (a step
+        with zero gradients at a learning rate of 0), so a checkpoint has tensors to load into."""
+        for group, settings in zip(self._groups_of(optimizer), optimizer.param_groups, strict=True):
+            own = {k: v for k, v in settings.items() if k not in _OWN_SETTINGS}
+            own["lr"] = 0.0
+            for opt, tensors in ((group.host, "host"), (group.device, "head")):
+                if opt is None or all(p in opt.state for p in opt.param_groups[0]["params"]):
+                    continue
+                opt.param_groups[0].update(own)
+                for piece in group.pieces:
+                    t = getattr(piece, tensors)
+                    if t.numel():
+                        t.grad = torch.zeros_like(t)
+                opt.step()
+                for piece in group.pieces:
+                    getattr(piece, tensors).grad = None
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Take the host masters again from the device (after the weights were loaded)."""
+        with torch.no_grad():
+            for piece in self.pieces.values():
+                piece.host.copy_(piece.param.detach().reshape(-1)[piece.kept :])
+
+    def state_of(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """The optimizer state of each offloaded tensor ``optimizer`` steps, by ``id`` of the
+        tensor, as it would be without offload: a tensor of the parameter's shape (the head's
+        state then the tail's, on the host) per elementwise entry, the rest (a step count) the
+        host's. Fresh tensors: ``load_state`` puts what is read into them back."""
+        out: dict[int, dict[str, Any]] = {}
+        for group in self._groups_of(optimizer):
+            for piece in group.pieces:
+                head = group.device.state.get(piece.head, {}) if group.device else {}
+                tail = group.host.state.get(piece.host, {}) if group.host else {}
+                out[id(piece.param)] = _joined(piece, head, tail)
+        return {k: v for k, v in out.items() if v}
+
+    def load_state(self, optimizer: torch.optim.Optimizer, state: dict[int, dict]) -> None:
+        """Put ``state`` (``state_of``'s tensors, loaded into) into the host and device state."""
+        with torch.no_grad():
+            for group in self._groups_of(optimizer):
+                for piece in group.pieces:
+                    entries = state.get(id(piece.param), {})
+                    head = group.device.state.get(piece.head, {}) if group.device else {}
+                    tail = group.host.state.get(piece.host, {}) if group.host else {}
+                    for key, value in entries.items():
+                        _split_into(piece, key, value, head, tail)
+
+    def host_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What the host holds: master weights, gradients, optimizer state."""
+        states = [g.host.state for gs in self._groups.values() for g in gs if g.host]
+        return {
+            "parameters": [p.host for p in self.pieces.values()],
+            "gradients": [p.buffer for p in self.pieces.values()],
+            "optimizer": [v for s in states for st in s.values() for v in st.values()],
+        }
+
+    def device_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What the offload keeps on the device: the heads' gradients and optimizer state."""
+        states = [g.device.state for gs in self._groups.values() for g in gs if g.device]
+        grads = [p.head.grad for p in self.pieces.values() if p.head.grad is not None]
+        return {
+            "gradients": grads,
+            "optimizer": [v for s in states for st in s.values() for v in st.values()],
+        }
+
+
+def _make(
+    cls: type, tensors: list[torch.Tensor], settings: dict[str, Any], host: bool
+) -> torch.optim.Optimizer:
+    """An optimizer of ``cls`` over ``tensors``: on the host with torch's fused kernel where
+    it has one for them, else its foreach one; on the device as the user's runs."""
+    lr = {"lr": settings["lr"]} if "lr" in settings else {}
+    if host:
+        kernels: tuple[dict[str, Any], ...] = ({"fused": True}, {"foreach": True})
+    else:
+        kernels = ({k: settings[k] for k in ("foreach", "fused") if settings.get(k) is not None},)
+    for kernel in kernels:
+        try:
+            return cls(tensors, **lr, **kernel)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return cls(tensors, **lr)
+
+
+def _chunks(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
+    chunk, size = [], 0
+    for piece in pieces:
+        chunk.append(piece)
+        size += piece.host.numel() * piece.host.element_size()
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _joined(piece: _Piece, head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """One tensor's optimizer state from its head's and its tail's."""
+    out = {}
+    for key in head.keys() | tail.keys():
+        h, t = head.get(key), tail.get(key)
+        either = t if t is not None else h
+        if isinstance(either, torch.Tensor) and either.dim() == 1:
+            parts = [x.detach().to("cpu") for x in (h, t) if x is not None]
+            out[key] = torch.cat(parts).view(piece.param.shape)
+        elif isinstance(either, torch.Tensor):
+            out[key] = either.detach().to("cpu").clone()
+        else:
+            out[key] = either
+    return out
+
+
+def _split_into(
+    piece: _Piece, key: str, value: Any, head: dict[str, Any], tail: dict[str, Any]
+) -> None:
+    """``value`` (one entry of the whole tensor's state) into its head's and tail's state."""
+    for part, start, stop in ((head, 0, piece.kept), (tail, piece.kept, piece.param.numel())):
+        if key not in part:
+            continue
+        if isinstance(part[key], torch.Tensor) and part[key].dim() == 1:  # elementwise
+            part[key].copy_(value.reshape(-1)[start:stop])
+        elif isinstance(part[key], torch.Tensor):
+            part[key].copy_(torch.as_tensor(value, device=part[key].device))
+        else:
+            part[key] = value
+
+
+def optimizer_offload(
+    offload: Any, params: dict[str, torch.Tensor], device: torch.device
+) -> OptimizerOffload | None:
+    """The offload ``Options.offload`` asks for over ``params`` (the trainable tensors the
+    optimizer steps, by name), or None where it offloads nothing."""
+    fraction = (offload or {}).get("optimizer", 0.0)
+    if not fraction:
+        return None
+    if not params:
+        raise OffloadError("offload={'optimizer': ...}: the model has no trainable parameter")
+    return OptimizerOffload(params, float(fraction), device)
+
+
+__all__ = ["CHUNK_BYTES", "OffloadError", "OptimizerOffload", "optimizer_offload"]

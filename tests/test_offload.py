@@ -1,0 +1,189 @@
+"""Optimizer offload (docs/offload.md) against plain PyTorch (DESIGN.md invariant 1): GPT with
+tied embeddings and an unused parameter, float64, 5 AdamW steps on dp 2, every loss and every
+parameter equal to the eager model's under ``torch.optim.AdamW``; a fraction of 1.0 and 0.5 at
+ZeRO 0-3, with clipping; checkpoints saved under offload loaded without it and the reverse; the
+bytes each tier holds; bad ``offload=`` values named."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_runtime import STEPS, WithUnused, batches, build
+
+import autoshard
+from autoshard import Options, clip_grad_norm_, parallelize, shard_inputs
+from autoshard.graph.capture import capture_modes
+from autoshard.testing import run_ranks
+
+LR = 1e-2
+CLIP = 0.05
+
+
+def _setup() -> tuple[torch.nn.Module, list, dict]:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    inner, config = build("gpt", 0.0)
+    model = WithUnused(inner).to(torch.float64)
+    data = batches(config, torch.float64)
+    return model, data, capture_modes(model, data[0])
+
+
+def _plain(model: torch.nn.Module, data: list, clip: float | None) -> dict[str, Any]:
+    """The eager model under ``torch.optim.AdamW`` (and ``clip_grad_norm_``): the reference."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses, norms = [], []
+    for batch in data[:STEPS]:
+        loss = ref(*batch)
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        opt.step(), opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "state": ref.state_dict()}
+
+
+def _made(model: torch.nn.Module, data: list, captured: dict, level: int, fraction: float) -> Any:
+    offload = {"optimizer": fraction} if fraction else None
+    return parallelize(model, data[0], {"dp": 2}, captured=captured, zero=level, offload=offload)
+
+
+def _train(pm: Any, opt: Any, data: list, steps: range, clip: float | None) -> dict[str, list]:
+    losses, norms = [], []
+    for step in steps:
+        loss = pm(*shard_inputs(data[step], pm))
+        loss.backward()
+        if clip is not None:
+            norms.append(float(clip_grad_norm_(pm, clip)))
+        opt.step(), opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms}
+
+
+def _same(got: dict[str, Any], ref: dict[str, Any], steps: range, case: Any) -> None:
+    for got_loss, ref_loss in zip(got["losses"], [ref["losses"][s] for s in steps], strict=True):
+        assert got_loss == pytest.approx(ref_loss, rel=1e-9), case
+    full = got["state"]
+    assert full.keys() == ref["state"].keys(), case
+    for k, v in ref["state"].items():
+        torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"{case} {k}: {m}")
+
+
+def _offloaded_training(level: int, fraction: float, clip: float | None) -> dict[str, Any]:
+    """GPT at ZeRO ``level`` with ``fraction`` of each tensor's optimizer on the host against
+    plain PyTorch; the bytes of each tier after the last step."""
+    model, data, captured = _setup()
+    ref = _plain(model, data, clip)
+    pm = _made(model, data, captured, level, fraction)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    got = _train(pm, opt, data, range(STEPS), clip)
+    for norm, expected in zip(got["norms"], ref["norms"], strict=True):
+        assert norm == pytest.approx(expected, rel=1e-9), (level, fraction)
+        assert expected > clip  # the clipping was active
+    got["state"] = pm.full_state_dict()
+    _same(got, ref, range(STEPS), (level, fraction, clip))
+    assert torch.equal(got["state"]["unused.weight"], model.unused.weight)  # no gradient
+    trainable = [t for t in pm.local_tensors().values() if t.requires_grad]
+    stepped = [
+        t for fqn, t in pm.local_tensors().items() if t.requires_grad and "unused" not in fqn
+    ]
+    offloaded = [math.floor(fraction * t.numel() + 0.5) for t in trainable]
+    return {
+        "device": pm.state_bytes(opt),
+        "host": pm.state_bytes(opt, tier="host"),
+        "user_state": len(opt.state),
+        "host_master_bytes": 8 * sum(offloaded),
+        # tensors whose head and tail are both stepped: a step count on either tier
+        "split": sum(1 for t in stepped if 0 < math.floor(fraction * t.numel() + 0.5) < t.numel()),
+        # AdamW's two moments of every element stepped and a float32 step count per tensor
+        "adam_bytes": sum(2 * t.numel() * t.element_size() + 4 for t in stepped if t.numel()),
+    }
+
+
+def _checkpoint_across(directory: str, before: tuple, after: tuple) -> None:
+    """Two steps at ZeRO and offload ``before`` (level, fraction), saved; loaded into a model
+    with other values at ``after``, three more steps: as plain PyTorch's five."""
+    model, data, captured = _setup()
+    ref = _plain(model, data, None)
+    pm = _made(model, data, captured, *before)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    _train(pm, opt, data, range(2), None)
+    path = Path(directory) / f"{before}-{after}"
+    autoshard.save(path, pm, opt, step=2)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)  # a load must overwrite them
+    pm2 = _made(other, data, captured, *after)
+    opt2 = torch.optim.AdamW(pm2.parameters(), lr=LR)
+    assert autoshard.load(path, pm2, opt2)["step"] == 2
+    got = _train(pm2, opt2, data, range(2, STEPS), None)
+    got["state"] = pm2.full_state_dict()
+    _same(got, ref, range(2, STEPS), (before, after))
+
+
+def _cases(directory: str) -> list[dict[str, Any]]:
+    """Every case in one spawn of the ranks."""
+    trained = [
+        _offloaded_training(level, fraction, clip)
+        for level, fraction, clip in [
+            (0, 1.0, None),
+            (0, 0.5, CLIP),
+            (1, 1.0, None),
+            (1, 0.5, CLIP),
+            (2, 1.0, CLIP),
+            (2, 0.5, None),
+            (3, 1.0, CLIP),
+            (3, 0.5, None),
+        ]
+    ]
+    _checkpoint_across(directory, (2, 1.0), (1, 0.0))
+    _checkpoint_across(directory, (3, 0.0), (2, 0.5))
+    _checkpoint_across(directory, (1, 0.5), (3, 1.0))
+    return trained
+
+
+def test_optimizer_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> None:
+    """ZeRO 0-3 with a fraction of 1.0 and 0.5 on dp 2 (clipping in half the cases), and
+    checkpoints saved under offload loaded without it and the reverse, each as plain PyTorch;
+    with it all, the device holds no optimizer state and the host holds all of it."""
+    per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=900)
+    fractions = [1.0, 0.5] * 4
+    for trained in per_rank:
+        for fraction, held in zip(fractions, trained, strict=True):
+            host, device = held["host"], held["device"]
+            assert host["parameters"] == held["host_master_bytes"] > 0
+            if fraction == 1.0:
+                assert held["user_state"] == 0
+                assert device["optimizer"] == 0
+                assert host["optimizer"] == held["adam_bytes"]
+            else:  # each tensor's moments split between the tiers, a step count on each
+                both = host["optimizer"] + device["optimizer"]
+                assert 0 < device["optimizer"] and 0 < host["optimizer"]
+                assert both == held["adam_bytes"] + 4 * held["split"]
+
+
+def test_offload_is_checked_and_named() -> None:
+    assert Options(offload={"optimizer": True}).offload == {"optimizer": 1.0}
+    assert Options(offload={"optimizer": 0.5}).offload == {"optimizer": 0.5}
+    bad = [
+        ({"optimizer": 1.5}, r"offload\['optimizer'\]=1.5: expected a fraction from 0 to 1"),
+        ({"optimizer": -0.1}, r"offload\['optimizer'\]=-0.1"),
+        ({"optimizer": "all"}, r"offload\['optimizer'\]='all'"),
+        ({"gpu": 1.0}, r"offload\['gpu'\]: unknown; expected one of optimizer"),
+        (0.5, r"offload=0.5: expected a mapping"),
+    ]
+    for given, named in bad:
+        with pytest.raises(ValueError, match=named):
+            Options(offload=given)
+    model, data, _ = _setup()
+    with pytest.raises(ValueError, match=r"offload\['optimizer'\]=2"):
+        parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 2})
+    with pytest.raises(ValueError, match="not yet with pipeline stages"):
+        parallelize(model, data[0], {"pp": 1}, offload={"optimizer": 1.0})
