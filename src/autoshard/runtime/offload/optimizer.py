@@ -228,17 +228,20 @@ class OptimizerOffload:
         for group, settings in zip(self._groups_of(optimizer), optimizer.param_groups, strict=True):
             own = {k: v for k, v in settings.items() if k not in _OWN_SETTINGS}
             own["lr"] = 0.0
-            for opt, tensors in ((group.host, "host"), (group.device, "head")):
-                if opt is None or all(p in opt.state for p in opt.param_groups[0]["params"]):
+            for opt, kind in ((group.host, "host"), (group.device, "head")):
+                missing = [
+                    t
+                    for t in (getattr(piece, kind) for piece in group.pieces)
+                    if t.numel() and opt is not None and t not in opt.state
+                ]
+                if not missing:
                     continue
                 opt.param_groups[0].update(own)
-                for piece in group.pieces:
-                    t = getattr(piece, tensors)
-                    if t.numel():
-                        t.grad = torch.zeros_like(t)
+                for t in missing:  # only these: a step would move the others' moments
+                    t.grad = torch.zeros_like(t)
                 opt.step()
-                for piece in group.pieces:
-                    getattr(piece, tensors).grad = None
+                for t in missing:
+                    t.grad = None
 
     # -- state ------------------------------------------------------------------------------------
 

@@ -331,13 +331,16 @@ class ParallelModule(nn.Module):
         head and host tail each; clipping reads and scales them)."""
         return self._offload.grads() if self._offload else []
 
-    def offloaded_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    def offloaded_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, ready: bool = False
+    ) -> dict[int, dict]:
         """The offloaded tensors' optimizer state by ``id`` of the tensor ``optimizer`` steps,
         as without offload (checkpoints save it; ``load_offloaded_optimizer_state`` takes it
-        back). Made first if no step has made it."""
+        back); ``ready``: made first where no step has made it."""
         if self._offload is None or not self._offload.owns(optimizer):
             return {}
-        self._offload.ready(optimizer)
+        if ready:
+            self._offload.ready(optimizer)
         return self._offload.state_of(optimizer)
 
     def load_offloaded_optimizer_state(

@@ -86,11 +86,14 @@ def _model_state(module: nn.Module, saved: Mapping[str, str] | None = None) -> d
     }
 
 
-def _offloaded(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+def _offloaded(
+    module: nn.Module, optimizer: torch.optim.Optimizer, loading: bool = False
+) -> dict[int, dict]:
     """The state of the tensors whose optimizer state the module keeps elsewhere (the host),
-    by ``id`` of the tensor ``optimizer`` steps, as it would be without offload."""
+    by ``id`` of the tensor ``optimizer`` steps, as it would be without offload (``loading``:
+    made first where no step has made it, to be read into)."""
     if hasattr(module, "offloaded_optimizer_state"):
-        return module.offloaded_optimizer_state(optimizer)
+        return module.offloaded_optimizer_state(optimizer, ready=loading)
     return {}
 
 
@@ -249,7 +252,7 @@ def load(
     state = _model_state(module, saved.get("aliases"))
     offloaded: dict[int, dict] = {}
     if optimizer is not None:
-        offloaded = _offloaded(module, optimizer)
+        offloaded = _offloaded(module, optimizer, loading=True)
         _ready_optimizer(optimizer, offloaded)
         state |= _optimizer_state(module, optimizer, saved.get("aliases"), offloaded)
     objects = ["autoshard.run", "autoshard.extra"] + (["autoshard.loader"] if loader else [])
