@@ -38,11 +38,7 @@ TOP = len(LAYERS)  # autoshard/__init__.py: the public surface over everything
 
 #: a package's rooms (sub-packages), bottom first: a room imports the faces (``__init__``) of
 #: the rooms before it, never their modules, never a room after it
-<<<<<<< HEAD
-ROOMS = {"runtime": ("state", "program", "ps", "pipeline", "entry")}
-=======
-ROOMS = {"runtime": ("state", "offload", "program", "pipeline", "entry")}
->>>>>>> 2f36beb (offload: a fraction of each optimized tensor's master weights, AdamW state and update on the host, fed each gradient as its sum lands, through the user's own optimizer.step())
+ROOMS = {"runtime": ("state", "offload", "program", "ps", "pipeline", "entry")}
 
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60

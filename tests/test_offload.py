@@ -187,5 +187,7 @@ def test_offload_is_checked_and_named() -> None:
     model, data, _ = _setup()
     with pytest.raises(ValueError, match=r"offload\['optimizer'\]=2"):
         parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 2})
+    with pytest.raises(ValueError, match="with float16: GradScaler does not unscale"):
+        parallelize(model, data[0], {"dp": 1}, precision="fp16", offload={"optimizer": True})
     with pytest.raises(ValueError, match="not yet with pipeline stages"):
         parallelize(model, data[0], {"pp": 1}, offload={"optimizer": 1.0})

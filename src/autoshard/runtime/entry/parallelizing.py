@@ -104,6 +104,11 @@ def _one_program(
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, opts.init)
     opts = opts.replace(precision=opts.policy.resolve(model))
+    if opts.offload and opts.offload.get("optimizer") and opts.policy.compute == torch.float16:
+        raise ValueError(
+            "offload={'optimizer': ...} with float16: GradScaler does not unscale the "
+            "host's gradients yet; use bf16"
+        )
     if captured is None:  # under copies, of one copy's rows: the program each copy runs
         example, kwargs = copy_example(tuple(example_inputs), example_kwargs, opts.copies)
         captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=opts.policy.compute)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 #: host master bytes stepped in one go before that chunk's copy back starts
@@ -356,13 +357,17 @@ def _split_into(
 
 
 def optimizer_offload(
-    offload: Any, params: dict[str, torch.Tensor], device: torch.device
+    offload: Any, tensors: dict[str, torch.Tensor], device: torch.device
 ) -> OptimizerOffload | None:
-    """The offload ``Options.offload`` asks for over ``params`` (the trainable tensors the
-    optimizer steps, by name), or None where it offloads nothing."""
+    """The offload ``Options.offload`` asks for over the trainable parameters of ``tensors``
+    (what the optimizer steps, by name: ZeRO shards or local tensors), or None where it
+    offloads nothing."""
     fraction = (offload or {}).get("optimizer", 0.0)
     if not fraction:
         return None
+    params = {
+        fqn: t for fqn, t in tensors.items() if isinstance(t, nn.Parameter) and t.requires_grad
+    }
     if not params:
         raise OffloadError("offload={'optimizer': ...}: the model has no trainable parameter")
     return OptimizerOffload(params, float(fraction), device)

@@ -1,14 +1,14 @@
-"""A rank's part of the inputs: cut from the global batch, moved to the rank's device."""
+"""A rank's part of a value given whole: an input (moved to the rank's device) or a state
+dict's tensor."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from autoshard.layout import Layout
-from autoshard.redistribution import shard_tensor
+from autoshard.redistribution import redistribute, shard_tensor
 from autoshard.runtime.program.copies import rank_rows
 
 
@@ -55,4 +55,20 @@ def shard_inputs(batch: Any, pm: Any, train: bool | None = None) -> Any:
     return pytree.tree_unflatten(out, spec)
 
 
-__all__ = ["local_input", "shard_inputs"]
+def part_of(value: torch.Tensor, layout: Layout, key: str, rank: int) -> torch.Tensor:
+    """This rank's part in ``layout`` of a state dict's ``value``: a DTensor (redistributed
+    from its placements) or the single-device tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if tuple(value.shape) != layout.shape:
+        raise ValueError(f"state dict: {key} is {tuple(value.shape)}, the model's {layout.shape}")
+    if not isinstance(value, DTensor):
+        return shard_tensor(value.to(layout.dtype), layout, rank)
+    local = value.to_local().to(layout.dtype)
+    src = Layout.from_placements(
+        value.placements, value.device_mesh, layout.shape, dtype=layout.dtype
+    )
+    return redistribute(local, src, layout)
+
+
+__all__ = ["local_input", "part_of"]

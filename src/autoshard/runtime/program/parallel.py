@@ -28,7 +28,7 @@ from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
 from autoshard.runtime.offload import optimizer_offload
 from autoshard.runtime.program.copies import check_copies, run_copies
 from autoshard.runtime.program.grad_sync import GradSync
-from autoshard.runtime.program.inputs import local_input
+from autoshard.runtime.program.inputs import local_input, part_of
 from autoshard.runtime.program.replicas import replica_group, sync_replicas
 from autoshard.runtime.program.zero import build_zero
 from autoshard.runtime.state import check_init, fill
@@ -96,20 +96,9 @@ class ParallelModule(nn.Module):
             fill(self, model, options.init, options.seed)
         if options.copies > 1:
             check_copies(self._programs[True], options.copies, captured[True].mutations)
-        self._offload = self._place_offload(options, device)
-
-    def _place_offload(self, options: Options, device: torch.device) -> Any:
-        """The optimizer offload of the tensors the optimizer steps (``options.offload``),
-        fed each gradient as its sum lands."""
-        trainable = {
-            fqn: t
-            for fqn, t in self.local_tensors().items()
-            if isinstance(t, nn.Parameter) and t.requires_grad
-        }
-        offload = optimizer_offload(options.offload, trainable, device)
-        if offload is not None:  # each final gradient leaves for the host at once
-            self._zero.summed = self._grad_sync.summed = offload.route
-        return offload
+        self._offload = optimizer_offload(options.offload, self.local_tensors(), device)
+        if self._offload is not None:  # each final gradient leaves for the host at once
+            self._zero.summed = self._grad_sync.summed = self._offload.route
 
     def _lower_programs(
         self,
@@ -423,7 +412,7 @@ class ParallelModule(nn.Module):
                 if key is None:
                     raise KeyError(f"state dict has no entry for {fqn} (or its tied names)")
                 layout = self._layouts[fqn].with_dtype(t.dtype)
-                part = _part_of(state_dict[key], layout, key, self._rank)
+                part = part_of(state_dict[key], layout, key, self._rank)
                 t.copy_(self._zero.rows_of(fqn, part) if fqn in self._zero else part)
         self.loaded()
 
@@ -457,22 +446,6 @@ class ParallelModule(nn.Module):
         return {key: values[self._canonical(key)] for key in self._full_keys}
 
 
-def _part_of(value: torch.Tensor, layout: Layout, key: str, rank: int) -> torch.Tensor:
-    """This rank's part in ``layout`` of a state dict's ``value``: a DTensor (redistributed
-    from its placements) or the single-device tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if tuple(value.shape) != layout.shape:
-        raise ValueError(f"state dict: {key} is {tuple(value.shape)}, the model's {layout.shape}")
-    if not isinstance(value, DTensor):
-        return shard_tensor(value.to(layout.dtype), layout, rank)
-    local = value.to_local().to(layout.dtype)
-    src = Layout.from_placements(
-        value.placements, value.device_mesh, layout.shape, dtype=layout.dtype
-    )
-    return redistribute(local, src, layout)
-
-
 def single_device(
     model: nn.Module,
     example_inputs: Sequence[Any] | Mapping[str, Any],
@@ -503,4 +476,25 @@ def single_device(
     )
 
 
-__all__ = ["ParallelModule", "single_device"]
+def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:
+    """This rank's part of a global batch, in the structure given (tensors in input order); a
+    pipeline (``whole_batch``) takes the whole batch and cuts it into micro-batches itself."""
+    if pm.whole_batch:
+        return batch
+    mode = pm.training if train is None else train
+    plan, captured = pm._plans[mode], pm._captured[mode]
+    flat, spec = pytree.tree_flatten(batch)
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if len(tensors) != len(captured.inputs):
+        raise ValueError(
+            f"batch has {len(tensors)} tensors; the model takes {len(captured.inputs)}"
+        )
+    names = iter(captured.inputs)
+    out = [
+        shard_tensor(x, plan.inputs[next(names)], pm._rank) if isinstance(x, torch.Tensor) else x
+        for x in flat
+    ]
+    return pytree.tree_unflatten(out, spec)
+
+
+__all__ = ["ParallelModule", "shard_inputs", "single_device"]
