@@ -34,18 +34,20 @@ def _setup(unused: bool = True) -> tuple[torch.nn.Module, list, dict]:
     return model, data, capture_modes(model, data[0])
 
 
-def _plain(model: torch.nn.Module, data: list, clip: float | None) -> dict[str, Any]:
-    """The eager model under ``torch.optim.AdamW`` (and ``clip_grad_norm_``): the reference."""
+def _plain(model: torch.nn.Module, data: list, clip: float | None, micro: int = 1) -> dict:
+    """The eager model under ``torch.optim.AdamW`` (and ``clip_grad_norm_``): the reference;
+    ``micro`` micro-batches a step, their gradients added up."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     losses, norms = [], []
-    for batch in data[:STEPS]:
-        loss = ref(*batch)
-        loss.backward()
+    for step in range(STEPS):
+        for i in range(micro):
+            loss = ref(*data[(step + i) % len(data)]) / micro
+            loss.backward()
+            losses.append(float(loss))
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
         opt.step(), opt.zero_grad()
-        losses.append(float(loss))
     return {"losses": losses, "norms": norms, "state": ref.state_dict()}
 
 
@@ -54,15 +56,24 @@ def _made(model: torch.nn.Module, data: list, captured: dict, level: int, fracti
     return parallelize(model, data[0], {"dp": 2}, captured=captured, zero=level, offload=offload)
 
 
-def _train(pm: Any, opt: Any, data: list, steps: range, clip: float | None) -> dict[str, list]:
+def _train(
+    pm: Any, opt: Any, data: list, steps: range, clip: float | None, micro: int = 1, sync=False
+) -> dict[str, list]:
+    """``micro`` micro-batches a step, all but the last under ``no_sync`` unless ``sync``
+    (then each backward sums, and the offload adds what comes after the first)."""
     losses, norms = [], []
     for step in steps:
-        loss = pm(*shard_inputs(data[step], pm))
-        loss.backward()
+        for i in range(micro):
+            loss = pm(*shard_inputs(data[(step + i) % len(data)], pm)) / micro
+            if i == micro - 1 or sync:
+                loss.backward()
+            else:
+                with pm.no_sync():
+                    loss.backward()
+            losses.append(float(loss))
         if clip is not None:
             norms.append(float(clip_grad_norm_(pm, clip)))
         opt.step(), opt.zero_grad()
-        losses.append(float(loss))
     return {"losses": losses, "norms": norms}
 
 
@@ -75,19 +86,21 @@ def _same(got: dict[str, Any], ref: dict[str, Any], steps: range, case: Any) -> 
         torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"{case} {k}: {m}")
 
 
-def _offloaded_training(level: int, fraction: float, clip: float | None) -> dict[str, Any]:
+def _offloaded_training(
+    level: int, fraction: float, clip: float | None, micro: int = 1, sync: bool = False
+) -> dict[str, Any]:
     """GPT at ZeRO ``level`` with ``fraction`` of each tensor's optimizer on the host against
-    plain PyTorch; the bytes of each tier after the last step."""
+    plain PyTorch (``micro`` micro-batches a step); the bytes of each tier after the last step."""
     model, data, captured = _setup()
-    ref = _plain(model, data, clip)
+    ref = _plain(model, data, clip, micro)
     pm = _made(model, data, captured, level, fraction)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    got = _train(pm, opt, data, range(STEPS), clip)
+    got = _train(pm, opt, data, range(STEPS), clip, micro, sync)
     for norm, expected in zip(got["norms"], ref["norms"], strict=True):
         assert norm == pytest.approx(expected, rel=1e-9), (level, fraction)
         assert expected > clip  # the clipping was active
     got["state"] = pm.full_state_dict()
-    _same(got, ref, range(STEPS), (level, fraction, clip))
+    _same(got, ref, range(STEPS * micro), (level, fraction, clip, micro, sync))
     assert torch.equal(got["state"]["unused.weight"], model.unused.weight)  # no gradient
     trainable = [t for t in pm.local_tensors().values() if t.requires_grad]
     stepped = [
@@ -95,6 +108,7 @@ def _offloaded_training(level: int, fraction: float, clip: float | None) -> dict
     ]
     offloaded = [math.floor(fraction * t.numel() + 0.5) for t in trainable]
     return {
+        "fraction": fraction,
         "device": pm.state_bytes(opt),
         "host": pm.state_bytes(opt, tier="host"),
         "user_state": len(opt.state),
@@ -133,8 +147,8 @@ def _checkpoint_across(directory: str, before: tuple, after: tuple) -> None:
 def _cases(directory: str) -> list[dict[str, Any]]:
     """Every case in one spawn of the ranks."""
     trained = [
-        _offloaded_training(level, fraction, clip)
-        for level, fraction, clip in [
+        _offloaded_training(*case)
+        for case in [
             (0, 1.0, None),
             (0, 0.5, CLIP),
             (1, 1.0, None),
@@ -143,6 +157,10 @@ def _cases(directory: str) -> list[dict[str, Any]]:
             (2, 0.5, None),
             (3, 1.0, CLIP),
             (3, 0.5, None),
+            # accumulation: under no_sync, and by backwards that each sum (added on the host)
+            (2, 1.0, None, 2),
+            (0, 0.5, None, 2, True),
+            (3, 0.5, CLIP, 2, True),
         ]
     ]
     _checkpoint_across(directory, (2, 1.0), (1, 0.0))
@@ -152,14 +170,14 @@ def _cases(directory: str) -> list[dict[str, Any]]:
 
 
 def test_optimizer_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> None:
-    """ZeRO 0-3 with a fraction of 1.0 and 0.5 on dp 2 (clipping in half the cases), and
-    checkpoints saved under offload loaded without it and the reverse, each as plain PyTorch;
-    with it all, the device holds no optimizer state and the host holds all of it."""
+    """ZeRO 0-3 with a fraction of 1.0 and 0.5 on dp 2 (clipping in half the cases, gradient
+    accumulation in three), and checkpoints saved under offload loaded without it and the
+    reverse, each as plain PyTorch; with it all, the device holds no optimizer state and the
+    host holds all of it."""
     per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=900)
-    fractions = [1.0, 0.5] * 4
     for trained in per_rank:
-        for fraction, held in zip(fractions, trained, strict=True):
-            host, device = held["host"], held["device"]
+        for held in trained:
+            fraction, host, device = held["fraction"], held["host"], held["device"]
             assert host["parameters"] == held["host_master_bytes"] > 0
             if fraction == 1.0:
                 assert held["user_state"] == 0
@@ -191,3 +209,41 @@ def test_offload_is_checked_and_named() -> None:
         parallelize(model, data[0], {"dp": 1}, precision="fp16", offload={"optimizer": True})
     with pytest.raises(ValueError, match="not yet with pipeline stages"):
         parallelize(model, data[0], {"pp": 1}, offload={"optimizer": 1.0})
+
+
+def test_one_rank_trains_as_plain_pytorch_with_gradients_no_sum_routes() -> None:
+    """dp 1: no bucket or unit sums a gradient, so the step takes them from ``.grad`` itself
+    before the user's optimizer can see them (without clipping, which would take them first)."""
+    model, data, captured = _setup()
+    ref = _plain(model, data, None)
+    for fraction in (1.0, 0.5):
+        offload = {"optimizer": fraction}
+        pm = parallelize(model, data[0], {"dp": 1}, captured=captured, offload=offload)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+        got = _train(pm, opt, data, range(STEPS), None)
+        got["state"] = pm.full_state_dict()
+        _same(got, ref, range(STEPS), fraction)
+        assert len(opt.state) == 0  # every tensor's state is the offload's
+
+
+def test_bf16_offload_equals_the_run_without_it_under_fused_adamw() -> None:
+    """Mixed precision: the float32 masters updated on the host by torch's fused CPU AdamW are
+    bitwise those the same run updates on the device with ``fused=True``."""
+    warnings.filterwarnings("ignore")
+    inner, config = build("gpt", 0.0)
+    data = batches(config, torch.float32)
+    runs = []
+    for offload in (None, {"optimizer": 1.0}):
+        pm = parallelize(
+            copy.deepcopy(inner), data[0], {"dp": 1}, precision="bf16", offload=offload
+        )
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, fused=offload is None)
+        losses = _train(pm, opt, data, range(STEPS), None)["losses"]
+        tiers = (pm.state_bytes(opt)["optimizer"], pm.state_bytes(opt, tier="host")["optimizer"])
+        runs.append((losses, pm.full_state_dict(), tiers))
+    (losses, state, (device, host)), (losses_off, state_off, tiers_off) = runs
+    assert device > 0 and host == 0
+    assert tiers_off == (0, device)  # the same state, all of it on the host
+    assert losses_off == losses
+    for k, v in state.items():
+        assert torch.equal(state_off[k], v), k

@@ -19,12 +19,15 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 #: host master bytes stepped in one go before that chunk's copy back starts
 CHUNK_BYTES = 32 * 2**20
@@ -59,7 +62,6 @@ class _Group:
     pieces: list[_Piece]
     host: torch.optim.Optimizer | None
     device: torch.optim.Optimizer | None
-    settings: dict[str, Any] = field(default_factory=dict)
 
 
 class OptimizerOffload:
@@ -86,20 +88,25 @@ class OptimizerOffload:
         self._arrived = 0
         ref = weakref.ref(self)
 
+        def before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            offload = ref()
+            if offload is not None and offload.owns(optimizer):
+                offload.collect()  # or the user's optimizer would step them too
+
         def after_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
             offload = ref()
             if offload is not None and offload.owns(optimizer):
                 offload.step(optimizer)
 
-        handle = register_optimizer_step_post_hook(after_step)
-        weakref.finalize(self, handle.remove)
+        for handle in (
+            register_optimizer_step_pre_hook(before_step),
+            register_optimizer_step_post_hook(after_step),
+        ):
+            weakref.finalize(self, handle.remove)
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any tensor of this offload."""
         return any(id(p) in self.pieces for g in optimizer.param_groups for p in g["params"])
-
-    def __contains__(self, param: torch.Tensor) -> bool:
-        return id(param) in self.pieces
 
     # -- gradients --------------------------------------------------------------------------------
 
@@ -167,6 +174,8 @@ class OptimizerOffload:
         the host chunk by chunk, in the order their gradients came, each chunk sent back to
         the device while the next updates; then the heads on the device."""
         self.collect()
+        if self._cuda:  # the copies back write tensors kernels queued before may still read
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         for group, settings in zip(self._groups_of(optimizer), optimizer.param_groups, strict=True):
             ready = sorted((p for p in group.pieces if p.has_grad), key=lambda p: p.order)
             if not ready:
