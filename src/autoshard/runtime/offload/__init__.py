@@ -4,9 +4,8 @@ docs/offload.md). The one-program room places its state here through this face."
 
 from autoshard.runtime.offload.optimizer import (
     CHUNK_BYTES,
-    OffloadError,
     OptimizerOffload,
     optimizer_offload,
 )
 
-__all__ = ["CHUNK_BYTES", "OffloadError", "OptimizerOffload", "optimizer_offload"]
+__all__ = ["CHUNK_BYTES", "OptimizerOffload", "optimizer_offload"]

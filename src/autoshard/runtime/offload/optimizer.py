@@ -35,10 +35,6 @@ CHUNK_BYTES = 32 * 2**20
 _OWN_SETTINGS = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
-class OffloadError(ValueError):
-    """An optimizer offload cannot run as asked; names what was wrong."""
-
-
 @dataclass(eq=False)
 class _Piece:
     """One tensor the optimizer steps, its flat head on the device and its tail on the host."""
@@ -370,16 +366,18 @@ def optimizer_offload(
 ) -> OptimizerOffload | None:
     """The offload ``Options.offload`` asks for over the trainable parameters of ``tensors``
     (what the optimizer steps, by name: ZeRO shards or local tensors), or None where it
-    offloads nothing."""
+    offloads nothing (no fraction, or no such tensor on this rank)."""
     fraction = (offload or {}).get("optimizer", 0.0)
     if not fraction:
         return None
+    # an empty shard (a rank past a tensor's last rows) stays the user's optimizer's: its
+    # state, however empty, is what a checkpoint of that rank holds
     params = {
-        fqn: t for fqn, t in tensors.items() if isinstance(t, nn.Parameter) and t.requires_grad
+        fqn: t
+        for fqn, t in tensors.items()
+        if isinstance(t, nn.Parameter) and t.requires_grad and t.numel()
     }
-    if not params:
-        raise OffloadError("offload={'optimizer': ...}: the model has no trainable parameter")
-    return OptimizerOffload(params, float(fraction), device)
+    return OptimizerOffload(params, float(fraction), device) if params else None
 
 
-__all__ = ["CHUNK_BYTES", "OffloadError", "OptimizerOffload", "optimizer_offload"]
+__all__ = ["CHUNK_BYTES", "OptimizerOffload", "optimizer_offload"]
