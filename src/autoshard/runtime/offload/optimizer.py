@@ -6,7 +6,7 @@ Each such tensor is cut, flat, into a head of ``kept`` elements and a tail of th
 master copy, gradient and optimizer state are separate host tensors (pinned where CUDA runs);
 the head's gradient and state stay on the device. When a gradient is final (a ZeRO unit's
 reduce-scatter or a bucket's all-reduce has landed in ``.grad``) it is routed at once: the tail
-copied to the host without blocking, the head kept as a view, ``.grad`` dropped, so the user's
+copied to the host without blocking, the head copied on the device, ``.grad`` dropped, so the user's
 optimizer, built over ``pm.parameters()`` as always, finds no gradient there and keeps no state
 for it. After the user's ``optimizer.step()`` the same optimizer class, with that optimizer's
 settings of the moment (a scheduler's learning rate too), steps the tails on the host in chunks
@@ -108,7 +108,7 @@ class OptimizerOffload:
 
     def route(self, params: Iterable[torch.Tensor]) -> None:
         """Move the final gradients of ``params`` (those offloaded) out of ``.grad``: each
-        tail to the host without blocking, each head kept on the device as a view."""
+        tail to the host without blocking, each head copied on the device."""
         for p in params:
             piece = self.pieces.get(id(p))
             if piece is None or p.grad is None:
@@ -120,8 +120,11 @@ class OptimizerOffload:
             else:
                 self._copy_to_host(piece, flat[piece.kept :])
             if piece.kept:
+                # a copy: a view would keep the whole bucket or reduce-scatter output alive
                 head = flat[: piece.kept]
-                piece.head.grad = head if piece.head.grad is None else piece.head.grad + head
+                piece.head.grad = (
+                    head.clone() if piece.head.grad is None else piece.head.grad + head
+                )
             piece.has_grad, piece.order = True, self._arrived
             self._arrived += 1
             p.grad = None
