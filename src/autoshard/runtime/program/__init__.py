@@ -9,8 +9,8 @@ from autoshard.runtime.program.clip import NonFiniteGradientError, clip_grad_nor
 from autoshard.runtime.program.copies import copy_example
 from autoshard.runtime.program.counted_loss import CountedLoss
 from autoshard.runtime.program.grad_sync import GradSync
-from autoshard.runtime.program.inputs import local_input
-from autoshard.runtime.program.parallel import ParallelModule, shard_inputs, single_device
+from autoshard.runtime.program.inputs import local_input, shard_inputs
+from autoshard.runtime.program.parallel import ParallelModule, single_device
 from autoshard.runtime.program.replicas import ReplicaMismatchError
 from autoshard.runtime.program.scaler import GradScaler
 

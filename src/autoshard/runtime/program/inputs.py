@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from autoshard.layout import Layout
 from autoshard.redistribution import redistribute, shard_tensor

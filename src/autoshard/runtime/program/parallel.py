@@ -476,25 +476,4 @@ def single_device(
     )
 
 
-def shard_inputs(batch: Any, pm: ParallelModule, train: bool | None = None) -> Any:
-    """This rank's part of a global batch, in the structure given (tensors in input order); a
-    pipeline (``whole_batch``) takes the whole batch and cuts it into micro-batches itself."""
-    if pm.whole_batch:
-        return batch
-    mode = pm.training if train is None else train
-    plan, captured = pm._plans[mode], pm._captured[mode]
-    flat, spec = pytree.tree_flatten(batch)
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    if len(tensors) != len(captured.inputs):
-        raise ValueError(
-            f"batch has {len(tensors)} tensors; the model takes {len(captured.inputs)}"
-        )
-    names = iter(captured.inputs)
-    out = [
-        shard_tensor(x, plan.inputs[next(names)], pm._rank) if isinstance(x, torch.Tensor) else x
-        for x in flat
-    ]
-    return pytree.tree_unflatten(out, spec)
-
-
-__all__ = ["ParallelModule", "shard_inputs", "single_device"]
+__all__ = ["ParallelModule", "single_device"]
