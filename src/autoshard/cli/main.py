@@ -207,9 +207,12 @@ def _searched(job: Any) -> int:
         else:  # each copy count searched on one copy's graph
             micro = micro_batch_graphs(job.model, job.example, loss_fn=job.loss_fn, dtype=dtype)
             result, built = search_copies(
-                lambda k: captured if k == 1 else micro(k), batch_of(captured), job.args.copies,
-                search, job.spec,
-            )  # fmt: skip
+                lambda k: captured if k == 1 else micro(k),
+                batch_of(captured),
+                job.args.copies,
+                search,
+                job.spec,
+            )
     except PlanningError as err:
         if job.args.pp not in (None, "auto") or job.args.copies != 1:  # --pp 1: no stages
             print(f"autoshard: error: {err}", file=sys.stderr)

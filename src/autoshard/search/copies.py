@@ -64,8 +64,15 @@ def search_copies(
         built = priced(build_plan(og, result, cluster), og, k, result.graph.depth)
         est = built.predicted
         fits = est.peak_memory <= limit
-        tried.append({"copies": k, "step_s": est.step_time, "exposed_comm_s": est.exposed_comm,
-                      "peak_memory_bytes": est.peak_memory, "fits": fits})  # fmt: skip
+        tried.append(
+            {
+                "copies": k,
+                "step_s": est.step_time,
+                "exposed_comm_s": est.exposed_comm,
+                "peak_memory_bytes": est.peak_memory,
+                "fits": fits,
+            }
+        )
         if fits and (best is None or est.step_time < best[0] * (1 - 1e-9)):
             best = (est.step_time, result, built)
         if k == 1 and copies == "auto" and est.comm_forward + est.comm_backward <= 0.0:

@@ -148,8 +148,9 @@ def _search(
         base = plan_graph(og, info, opts.strategies)
         fixed = {n.node: n.strategy for n in base.nodes.values() if n.configured}
     keywords = opts.search_keywords()
-    return run_search(og, num_devices, spec, mesh=info, fixed=fixed, step_share=step_share,
-                      **keywords)  # fmt: skip
+    return run_search(
+        og, num_devices, spec, mesh=info, fixed=fixed, step_share=step_share, **keywords
+    )
 
 
 __all__ = ["plan"]
