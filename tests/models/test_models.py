@@ -27,6 +27,7 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tens
 def test_public_surface():
     assert sorted(autoshard.models.__all__) == sorted(
         ["MLP", "MLPConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MoE", "MoEConfig"]
+        + ["DLRM", "DLRMConfig"]
         + ["REFERENCE_MODELS", "build", "reference_config"]
     )
 

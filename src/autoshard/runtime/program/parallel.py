@@ -92,6 +92,7 @@ class ParallelModule(nn.Module):
         self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
         tensors |= fetchers
         self._programs = self._lower_programs(captured, plans, rank, device, tensors)
+        self._offload = None  # placed after init fills the weights its master copies start from
         if options.init is not None:
             fill(self, model, options.init, options.seed)
         if options.copies > 1:
