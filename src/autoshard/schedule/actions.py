@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -77,6 +78,9 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     split_backward: bool = False
     notes: dict[str, str] = field(default_factory=dict, compare=False)
+    #: what pricing found of this schedule (the order its ranks can run in), kept with it so
+    #: that it lives as long as whoever holds the schedule (a search) and no longer
+    found: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:

@@ -12,7 +12,6 @@ while no other rank can is a deadlock, reported with what each rank waits for.
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -271,21 +270,14 @@ class _Replay:
         )
 
 
-_REPLAYS: dict[int, tuple[weakref.ref, _Replay]] = {}
-
-
 def _replayed(schedule: Schedule) -> _Replay:
     """The order in which ranks can run the actions of ``schedule``, each with what it waits
     for; ScheduleError for a dependency out of order or a deadlock. Whether an action can run
     depends only on what ran before it, never on times, so the order is found once per
-    schedule and every pricing of it replays the order with its own costs."""
-    known = _REPLAYS.get(id(schedule))
-    if known is not None and known[0]() is schedule:
-        return known[1]
-    replay = _Replay.of(schedule, _play(schedule))
-    for key in [k for k, (ref, _) in _REPLAYS.items() if ref() is None]:
-        del _REPLAYS[key]
-    _REPLAYS[id(schedule)] = (weakref.ref(schedule), replay)
+    schedule (kept in it) and every pricing of it replays the order with its own costs."""
+    replay = schedule.found.get("replay")
+    if replay is None:
+        replay = schedule.found["replay"] = _Replay.of(schedule, _play(schedule))
     return replay
 
 

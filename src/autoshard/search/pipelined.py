@@ -12,7 +12,6 @@ model's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from autoshard.search.driver import paused_gc, run_search, size_text
 from autoshard.search.plans import Plan, PlanningError, staged_json
 from autoshard.search.pruning import search_session
 from autoshard.search.result_plan import SearchResult, build_plan
+from autoshard.search.state import cache
 
 
 @dataclass(frozen=True)
@@ -274,11 +274,15 @@ class _Search:
             self.best = plan
 
 
-@functools.lru_cache(maxsize=64)
 def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
-    """The named schedule, made once for every recompute mode priced on it (pricing plays
-    it, which finds a deadlock or a dependency out of order; the chosen one is validated)."""
-    return make_schedule(name, pp, m, v)
+    """The named schedule, made once a search for every recompute mode priced on it (pricing
+    plays it, which finds a deadlock or a dependency out of order; the chosen one is
+    validated); the order its ranks run in is kept with it, so it lives as long as the search."""
+    made = cache("schedules")
+    key = (name, pp, m, v)
+    if key not in made:
+        made[key] = make_schedule(name, pp, m, v)
+    return made[key]
 
 
 def _priced(og, stage, result, cluster, pp, m, name, v, recompute) -> PipelinePlan:
