@@ -11,8 +11,12 @@ import types
 import torch
 
 import autoshard
+from autoshard.cost import cluster_spec
+from autoshard.graph import capture
 from autoshard.models import build, reference_config
-from autoshard.search import options, pricing, pruning, solvers, state
+from autoshard.options import Options
+from autoshard.schedule import simulate
+from autoshard.search import options, pipelined, pricing, pruning, solvers, state
 
 
 def _model(name: str) -> tuple[torch.nn.Module, tuple]:
@@ -47,6 +51,23 @@ def test_nothing_a_search_learnt_stays_in_a_module() -> None:
     assert _module_state() == {}
     assert state.state().caches == {}  # outside a search: a state of its own, empty
     assert state.state().context["sequence_parallel"] is False
+
+
+def test_a_pipeline_search_keeps_its_schedules_to_itself() -> None:
+    """The schedules a pipeline search prices and the order their ranks run in (found once a
+    schedule) are the search's: none is left in a module, cached or held, once it ends."""
+    model, batch = _model("gpt")
+    graph = capture(model, tuple(x[:2] for x in batch), train=True)  # a micro-batch's rows
+    given = Options(pp=2, microbatches=4, schedule="1f1b", recompute="none")
+    best, _, _ = pipelined.search_pipeline(lambda m: graph, 8, 4, cluster_spec("dgx-h100", 4),
+                                           given)  # fmt: skip
+    assert "replay" in best.schedule.found  # played once, kept with the schedule
+    for module in (pipelined, simulate):
+        for name, value in vars(module).items():
+            if name.startswith("__") or isinstance(value, types.ModuleType):
+                continue
+            assert not (isinstance(value, dict | list | set) and value), f"{name} holds {value}"
+            assert not hasattr(value, "cache_info"), f"{module.__name__}.{name} is memoized"
 
 
 def test_searches_in_two_threads_plan_what_each_plans_alone() -> None:
