@@ -247,22 +247,23 @@ def load(
     file is checked against the manifest (``verify``: its checksum too, each rank summing its
     share of the files); a damaged one is a :class:`CheckpointDamaged` on every rank, before
     anything is read."""
+    import torch.distributed.checkpoint as dcp
+
     path = Path(path)
     saved = verified(path, verify)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
     state = _model_state(module, saved.get("aliases"))
     offloaded: dict[int, dict] = {}
     if optimizer is not None:
         offloaded = _offloaded(module, optimizer, loading=True)
         _ready_optimizer(optimizer, offloaded)
+        _drop_unsaved(module, optimizer, keys, saved.get("aliases"))
         state |= _optimizer_state(module, optimizer, saved.get("aliases"), offloaded)
     objects = ["autoshard.run", "autoshard.extra"] + (["autoshard.loader"] if loader else [])
     for key in objects:
         state[key] = None
     rng = f"autoshard.rng.{_rank()}"
-    import torch.distributed.checkpoint as dcp
-
-    reader = dcp.FileSystemReader(path)
-    if rng in reader.read_metadata().state_dict_metadata:
+    if rng in keys:
         state[rng] = torch.get_rng_state()
     state |= _read(path, state)  # the objects read
     _loaded(module)
@@ -278,6 +279,28 @@ def load(
     if run is not None and state["autoshard.run"]["model_step"] is not None:
         run.step = state["autoshard.run"]["model_step"]
     return {"step": state["autoshard.run"]["step"], "extra": state["autoshard.extra"]}
+
+
+def _drop_unsaved(
+    module: nn.Module, optimizer: torch.optim.Optimizer, keys: Any, saved: Mapping[str, str] | None
+) -> None:
+    """Forget the state that loading made for each tensor the checkpoint has none of (one
+    that never had a gradient when it was saved: torch's optimizers make no state for it),
+    so it loads stateless, as ``optimizer.load_state_dict`` leaves it. A tensor with some of
+    its state saved keeps all of it, and the missing part is an error naming it; so is the
+    state of a tensor an offload steps (its host state is the offload's to make)."""
+    if "optim.param_groups" not in keys:
+        return  # no optimizer saved at all: the missing state is the error to give
+    names = {id(t): name for name, (t, _, _, _) in _parts(module).items()}
+    saved = saved or {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names.get(id(p))
+            name = saved.get(name, name)
+            state = optimizer.state.get(p, {})
+            if name is None or any(f"optim.{name}.{key}" in keys for key in state):
+                continue
+            optimizer.state.pop(p, None)
 
 
 def _read(path: Path, state: dict[str, Any]) -> dict[str, Any]:
