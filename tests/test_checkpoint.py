@@ -301,6 +301,65 @@ def test_ten_steps_save_load_ten_more_equals_twenty_steps_bitwise(on_2_ranks: li
     assert re.fullmatch(r"checkpoint \S+/b is damaged: __\d_\d\.distcp is \d+ bytes, .*", *said)
 
 
+def _with_unused() -> tuple[torch.nn.Module, list]:
+    """GPT (no dropout) in float64 with a parameter its forward never reads, so it never has
+    a gradient and AdamW never makes state for it."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model, config = build("gpt", 0.0)
+    model.unused = torch.nn.Parameter(torch.randn(3))
+    return model.to(torch.float64), batches(config, torch.float64)
+
+
+def _unused_parameter(directory: str) -> dict[int, Any]:
+    """At ZeRO 0 and 1 on dp 2: ``_with_unused`` trained 2 AdamW steps, saved, loaded into a
+    fresh module and optimizer, 2 more steps. Returns by stage the 4 losses, the full state
+    after them, and whether the loaded optimizer has state for the unused parameter and for
+    every other one."""
+    model, data = _with_unused()
+    captured = capture_modes(model, data[0])
+    out = {}
+    for zero in (0, 1):
+        pm = parallelize(copy.deepcopy(model), data[0], {"dp": 2}, captured=captured, zero=zero)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        losses = _train(pm, opt, data, range(2))
+        path = Path(directory) / f"zero{zero}"
+        autoshard.save(path, pm, opt, step=2)
+        pm = parallelize(copy.deepcopy(model), data[0], {"dp": 2}, captured=captured, zero=zero)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        autoshard.load(path, pm, opt)
+        stateful = {name: bool(opt.state.get(p)) for name, p in pm.named_parameters()}
+        losses += _train(pm, opt, data, range(2, 4))
+        out[zero] = {"losses": losses, "state": pm.full_state_dict(), "stateful": stateful}
+    return out
+
+
+def test_a_parameter_without_optimizer_state_saves_and_loads_without_it(
+    on_2_ranks: list[dict],
+) -> None:
+    """A parameter that never had a gradient has no AdamW state when saved; it loads without
+    state (torch's ``optimizer.state_dict()`` round trip leaves it so), and the run goes on as
+    plain PyTorch's: the eager model and its AdamW, 4 steps without a checkpoint, losses
+    within 1e-12 and every parameter at ``assert_close``'s float64 defaults."""
+    eager, data = _with_unused()
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    expected = []
+    for step in range(4):
+        loss = eager(*data[step % len(data)])
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        expected.append(loss.item())
+    assert eager.unused not in opt.state  # what the checkpoint has to carry over: nothing
+    for rank in on_2_ranks:
+        for zero, result in rank["unused"].items():
+            others = {k: v for k, v in result["stateful"].items() if k != "unused"}
+            assert not result["stateful"]["unused"] and all(others.values()), (zero, others)
+            assert result["losses"] == pytest.approx(expected, rel=1e-12), zero
+            assert result["state"].keys() == eager.state_dict().keys()
+            for k, v in eager.state_dict().items():
+                torch.testing.assert_close(result["state"][k], v, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def test_a_damaged_checkpoint_is_passed_over_by_latest_and_named_by_load(tmp_path) -> None:
     """The newest checkpoint with a file cut short, its ``.metadata`` gone or a byte changed:
     ``latest`` takes the one before and says once which it passed over and why (a changed
@@ -429,13 +488,15 @@ def _on_2_ranks(directory: str) -> dict[str, Any]:
     first capture dominate their time); ``directory`` holds the 4 ranks' checkpoint, and a
     folder of its own for each other check's."""
     searched, resumed = Path(directory) / "searched", Path(directory) / "resumed"
-    for folder in (searched, resumed):
+    unused = Path(directory) / "unused"
+    for folder in (searched, resumed, unused):
         folder.mkdir(exist_ok=True)
     return {
         "tp2": _save_then_load_elsewhere(directory, "tp2"),
         "searched": _searched_llama_through_plain_dcp(str(searched)),
         "straight": _resumed(str(resumed), False),
         "resumed": _resumed(str(resumed), True),
+        "unused": _unused_parameter(str(unused)),
     }
 
 
