@@ -28,7 +28,7 @@ LAYERS = [
     ("cost",),
     ("search",),
     ("lower",),
-    ("runtime",),
+    ("runtime", "ps"),
     ("models",),
     ("pictures",),
     ("cli",),

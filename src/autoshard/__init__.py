@@ -54,8 +54,8 @@ _RUNTIME = (
 def __getattr__(name: str) -> Any:
     if name == "runtime":
         return importlib.import_module("autoshard.runtime")
-    if name == "ps":  # parameter servers: a room of the runtime
-        return importlib.import_module("autoshard.runtime.ps")
+    if name == "ps":  # parameter servers, imported when first named
+        return importlib.import_module("autoshard.ps")
     if name in _RUNTIME:
         value = getattr(importlib.import_module("autoshard.runtime"), name)
         globals()[name] = value
