@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_copies import _megatron
 from test_hf_gpt2 import CausalLMLoss
 from test_runtime import batches, build, mixed
 
@@ -155,20 +156,6 @@ def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _megatron_hf_llama(seq: str | None = None) -> dict[str, tuple]:
-    """Megatron's tensor parallel strategies for transformers' Llama layers over ``tp`` (the
-    sequence of the activations they read over ``seq``)."""
-    col, row = ((None, seq, None), ("tp", None)), ((None, seq, "tp"), (None, "tp"))
-    layer = "model.model.layers.*"
-    return {
-        f"{layer}.self_attn.[qkv]_proj": col,
-        f"{layer}.self_attn.o_proj": row,
-        f"{layer}.mlp.gate_proj": col,
-        f"{layer}.mlp.up_proj": col,
-        f"{layer}.mlp.down_proj": row,
-    }
-
-
 def _searched_llama_through_plain_dcp(directory: str) -> dict[str, Any]:
     """transformers' Llama planned by ``search="optimal"`` on 2 ranks (a mesh with a size-1
     axis), at ZeRO 1, 2 and 3: ``pm.state_dict()`` saved and loaded with plain DCP into the
@@ -197,7 +184,7 @@ def _searched_llama_through_plain_dcp(directory: str) -> dict[str, Any]:
     losses = _train(pm, opt, data, range(3))
     autoshard.save(path, pm, opt, step=3)
     tp = parallelize(_other_values(copy.deepcopy(model)), (ids, ids), {"tp": 2},
-                     _megatron_hf_llama(), captured=captured, zero=1)  # fmt: skip
+                     _megatron(), captured=captured, zero=1)  # fmt: skip
     opt = torch.optim.AdamW(tp.parameters(), lr=1e-2)
     autoshard.load(path, tp, opt)
     losses += _train(tp, opt, data, range(3, 5))

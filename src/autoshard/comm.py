@@ -286,17 +286,7 @@ def all_to_all_v(
     ``x`` go to ``ranks[0]``, the next ``send[1]`` to ``ranks[1]``...; the result holds
     ``recv[j]`` rows from ``ranks[j]`` in that order. Counted as the bytes this rank sends to
     the others (its own rows stay), which is what the ring formula gives for even parts."""
-    ranks = list(ranks)
-    assert ranks == sorted(ranks), "all_to_all_v takes its group in ascending rank order"
-    me = ranks.index(dist.get_rank())
-    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
-    what = _count("all_to_all", ranks, x, (sum(send) - send[me]) * row)
-    out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if len(ranks) == 1:
-        return out.copy_(x)
-    with watch.waiting(what):
-        dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=_group(ranks))
-    return out
+    return all_to_all_v_async(x, send, recv, ranks)()
 
 
 def all_to_all_v_async(
