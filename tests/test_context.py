@@ -47,9 +47,9 @@ def _megatron(name: str) -> dict[str, tuple]:
             "layers.*.feed_forward.w[13]": col,
             "layers.*.feed_forward.w2": row,
         }
-    from test_checkpoint import _megatron_hf_llama
+    from test_copies import _megatron
 
-    return _megatron_hf_llama("cp")
+    return _megatron("cp")
 
 
 def _striped(og: Any, mesh: dict) -> dict[str, Any]:
@@ -255,10 +255,10 @@ def _check_memory(per_rank: list[dict], cp: int) -> None:
 
 
 def _tensor_parallel(name: str) -> dict[str, tuple]:
-    from test_checkpoint import _megatron_hf_llama
+    from test_copies import _megatron
     from test_runtime import megatron
 
-    return _megatron_hf_llama() if name == "hf-llama" else megatron(name)
+    return _megatron() if name == "hf-llama" else megatron(name)
 
 
 def _sequence_parallel(name: str) -> str:
