@@ -25,7 +25,7 @@ ATTENTION_METHODS = ("allgather", "ulysses", "ring")
 RECOMPUTE_MODES = ("none", "full", "selective")
 REPLICAS = ("broadcast", "check", "none")
 #: what ``offload=`` may move to the host
-OFFLOADS = ("optimizer",)
+OFFLOADS = ("optimizer", "parameters", "embeddings")
 #: DDP's default bucket size: the gradient sums that overlap backward
 BUCKET_CAP_MB = 25.0
 #: the stages a rank of ``interleaved-1f1b`` where none is given: the pipeline search's pick
@@ -132,7 +132,9 @@ class Options:
     copies: int = 1
     #: what lives on the host rather than the device: {"optimizer": fraction}, the fraction
     #: (0-1, True for 1) of each tensor the optimizer steps whose master weights, optimizer
-    #: state and update are the host's (docs/offload.md; run-only: plans do not price it yet)
+    #: state and update are the host's; {"parameters": True}, ZeRO 3's shards between uses;
+    #: {"embeddings": module glob}, the tables, lookups and sparse updates of those
+    #: nn.Embedding modules (docs/offload.md; run-only: plans do not price it yet)
     offload: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -146,7 +148,10 @@ class Options:
         if bad:
             raise ValueError("; ".join(bad))
         if self.offload is not None:  # True is the whole of it
-            whole = {k: 1.0 if v is True else float(v) for k, v in self.offload.items()}
+            whole = {
+                k: (1.0 if v is True else float(v)) if k == "optimizer" else v
+                for k, v in self.offload.items()
+            }
             object.__setattr__(self, "offload", FrozenDict(whole))
 
     @classmethod
@@ -329,7 +334,7 @@ def _problems(o: Options) -> list[str]:
         shown = str(o.device) if isinstance(o.device, torch.device) else o.device
         bad.append(f"device={shown!r}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device")
     precision_policy(o.precision)  # its own error names what it expected
-    return bad + _offload_problems(o.offload)
+    return bad + _offload_problems(o.offload) + _host_problems(o)
 
 
 def _offload_problems(offload: Any) -> list[str]:
@@ -356,6 +361,26 @@ def _offload_problems(offload: Any) -> list[str]:
         bad.append(
             f"offload['optimizer']={fraction!r}: expected a fraction from 0 to 1, or True or False"
         )
+    return bad
+
+
+def _host_problems(o: Options) -> list[str]:
+    """What is wrong with ``offload``'s ``parameters`` (a bool, True only under ZeRO 3) and
+    ``embeddings`` (a module glob)."""
+    offload = o.offload if isinstance(o.offload, Mapping) else {}
+    bad = []
+    params = offload.get("parameters", False)
+    levels = o.zero.values() if isinstance(o.zero, Mapping) else [o.zero]
+    if not isinstance(params, bool):
+        bad.append(f"offload['parameters']={params!r}: expected True or False")
+    elif params and 3 not in levels:
+        bad.append(
+            f"offload['parameters']=True with zero={o.zero!r}: parameters live on the host as "
+            "ZeRO 3's shards; give zero=3"
+        )
+    glob = offload.get("embeddings")
+    if glob is not None and not (isinstance(glob, str) and glob):
+        bad.append(f"offload['embeddings']={glob!r}: expected a glob of nn.Embedding module paths")
     return bad
 
 

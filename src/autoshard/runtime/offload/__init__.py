@@ -1,11 +1,13 @@
 """The runtime's offload room: training state kept on the host rather than the device
-(``optimizer``: a fraction of each tensor's master weights, optimizer state and update,
-docs/offload.md). The one-program room places its state here through this face."""
+(``optimizer``: a fraction of each tensor's master weights, optimizer state and update;
+``host``: parameters made on the host, ZeRO 3's shards and embedding tables; docs/offload.md).
+The one-program room places its state here through this face."""
 
+from autoshard.runtime.offload.host import HostTier
 from autoshard.runtime.offload.optimizer import (
     CHUNK_BYTES,
     OptimizerOffload,
     optimizer_offload,
 )
 
-__all__ = ["CHUNK_BYTES", "OptimizerOffload", "optimizer_offload"]
+__all__ = ["CHUNK_BYTES", "HostTier", "OptimizerOffload", "optimizer_offload"]

@@ -8,7 +8,7 @@ loss.backward(); opt.step()                        # any elementwise torch.optim
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,12 +25,13 @@ from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
-from autoshard.runtime.offload import optimizer_offload
+from autoshard.runtime.offload import HostTier, optimizer_offload
 from autoshard.runtime.program.copies import check_copies, run_copies
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.inputs import local_input, part_of
 from autoshard.runtime.program.replicas import replica_group, sync_replicas
-from autoshard.runtime.program.zero import build_zero
+from autoshard.runtime.program.tiers import state_bytes
+from autoshard.runtime.program.zero_plan import build_zero
 from autoshard.runtime.state import check_init, fill
 from autoshard.search import Plan, plan_graph
 
@@ -73,6 +74,8 @@ class ParallelModule(nn.Module):
         real = {fqn: t for fqn, t in tensors.items() if not t.is_meta}
         layouts = {fqn: self._layouts[fqn] for fqn in real if fqn in self._layouts}
         sync_replicas(real, layouts, rank, options.replicas)
+        offload = options.offload or {}
+        self._host = HostTier(device) if offload.get("parameters") else None
         self._zero, fetchers, shards = build_zero(
             captured[True],
             self.plan,
@@ -81,7 +84,13 @@ class ParallelModule(nn.Module):
             self.precision.reduce,
             options.reshard_after_forward,
             device,
+            self._host,
         )
+        if self._host is not None and not self._host.params:
+            raise ValueError(
+                "offload['parameters']=True: no parameter of this plan is under ZeRO 3 on rank "
+                f"{rank} (zero={options.zero!r}; ZeRO shards over data-parallel replicas)"
+            )
         for fqn, shard in shards.items():  # the optimizer steps the shards
             self.register_parameter(attr_name(fqn), shard)
         self._make_real(tensors, set(shards), device)
@@ -97,7 +106,9 @@ class ParallelModule(nn.Module):
             fill(self, model, options.init, options.seed)
         if options.copies > 1:
             check_copies(self._programs[True], options.copies, captured[True].mutations)
-        self._offload = optimizer_offload(options.offload, self.local_tensors(), device)
+        # the host tier's parameters are stepped where they are, by the user's optimizer
+        on_device = {k: t for k, t in self.local_tensors().items() if not self._on_host(t)}
+        self._offload = optimizer_offload(options.offload, on_device, device)
         if self._offload is not None:  # each final gradient leaves for the host at once
             self._zero.summed = self._grad_sync.summed = self._offload.route
 
@@ -278,43 +289,16 @@ class ParallelModule(nn.Module):
     def state_bytes(
         self, optimizer: torch.optim.Optimizer | None = None, tier: str = "device"
     ) -> dict[str, int]:
-        """Bytes this rank holds now in ``tier`` ("device" or "host", the optimizer offload's
-        part there), by storage (a buffer shared by views counted once): ``parameters`` (the
-        optimizer's, ZeRO's gathered copies, buffers; on the host the master weights),
-        ``gradients`` (``.grad`` and gradient buffers kept between backwards), ``optimizer``
-        (its state)."""
-        if tier not in ("device", "host"):
-            raise ValueError(f"tier={tier!r}: expected 'device' or 'host'")
-        seen: set[int] = set()
-
-        def size(tensors: Iterable[torch.Tensor | None]) -> int:
-            total = 0
-            for t in tensors:
-                if t is None or t.device.type == "meta":
-                    continue
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-            return total
-
-        if tier == "host":
-            held = self._offload.host_tensors() if self._offload else {}
-            return {k: size(held.get(k, [])) for k in ("parameters", "gradients", "optimizer")}
+        """Bytes this rank holds now in ``tier`` ("device" or "host": the optimizer offload's
+        part and the host tier's parameters), by storage (a buffer shared by views counted
+        once): ``parameters`` (the optimizer's, ZeRO's gathered copies, buffers; on the host the
+        master weights and the host's parameters), ``gradients`` (``.grad`` and gradient
+        buffers kept between backwards), ``optimizer`` (``optimizer``'s state and the offload's)."""
         local = list(self.local_tensors().values())
-        held = self._zero.held()
-        offloaded = self._offload.device_tensors() if self._offload else {}
-        state = [s for s in (optimizer.state.values() if optimizer else [])]
-        return {
-            "parameters": size(local + held["parameters"]),
-            "gradients": size(
-                [t.grad for t in local] + held["gradients"] + offloaded.get("gradients", [])
-            ),
-            "optimizer": size(
-                [v for st in state for v in st.values() if isinstance(v, torch.Tensor)]
-                + offloaded.get("optimizer", [])
-            ),
-        }
+        return state_bytes(local, self._zero.held(), self._offload, self._host, optimizer, tier)
+
+    def _on_host(self, t: torch.Tensor) -> bool:
+        return self._host is not None and self._host.holds(t)
 
     def offloaded_grads(self) -> list[tuple[str, torch.Tensor]]:
         """This step's gradients the optimizer offload holds, by name (a tensor's device

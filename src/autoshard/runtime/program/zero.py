@@ -34,9 +34,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import comm
-from autoshard.cost.zero import zero_groups, zero_units
-from autoshard.graph import OpGraph
-from autoshard.search import Plan, ZeroError
+from autoshard.search import ZeroError
 
 
 @dataclass(eq=False)
@@ -93,6 +91,7 @@ class _Unit:
     deposited: set[str] = field(default_factory=set)
     grads: dict[str, tuple[_Member, torch.Tensor]] = field(default_factory=dict)  # not in staging
     summing: tuple[Any, torch.Tensor] | None = None
+    host: Any = None  # the host tier holding the shards (``offload={"parameters": True}``)
 
     def versions(self) -> int:
         return sum(m.shard._version for m in self.members)
@@ -106,11 +105,14 @@ class _Unit:
         size = len(self.group)
         out = torch.empty(size * self.block, dtype=self.compute, device=self.device)
         send = out.narrow(0, self.index * self.block, self.block)  # in place: no second buffer
-        for m in self.members:
-            n = (m.mine[1] - m.mine[0]) * m.row
-            send[m.offset : m.offset + n].copy_(m.shard.detach().reshape(-1))
+        # host shards: copied in and gathered on the host tier's side stream, so the compute
+        # queued meanwhile does not wait for them (the next unit's, while this one computes)
+        with self.host.side(out) if self.host is not None else nullcontext():
+            for m in self.members:
+                n = (m.mine[1] - m.mine[0]) * m.row
+                send[m.offset : m.offset + n].copy_(m.shard.detach().reshape(-1), non_blocking=True)
+            self.gathering = (comm.all_gather_async(out, send, self.group), out)
         self.version = self.versions()
-        self.gathering = (comm.all_gather_async(out, send, self.group), out)
 
     def gathered(self) -> dict[str, torch.Tensor]:
         """The unit's local tensors, gathering (or finishing a started gather) if needed."""
@@ -165,6 +167,10 @@ class _Unit:
                     continue
                 n = (m.mine[1] - m.mine[0]) * m.row
                 part = out[m.offset : m.offset + n].view(m.shard.shape).to(m.shard.dtype)
+                if self.host is not None:  # summed on the device, then to the host's shard
+                    part = self.host.to_host(part)
+                    if m.shard.grad is not None:
+                        self.host.settle()  # the sum below reads it on the host
                 if m.shard.grad is None:
                     m.shard.grad = part
                 else:
@@ -225,10 +231,12 @@ class Zero:
     """The ZeRO units of one rank: shards, gathers, gradient buffers and their sums."""
 
     def __init__(
-        self, rank: int, reshard_after_forward: bool = True, device: torch.device | None = None
+        self, rank: int, reshard_after_forward: bool = True, device: Any = None, host: Any = None
     ) -> None:
         self.rank = rank
         self.device = device
+        #: the host tier that holds the shards of stage 3 (``offload={"parameters": True}``)
+        self.host = host
         self.reshard_after_forward = reshard_after_forward
         self.syncing = True
         self.units: list[_Unit] = []
@@ -264,8 +272,11 @@ class Zero:
             start = min(rows, index * chunk)
             stop = min(rows, start + chunk)
             body = t.detach().reshape(rows, row)[start:stop].reshape((stop - start, *t.shape[1:]))
-            body = torch.empty_like(body, device=self.device) if body.is_meta else body.clone()
-            shard = nn.Parameter(body, requires_grad=t.requires_grad)
+            if level == 3 and self.host is not None:
+                shard = self.host.place(fqn, body, t.requires_grad)
+            else:
+                body = torch.empty_like(body, device=self.device) if body.is_meta else body.clone()
+                shard = nn.Parameter(body, requires_grad=t.requires_grad)
             members.append(_Member(fqn, shard, t.shape, rows, row, chunk, offset, (start, stop)))
             shards[fqn] = shard
             offset += chunk * row
@@ -282,6 +293,7 @@ class Zero:
             self.device if first.is_meta else first.device,
         )
         unit.used = sum(1 for fqn in tensors if fqn in used)
+        unit.host = self.host if level == 3 else None
         self.units.append(unit)
         for m in members:
             self._unit_of[m.fqn] = (unit, m)
@@ -404,6 +416,8 @@ class Zero:
                 self._finish_sum(unit)
             if unit.level == 3:
                 unit.full = None
+        if self.host is not None:  # the shards' gradients are the host's to read from now on
+            self.host.settle()
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -411,7 +425,7 @@ class Zero:
         """The local tensor of ``fqn`` in its master dtype; a collective of the unit's group."""
         unit, m = self._unit_of[fqn]
         size = len(unit.group)
-        send = torch.zeros(m.chunk * m.row, dtype=m.shard.dtype, device=m.shard.device)
+        send = torch.zeros(m.chunk * m.row, dtype=m.shard.dtype, device=unit.device)
         send[: m.shard.numel()].copy_(m.shard.detach().reshape(-1))
         out = comm.all_gather(send, sorted(unit.group)).reshape(-1)
         probe = _Member(m.fqn, m.shard, m.shape, m.rows, m.row, m.chunk, 0, m.mine)
@@ -458,40 +472,4 @@ class Zero:
             self.syncing = before
 
 
-def build_zero(
-    og: OpGraph,
-    plan: Plan,
-    tensors: dict[str, torch.Tensor],
-    rank: int,
-    reduce: torch.dtype | None,
-    reshard_after_forward: bool,
-    device: torch.device | None = None,
-) -> tuple[Zero, dict[str, Fetch], dict[str, nn.Parameter]]:
-    """The ZeRO units of ``plan`` on this rank (``cost.zero_units``, as the estimate prices
-    them): every trainable parameter ``cost.zero_groups`` puts under ZeRO, in units by
-    (stage, group, block of its first reader), ordered by first use. Returns the units, what
-    the program calls in place of each parameter, and the shards the optimizer steps. A tensor
-    on the meta device (a model built there) gets an unset shard on ``device``."""
-    zero = Zero(rank, reshard_after_forward, device)
-    dtypes = {i.fqn: i.dtype for i in og.state()}
-    members = {}
-    for fqn, p in plan.params.items():
-        t = tensors.get(fqn)
-        if p.from_value or t is None or not t.requires_grad:
-            continue
-        groups = zero_groups(plan.zero_level(fqn), p.layout, p.grad_partial)
-        if groups is not None and any(rank in g for g in groups):
-            members[fqn] = (plan.zero_level(fqn), groups)
-    fetchers, shards = {}, {}
-    for unit in zero_units(og, members):
-        group = next(g for g in unit.groups if rank in g)
-        tensors_of = {fqn: tensors[fqn] for fqn in unit.members}
-        made = zero.add_unit(
-            unit.name, unit.level, group, tensors_of, dtypes, reduce, set(og.first_use)
-        )
-        shards |= made
-        fetchers |= {fqn: Fetch(zero, fqn) for fqn in made}
-    return zero, fetchers, shards
-
-
-__all__ = ["Fetch", "Zero", "build_zero"]
+__all__ = ["Fetch", "Zero"]
