@@ -1,8 +1,10 @@
 """The runtime's offload room: training state kept on the host rather than the device
 (``optimizer``: a fraction of each tensor's master weights, optimizer state and update;
-``host``: parameters made on the host, ZeRO 3's shards and embedding tables; docs/offload.md).
+``host``: parameters made on the host, ZeRO 3's shards and embedding tables; ``embeddings``:
+tables looked up and updated on the host; docs/offload.md).
 The one-program room places its state here through this face."""
 
+from autoshard.runtime.offload.embeddings import EmbeddingOffload, embedding_offload
 from autoshard.runtime.offload.host import HostTier
 from autoshard.runtime.offload.optimizer import (
     CHUNK_BYTES,
@@ -10,4 +12,11 @@ from autoshard.runtime.offload.optimizer import (
     optimizer_offload,
 )
 
-__all__ = ["CHUNK_BYTES", "HostTier", "OptimizerOffload", "optimizer_offload"]
+__all__ = [
+    "CHUNK_BYTES",
+    "EmbeddingOffload",
+    "HostTier",
+    "OptimizerOffload",
+    "embedding_offload",
+    "optimizer_offload",
+]

@@ -25,7 +25,7 @@ from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
-from autoshard.runtime.offload import HostTier, optimizer_offload
+from autoshard.runtime.offload import HostTier, embedding_offload, optimizer_offload
 from autoshard.runtime.program.copies import check_copies, run_copies
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.inputs import local_input, part_of
@@ -75,18 +75,25 @@ class ParallelModule(nn.Module):
         layouts = {fqn: self._layouts[fqn] for fqn in real if fqn in self._layouts}
         sync_replicas(real, layouts, rank, options.replicas)
         offload = options.offload or {}
-        self._host = HostTier(device) if offload.get("parameters") else None
+        hosted = offload.get("parameters") or offload.get("embeddings")
+        self._host = HostTier(device) if hosted else None
+        self._tables = embedding_offload(
+            model, self.plan, tensors, offload.get("embeddings"), self._host, rank
+        )
+        tables = set(self._tables.tables) if self._tables else set()
+        for fqn in tables:  # ZeRO and the buckets leave them: their lookups sum their rows
+            self.register_parameter(attr_name(fqn), tensors[fqn])
         self._zero, fetchers, shards = build_zero(
             captured[True],
             self.plan,
-            tensors,
+            {fqn: t for fqn, t in tensors.items() if fqn not in tables},
             rank,
             self.precision.reduce,
             options.reshard_after_forward,
             device,
             self._host,
         )
-        if self._host is not None and not self._host.params:
+        if offload.get("parameters") and not any(map(self._on_host, shards.values())):
             raise ValueError(
                 "offload['parameters']=True: no parameter of this plan is under ZeRO 3 on rank "
                 f"{rank} (zero={options.zero!r}; ZeRO shards over data-parallel replicas)"
@@ -95,12 +102,15 @@ class ParallelModule(nn.Module):
             self.register_parameter(attr_name(fqn), shard)
         self._make_real(tensors, set(shards), device)
         for fqn, p in self.plan.params.items():
-            if p.grad_partial is not None and tensors[fqn].requires_grad and fqn not in shards:
+            summed = p.grad_partial is not None and tensors[fqn].requires_grad
+            if summed and fqn not in shards and fqn not in tables:
                 self._grad_sync.watch(tensors[fqn], p.grad_partial, p.layout)
         order = captured[True].gradient_order
         self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
         tensors |= fetchers
         self._programs = self._lower_programs(captured, plans, rank, device, tensors)
+        for program in self._programs.values() if self._tables else ():
+            self._tables.rewrite(program, attr_name)
         self._offload = None  # placed after init fills the weights its master copies start from
         if options.init is not None:
             fill(self, model, options.init, options.seed)
@@ -189,6 +199,8 @@ class ParallelModule(nn.Module):
             watch.step(self._state.step + 1)
             self._grad_sync.reset()
             self._zero.reset()
+            if self._tables is not None:
+                self._tables.reset()
         captured, plan = self._captured[mode], self._plans[mode]
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
@@ -299,6 +311,11 @@ class ParallelModule(nn.Module):
 
     def _on_host(self, t: torch.Tensor) -> bool:
         return self._host is not None and self._host.holds(t)
+
+    def offload_traffic(self) -> dict[str, int]:
+        """Bytes of embedding rows the last training step moved to the device (the unique
+        rows each lookup read) and to the host (the summed gradients of their union)."""
+        return dict(self._tables.traffic) if self._tables else {"to_device": 0, "to_host": 0}
 
     def offloaded_grads(self) -> list[tuple[str, torch.Tensor]]:
         """This step's gradients the optimizer offload holds, by name (a tensor's device
