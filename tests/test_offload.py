@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_runtime import STEPS, WithUnused, batches, build
 
 import autoshard
@@ -164,6 +165,108 @@ def _offloaded_llama(level: int, fraction: float) -> None:
     _same(got, ref, range(STEPS), ("llama", level, fraction), rel=1e-6)
 
 
+def _parameters_on_host(fraction: float, micro: int = 1) -> None:
+    """GPT at ZeRO 3 with its shards on the host (``fraction`` of the rest's optimizer too),
+    clipped, ``micro`` backwards a step that each sum: as plain PyTorch; between steps the
+    device holds no shard, no gradient of one and none of their optimizer state."""
+    model, data, captured = _setup()
+    ref = _plain(model, data, CLIP, micro)
+    offload = {"parameters": True, "optimizer": fraction}
+    pm = parallelize(model, data[0], {"dp": 2}, captured=captured, zero=3, offload=offload)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    got = _train(pm, opt, data, range(STEPS), CLIP, micro, sync=True)
+    case = ("parameters", fraction, micro)
+    for norm, expected in zip(got["norms"], ref["norms"], strict=True):
+        assert norm == pytest.approx(expected, rel=1e-9), case
+    device, host = pm.state_bytes(opt), pm.state_bytes(opt, tier="host")
+    got["state"] = pm.full_state_dict()
+    _same(got, ref, range(STEPS * micro), case)
+    local = pm.local_tensors()
+    shards = {fqn: t for fqn, t in local.items() if fqn in pm.zero_units}
+    rest = [t for fqn, t in local.items() if fqn not in shards]
+    assert shards and all(t.requires_grad for t in shards.values()), case
+    assert device["parameters"] == sum(t.nbytes for t in rest), case
+    assert host["parameters"] >= sum(t.nbytes for t in shards.values()) > 0, case
+    stepped = [t for fqn, t in shards.items() if "unused" not in fqn]
+    shard_adam = sum(2 * t.nbytes + 4 for t in stepped if t.numel())
+    assert host["optimizer"] >= shard_adam, case
+    if fraction == 1.0:  # the rest's state is the optimizer offload's, on the host too
+        assert device["optimizer"] == 0, case
+    else:
+        assert host["optimizer"] == shard_adam and device["optimizer"] > 0, case
+        assert host["parameters"] == sum(t.nbytes for t in shards.values()), case
+    loss = pm(*shard_inputs(data[0], pm))
+    loss.backward()  # the gradients of the shards are the host's: none on the device
+    assert pm.state_bytes(opt)["gradients"] == sum(
+        t.grad.nbytes for t in rest if t.grad is not None
+    ), case
+    assert all(t.grad is not None for t in stepped), case
+
+
+class _Tokens(torch.nn.Module):
+    """A table of 4096 rows that dominates a small classifier over the mean of its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(4096, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.emb(ids).mean(1)), y)
+
+
+def _token_optimizers(model: torch.nn.Module, table: torch.Tensor) -> list:
+    """SparseAdam for the table (its gradient is sparse), AdamW for the rest."""
+    rest = [p for p in model.parameters() if p is not table]
+    return [torch.optim.SparseAdam([table], lr=LR), torch.optim.AdamW(rest, lr=LR)]
+
+
+def _tables_on_host() -> None:
+    """The table of ``_Tokens`` on the host on dp 2 (ids with repeats): every loss and
+    parameter as plain PyTorch's; the device holds none of the table; a step moves each
+    rank's unique rows to the device and the union's gradients back."""
+    torch.manual_seed(0)
+    model = _Tokens().to(torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randint(0, 64, (8, 6), generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        for _ in range(STEPS)
+    ]
+    ref = copy.deepcopy(model)
+    ref_opts, ref_losses = _token_optimizers(ref, ref.emb.weight), []
+    for batch in data:
+        loss = ref(*batch)
+        loss.backward()
+        ref_losses.append(float(loss))
+        for opt in ref_opts:
+            opt.step(), opt.zero_grad()
+    pm = parallelize(model, data[0], {"dp": 2}, offload={"embeddings": "emb"})
+    table = pm.local_tensors()["emb.weight"]
+    opts = _token_optimizers(pm, table)
+    row = 8 * table.element_size()
+    for batch, ref_loss in zip(data, ref_losses, strict=True):
+        local = shard_inputs(batch, pm)
+        loss = pm(*local)
+        loss.backward()
+        assert table.grad.is_sparse and table.grad.device.type == "cpu"
+        assert float(loss) == pytest.approx(ref_loss, rel=1e-9)
+        assert pm.offload_traffic() == {
+            "to_device": local[0].unique().numel() * row,
+            "to_host": batch[0].unique().numel() * row,
+        }
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    full = pm.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, msg=lambda m, k=k: f"table {k}: {m}")
+    device = [pm.state_bytes(opt) for opt in opts]
+    host = pm.state_bytes(opts[0], tier="host")
+    assert device[0]["parameters"] == sum(t.nbytes for t in pm.parameters() if t is not table)
+    assert device[0]["optimizer"] == 0 < device[1]["optimizer"]
+    assert host["parameters"] == table.nbytes
+    assert host["optimizer"] == 2 * table.nbytes  # SparseAdam's moments, dense, on the host
+
+
 def _cases(directory: str) -> list[dict[str, Any]]:
     """Every case in one spawn of the ranks."""
     trained = [
@@ -188,6 +291,9 @@ def _cases(directory: str) -> list[dict[str, Any]]:
     _checkpoint_across(directory, (1, 0.5), (3, 1.0))
     _offloaded_llama(2, 0.5)
     _offloaded_llama(3, 1.0)
+    _parameters_on_host(0.0)
+    _parameters_on_host(1.0, micro=2)
+    _tables_on_host()
     return trained
 
 
@@ -231,6 +337,33 @@ def test_offload_is_checked_and_named() -> None:
         parallelize(model, data[0], {"dp": 1}, precision="fp16", offload={"optimizer": True})
     with pytest.raises(ValueError, match="not yet with pipeline stages"):
         parallelize(model, data[0], {"pp": 1}, offload={"optimizer": 1.0})
+
+
+def test_parameter_and_embedding_offload_are_checked_and_named() -> None:
+    bad = [
+        ({"parameters": True}, 2, r"offload\['parameters'\]=True with zero=2: .*give zero=3"),
+        ({"parameters": True}, None, r"offload\['parameters'\]=True with zero=None"),
+        ({"parameters": "yes"}, 3, r"offload\['parameters'\]='yes': expected True or False"),
+        ({"embeddings": 3}, None, r"offload\['embeddings'\]=3: expected a glob"),
+    ]
+    for given, zero, named in bad:
+        with pytest.raises(ValueError, match=named):
+            Options(offload=given, zero=zero)
+    assert Options(offload={"parameters": True}, zero={"*": 3}).offload["parameters"] is True
+    model, data, captured = _setup()
+    with pytest.raises(ValueError, match=r"no parameter of this plan is under ZeRO 3"):
+        parallelize(model, data[0], {"dp": 1}, zero=3, offload={"parameters": True})
+    wrong = [
+        ("nope", r"'nope': matches no nn.Embedding .*inner.wte, inner.wpe"),
+        ("inner.wte", r"inner.wte is an nn.Embedding without sparse=True"),
+    ]
+    for glob, named in wrong:
+        with pytest.raises(ValueError, match=named):
+            parallelize(model, data[0], {"dp": 1}, offload={"embeddings": glob})
+    tied = copy.deepcopy(model)
+    tied.inner.wte.sparse = True  # the output layer reads the same weight
+    with pytest.raises(ValueError, match=r"no parameter named inner.wte.weight \(a tied weight"):
+        parallelize(tied, data[0], {"dp": 1}, offload={"embeddings": "inner.wte"})
 
 
 def test_one_rank_trains_as_plain_pytorch_with_gradients_no_sum_routes() -> None:

@@ -156,7 +156,11 @@ def embedding_offload(
         fqn = f"{path}.weight"
         p = plan.params.get(fqn)
         if p is None or fqn not in tensors:
-            raise ValueError(f"offload['embeddings']: {fqn} is not a parameter the plan holds")
+            raise ValueError(
+                f"offload['embeddings']: the plan holds no parameter named {fqn} (a tied "
+                "weight is held once, under another of its names); only a table read by its "
+                "lookups alone stays on the host"
+            )
         if p.layout.local_shape() != tuple(p.layout.shape):
             raise ValueError(
                 f"offload['embeddings']: {fqn} is split across ranks ({p.layout}); an offloaded "
