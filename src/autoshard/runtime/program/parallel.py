@@ -74,36 +74,13 @@ class ParallelModule(nn.Module):
         real = {fqn: t for fqn, t in tensors.items() if not t.is_meta}
         layouts = {fqn: self._layouts[fqn] for fqn in real if fqn in self._layouts}
         sync_replicas(real, layouts, rank, options.replicas)
-        offload = options.offload or {}
-        hosted = offload.get("parameters") or offload.get("embeddings")
-        self._host = HostTier(device) if hosted else None
-        self._tables = embedding_offload(
-            model, self.plan, tensors, offload.get("embeddings"), self._host, rank
-        )
-        tables = set(self._tables.tables) if self._tables else set()
-        for fqn in tables:  # ZeRO and the buckets leave them: their lookups sum their rows
-            self.register_parameter(attr_name(fqn), tensors[fqn])
-        self._zero, fetchers, shards = build_zero(
-            captured[True],
-            self.plan,
-            {fqn: t for fqn, t in tensors.items() if fqn not in tables},
-            rank,
-            self.precision.reduce,
-            options.reshard_after_forward,
-            device,
-            self._host,
-        )
-        if offload.get("parameters") and not any(map(self._on_host, shards.values())):
-            raise ValueError(
-                "offload['parameters']=True: no parameter of this plan is under ZeRO 3 on rank "
-                f"{rank} (zero={options.zero!r}; ZeRO shards over data-parallel replicas)"
-            )
+        self._zero, fetchers, shards = self._sharded(model, tensors, options, device)
         for fqn, shard in shards.items():  # the optimizer steps the shards
             self.register_parameter(attr_name(fqn), shard)
         self._make_real(tensors, set(shards), device)
         for fqn, p in self.plan.params.items():
             summed = p.grad_partial is not None and tensors[fqn].requires_grad
-            if summed and fqn not in shards and fqn not in tables:
+            if summed and fqn not in shards and not self._on_host(tensors[fqn]):
                 self._grad_sync.watch(tensors[fqn], p.grad_partial, p.layout)
         order = captured[True].gradient_order
         self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
@@ -121,6 +98,37 @@ class ParallelModule(nn.Module):
         self._offload = optimizer_offload(options.offload, on_device, device)
         if self._offload is not None:  # each final gradient leaves for the host at once
             self._zero.summed = self._grad_sync.summed = self._offload.route
+
+    def _sharded(
+        self, model: nn.Module, tensors: dict[str, torch.Tensor], options: Options, device: Any
+    ) -> tuple[Any, dict[str, Any], dict[str, nn.Parameter]]:
+        """The host tier (embedding tables made host parameters in ``tensors``, ZeRO 3's
+        shards under parameter offload), then ZeRO's units, fetchers and shards."""
+        offload = options.offload or {}
+        hosted = offload.get("parameters") or offload.get("embeddings")
+        self._host = HostTier(device) if hosted else None
+        self._tables = embedding_offload(
+            model, self.plan, tensors, offload.get("embeddings"), self._host, self._rank
+        )
+        tables = set(self._tables.tables) if self._tables else set()
+        for fqn in tables:  # ZeRO and the buckets leave them: their lookups sum their rows
+            self.register_parameter(attr_name(fqn), tensors[fqn])
+        zero, fetchers, shards = build_zero(
+            self._captured[True],
+            self.plan,
+            {fqn: t for fqn, t in tensors.items() if fqn not in tables},
+            self._rank,
+            self.precision.reduce,
+            options.reshard_after_forward,
+            device,
+            self._host,
+        )
+        if offload.get("parameters") and not any(map(self._on_host, shards.values())):
+            raise ValueError(
+                "offload['parameters']=True: no parameter of this plan is under ZeRO 3 on rank "
+                f"{self._rank} (zero={options.zero!r}; ZeRO shards over data-parallel replicas)"
+            )
+        return zero, fetchers, shards
 
     def _lower_programs(
         self,
