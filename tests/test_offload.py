@@ -402,3 +402,34 @@ def test_bf16_offload_equals_the_run_without_it_under_fused_adamw() -> None:
     assert losses_off == losses
     for k, v in state.items():
         assert torch.equal(state_off[k], v), k
+
+
+def test_a_host_table_under_bf16_moves_its_master_rows_and_casts_them_on_the_device() -> None:
+    """Mixed precision: the lookup moves the float32 rows it reads and the program casts them
+    to bfloat16 (the table itself is never cast); the losses are plain float32 PyTorch's to
+    bfloat16's rounding."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = _Tokens()
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randint(0, 64, (8, 6), generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        for _ in range(3)
+    ]
+    ref = copy.deepcopy(model)
+    ref_opts = _token_optimizers(ref, ref.emb.weight)
+    pm = parallelize(model, data[0], {"dp": 1}, precision="bf16", offload={"embeddings": "emb"})
+    table = pm.local_tensors()["emb.weight"]
+    opts = _token_optimizers(pm, table)
+    assert "host_lookup_emb__weight" in pm.program().code
+    for batch in data:
+        ref_loss = ref(*batch)
+        ref_loss.backward()
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
+        assert loss.dtype == torch.bfloat16 and table.dtype == torch.float32
+        assert float(loss) == pytest.approx(float(ref_loss), rel=2e-2)
+        rows = batch[0].unique().numel() * 8 * 4
+        assert pm.offload_traffic() == {"to_device": rows, "to_host": rows}
+        for opt in opts + ref_opts:
+            opt.step(), opt.zero_grad()

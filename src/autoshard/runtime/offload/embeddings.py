@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from autoshard import comm
 from autoshard.devices import host_ints
+from autoshard.ops import local
 from autoshard.redistribution import replica_sum_groups
 from autoshard.runtime.offload.host import HostTier
 
@@ -53,17 +54,13 @@ class EmbeddingOffload:
         for fqn, table in self.tables.items():
             reads = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == attr(fqn)]
             for read in reads:
-                for user in list(read.users):
-                    if user.op != "call_function" or user.target not in _LOOKUPS:
-                        continue
-                    if user.args[0] is not read:
-                        continue
-                    name = f"host_lookup_{attr(fqn)}_{user.name}"
-                    gm.add_submodule(name, HostLookup(self, table))
-                    with gm.graph.inserting_after(user):
-                        lookup = gm.graph.call_module(name, (user.args[1],))
-                    user.replace_all_uses_with(lookup)
-                    gm.graph.erase_node(user)
+                for value, dtype in [(read, None), *_casts(read)]:
+                    for user in list(value.users):
+                        if user.op == "call_function" and user.target in _LOOKUPS:
+                            lookup = HostLookup(self, table, dtype)
+                            _replace(gm, user, lookup, f"host_lookup_{attr(fqn)}_{user.name}")
+                    if value is not read and not value.users:
+                        gm.graph.erase_node(value)
                 if read.users:
                     readers = sorted(str(u.target) for u in read.users)
                     raise ValueError(
@@ -75,16 +72,39 @@ class EmbeddingOffload:
         gm.recompile()
 
 
-class HostLookup(nn.Module):
-    """``embedding(table, ids)`` with the table on the host."""
+def _casts(read: fx.Node) -> list[tuple[fx.Node, torch.dtype]]:
+    """The casts of a table the program reads in the compute dtype (mixed precision)."""
+    return [
+        (u, u.args[1])
+        for u in read.users
+        if u.op == "call_function" and u.target is local.cast and u.args[0] is read
+    ]
 
-    def __init__(self, offload: EmbeddingOffload, table: _Table) -> None:
+
+def _replace(gm: fx.GraphModule, lookup: fx.Node, module: nn.Module, name: str) -> None:
+    """``lookup`` (an ``embedding`` of a host table) made a call of ``module`` on its ids."""
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_after(lookup):
+        call = gm.graph.call_module(name, (lookup.args[1],))
+    lookup.replace_all_uses_with(call)
+    gm.graph.erase_node(lookup)
+
+
+class HostLookup(nn.Module):
+    """``embedding(table, ids)`` with the table on the host; its rows in ``dtype`` (the
+    compute dtype of mixed precision: only the rows looked up are cast, on the device)."""
+
+    def __init__(
+        self, offload: EmbeddingOffload, table: _Table, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self._of = [offload, table]  # not submodules: the table is the program's parameter
+        self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         offload, table = self._of
-        return _Lookup.apply(table.param, ids, offload, table)
+        rows = _Lookup.apply(table.param, ids, offload, table)
+        return rows if self.dtype is None else local.cast(rows, self.dtype)
 
     def extra_repr(self) -> str:
         table = self._of[1]

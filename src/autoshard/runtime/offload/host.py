@@ -32,6 +32,7 @@ class HostTier:
         self._events: list[Any] = []
         #: the host parameters by name
         self.params: dict[str, nn.Parameter] = {}
+        self._ids: set[int] = set()
         ref = weakref.ref(self)
 
         def before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -53,14 +54,14 @@ class HostTier:
             host.copy_(value.detach())
         param = nn.Parameter(host, requires_grad=requires_grad)
         self.params[fqn] = param
+        self._ids.add(id(param))
         return param
 
     def holds(self, t: torch.Tensor) -> bool:
-        return any(t is p for p in self.params.values())
+        return id(t) in self._ids
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        ids = {id(p) for p in self.params.values()}
-        return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+        return any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"])
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
         """A host copy of the device tensor ``value``, ready after ``settle``."""
