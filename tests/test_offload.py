@@ -3,7 +3,9 @@ tied embeddings and an unused parameter, and transformers' Llama built from a co
 5 AdamW steps on dp 2, every loss and every parameter equal to the eager model's under
 ``torch.optim.AdamW``; a fraction of 1.0 and 0.5 at ZeRO 0-3, with clipping; checkpoints saved
 under offload loaded without it and the reverse; the bytes each tier holds; bad ``offload=``
-values named."""
+values named. Parameter offload (ZeRO 3's shards on the host) likewise, and an embedding
+table on the host against plain PyTorch's ``sparse=True`` table under SparseAdam, with the
+bytes of rows each step moves."""
 
 from __future__ import annotations
 
@@ -53,8 +55,17 @@ def _plain(model: torch.nn.Module, data: list, clip: float | None, micro: int = 
     return {"losses": losses, "norms": norms, "state": ref.state_dict()}
 
 
-def _made(model: torch.nn.Module, data: list, captured: dict, level: int, fraction: float) -> Any:
-    offload = {"optimizer": fraction} if fraction else None
+def _made(
+    model: torch.nn.Module,
+    data: list,
+    captured: dict,
+    level: int,
+    fraction: float,
+    parameters: bool = False,
+) -> Any:
+    offload = {"optimizer": fraction} if fraction or parameters else None
+    if parameters:  # ZeRO 3's shards on the host too
+        offload["parameters"] = True
     return parallelize(model, data[0], {"dp": 2}, captured=captured, zero=level, offload=offload)
 
 
@@ -125,8 +136,9 @@ def _offloaded_training(
 
 
 def _checkpoint_across(directory: str, before: tuple, after: tuple) -> None:
-    """Two steps at ZeRO and offload ``before`` (level, fraction), saved; loaded into a model
-    with other values at ``after``, three more steps: as plain PyTorch's five. (No unused
+    """Two steps at ZeRO and offload ``before`` (level, fraction, parameters offloaded or
+    not), saved; loaded into a model with other values at ``after``, three more steps: as
+    plain PyTorch's five. (No unused
     parameter: a checkpoint holds no optimizer state of a tensor never stepped, which a load
     asks for.)"""
     model, data, captured = _setup(unused=False)
@@ -289,6 +301,8 @@ def _cases(directory: str) -> list[dict[str, Any]]:
     _checkpoint_across(directory, (2, 1.0), (1, 0.0))
     _checkpoint_across(directory, (3, 0.0), (2, 0.5))
     _checkpoint_across(directory, (1, 0.5), (3, 1.0))
+    _checkpoint_across(directory, (3, 0.0, True), (2, 0.0))  # shards saved from the host
+    _checkpoint_across(directory, (1, 0.0), (3, 0.5, True))  # and loaded into it
     _offloaded_llama(2, 0.5)
     _offloaded_llama(3, 1.0)
     _parameters_on_host(0.0)
