@@ -30,6 +30,18 @@ def make_model() -> torch.nn.Module:
     return build(reference_config("dlrm", rows=1000, tables=3))
 
 
+def make() -> dict[str, object]:
+    """The same run from the command line, every role under torchrun:
+
+        cd examples && autoshard train parameter_server:make --servers 2 --nproc-per-node 4
+
+    the model and 8192 samples of its clicks, read in order, each global batch split over
+    the workers."""
+    config = reference_config("dlrm", rows=1000, tables=3)
+    data = config.example_batch(8192, torch.Generator().manual_seed(0))
+    return {"model": make_model(), "dataset": torch.utils.data.TensorDataset(*data)}
+
+
 def batch_of(num_workers: int, worker: int, step: int) -> tuple[torch.Tensor, ...]:
     """Worker ``worker``'s part of step ``step``'s batch."""
     config = reference_config("dlrm", rows=1000, tables=3)

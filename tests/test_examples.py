@@ -337,3 +337,41 @@ def test_the_parameter_server_example_under_torchrun_matches_one_device():
             optimizer.zero_grad()
         expected.append(loss.item())
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_autoshard_train_with_servers_as_the_parameter_server_page_runs_it():
+    """The page's command, as written (a free port added): 2 servers and 2 workers started
+    by one ``autoshard train``, whose printed losses are one device's on the same global
+    batches (Adagrad on the tables, AdamW on the rest)."""
+    page = (EXAMPLES.parent / "docs/parallelism/parameter-server.md").read_text()
+    line = re.search(r"^\$ cd examples && (autoshard train parameter_server:make .*)$", page, re.M)
+    argv = line.group(1).split()[2:]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "autoshard.cli", "train", *argv]
+    command += ["--master-port", str(_free_port())]
+    out = subprocess.run(
+        command, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    printed = re.findall(r"^autoshard train: step (\d+)/(\d+) loss (\S+) ", out.stdout, re.M)
+    flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+    steps, size, every = (int(flags[f]) for f in ("--steps", "--batch-size", "--log-every"))
+    assert [int(s) for s, _, _ in printed] == list(range(every, steps + 1, every)), out.stdout
+    assert "2 server(s), 2 worker(s)" in out.stdout
+    example = _module("parameter_server")
+    data, model = example.make()["dataset"], example.make_model()
+    tables = [t.weight for t in model.tables]
+    dense = [p for name, p in model.named_parameters() if not name.startswith("tables.")]
+    lr = float(flags["--lr"])
+    optimizers = [torch.optim.Adagrad(tables, lr=0.1), torch.optim.AdamW(dense, lr=lr)]
+    expected = []
+    for step in range(steps):
+        loss = model(*data[step * size : (step + 1) * size])
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        expected.append(loss.item())
+    losses = [float(loss) for _, _, loss in printed]
+    assert losses == pytest.approx(expected[every - 1 :: every], abs=2e-6)

@@ -228,6 +228,39 @@ def test_every_train_mistake_is_one_line_and_status_2_before_any_rank(
     assert cluster_spec(TrainConfig("m:f").run_cluster(per_node=3), 3).num_devices == 3
 
 
+def test_every_parameter_server_mistake_is_one_line_before_any_rank(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """``--servers``: no worker left, a batch that does not split over the workers, a flag
+    that plans or shards the dense part, ``--staleness`` alone, a model without tables."""
+    (tmp_path / "usermodel.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = {
+        ("--servers", "2", "--nproc-per-node", "2"): (
+            "--servers 2 leaves no worker of this run's 2 ranks"
+        ),
+        ("--servers", "1", "--nproc-per-node", "3", "--batch-size", "7"): (
+            "--batch-size 7 does not split over the 2 workers"
+        ),
+        ("--servers", "1", "--nproc-per-node", "3", "--tp", "2", "--zero", "1"): (
+            "--servers trains the dense part data parallel in float32 among the workers; "
+            "leave out --tp, --zero"
+        ),
+        ("--staleness", "1", "--nproc-per-node", "2"): (
+            "--staleness 1 is for parameter servers: give --servers"
+        ),
+        ("--servers", "1", "--nproc-per-node", "3"): "Net has no table for servers to hold",
+        (
+            "--servers",
+            "-1",
+        ): "train settings out of range: servers = -1",
+    }
+    for argv, message in cases.items():
+        got = _fails_before_any_rank(monkeypatch, capsys, "usermodel:make", *argv)
+        assert got.startswith(message), (argv, got)
+
+
 def test_a_directory_of_damaged_checkpoints_is_not_a_silent_restart(
     tmp_path, monkeypatch, capsys
 ) -> None:

@@ -7,6 +7,7 @@ from autoshard.runtime.ps import (
     PSError,
     find_tables,
     row_ranges,
+    split_batches,
     table_optimizer,
     train,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "PSError",
     "find_tables",
     "row_ranges",
+    "split_batches",
     "table_optimizer",
     "train",
 ]

@@ -76,6 +76,10 @@ _TRAIN_HELP = {
     "copies": "cut each rank's batch into this many copies whose collectives overlap each "
     "other's compute (docs/parallelism/copies.md; 1: none)",
     "restart": "train from step 1 even where --checkpoint-dir holds checkpoints",
+    "servers": "parameter servers: the first ranks hold the model's sparse tables by rows, the "
+    "rest train as workers (docs/parallelism/parameter-server.md; 0: none)",
+    "staleness": "with --servers: steps a worker may run ahead of its rows' oldest update "
+    "(left out: synchronous)",
 }
 _METAVARS = {"picture": "FILE.png", "timeout": "SECONDS"}
 

@@ -72,6 +72,8 @@ class TrainConfig:
     sequence_parallel: bool = False
     copies: int = 1
     restart: bool = False
+    servers: int = 0
+    staleness: int | None = None
 
     def options(self, per_node: int | None = None) -> Options:
         """The options a rank parallelizes the model with (stages, where a pipeline setting
@@ -129,7 +131,8 @@ class TrainConfig:
                 raise ValueError(f"train setting {field.name} = {value!r}: expected {wanted}")
         positive = ("steps", "batch_size", "log_every", "timeout", "lr")
         bad = [f"{n} = {getattr(self, n)!r}" for n in positive if getattr(self, n) <= 0]
-        bad += [f"checkpoint_every = {self.checkpoint_every}"] if self.checkpoint_every < 0 else []
+        counts = ("checkpoint_every", "servers", "staleness")
+        bad += [f"{n} = {getattr(self, n)}" for n in counts if (getattr(self, n) or 0) < 0]
         # the degrees the mesh of ``ep`` reads; the options check the others' ranges
         bad += [
             f"{n} = {getattr(self, n)}" for n in ("tp", "cp", "ep") if (getattr(self, n) or 1) < 1
@@ -137,8 +140,8 @@ class TrainConfig:
         if bad:
             raise ValueError(
                 f"train settings out of range: {', '.join(bad)} (steps, batch_size, log_every, "
-                "timeout and lr are positive; checkpoint_every is 0 or more; tp, cp and ep are 1 "
-                "or more)"
+                "timeout and lr are positive; checkpoint_every, servers and staleness are 0 or "
+                "more; tp, cp and ep are 1 or more)"
             )
 
     @classmethod
@@ -269,6 +272,9 @@ def worker(cfg: TrainConfig) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.manual_seed(cfg.seed)  # the same model on every rank, and from run to run
     parts = parts_of(user_function(cfg.target), cfg.target)
+    if cfg.servers:
+        _parameter_servers(cfg, parts)
+        return
     example = train_example(parts, cfg.batch_size)
     pm = _parallel(parts, example, cfg)
     opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr, **parts.get("optimizer", {}))
@@ -313,6 +319,45 @@ def worker(cfg: TrainConfig) -> None:
             watch.doing("saving a checkpoint")
             save(Path(cfg.checkpoint_dir) / f"step{step + 1}", pm, opt, step=step + 1, loader=feed)
     _finish(cfg, pm, log)
+
+
+def _parameter_servers(cfg: TrainConfig, parts: dict[str, Any]) -> None:
+    """``--servers S``: the first S ranks hold the model's tables by rows, the others train
+    on their part of each global batch (``autoshard.ps``); the first worker prints the loss
+    every ``log_every`` steps and the rows it moved."""
+    from autoshard import ps
+
+    config = ps.PSConfig(
+        cfg.servers, staleness=cfg.staleness, dense_lr=cfg.lr, timeout_s=cfg.timeout
+    )
+    data = parts["batch"] if parts.get("dataset") is None else parts["dataset"]
+    workers = int(os.environ.get("WORLD_SIZE", "1")) - cfg.servers
+    loud = int(os.environ.get("RANK", "0")) == cfg.servers
+    began = [time.perf_counter()]  # the last step's end
+
+    def on_step(step: int, loss: float) -> None:
+        seconds, began[0] = time.perf_counter() - began[0], time.perf_counter()
+        if loud and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+            print(
+                f"autoshard train: step {step + 1}/{cfg.steps} loss {loss:.6f} "
+                f"{seconds * 1e3:.1f} ms/step",
+                flush=True,
+            )
+
+    result = ps.train(
+        lambda: parts["model"],
+        ps.split_batches(data, cfg.batch_size, workers),
+        cfg.steps,
+        config,
+        on_step,
+    )
+    if loud:
+        moved = sum(result["pulled_bytes"]) / max(len(result["pulled_bytes"]), 1)
+        print(
+            f"autoshard train: {cfg.servers} server(s), {workers} worker(s); worker 0 pulled "
+            f"and pushed {moved / 1024:.1f} KiB of rows a step",
+            flush=True,
+        )
 
 
 def _finish(cfg: TrainConfig, pm: Any, log: _Log) -> None:

@@ -19,6 +19,8 @@ def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
     function, or a result that is no model and data, is a ValueError naming it) and a first
     global batch of its data."""
     world = _world(nproc, nnodes)
+    if cfg.servers or cfg.staleness is not None:
+        _check_servers(cfg, world)
     if cfg.plan is not None:
         _check_plan_flags(cfg)
     cfg.options(per_node=nproc)  # every option in range, each error naming it
@@ -32,6 +34,8 @@ def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
     check_checkpoints(cfg)
     torch.manual_seed(cfg.seed)
     parts = parts_of(user_function(cfg.target), cfg.target)
+    if cfg.servers:
+        _check_server_model(parts)
     example = train_example(parts, cfg.batch_size)
     _check_microbatches(cfg, example)
     if cfg.plan is not None:
@@ -81,6 +85,40 @@ def _check_degrees(cfg: TrainConfig, world: int) -> None:
         raise ValueError(
             f"{named}: the ranks must be a multiple of {product}; this run has {world}"
         )
+
+
+def _check_servers(cfg: TrainConfig, world: int) -> None:
+    """Servers and workers among the ranks, a global batch they split, and none of the
+    settings a worker's data-parallel float32 AdamW does not take."""
+    if not cfg.servers:
+        raise ValueError(f"--staleness {cfg.staleness} is for parameter servers: give --servers")
+    if cfg.servers >= world:
+        raise ValueError(f"--servers {cfg.servers} leaves no worker of this run's {world} ranks")
+    workers = world - cfg.servers
+    if cfg.batch_size % workers:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split over the {workers} workers")
+    others = ("plan", "pp", "microbatches", "schedule", "virtual_stages", "recompute", "tp")
+    others += ("cp", "attention", "ep", "sequence_parallel", "clip", "checkpoint_dir")
+    given = [n for n in others if getattr(cfg, n) not in (None, False)]
+    given += [
+        n
+        for n, off in (("zero", 0), ("precision", "fp32"), ("copies", 1))
+        if getattr(cfg, n) != off
+    ]
+    if given:
+        raise ValueError(
+            "--servers trains the dense part data parallel in float32 among the workers; "
+            "leave out " + ", ".join(f"--{n.replace('_', '-')}" for n in given)
+        )
+
+
+def _check_server_model(parts: dict[str, Any]) -> None:
+    """A model with tables for servers, which returns its loss."""
+    from autoshard.ps import find_tables
+
+    if parts.get("loss_fn") is not None:
+        raise ValueError("--servers trains a model that returns its loss: return no loss_fn")
+    find_tables(parts["model"])
 
 
 def _check_plan_flags(cfg: TrainConfig) -> None:

@@ -6,7 +6,7 @@ bound on staleness."""
 
 from autoshard.runtime.ps.job import TABLE_OPTIMIZERS, PSConfig, PSError, row_ranges
 from autoshard.runtime.ps.server import table_optimizer
-from autoshard.runtime.ps.training import train
+from autoshard.runtime.ps.training import split_batches, train
 from autoshard.runtime.ps.worker import find_tables
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "PSError",
     "find_tables",
     "row_ranges",
+    "split_batches",
     "table_optimizer",
     "train",
 ]

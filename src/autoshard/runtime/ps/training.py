@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from autoshard import watch
 from autoshard.mesh import ensure_process_group
@@ -13,7 +15,7 @@ from autoshard.runtime.ps.job import Job, PSConfig, PSError
 from autoshard.runtime.ps.server import Server
 from autoshard.runtime.ps.worker import Worker, find_tables
 
-__all__ = ["train"]
+__all__ = ["split_batches", "train"]
 
 
 def train(
@@ -21,6 +23,7 @@ def train(
     batches: Callable[[int, int], tuple[Any, ...]],
     steps: int,
     config: PSConfig,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``model_fn()``'s model for ``steps`` steps with its tables on ``config.servers``
     servers; every rank calls it. ``model_fn`` must build the same model on every rank (the
@@ -44,7 +47,7 @@ def train(
         if job.is_server:
             weights = {path: table.weight for path, table in tables.items()}
             return {"role": "server", **Server(job, weights).serve()}
-        return _work(job, model, tables, batches, steps)
+        return _work(job, model, tables, batches, steps, on_step)
     except PSError:
         raise  # another role's failure, already in the store
     except BaseException as error:
@@ -58,12 +61,15 @@ def _work(
     tables: dict[str, nn.Module],
     batches: Callable[[int, int], tuple[Any, ...]],
     steps: int,
+    on_step: Callable[[int, float], None] | None,
 ) -> dict[str, Any]:
     worker = Worker(job, model, tables)
     losses = []
     for step in range(steps):
         watch.doing(f"reading batch {step}")
         losses.append(worker.step(batches(worker.index, step)))
+        if on_step is not None:
+            on_step(step, losses[-1])
     worker.finish()
     return {
         "role": "worker",
@@ -73,3 +79,28 @@ def _work(
         "pulled_bytes": worker.pulled_bytes,
         "pushed_bytes": worker.pushed_bytes,
     }
+
+
+def split_batches(
+    data: Any, batch_size: int, num_workers: int
+) -> Callable[[int, int], tuple[Any, ...]]:
+    """``batches(worker, step)`` for :func:`train` from a map-style dataset (step t's global
+    batch: samples ``t * batch_size`` on, from the start again past its end) or from one
+    batch (a tuple of tensors, every step's): each worker takes its ``batch_size //
+    num_workers`` samples of it, in worker order."""
+    if batch_size % num_workers:
+        raise ValueError(
+            f"a global batch of {batch_size} samples does not split over {num_workers} workers"
+        )
+    per = batch_size // num_workers
+    whole = isinstance(data, tuple | list) and all(isinstance(t, torch.Tensor) for t in data)
+
+    def batches(worker: int, step: int) -> tuple[Any, ...]:
+        if whole:
+            return tuple(t[worker * per : (worker + 1) * per] for t in data)
+        first = step * batch_size + worker * per
+        samples = [data[(first + i) % len(data)] for i in range(per)]
+        batch = default_collate(samples)
+        return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+
+    return batches
