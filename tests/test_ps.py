@@ -23,9 +23,15 @@ LONG_STEPS = 200
 HELD_OUT = 8192
 
 
-def _model(config: DLRMConfig, dtype: torch.dtype) -> nn.Module:
+class _RowsUnknown(DLRM):
+    """The DLRM without ``table_rows``: its rows are pulled as its forward meets them."""
+
+    table_rows = None
+
+
+def _model(config: DLRMConfig, dtype: torch.dtype, ahead: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    return DLRM(config).to(dtype)
+    return (DLRM if ahead else _RowsUnknown)(config).to(dtype)
 
 
 def _global_batch(config: DLRMConfig, dtype: torch.dtype, size: int, step: int) -> tuple:
@@ -43,7 +49,7 @@ def _worker_batch(
 def _case(case: dict[str, Any]) -> dict[str, Any]:
     dtype, config = case["dtype"], case["model"]
     return train(
-        functools.partial(_model, config, dtype),
+        functools.partial(_model, config, dtype, case.get("ahead", True)),
         functools.partial(_worker_batch, config, dtype, case["per_worker"]),
         case["steps"],
         case["ps"],
@@ -98,6 +104,14 @@ SYNC = [
         "ps": PSConfig(2, table_optimizer="sgd", table_lr=0.5, dense_lr=1e-2),
     },
 ]
+UNNAMED = {
+    "model": SMALL,
+    "dtype": torch.float64,
+    "per_worker": 4,
+    "steps": 6,
+    "ps": PSConfig(2, staleness=1),
+    "ahead": False,
+}
 LONG_RUNS = [
     {"model": LONG, "dtype": torch.float32, "per_worker": 32, "steps": LONG_STEPS, "ps": ps}
     for ps in (PSConfig(2, dense_lr=1e-2), PSConfig(2, staleness=2, dense_lr=1e-2))
@@ -107,8 +121,9 @@ LONG_RUNS = [
 @pytest.fixture(scope="module")
 def runs() -> list[list[dict[str, Any]]]:
     """Every case on 2 servers + 2 workers, in one spawn: per case, the ranks' results."""
-    per_rank = run_ranks(_cases, SERVERS + WORKERS, SYNC + LONG_RUNS, timeout=600)
-    return [[rank[i] for rank in per_rank] for i in range(len(SYNC + LONG_RUNS))]
+    cases = [*SYNC, *LONG_RUNS, UNNAMED]
+    per_rank = run_ranks(_cases, SERVERS + WORKERS, cases, timeout=600)
+    return [[rank[i] for rank in per_rank] for i in range(len(cases))]
 
 
 def _check_against_one_device(case: dict[str, Any], results: list[dict[str, Any]]) -> None:
@@ -183,6 +198,42 @@ def test_bounded_staleness_stays_within_its_bound_and_converges(runs) -> None:
     # learned something, so that being near the synchronous run means something
     assert sync_end < 0.5 * first, (first, sync_end)
     assert abs(stale_end - sync_end) <= 0.05 * sync_end, (stale_end, sync_end)
+
+
+def test_the_next_batch_s_rows_are_requested_before_the_step_computes(runs) -> None:
+    """Staleness 2 on the DLRM, which names its rows ahead: every step's rows were requested
+    before the step before it computed, and the servers sent them while it did."""
+    stale = runs[len(SYNC) + 1]
+    sent: dict[tuple[int, int], float] = {}  # (worker rank, step): when its last rows left
+    for server in (r for r in stale if r["role"] == "server"):
+        for rank, step, when in server["timeline"]:
+            sent[rank, step] = max(sent.get((rank, step), 0.0), when)
+    early = 0
+    for worker in (r for r in stale if r["role"] == "worker"):
+        rank = SERVERS + worker["index"]
+        order = [(event, step) for event, step, _ in worker["timeline"]]
+        times = {(event, step): when for event, step, when in worker["timeline"]}
+        assert order[:2] == [("requested", 0), ("requested", 1)]
+        for step in range(LONG_STEPS - 1):
+            i = order.index(("computed", step))
+            # step + 1's request is made in step, before its forward
+            assert order[i - 1] == ("requested", step + 1), order[i - 3 : i + 1]
+            early += sent[rank, step + 1] < times["computed", step]
+    # rows that left a server before the step before theirs had computed came while it did
+    assert early > 0, sent
+
+
+def test_rows_a_model_does_not_name_go_as_its_forward_meets_them(runs) -> None:
+    """Staleness 1 on a model without ``table_rows``: pulled in its forward, pushed a step
+    late, the bound met and every step applied."""
+    for server in (r for r in runs[-1] if r["role"] == "server"):
+        assert server["max_staleness"] == 1
+        assert server["applied"] == dict.fromkeys(range(SERVERS, SERVERS + WORKERS), 6)
+    for worker in (r for r in runs[-1] if r["role"] == "worker"):
+        assert worker["timeline"] == [
+            ("computed", s, t) for s, (_, _, t) in enumerate(worker["timeline"])
+        ]
+        assert worker["pulled_bytes"] == _row_bytes(UNNAMED, worker["index"])
 
 
 def test_bad_settings_are_named() -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "all_gather_object",
     "barrier",
     "broadcast_",
+    "broadcast_async_",
     "collective_bytes",
     "counters",
     "counting",
@@ -217,6 +218,13 @@ def broadcast_(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     with watch.waiting(what):
         dist.broadcast(x, src=ranks[0], group=group)
     return x
+
+
+def broadcast_async_(x: torch.Tensor, ranks: Sequence[int]) -> dist.Work:
+    """Start sending ``ranks[0]``'s contiguous ``x`` to every member, in place; ``x``
+    belongs to the collective until the returned work's ``wait()``."""
+    what = _count("broadcast", ranks, x)
+    return watch.Watched(dist.broadcast(x, src=ranks[0], group=_group(ranks), async_op=True), what)
 
 
 def all_reduce_max(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:

@@ -87,6 +87,13 @@ class DLRM(nn.Module):
         for table in self.tables:
             nn.init.normal_(table.weight, std=0.02)
 
+    def table_rows(
+        self, dense: torch.Tensor, rows: torch.Tensor, clicks: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The row ids ``forward`` gives each table, by module path, read from a batch
+        before it runs: parameter servers request them a step ahead."""
+        return {f"tables.{i}": rows[:, i] for i in range(len(self.tables))}
+
     def forward(
         self, dense: torch.Tensor, rows: torch.Tensor, clicks: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -14,6 +14,7 @@ against the bound on every pull.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ class Server:
         self.max_staleness = 0
         self.rows_in = 0  # rows received and sent, counted where they cross
         self.rows_out = 0
+        self.timeline: list[tuple[int, int, float]] = []  # (worker, step, when rows were sent)
 
     def serve(self) -> dict[str, Any]:
         """Answer requests until every worker is done; returns the rows held and counts."""
@@ -79,6 +81,7 @@ class Server:
             "max_staleness": self.max_staleness,
             "rows_in": self.rows_in,
             "rows_out": self.rows_out,
+            "timeline": self.timeline,
         }
 
     def _pull(self, worker: int, step: int, table: str, count: int) -> None:
@@ -95,6 +98,7 @@ class Server:
         rows = comm.broadcast_(torch.empty(count, dtype=torch.int64, device=self.job.device), pair)
         self.pulled[worker].setdefault(step, {})[table] = rows
         comm.broadcast_(self.shards[table].detach()[rows].contiguous(), pair[::-1])
+        self.timeline.append((worker, step, time.time()))
         self.rows_out += count
 
     def _push(self, worker: int, step: int) -> None:

@@ -64,10 +64,12 @@ def _work(
     on_step: Callable[[int, float], None] | None,
 ) -> dict[str, Any]:
     worker = Worker(job, model, tables)
-    losses = []
+    losses, upcoming = [], None
     for step in range(steps):
         watch.doing(f"reading batch {step}")
-        losses.append(worker.step(batches(worker.index, step)))
+        batch = upcoming if step else batches(worker.index, step)
+        upcoming = batches(worker.index, step + 1) if step + 1 < steps else None
+        losses.append(worker.step(batch, upcoming))
         if on_step is not None:
             on_step(step, losses[-1])
     worker.finish()
@@ -78,6 +80,7 @@ def _work(
         "state": {name: value.detach().clone() for name, value in model.state_dict().items()},
         "pulled_bytes": worker.pulled_bytes,
         "pushed_bytes": worker.pushed_bytes,
+        "timeline": worker.timeline,
     }
 
 

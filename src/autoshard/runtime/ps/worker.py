@@ -1,10 +1,16 @@
 """A worker: the model with each table replaced by :class:`RemoteTable`, which pulls the unique
 rows its input names from the servers that hold them, and a step that pushes those rows'
 gradients back once, deduplicated, and sums the dense gradients over the workers (data
-parallelism, AdamW on every replica)."""
+parallelism, AdamW on every replica).
+
+With a staleness bound of 1 or more and a model that names the rows its forward will give
+each table (a method ``table_rows(*batch)`` returning ``{table path: row ids}``), the next
+batch's rows are requested before the current step's forward and arrive while it computes;
+its pushes then go at the end of its step, after the next step's requests."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -13,6 +19,7 @@ from torch import nn
 
 from autoshard import comm, watch
 from autoshard.runtime.ps.job import Job
+from autoshard.runtime.ps.pull import Pull, request
 
 __all__ = ["RemoteTable", "Worker", "find_tables"]
 
@@ -39,6 +46,14 @@ def find_tables(model: nn.Module) -> dict[str, nn.Module]:
     return tables
 
 
+def check_ids(path: str, ids: torch.Tensor, num_rows: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+        raise ValueError(
+            f"table {path!r}: row ids must be in [0, {num_rows}), got "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
+
+
 class RemoteTable(nn.Module):
     """Stands where a table was: its forward pulls the unique rows it is given from the
     servers and pools them as the table would; the pulled rows are a leaf whose gradient
@@ -50,7 +65,7 @@ class RemoteTable(nn.Module):
         self.num_rows, self.dim = table.weight.shape
         self.dtype = table.weight.dtype
         self.mode = table.mode if isinstance(table, nn.EmbeddingBag) else None
-        self.pulled: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pulled: tuple[Pull, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -60,14 +75,11 @@ class RemoteTable(nn.Module):
     ) -> torch.Tensor:
         if self.pulled is not None:
             raise ValueError(f"table {self.path!r} is called twice in one step: pull it once")
-        if input.numel() and (int(input.min()) < 0 or int(input.max()) >= self.num_rows):
-            raise ValueError(
-                f"table {self.path!r}: row ids must be in [0, {self.num_rows}), got "
-                f"[{int(input.min())}, {int(input.max())}]"
-            )
+        check_ids(self.path, input, self.num_rows)
         unique, local = torch.unique(input, return_inverse=True)
-        rows = self.worker.pull(self.path, unique).requires_grad_()
-        self.pulled = (unique, rows)
+        pull = self.worker.pull(self.path, unique)
+        rows = pull.rows(self.dim, self.dtype, self.worker.job.device).requires_grad_()
+        self.pulled = (pull, rows)
         if self.mode is None:
             return F.embedding(local, rows)
         return F.embedding_bag(
@@ -91,11 +103,15 @@ class Worker:
         self._same_dense()
         self.optimizer = torch.optim.AdamW(self.dense, lr=job.config.dense_lr)
         self.step_number = 0
-        self.slices: dict[str, list[tuple[int, int, int]]] = {}  # table -> (server, a, b)
-        # with a staleness bound of 1 or more, a step's row gradients are pushed after the
-        # next step's pulls, as a push overlapped with the next step would arrive
-        bound = job.config.staleness
-        self.deferred: list | None = [] if bound is not None and bound >= 1 else None
+        # with a staleness bound of 1 or more, a step's pulls go before the last step's
+        # pushes: requested ahead where the model names its rows, else the pushes deferred
+        stale = job.config.bound >= 1
+        self.rows_of = getattr(model, "table_rows", None) if stale else None
+        self.deferred: list | None = [] if stale and self.rows_of is None else None
+        self.ready: dict[str, Pull] = {}  # this step's rows, requested ahead
+        self.ahead: dict[str, Pull] = {}  # the next step's
+        #: (event, step, time.time()): requests made ahead, steps computed
+        self.timeline: list[tuple[str, int, float]] = []
         self.pulling = 0  # bytes of rows pulled in the step under way
         self.pulled_bytes: list[int] = []  # per step, counted where the rows cross
         self.pushed_bytes: list[int] = []
@@ -117,35 +133,61 @@ class Worker:
             comm.broadcast_(flat, self.job.workers)
             torch.nn.utils.vector_to_parameters(flat, self.dense)
 
-    def pull(self, path: str, unique: torch.Tensor) -> torch.Tensor:
-        """The rows ``unique`` (sorted) of table ``path``, each from the server holding it."""
-        job, remote = self.job, self.remote[path]
-        parts, self.slices[path] = [], []
-        for s, (lo, hi) in zip(job.servers, self.ranges[path], strict=True):
-            a, b = (
-                int(i)
-                for i in torch.searchsorted(unique, torch.tensor([lo, hi], device=unique.device))
-            )
-            job.post(s, f"pull {job.rank} {self.step_number} {path} {b - a}")
-            if b == a:
-                continue
-            self.slices[path].append((s, a, b))
-            comm.broadcast_((unique[a:b] - lo).contiguous(), [job.rank, s])
-            rows = torch.empty(b - a, remote.dim, dtype=remote.dtype, device=job.device)
-            parts.append(comm.broadcast_(rows, [s, job.rank]))
-            self.pulling += rows.numel() * rows.element_size()
-        if not parts:
-            return torch.empty(0, remote.dim, dtype=remote.dtype, device=job.device)
-        return torch.cat(parts)
+    def pull(self, path: str, unique: torch.Tensor) -> Pull:
+        """The pull of the rows ``unique`` (sorted) of table ``path`` this step: the one
+        requested ahead, else one requested now."""
+        if self.rows_of is None:
+            pull = self._request(path, unique, self.step_number)
+        else:
+            pull = self.ready.pop(path, None)
+            if pull is None or not torch.equal(pull.unique, unique):
+                raise ValueError(
+                    f"table {path!r} is given other rows in step {self.step_number} than "
+                    f"{type(self.model).__name__}.table_rows named for it"
+                )
+        self.pulling += pull.nbytes
+        return pull
 
-    def step(self, batch: tuple[Any, ...]) -> float:
-        """One training step on this worker's batch; returns the loss over every worker's."""
+    def _request(self, path: str, unique: torch.Tensor, step: int) -> Pull:
+        remote = self.remote[path]
+        return request(self.job, path, step, unique, self.ranges[path], remote.dim, remote.dtype)
+
+    def _ahead(self, batch: tuple[Any, ...], step: int) -> dict[str, Pull]:
+        """Request step ``step``'s rows of every table, as the model names them for
+        ``batch``, once the servers hold the versions that step may see."""
+        self._wait_for_versions(step)
+        named = self.rows_of(*batch)
+        unknown = sorted(set(named) - set(self.remote))
+        if unknown:
+            raise ValueError(
+                f"{type(self.model).__name__}.table_rows names {unknown}, not tables on "
+                f"servers ({sorted(self.remote)})"
+            )
+        pulls = {}
+        for path, ids in named.items():
+            ids = ids.to(self.job.device)
+            check_ids(path, ids, self.remote[path].num_rows)
+            pulls[path] = self._request(path, torch.unique(ids), step)
+        self.timeline.append(("requested", step, time.time()))
+        return pulls
+
+    def step(self, batch: tuple[Any, ...], upcoming: tuple[Any, ...] | None = None) -> float:
+        """One training step on this worker's batch; returns the loss over every worker's.
+        ``upcoming``: the next step's batch, whose rows are requested before this step's
+        forward where they can be."""
         job, workers = self.job, self.job.workers
         watch.step(self.step_number)
-        self._wait_for_versions()
+        if self.rows_of is None:
+            self._wait_for_versions(self.step_number)
+        else:
+            self.ready = self.ahead or self._ahead(batch, self.step_number)
+            self.ahead = {}
+            if upcoming is not None:  # their broadcasts run while this step computes
+                self.ahead = self._ahead(upcoming, self.step_number + 1)
         device = self.job.device
         loss = self.model(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in batch))
         (loss / len(workers)).backward()
+        self.timeline.append(("computed", self.step_number, time.time()))
         grads = self._take_grads()
         self._sum_dense()
         if self.deferred is None:
@@ -180,10 +222,10 @@ class Worker:
             )
         return float(sums[2]) / count
 
-    def _wait_for_versions(self) -> None:
-        """Wait until every server has applied every worker's step ``t - k - 1``: the pulls of
-        step t then include all but the last k steps (synchronous: k = 0)."""
-        oldest = self.step_number - self.job.config.bound - 1
+    def _wait_for_versions(self, step: int) -> None:
+        """Wait until every server has applied every worker's step ``step - k - 1``: the
+        pulls of ``step`` then include all but the last k steps (synchronous: k = 0)."""
+        oldest = step - self.job.config.bound - 1
         if oldest < 0:
             return
         job = self.job
@@ -205,12 +247,17 @@ class Worker:
         """Per server, the gradients of the rows it sent this step, in the order it sent
         them."""
         grads: dict[int, list[torch.Tensor]] = {s: [] for s in self.job.servers}
-        for path, remote in self.remote.items():
+        if self.ready:
+            raise ValueError(
+                f"{type(self.model).__name__}.table_rows named rows of {sorted(self.ready)} "
+                f"in step {self.step_number}, which its forward did not use"
+            )
+        for remote in self.remote.values():
             if remote.pulled is None:
                 continue
-            _, rows = remote.pulled
+            pull, rows = remote.pulled
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-            for s, a, b in self.slices[path]:
+            for s, a, b in pull.slices:
                 grads[s].append(grad[a:b].contiguous())
             remote.pulled = None
         self.pulled_bytes.append(self.pulling)
