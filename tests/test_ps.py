@@ -53,6 +53,8 @@ def _case(case: dict[str, Any]) -> dict[str, Any]:
         functools.partial(_worker_batch, config, dtype, case["per_worker"]),
         case["steps"],
         case["ps"],
+        save_to=case.get("save_to"),
+        resume_from=case.get("resume_from"),
     )
 
 
@@ -118,10 +120,14 @@ LONG_RUNS = [
 ]
 
 
+SAVED = {"model": SMALL, "dtype": torch.float64, "per_worker": 4, "steps": 3, "ps": PSConfig(2)}
+
+
 @pytest.fixture(scope="module")
-def runs() -> list[list[dict[str, Any]]]:
+def runs(tmp_path_factory) -> list[list[dict[str, Any]]]:
     """Every case on 2 servers + 2 workers, in one spawn: per case, the ranks' results."""
-    cases = [*SYNC, *LONG_RUNS, UNNAMED]
+    SAVED["save_to"] = str(tmp_path_factory.mktemp("ps") / "job")
+    cases = [*SYNC, *LONG_RUNS, UNNAMED, SAVED]
     per_rank = run_ranks(_cases, SERVERS + WORKERS, cases, timeout=600)
     return [[rank[i] for rank in per_rank] for i in range(len(cases))]
 
@@ -223,13 +229,36 @@ def test_the_next_batch_s_rows_are_requested_before_the_step_computes(runs) -> N
     assert early > 0, sent
 
 
+def test_a_two_server_checkpoint_trains_on_three_servers(runs) -> None:
+    """3 steps on 2 servers saved, loaded by 3 servers and 2 workers (each server reading
+    the rows it now holds), trained to step 6: one device's 6 steps, losses and every
+    parameter."""
+    resumed = {**SAVED, "steps": 6, "ps": PSConfig(3), "resume_from": SAVED["save_to"]}
+    del resumed["save_to"]
+    per_rank = run_ranks(_cases, 3 + WORKERS, [resumed], timeout=300)
+    results = [rank[0] for rank in per_rank]
+    losses, model = _one_device(resumed)
+    saved_losses = next(r for r in runs[-1] if r["role"] == "worker")["losses"]
+    torch.testing.assert_close(saved_losses, losses[:3])
+    servers = [r for r in results if r["role"] == "server"]
+    assert [s["ranges"]["tables.0"] for s in servers] == row_ranges(SMALL.num_rows, 3)
+    for worker in (r for r in results if r["role"] == "worker"):
+        torch.testing.assert_close(worker["losses"], losses[3:])
+    for path, table in find_tables(model).items():
+        rows = torch.cat([s["shards"][path] for s in servers])
+        torch.testing.assert_close(rows, table.weight.detach())
+    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("tables.")}
+    for name, value in dense.items():
+        torch.testing.assert_close(results[-1]["state"][name], value, msg=name)
+
+
 def test_rows_a_model_does_not_name_go_as_its_forward_meets_them(runs) -> None:
     """Staleness 1 on a model without ``table_rows``: pulled in its forward, pushed a step
     late, the bound met and every step applied."""
-    for server in (r for r in runs[-1] if r["role"] == "server"):
+    for server in (r for r in runs[-2] if r["role"] == "server"):
         assert server["max_staleness"] == 1
         assert server["applied"] == dict.fromkeys(range(SERVERS, SERVERS + WORKERS), 6)
-    for worker in (r for r in runs[-1] if r["role"] == "worker"):
+    for worker in (r for r in runs[-2] if r["role"] == "worker"):
         assert worker["timeline"] == [
             ("computed", s, t) for s, (_, _, t) in enumerate(worker["timeline"])
         ]

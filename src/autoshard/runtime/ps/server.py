@@ -58,6 +58,10 @@ class Server:
         self.rows_out = 0
         self.timeline: list[tuple[int, int, float]] = []  # (worker, step, when rows were sent)
 
+    def start(self, step: int) -> None:
+        """Begin at ``step``: every worker's steps before it applied (a resumed job)."""
+        self.applied = dict.fromkeys(self.job.workers, step)
+
     def serve(self) -> dict[str, Any]:
         """Answer requests until every worker is done; returns the rows held and counts."""
         job, done, number = self.job, set(), 0

@@ -102,7 +102,7 @@ class Worker:
         self.dense = [p for p in model.parameters() if p.requires_grad]
         self._same_dense()
         self.optimizer = torch.optim.AdamW(self.dense, lr=job.config.dense_lr)
-        self.step_number = 0
+        self.step_number = self.first = 0
         # with a staleness bound of 1 or more, a step's pulls go before the last step's
         # pushes: requested ahead where the model names its rows, else the pushes deferred
         stale = job.config.bound >= 1
@@ -115,6 +115,10 @@ class Worker:
         self.pulling = 0  # bytes of rows pulled in the step under way
         self.pulled_bytes: list[int] = []  # per step, counted where the rows cross
         self.pushed_bytes: list[int] = []
+
+    def start(self, step: int) -> None:
+        """Begin at ``step`` (a resumed job: the servers hold every step before it)."""
+        self.step_number = self.first = step
 
     def _ranges(self, path: str) -> list[tuple[int, int]]:
         """The rows each server announced it holds."""
@@ -226,7 +230,7 @@ class Worker:
         """Wait until every server has applied every worker's step ``step - k - 1``: the
         pulls of ``step`` then include all but the last k steps (synchronous: k = 0)."""
         oldest = step - self.job.config.bound - 1
-        if oldest < 0:
+        if oldest < self.first:
             return
         job = self.job
         keys = [job.key("applied", s, w, oldest) for s in job.servers for w in job.workers]
