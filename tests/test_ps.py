@@ -4,6 +4,8 @@ staleness bound they stay within it and converge as the synchronous run does."""
 from __future__ import annotations
 
 import functools
+import os
+import time
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from torch import nn
 
 from autoshard.models import DLRM, DLRMConfig, build, reference_config
 from autoshard.runtime.ps import PSConfig, find_tables, row_ranges, table_optimizer, train
+from autoshard.runtime.ps import server as server_module
 from autoshard.testing import RankFailure, run_ranks
 
 SERVERS, WORKERS = 2, 2
@@ -318,6 +321,43 @@ def test_the_dlrm_reference_is_sized_by_rows_tables_and_dim() -> None:
         reference_config("dlrm", rows=0)
     with pytest.raises(ValueError, match="pooling 'max'"):
         DLRMConfig(pooling="max")
+
+
+def _server_stops(rank: int, step: int) -> None:
+    """Server ``rank``'s process ends when it comes to a push of ``step``, as a crash would
+    end it (no exception, no word in the store)."""
+    serve_push = server_module.Server._push
+
+    def push(self, worker: int, at: int) -> None:
+        if self.job.rank == rank and at == step:
+            os._exit(3)
+        serve_push(self, worker, at)
+
+    server_module.Server._push = push
+    train(
+        functools.partial(_model, SMALL, torch.float64),
+        functools.partial(_worker_batch, SMALL, torch.float64, 2),
+        6,
+        PSConfig(2, timeout_s=300.0),
+    )
+
+
+def test_a_server_that_stops_is_named_and_the_job_ends() -> None:
+    """Server 1's process gone at step 2: the workers' exchanges with it fail, naming it,
+    and server 0 stops with that name; no rank waits out its timeout."""
+    began = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_server_stops, SERVERS + WORKERS, 1, 2, timeout=120)
+    text = str(failure.value)
+    assert "rank 1: no result; exited with code 3" in text
+    for worker in (0, 1):
+        assert (
+            f"PSError: server 1 (rank 1) stopped answering worker {worker} (rank {worker + 2})"
+            in text
+        )
+    assert "PSError: server 0 (rank 0) stopped: server 1 (rank 1) stopped answering" in text
+    # the spawn's start and the errors, far less than the 300 s any wait would be bounded by
+    assert time.monotonic() - began < 100
 
 
 def _uneven_batch(worker: int, step: int) -> tuple:

@@ -10,6 +10,8 @@ its name instead of waiting.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -123,14 +125,31 @@ class Job:
         """Tell the other roles that this one failed, and why (the first to fail is named)."""
         self.store.compare_set(self.key("failed"), "", f"{self.name(self.rank)}: {error!r}")
 
+    @contextmanager
+    def talking_to(self, peer: int, what: str) -> Iterator[None]:
+        """A collective of this rank and ``peer`` alone: one that fails (the peer gone, its
+        connection closed) is ``peer``'s failure, named so to every role."""
+        try:
+            yield
+        except PSError:
+            raise
+        except RuntimeError as error:
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            text = f"{self.name(peer)} stopped answering {self.name(self.rank)}'s {what} ({first})"
+            self.store.compare_set(self.key("failed"), "", text)
+            raise PSError(text) from error
+
     def post(self, server: int, message: str) -> None:
         """Append ``message`` to ``server``'s queue of requests."""
         number = self.store.add(self.key("queue", server, "n"), 1)
         self.store.set(self.key("queue", server, number), message)
 
-    def wait(self, keys: list[str], what: str, ranks: list[int]) -> None:
+    def wait(
+        self, keys: list[str], what: str, ranks: list[int], owners: list[int] | None = None
+    ) -> None:
         """Wait until every key exists, bounded by the timeout; a failed role or a silent one
-        ends the wait with an error naming it."""
+        ends the wait with an error naming it (``owners``: the rank that writes each key;
+        those of the keys missing are named, else ``ranks``)."""
         deadline = time.monotonic() + self.config.timeout_s
         failed, pause = self.key("failed"), _FIRST_PAUSE_S
         # polled: a blocking wait in the store cannot also watch for a failed role
@@ -138,6 +157,10 @@ class Job:
             if self.store.check([failed]):
                 raise PSError(f"{self.name(self.rank)} stopped: {self.store.get(failed).decode()}")
             if time.monotonic() > deadline:
+                if owners is not None:
+                    ranks = sorted(
+                        {o for k, o in zip(keys, owners, strict=True) if not self.store.check([k])}
+                    )
                 names = ", ".join(self.name(r) for r in ranks)
                 raise PSError(
                     f"{self.name(self.rank)} waited {self.config.timeout_s:g} s for {what} "

@@ -24,20 +24,22 @@ class Pull:
     unique: torch.Tensor
     slices: list[tuple[int, int, int]] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)
-    works: list = field(default_factory=list)
+    works: list[tuple[int, object]] = field(default_factory=list)  # (server, broadcast)
     ids: list[torch.Tensor] = field(default_factory=list)  # sent: kept until sent
 
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parts)
 
-    def rows(self, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def rows(self, job: Job, dim: int, dtype: torch.dtype) -> torch.Tensor:
         """The rows, once every broadcast of them is done."""
         while self.works:
-            self.works.pop(0).wait()
+            server, work = self.works.pop(0)
+            with job.talking_to(server, f"pull of step {self.step}"):
+                work.wait()
         self.ids.clear()
         if not self.parts:
-            return torch.empty(0, dim, dtype=dtype, device=device)
+            return torch.empty(0, dim, dtype=dtype, device=job.device)
         return torch.cat(self.parts)
 
 
@@ -66,8 +68,9 @@ def request(
         rows = torch.empty(b - a, dim, dtype=dtype, device=job.device)
         pull.ids.append(ids)
         pull.parts.append(rows)
-        pull.works += [
-            comm.broadcast_async_(ids, [job.rank, s]),
-            comm.broadcast_async_(rows, [s, job.rank]),
-        ]
+        with job.talking_to(s, f"pull of step {step}"):
+            pull.works += [
+                (s, comm.broadcast_async_(ids, [job.rank, s])),
+                (s, comm.broadcast_async_(rows, [s, job.rank])),
+            ]
     return pull

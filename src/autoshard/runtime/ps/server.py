@@ -99,9 +99,11 @@ class Server:
         if count == 0:
             return
         pair = [worker, self.job.rank]
-        rows = comm.broadcast_(torch.empty(count, dtype=torch.int64, device=self.job.device), pair)
+        with self.job.talking_to(worker, f"pull of step {step}"):
+            rows = torch.empty(count, dtype=torch.int64, device=self.job.device)
+            comm.broadcast_(rows, pair)
+            comm.broadcast_(self.shards[table].detach()[rows].contiguous(), pair[::-1])
         self.pulled[worker].setdefault(step, {})[table] = rows
-        comm.broadcast_(self.shards[table].detach()[rows].contiguous(), pair[::-1])
         self.timeline.append((worker, step, time.time()))
         self.rows_out += count
 
@@ -110,7 +112,8 @@ class Server:
         for table, rows in self.pulled[worker].pop(step, {}).items():
             shard = self.shards[table]
             grad = torch.empty(len(rows), shard.shape[1], dtype=shard.dtype, device=shard.device)
-            grads[table] = (rows, comm.broadcast_(grad, [worker, self.job.rank]))
+            with self.job.talking_to(worker, f"push of step {step}"):
+                grads[table] = (rows, comm.broadcast_(grad, [worker, self.job.rank]))
             self.rows_in += len(rows)
         if self.job.config.staleness is not None:
             self._apply([grads])

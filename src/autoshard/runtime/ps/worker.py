@@ -78,7 +78,7 @@ class RemoteTable(nn.Module):
         check_ids(self.path, input, self.num_rows)
         unique, local = torch.unique(input, return_inverse=True)
         pull = self.worker.pull(self.path, unique)
-        rows = pull.rows(self.dim, self.dtype, self.worker.job.device).requires_grad_()
+        rows = pull.rows(self.worker.job, self.dim, self.dtype).requires_grad_()
         self.pulled = (pull, rows)
         if self.mode is None:
             return F.embedding(local, rows)
@@ -233,9 +233,10 @@ class Worker:
         if oldest < self.first:
             return
         job = self.job
-        keys = [job.key("applied", s, w, oldest) for s in job.servers for w in job.workers]
+        pairs = [(s, w) for s in job.servers for w in job.workers]
+        keys = [job.key("applied", s, w, oldest) for s, w in pairs]
         watch.doing(f"waiting for the servers to apply step {oldest}")
-        job.wait(keys, f"step {oldest} applied", job.servers)
+        job.wait(keys, f"step {oldest} applied", job.servers, [s for s, _ in pairs])
 
     def _sum_dense(self) -> None:
         if not self.dense:
@@ -274,7 +275,8 @@ class Worker:
         for s in job.servers:
             job.post(s, f"push {job.rank} {step}")
             for grad in grads[s]:
-                comm.broadcast_(grad, [job.rank, s])
+                with job.talking_to(s, f"push of step {step}"):
+                    comm.broadcast_(grad, [job.rank, s])
                 pushed += grad.numel() * grad.element_size()
         self.pushed_bytes.append(pushed)
 
