@@ -375,3 +375,33 @@ def test_workers_batches_of_different_sizes_are_refused() -> None:
     for rank in (2, 3):
         assert f"rank {rank}: raised" in text
     assert "batches of step 0 differ in size (this worker's 2, 5 in all over 2 workers)" in text
+
+
+def test_the_tables_are_priced_by_the_rows_a_step_touches(capsys) -> None:
+    """The expected distinct rows are the DLRM reference's measured mean; replicating a large
+    table costs its whole gradient; ``autoshard plan --model dlrm`` names the fastest way."""
+    from autoshard.cli.main import main
+    from autoshard.cost import cluster_spec
+    from autoshard.cost.tables import TableShape, expected_unique_rows, price_tables
+
+    config = reference_config("dlrm", rows=1000, tables=1)
+    counts = [
+        len(config.example_batch(64, torch.Generator().manual_seed(s))[1].unique())
+        for s in range(400)
+    ]
+    expected = expected_unique_rows(1000, 64 * config.bag_size)
+    assert abs(sum(counts) / len(counts) - expected) < 0.01 * expected, (counts, expected)
+    assert expected_unique_rows(10, 10_000) == pytest.approx(10.0)
+    shape = TableShape(3, 100_000, 16, 4, 256)
+    ways = {p.way: p for p in price_tables(shape, 4, cluster_spec("cpu", 4))}
+    assert ways["replicated on 4"].bytes_per_rank == 2 * 3 * 100_000 * 64 * 3 / 4
+    touched = 3 * expected_unique_rows(100_000, 128 * 4)  # a worker's half of the batch
+    assert ways["2 servers + 2 workers"].bytes_per_rank == pytest.approx(2 * touched * 64)
+    assert ways["replicated on 4"].step_s > 10 * ways["2 servers + 2 workers"].step_s
+    main(["plan", "--model", "dlrm", "--rows", "100000", "--devices", "4", "--batch", "256"])
+    out = capsys.readouterr().out
+    fastest = min(ways.values(), key=lambda p: p.step_s).way
+    assert f"fastest for the tables: {fastest} (" in out
+    assert "| replicated on 4 | 28,800,000 |" in out
+    with pytest.raises(ValueError, match=r"servers\(4\) must leave a worker of 4 devices"):
+        price_tables(shape, 4, cluster_spec("cpu", 4), servers=4)

@@ -255,10 +255,12 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="llama",
-        choices=["llama", "gpt", "mlp", "moe"],
+        choices=["llama", "gpt", "mlp", "moe", "dlrm"],
         help="reference model to plan (not with --model-fn); moe: llama with a mixture of "
-        "experts for its feed-forward",
+        "experts for its feed-forward; dlrm: its tables priced on parameter servers, split by "
+        "rows, replicated",
     )
+    p.add_argument("--rows", type=int, help="with --model dlrm: rows of each table (None: 1000)")
     p.add_argument(
         "--model-fn",
         help="module:function returning (model, dataset or batch[, loss_fn]) or a dict, as "

@@ -152,6 +152,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     spec = _planned_cluster(args)
+    if args.model == "dlrm" and not args.model_fn:
+        return _plan_tables(args, spec)
     if args.model_fn:
         model, example, loss_fn = plan_inputs(args.model_fn, args.batch, args.seq)
         depth = None
@@ -227,6 +229,17 @@ def _searched(job: Any) -> int:
     if job.args.pp == "auto":  # the pipeline search's best against the plan without stages
         return pipeline_plan(job, baseline=(built.predicted.step_time, show))
     return show()
+
+
+def _plan_tables(args: argparse.Namespace, spec: Any) -> int:
+    """``--model dlrm``: its tables priced three ways (``cost.tables``)."""
+    from autoshard.cost.tables import TableShape, describe
+    from autoshard.models import reference_config
+
+    c = reference_config("dlrm", rows=args.rows)
+    shape = TableShape(c.num_tables, c.num_rows, c.embedding_dim, c.bag_size, args.batch or 256)
+    print("\n".join(describe(shape, spec.num_devices, spec)))
+    return 0
 
 
 def _planned_cluster(args: argparse.Namespace):
