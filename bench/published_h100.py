@@ -21,8 +21,11 @@ Sources (the numbers are theirs; the code that reads them is this file):
   --overlap-param-gather``, which run Megatron's distributed optimizer: ZeRO 1), the
   tensor-parallel communication (``--tp-comm-overlap``, which runs sequence parallelism:
   described as the cluster's ``tp_comm_overlap``) and the pipeline's. It is silent on the
-  micro-batch, the schedule and recompute: one sequence a micro-batch and 1F1B (Megatron's
-  defaults); recompute is left to the search (Megatron's default is none). Megatron-Core
+  micro-batch, the schedule and recompute. Megatron-LM has no default micro-batch
+  (``--micro-batch-size`` defaults to None and must be given): one sequence a micro-batch is
+  taken from the GPT-3 example of that release (``examples/gpt3/train_gpt3_175b_distributed.sh``
+  at core_v0.8.0: ``--micro-batch-size 1``); 1F1B is its schedule without virtual stages;
+  recompute is left to the search (Megatron's default is none). Megatron-Core
   r0.8.0 sums bf16 runs' gradients in float32 (``accumulate_allreduce_grads_in_fp32`` forced
   on), computes its vocabulary-parallel cross-entropy in float32, and runs attention through
   Transformer Engine, which prefers cuDNN's fused kernel on Hopper.
@@ -222,8 +225,9 @@ def clusters(folder: Path) -> dict[str, Path]:
     # benchmark's note 2): the middle of that range
     peak = (835e12 + 989e12) / 2
     flops = base["flops"] | {"bfloat16": peak, "float16": peak}
+    # the benchmark's hardware: 96 GB of HBM2e at 2.4 TB/s a GPU, 400 Gb/s a GPU across hosts
     titan = base | {
-        "memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9, "flops": flops,
+        "memory_bytes": 96e9, "memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9, "flops": flops,
         "loss_bytes": TITAN_LOSS_BYTES, "optimizer_passes": 20.0,  # foreach AdamW
         "attention_efficiency": FLASH2_ATTENTION,
     }  # fmt: skip
@@ -257,8 +261,10 @@ DESCRIBED = (
     "it); the distributed optimizer (`--zero 1`, its gradients reduce-scattered in float32 as "
     "Megatron does under bf16) and sequence parallelism where tp > 1 (`--sequence-parallel`, "
     "which `--tp-comm-overlap` runs); where the README is silent: one sequence a micro-batch "
-    "and 1F1B, recompute left to the search (Megatron's default is none). torchtitan's on Grand "
-    "Teton (`h100-titan.json`: HBM2e 2.4 TB/s, 400 Gb/s a GPU, a peak of 912 dense bf16 "
+    "as the GPT-3 example script of Megatron-Core r0.8.0 runs (`--micro-batch-size 1`; "
+    "Megatron-LM itself has no default), 1F1B, recompute left to the search (Megatron's "
+    "default is none). torchtitan's on Grand Teton (`h100-titan.json`: 96 GB of HBM2e at "
+    "2.4 TB/s, 400 Gb/s a GPU, a peak of 912 dense bf16 "
     "TFLOP/s, the middle of the NVL-to-SXM range the benchmark's note 2 gives for its 500 W "
     "H100s; FlashAttention-2, torch's SDPA kernel then, at the paper's 333 and 318 of 989 at "
     "sequence 8192; its `cross_entropy` of the logits cast to float32, `loss_bytes` 22 and 26; "
