@@ -822,18 +822,27 @@ def test_a_mesh_whose_zero_3_does_not_fit_is_not_built_at_other_stages(monkeypat
         driver.run_search(captured, 32, cluster, memory_limit=limit, mesh=mesh)
 
 
-def test_a_mesh_s_moves_are_priced_once_from_its_graph_without_them(monkeypatch) -> None:
-    """A search prices each mesh's moves once, from the regions its graph without moves
-    priced (no second build of the graph), for every ZeRO stage it solves; the graphs with
-    them are the ones ``build_cost_graph`` gives, and the plan the same."""
+@pytest.fixture(scope="module")
+def llama_on_16():
+    """A Llama's search on 16 devices, each build of a mesh's graph and of its moves counted:
+    (captured, cluster, result, moves priced, graphs built). Two tests read the one search."""
     from autoshard.search.costgraph import _Builder
 
     captured = _meta_model("llama", 16, 256, 128)[2]
     cluster = cluster_spec("dgx-h100", 16)
     moved, built = [], []
-    monkeypatch.setattr(_Builder, "tied_parameters", _counted(_Builder.tied_parameters, moved))
-    monkeypatch.setattr(_Builder, "__init__", _counted(_Builder.__init__, built))
-    result = driver.run_search(captured, 16, cluster)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Builder, "tied_parameters", _counted(_Builder.tied_parameters, moved))
+        patch.setattr(_Builder, "__init__", _counted(_Builder.__init__, built))
+        result = driver.run_search(captured, 16, cluster)
+    return captured, cluster, result, moved, built
+
+
+def test_a_mesh_s_moves_are_priced_once_from_its_graph_without_them(llama_on_16) -> None:
+    """A search prices each mesh's moves once, from the regions its graph without moves
+    priced (no second build of the graph), for every ZeRO stage it solves; the graphs with
+    them are the ones ``build_cost_graph`` gives, and the plan the same."""
+    captured, cluster, result, moved, built = llama_on_16
     meshes = {row["mesh"]["tp"] for row in result.tried if "bound_s" in row}
     solved = {row["mesh"]["tp"] for row in result.tried if "step_s" in row}
     assert len(built) == len(driver.mesh_shapes(16, cluster)), built  # one build a mesh
@@ -854,16 +863,18 @@ def _counted(method, calls: list):
     return counted
 
 
-def test_the_plan_reads_the_estimate_the_search_made_as_made_afresh() -> None:
+def test_the_plan_reads_the_estimate_the_search_made_as_made_afresh(llama_on_16) -> None:
     """The search's finalists and ZeRO 2-3 solutions are estimated once (``_Estimates``); the
     chosen one's estimate rides on the result to ``build_plan``, which gives the same plan,
     prediction and JSON as estimating it again."""
     import dataclasses
 
-    captured = _meta_model("llama", 16, 256, 128)[2]
-    cluster = cluster_spec("dgx-h100", 16)
+    captured, cluster, unlimited, _, _ = llama_on_16
     for limit in (2e9, None):
-        result = driver.run_search(captured, 16, cluster, memory_limit=limit)
+        if limit is None:
+            result = unlimited  # the same search, made once for the module
+        else:
+            result = driver.run_search(captured, 16, cluster, memory_limit=limit)
         assert result.estimated is not None, (limit, result.graph.zero)
         again = dataclasses.replace(result, estimated=None)
         fresh = driver.build_plan(captured, again, cluster)

@@ -28,6 +28,7 @@ from autoshard.search import pricing
 from autoshard.search.options import Option, options
 from autoshard.search.params import ParamTerms
 from autoshard.search.plans import PlanningError
+from autoshard.search.state import search_session
 
 # -- classification -------------------------------------------------------------------------------
 
@@ -401,8 +402,11 @@ def build_cost_graph(
     (docs/zero.md); ``how``: ``cost_graphs``'s keywords. ``edges=False``: the options' own
     costs only, without the moves between them (most of the pricing; a lower bound still
     holds, since moves cost nothing less than zero)."""
-    priced = cost_graphs(og, mesh, cluster, **how)
-    return with_moves(priced.at(zero), priced.moves()) if edges else priced.at(zero)
+    # one search's caches for the build: outside a search, each lookup of a node's options
+    # and of a move's price would otherwise start from nothing, thousands of times a graph
+    with search_session():
+        priced = cost_graphs(og, mesh, cluster, **how)
+        return with_moves(priced.at(zero), priced.moves()) if edges else priced.at(zero)
 
 
 def cost_graphs(
