@@ -28,17 +28,21 @@ from autoshard.testing import run_ranks  # noqa: E402
 STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K, LR = 5, 8, 8, 64, 32, 4, 2, 1e-2
 
 
-def _megatron(seq: str | None = None, dp: str | None = None) -> dict[str, tuple]:
-    """Megatron's split of transformers' Llama layers over ``tp``."""
+def _megatron(
+    seq: str | None = None,
+    dp: str | None = None,
+    layer: str = "model.model.layers.*",
+    mlp: bool = True,
+) -> dict[str, tuple]:
+    """Megatron's split of transformers' Llama layers over ``tp``: ``layer`` their path
+    (``model.layers.*`` without the loss's wrapper); ``mlp=False``: the attention's alone
+    (Mixtral's feed-forward is its experts)."""
     col, row = ((dp, seq, None), ("tp", None)), ((dp, seq, "tp"), (None, "tp"))
-    layer = "model.model.layers.*"
-    return {
-        f"{layer}.self_attn.[qkv]_proj": col,
-        f"{layer}.self_attn.o_proj": row,
-        f"{layer}.mlp.gate_proj": col,
-        f"{layer}.mlp.up_proj": col,
-        f"{layer}.mlp.down_proj": row,
-    }
+    out = {f"{layer}.self_attn.[qkv]_proj": col, f"{layer}.self_attn.o_proj": row}
+    if mlp:
+        out |= {f"{layer}.mlp.gate_proj": col, f"{layer}.mlp.up_proj": col}
+        out[f"{layer}.mlp.down_proj"] = row
+    return out
 
 
 def _llama() -> torch.nn.Module:

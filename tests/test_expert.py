@@ -29,10 +29,6 @@ ROW = (("ep", None, "tp"), (None, "tp"))
 MEGATRON = {"layers.*.attention.w[qkv]": COL, "layers.*.attention.wo": ROW}
 EXPERT_TP = {"layers.*.feed_forward.experts": {"space": ("ep", None, "ep", None, "tp")}}
 SUMMED = {"layers.*.feed_forward.experts": {"space": ("ep", None, "tp", None, None)}}
-HF_MEGATRON = {
-    "model.model.layers.*.self_attn.[qkv]_proj": COL,
-    "model.model.layers.*.self_attn.o_proj": ROW,
-}
 
 
 def _moe(aux: float = 0.01, capacity: float = 0.0) -> torch.nn.Module:
@@ -204,7 +200,10 @@ def _planned() -> dict:
 
 
 def _cases(path: str, planned: dict) -> list[str]:
+    from test_copies import _megatron
+
     torch.set_num_threads(1)
+    hf_megatron = _megatron(dp="ep", mlp=False)  # COL and ROW on transformers' attention
     out = [
         _against_pytorch(_moe(), {"ep": 4}, key="moe"),
         _against_pytorch(_moe(), {"dp": 2, "ep": 2}, zero=1, key="moe"),
@@ -217,7 +216,7 @@ def _cases(path: str, planned: dict) -> list[str]:
         _against_pytorch(_moe(aux=0.0), {"pp": 2, "ep": 2}, microbatches=2),
         _against_pytorch(_mixtral(), {"ep": 4}, key="mixtral"),
         _against_pytorch(_mixtral(), {"dp": 2, "ep": 2}, key="mixtral"),
-        _against_pytorch(_mixtral(), {"ep": 2, "tp": 2}, HF_MEGATRON, key="mixtral"),
+        _against_pytorch(_mixtral(), {"ep": 2, "tp": 2}, hf_megatron, key="mixtral"),
         # transformers' default: torch's grouped matrix product, float32 within rounding
         _against_pytorch(_mixtral("grouped_mm", torch.float32), {"ep": 4}, rtol=1e-4, atol=1e-5),
         _bytes_are_the_routed_rows(),

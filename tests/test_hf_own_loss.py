@@ -31,6 +31,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_copies import _megatron  # noqa: E402
+
 from autoshard.testing import run_ranks  # noqa: E402
 
 VOCAB, SEQ, SAMPLES, BATCH, STEPS, LR = 64, 16, 32, 8, 4, 1e-2
@@ -39,13 +41,7 @@ NO_LOSS = (
     "from forward"
 )
 #: Megatron's split of Llama's attention and MLP: the paths are the model's own (no wrapper)
-MEGATRON = {
-    "model.layers.*.self_attn.[qkv]_proj": ((None, None, None), ("tp", None)),
-    "model.layers.*.self_attn.o_proj": ((None, None, "tp"), (None, "tp")),
-    "model.layers.*.mlp.gate_proj": ((None, None, None), ("tp", None)),
-    "model.layers.*.mlp.up_proj": ((None, None, None), ("tp", None)),
-    "model.layers.*.mlp.down_proj": ((None, None, "tp"), (None, "tp")),
-}
+MEGATRON = _megatron(layer="model.layers.*")
 
 
 def _samples(labels: bool = True) -> list[dict[str, torch.Tensor]]:
