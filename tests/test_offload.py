@@ -10,6 +10,7 @@ bytes of rows each step moves."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import math
 import warnings
 from pathlib import Path
@@ -23,6 +24,7 @@ from test_runtime import STEPS, WithUnused, batches, build
 import autoshard
 from autoshard import Options, clip_grad_norm_, parallelize, shard_inputs
 from autoshard.graph.capture import capture_modes
+from autoshard.runtime.offload import OffloadedBlock
 from autoshard.testing import run_ranks
 
 LR = 1e-2
@@ -279,6 +281,85 @@ def _tables_on_host() -> None:
     assert host["optimizer"] == 2 * table.nbytes  # SparseAdam's moments, dense, on the host
 
 
+#: the decoder layers of transformers' Llama under ``test_copies``' wrapper
+LAYERS = "model.model.layers.*"
+
+
+class _SavedCount:
+    """Bytes of the distinct tensors autograd saves inside a block for backward, besides the
+    parameters and buffers (which live on the device anyway): the test's own count, inside
+    each offloaded block (so innermost, where the offload's hooks are then not asked)."""
+
+    def __init__(self, pm: Any) -> None:
+        self.resident = {t.untyped_storage().data_ptr() for t in pm.parameters()}
+        self.resident |= {t.untyped_storage().data_ptr() for t in pm.buffers()}
+        self.bytes, self.keys, self.contexts = 0, set(), []
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        if key not in self.keys and key[0] not in self.resident and t.numel():
+            self.keys.add(key)
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def enter(self, *_: Any) -> None:
+        self.keys = set()  # a block's own tensors: one block's saved tensor is not another's
+        context = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        context.__enter__()
+        self.contexts.append(context)
+
+    def exit(self, *_: Any) -> None:
+        self.contexts.pop().__exit__(None, None, None)
+
+
+def _moved_and_saved(pm: Any, batch: tuple) -> tuple[int, int, int]:
+    """One step's bytes the offload sent to the host and back, and the test's count of what
+    the offloaded blocks saved in the same step run again."""
+    offload = pm.activation_offload
+    before = offload.to_host_bytes, offload.to_device_bytes
+    pm(*shard_inputs(batch, pm)).backward()
+    moved = offload.to_host_bytes - before[0], offload.to_device_bytes - before[1]
+    count = _SavedCount(pm)
+    programs = pm.programs[True]
+    programs = programs.values() if isinstance(programs, dict) else [programs]  # by stage
+    blocks = [m for p in programs for m in p.modules() if isinstance(m, OffloadedBlock)]
+    assert len(blocks) == len(pm.activation_offload.blocks)
+    hooks = [h for b in blocks for h in (b.block.register_forward_pre_hook(count.enter),
+                                         b.block.register_forward_hook(count.exit))]  # fmt: skip
+    pm(*shard_inputs(batch, pm)).backward()
+    for h in hooks:
+        h.remove()
+    assert offload.to_host_bytes - before[0] == moved[0]  # the count's hooks were innermost
+    return moved[0], moved[1], count.bytes
+
+
+def _activations_offloaded(mesh: dict, **options: Any) -> dict[str, Any]:
+    """transformers' Llama with the saved tensors of its decoder layers on the host, against
+    plain PyTorch; the bytes moved against the test's count of what those layers saved, and
+    (under a pipeline) the saved bytes the device held at most with and without offload."""
+    from test_copies import _batches, _llama
+
+    model, data = _llama(), _batches()
+    ref = _plain(model, data, None)
+    pm = parallelize(model, data[0], mesh, offload={"activations": LAYERS}, **options)
+    assert pm.activation_offload.blocks and all(
+        fnmatch.fnmatchcase(b, LAYERS) for b in pm.activation_offload.blocks
+    )
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    got = _train(pm, opt, data, range(STEPS), None)
+    got["state"] = pm.full_state_dict()
+    _same(got, ref, range(STEPS), ("activations", mesh), rel=1e-6)
+    to_host, to_device, saved = _moved_and_saved(pm, data[0])
+    out = {"mesh": mesh, "to_host": to_host, "to_device": to_device, "saved": saved}
+    out["prefetches"] = pm.activation_offload.prefetches
+    if "pp" in mesh:
+        for made in (pm, parallelize(model, data[0], mesh, **options)):
+            made.counting_saved = True
+            made(*data[0])
+        out["peaks"] = (sum(pm.saved_bytes.peak.values()), sum(made.saved_bytes.peak.values()))
+    return out
+
+
 def _cases(directory: str) -> list[dict[str, Any]]:
     """Every case in one spawn of the ranks."""
     trained = [
@@ -308,17 +389,29 @@ def _cases(directory: str) -> list[dict[str, Any]]:
     _parameters_on_host(0.0)
     _parameters_on_host(1.0, micro=2)
     _tables_on_host()
-    return trained
+    activations = [
+        _activations_offloaded({"pp": 2}, schedule="1f1b", microbatches=2),
+        _activations_offloaded({"dp": 2}),
+    ]
+    return {"optimizer": trained, "activations": activations}
 
 
-def test_optimizer_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> None:
-    """ZeRO 0-3 with a fraction of 1.0 and 0.5 on dp 2 (clipping in half the cases, gradient
-    accumulation in three), and checkpoints saved under offload loaded without it and the
-    reverse, each as plain PyTorch; with it all, the device holds no optimizer state and the
-    host holds all of it."""
-    per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=900)
-    for trained in per_rank:
-        for held in trained:
+def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> None:
+    """Optimizer offload: ZeRO 0-3 with a fraction of 1.0 and 0.5 on dp 2 (clipping in half the
+    cases, gradient accumulation in three), and checkpoints saved under offload loaded without
+    it and the reverse, each as plain PyTorch; with it all, the device holds no optimizer
+    state and the host holds all of it. Activation offload of Llama's decoder layers on pp 2
+    and dp 2, as plain PyTorch: every byte they save goes to the host and comes back once."""
+    per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=1500)
+    for rank, cases in enumerate(per_rank):
+        for moved in cases["activations"]:
+            assert moved["to_host"] == moved["to_device"] == moved["saved"] > 0, moved
+            if "pp" in moved["mesh"]:  # what autograd kept on the device at most
+                with_offload, without = moved["peaks"]
+                assert with_offload < without, (rank, moved)
+            else:  # layer 0's tensors started back when layer 1's backward began, each step
+                assert moved["prefetches"] >= STEPS, moved
+        for held in cases["optimizer"]:
             fraction, host, device = held["fraction"], held["host"], held["device"]
             assert host["parameters"] == held["host_master_bytes"] > 0
             if fraction == 1.0:
@@ -351,6 +444,17 @@ def test_offload_is_checked_and_named() -> None:
         parallelize(model, data[0], {"dp": 1}, precision="fp16", offload={"optimizer": True})
     with pytest.raises(ValueError, match="not yet with pipeline stages"):
         parallelize(model, data[0], {"pp": 1}, offload={"optimizer": 1.0})
+    with pytest.raises(ValueError, match=r"offload\['activations'\]=3: expected a module glob"):
+        Options(offload={"activations": 3})
+    both = r"both name inner.layers.1: a block either runs again in backward or offloads"
+    with pytest.raises(ValueError, match=both):
+        parallelize(
+            model,
+            data[0],
+            {"dp": 1},
+            recompute={"*.1": "selective"},
+            offload={"activations": "inner.layers.*"},
+        )
 
 
 def test_parameter_and_embedding_offload_are_checked_and_named() -> None:

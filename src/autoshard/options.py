@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,11 @@ SEARCHES = ("optimal", "recursive", "propagate")
 ATTENTION_METHODS = ("allgather", "ulysses", "ring")
 RECOMPUTE_MODES = ("none", "full", "selective")
 REPLICAS = ("broadcast", "check", "none")
-#: what ``offload=`` may move to the host
-OFFLOADS = ("optimizer", "parameters", "embeddings")
+#: what ``offload=`` may move to the host (``nvme``: where the optimizer's host part is kept
+#: in files, ``host_budget_mb``: the host memory that streams them)
+OFFLOADS = ("optimizer", "parameters", "embeddings", "activations", "nvme", "host_budget_mb")
+#: the host memory the NVMe tier streams through where ``host_budget_mb`` is not given
+HOST_BUDGET_MB = 64.0
 #: DDP's default bucket size: the gradient sums that overlap backward
 BUCKET_CAP_MB = 25.0
 #: the stages a rank of ``interleaved-1f1b`` where none is given: the pipeline search's pick
@@ -130,11 +134,14 @@ class Options:
     #: multi-copy parallelism: each rank's batch cut by its batch dim into this many copies,
     #: interleaved so one copy's collectives overlap another's compute (docs/parallelism/copies.md)
     copies: int = 1
-    #: what lives on the host rather than the device: {"optimizer": fraction}, the fraction
-    #: (0-1, True for 1) of each tensor the optimizer steps whose master weights, optimizer
-    #: state and update are the host's; {"parameters": True}, ZeRO 3's shards between uses;
-    #: {"embeddings": module glob}, the tables, lookups and sparse updates of those
-    #: nn.Embedding modules (docs/offload.md; run-only: plans do not price it yet)
+    #: what lives on the host rather than the device (docs/offload.md; run-only: plans do not
+    #: price it yet): {"optimizer": fraction}, the fraction (0-1, True for 1) of each tensor
+    #: the optimizer steps whose master weights, optimizer state and update are the host's;
+    #: "parameters": True, ZeRO 3's shards between uses; "embeddings": a module glob of
+    #: nn.Embedding tables looked up and sparsely updated there; "activations": a module glob
+    #: whose blocks' saved tensors wait on the host for backward;
+    #: "nvme": a directory where the optimizer's host part is kept in files, streamed through
+    #: "host_budget_mb" of host memory
     offload: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -147,12 +154,8 @@ class Options:
         bad = _problems(self)
         if bad:
             raise ValueError("; ".join(bad))
-        if self.offload is not None:  # True is the whole of it
-            whole = {
-                k: (1.0 if v is True else float(v)) if k == "optimizer" else v
-                for k, v in self.offload.items()
-            }
-            object.__setattr__(self, "offload", FrozenDict(whole))
+        if self.offload is not None:
+            object.__setattr__(self, "offload", FrozenDict(_offload_values(self.offload)))
 
     @classmethod
     def from_call(cls, given: Mapping[str, Any], base: Options | None = None) -> Options:
@@ -339,7 +342,7 @@ def _problems(o: Options) -> list[str]:
 
 def _offload_problems(offload: Any) -> list[str]:
     """What is wrong with ``offload=``: not a mapping, a key it does not know, a fraction out
-    of range."""
+    of range, a glob or path that is not a string, NVMe without an optimizer to keep there."""
     if offload is None:
         return []
     if not isinstance(offload, Mapping):
@@ -350,17 +353,26 @@ def _offload_problems(offload: Any) -> list[str]:
         if key not in OFFLOADS
     ]
     fraction = offload.get("optimizer", 0.0)
-    if not (
-        isinstance(fraction, bool)
-        or (
-            not isinstance(fraction, bool)
-            and isinstance(fraction, int | float)
-            and 0 <= fraction <= 1
-        )
-    ):
+    if not (isinstance(fraction, int | float) and 0 <= fraction <= 1):
         bad.append(
             f"offload['optimizer']={fraction!r}: expected a fraction from 0 to 1, or True or False"
         )
+    for key, what in (("activations", "a module glob"), ("nvme", "a directory path")):
+        value = offload.get(key)
+        if value is not None and not (isinstance(value, str | os.PathLike) and str(value)):
+            bad.append(f"offload[{key!r}]={value!r}: expected {what}")
+    budget = offload.get("host_budget_mb")
+    if budget is not None and not (
+        isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0
+    ):
+        bad.append(f"offload['host_budget_mb']={budget!r}: expected a positive number of MiB")
+    if (offload.get("nvme") or budget is not None) and not fraction:
+        bad.append(
+            "offload['nvme'] keeps the optimizer's host part in files: give "
+            "offload['optimizer'] a fraction too, and host_budget_mb only with nvme"
+        )
+    elif budget is not None and not offload.get("nvme"):
+        bad.append("offload['host_budget_mb'] bounds the NVMe tier's host memory: give 'nvme'")
     return bad
 
 
@@ -382,6 +394,22 @@ def _host_problems(o: Options) -> list[str]:
     if glob is not None and not (isinstance(glob, str) and glob):
         bad.append(f"offload['embeddings']={glob!r}: expected a glob of nn.Embedding module paths")
     return bad
+
+
+def _offload_values(offload: Mapping[str, Any]) -> dict[str, Any]:
+    """``offload`` as runs read it: the fraction a float (True the whole of it), the globs
+    and the path strings, ``parameters`` as given, the budget a float."""
+    out: dict[str, Any] = {}
+    for key, value in offload.items():
+        if key == "optimizer":
+            out[key] = 1.0 if value is True else float(value)
+        elif key in ("activations", "nvme", "embeddings"):
+            out[key] = str(value) if value is not None else None
+        elif key == "parameters":
+            out[key] = value
+        else:
+            out[key] = None if value is None else float(value)
+    return out
 
 
 def _device(name: str) -> Any:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from autoshard.graph import OpGraph, StageCut
 from autoshard.layout import NOT_SPLIT, Layout
-from autoshard.lower.recompute import TAG, with_recompute
+from autoshard.lower.recompute import TAG, Wrap, with_recompute
 from autoshard.ops import local, rule_for, tensor_inputs
 from autoshard.ops.regather import Gathered, regathered_linear, regathers
 from autoshard.redistribution import backward_plan, execute, redistribute, redistribution_plan
@@ -197,6 +197,7 @@ def lower(
     stage: tuple[StageCut, int] | None = None,
     recompute: str | dict[str, str] = "none",
     weights: bool = False,
+    wrap: Wrap | None = None,
 ) -> fx.GraphModule:
     """The rank's program; ``tensors`` holds its parameter and buffer shards by name, or a
     module that returns the parameter's local tensor when called (ZeRO's gather).
@@ -206,7 +207,8 @@ def lower(
     ``recompute``: which repeated blocks backward runs again (``lower/recompute.py``).
     ``weights`` (with ``stage``): the program also returns, after those, the (first) output
     of every op of the stage that reads a parameter (``weight_readers``), where a backward
-    split in two finds the gradients its weight half starts from."""
+    split in two finds the gradients its weight half starts from. ``wrap``: a module glob and
+    what wraps each block it matches (``lower/recompute.py``; the activation offload)."""
     low = _Lowerer(plan, rank, device, state)
     for fqn, tensor in tensors.items():
         if isinstance(tensor, nn.Parameter):
@@ -214,7 +216,7 @@ def lower(
         elif not isinstance(tensor, nn.Module):
             low.root.register_buffer(attr_name(fqn), tensor)
     received = _placeholders(low, og, stage)
-    tagging = recompute != "none"
+    tagging = recompute != "none" or wrap is not None
     for node in og.graph.nodes:
         if og[node].kind == "input" or node.name in received:
             continue
@@ -233,7 +235,7 @@ def lower(
         if tagging:
             _tag(low.graph, len(low.graph.nodes) - before, _block_of(og, node))
     gm = fx.GraphModule(low.root, low.graph, class_name=f"Rank{rank}")
-    return with_recompute(gm, recompute) if tagging else gm
+    return with_recompute(gm, recompute, wrap) if tagging else gm
 
 
 def _placeholders(low: _Lowerer, og: OpGraph, stage: tuple[StageCut, int] | None) -> tuple:

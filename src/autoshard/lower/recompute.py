@@ -18,7 +18,7 @@ masks are keyed by step and op, so the recomputed forward draws the same masks.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -105,14 +105,29 @@ class Recompute(nn.Module):
         return f"mode={self.mode}"
 
 
-def with_recompute(gm: fx.GraphModule, spec: str | dict[str, str]) -> fx.GraphModule:
+#: blocks whose saved tensors another module keeps (the activation offload): its module glob
+#: and what wraps a block's submodule, given the block's path
+Wrap = tuple[str, Callable[[str, nn.Module], nn.Module]]
+
+
+def with_recompute(
+    gm: fx.GraphModule, spec: str | dict[str, str], wrap: Wrap | None = None
+) -> fx.GraphModule:
     """``gm`` split into a submodule per run of nodes of one block (nodes tagged ``TAG``),
-    the recomputed blocks' submodules wrapped in :class:`Recompute`; ``gm`` itself when no
-    block is recomputed."""
-    modes = {
-        n.meta.get(TAG): mode_of(spec, n.meta.get(TAG)) for n in gm.graph.nodes if n.meta.get(TAG)
-    }
-    if not any(m != "none" for m in modes.values()):
+    the recomputed blocks' submodules wrapped in :class:`Recompute` and those ``wrap``'s glob
+    matches in what it makes; ``gm`` itself when no block is either. A block both name is an
+    error: recompute keeps its inputs outside autograd's saved tensors, which ``wrap`` moves."""
+    blocks = {n.meta.get(TAG) for n in gm.graph.nodes if n.meta.get(TAG)}
+    modes = {b: mode_of(spec, b) for b in blocks}
+    wrapped = {b for b in blocks if wrap is not None and fnmatch.fnmatchcase(b, wrap[0])}
+    both = sorted(b for b in wrapped if modes[b] != "none")
+    if both:
+        raise RecomputeError(
+            f"recompute={spec!r} and offload={{'activations': {wrap[0]!r}}} both name "
+            f"{', '.join(both)}: a block either runs again in backward or offloads what it "
+            "saves; leave it out of one of them"
+        )
+    if not wrapped and not any(m != "none" for m in modes.values()):
         return gm
     runs: dict[fx.Node, int] = {}
     run, previous = 0, object()
@@ -128,9 +143,11 @@ def with_recompute(gm: fx.GraphModule, spec: str | dict[str, str]) -> fx.GraphMo
     for name, sub in list(split.named_children()):
         if not name.startswith("submod_"):
             continue
-        mode = mode_of(spec, run_tag.get(int(name.removeprefix("submod_"))))
-        if mode != "none":
-            setattr(split, name, Recompute(sub, mode))
+        block = run_tag.get(int(name.removeprefix("submod_")))
+        if block in wrapped:
+            setattr(split, name, wrap[1](block, sub))
+        elif mode_of(spec, block) != "none":
+            setattr(split, name, Recompute(sub, mode_of(spec, block)))
     return split
 
 
@@ -139,6 +156,7 @@ __all__ = [
     "Recompute",
     "RecomputeError",
     "TAG",
+    "Wrap",
     "check_recompute",
     "mode_of",
     "with_recompute",

@@ -1,9 +1,14 @@
 """The runtime's offload room: training state kept on the host rather than the device
 (``optimizer``: a fraction of each tensor's master weights, optimizer state and update;
 ``host``: parameters made on the host, ZeRO 3's shards and embedding tables; ``embeddings``:
-tables looked up and updated on the host; docs/offload.md).
-The one-program room places its state here through this face."""
+tables looked up and updated on the host; ``activations``: what the named blocks save for
+backward; docs/offload.md). The one-program room places its state here through this face."""
 
+from autoshard.runtime.offload.activations import (
+    ActivationOffload,
+    OffloadedBlock,
+    activation_offload,
+)
 from autoshard.runtime.offload.embeddings import EmbeddingOffload, embedding_offload
 from autoshard.runtime.offload.host import HostTier
 from autoshard.runtime.offload.optimizer import (
@@ -14,9 +19,12 @@ from autoshard.runtime.offload.optimizer import (
 
 __all__ = [
     "CHUNK_BYTES",
+    "ActivationOffload",
     "EmbeddingOffload",
     "HostTier",
+    "OffloadedBlock",
     "OptimizerOffload",
+    "activation_offload",
     "embedding_offload",
     "optimizer_offload",
 ]

@@ -176,6 +176,7 @@ class PipelineModule(ParallelModule):
                     (pipe.cuts[mode], s),
                     recompute=self._recompute if mode else "none",
                     weights=mode and pipe.schedule.split_backward,
+                    wrap=self._wrap(mode, s),
                 )
                 for s in pipe.stages
             }

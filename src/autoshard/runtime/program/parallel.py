@@ -8,7 +8,8 @@ loss.backward(); opt.step()                        # any elementwise torch.optim
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,7 +26,12 @@ from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
-from autoshard.runtime.offload import HostTier, embedding_offload, optimizer_offload
+from autoshard.runtime.offload import (
+    HostTier,
+    activation_offload,
+    embedding_offload,
+    optimizer_offload,
+)
 from autoshard.runtime.program.copies import check_copies, run_copies
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.inputs import local_input, part_of
@@ -85,6 +91,7 @@ class ParallelModule(nn.Module):
         order = captured[True].gradient_order
         self._grad_sync.arrange([tensors[fqn] for fqn in order if fqn in tensors])
         tensors |= fetchers
+        self.activation_offload = activation_offload(options.offload, device, self._resident)
         self._programs = self._lower_programs(captured, plans, rank, device, tensors)
         for program in self._programs.values() if self._tables else ():
             self._tables.rewrite(program, attr_name)
@@ -148,9 +155,19 @@ class ParallelModule(nn.Module):
                 tensors,
                 self._state,
                 recompute=self._recompute if mode else "none",
+                wrap=self._wrap(mode, 0),
             )
             for mode in captured
         }
+
+    def _resident(self) -> Iterator[torch.Tensor]:
+        """What the activation offload leaves on the device: parameters and buffers."""
+        return itertools.chain(self.parameters(), self.buffers())
+
+    def _wrap(self, mode: bool, program: int) -> Any:
+        """What the lowering of a train ``program`` wraps the offloaded blocks in."""
+        offload = self.activation_offload
+        return offload.wrap(program) if mode and offload is not None else None
 
     def _local_state(
         self, model: nn.Module, captured: dict[bool, OpGraph]
