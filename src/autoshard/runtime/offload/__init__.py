@@ -2,7 +2,8 @@
 (``optimizer``: a fraction of each tensor's master weights, optimizer state and update;
 ``host``: parameters made on the host, ZeRO 3's shards and embedding tables; ``embeddings``:
 tables looked up and updated on the host; ``activations``: what the named blocks save for
-backward; docs/offload.md). The one-program room places its state here through this face."""
+backward; ``nvme``: the optimizer's host part in files; docs/offload.md). The one-program
+room places its state here through this face."""
 
 from autoshard.runtime.offload.activations import (
     ActivationOffload,
@@ -11,20 +12,19 @@ from autoshard.runtime.offload.activations import (
 )
 from autoshard.runtime.offload.embeddings import EmbeddingOffload, embedding_offload
 from autoshard.runtime.offload.host import HostTier
-from autoshard.runtime.offload.optimizer import (
-    CHUNK_BYTES,
-    OptimizerOffload,
-    optimizer_offload,
-)
+from autoshard.runtime.offload.nvme import NvmeOffload, check_nvme, optimizer_offload
+from autoshard.runtime.offload.optimizer import CHUNK_BYTES, OptimizerOffload
 
 __all__ = [
     "CHUNK_BYTES",
     "ActivationOffload",
     "EmbeddingOffload",
     "HostTier",
+    "NvmeOffload",
     "OffloadedBlock",
     "OptimizerOffload",
     "activation_offload",
+    "check_nvme",
     "embedding_offload",
     "optimizer_offload",
 ]

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -45,6 +44,7 @@ class _Piece:
     host: torch.Tensor  # the tail's master weights (a leaf the host optimizer steps)
     buffer: torch.Tensor  # the tail's gradient, filled by routing
     head: torch.Tensor  # a view of the param's first ``kept`` elements
+    tail: int = 0  # elements of the tail
     has_grad: bool = False
     copied: Any = None  # the CUDA event after the gradient's copy to the host
     returned: Any = None  # the CUDA event after the updated tail's copy back
@@ -63,6 +63,9 @@ class _Group:
 class OptimizerOffload:
     """The host tier of a rank's optimizer: ``fraction`` of each tensor of ``params``."""
 
+    #: whether a host optimizer over the tails' masters steps them (not where files hold them)
+    host_optimizer = True
+
     def __init__(
         self, params: dict[str, torch.Tensor], fraction: float, device: torch.device
     ) -> None:
@@ -74,12 +77,7 @@ class OptimizerOffload:
         for fqn, p in params.items():
             n = p.numel()
             kept = n - math.floor(fraction * n + 0.5)
-            flat = p.detach().reshape(-1)
-            # host: the tail's master copy, pinned so copies to and from CUDA do not block
-            host = torch.empty(n - kept, dtype=p.dtype, device="cpu", pin_memory=self._cuda)
-            host.copy_(flat[kept:])
-            buffer = torch.zeros_like(host)
-            self.pieces[id(p)] = _Piece(fqn, p, kept, host, buffer, flat[:kept])
+            self.pieces[id(p)] = self._place(fqn, p, kept)
         self._groups: dict[int, list[_Group]] = {}  # id(user optimizer) -> its groups
         self._arrived = 0
         ref = weakref.ref(self)
@@ -100,6 +98,15 @@ class OptimizerOffload:
         ):
             weakref.finalize(self, handle.remove)
 
+    def _place(self, fqn: str, p: torch.Tensor, kept: int) -> _Piece:
+        """``p`` cut at ``kept``: its tail's master copy and gradient buffer on the host."""
+        flat = p.detach().reshape(-1)
+        # host: the tail's master copy, pinned so copies to and from CUDA do not block
+        host = torch.empty(p.numel() - kept, dtype=p.dtype, device="cpu", pin_memory=self._cuda)
+        host.copy_(flat[kept:])
+        buffer = torch.zeros_like(host)
+        return _Piece(fqn, p, kept, host, buffer, flat[:kept], tail=host.numel())
+
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any tensor of this offload."""
         return any(id(p) in self.pieces for g in optimizer.param_groups for p in g["params"])
@@ -115,8 +122,7 @@ class OptimizerOffload:
                 continue
             flat = p.grad.detach().reshape(-1)
             if piece.has_grad:  # a second backward before the step: add to what came
-                self._wait_copy(piece)
-                piece.buffer.add_(flat[piece.kept :].to("cpu"))
+                self._add_to_host(piece, flat[piece.kept :])
             else:
                 self._copy_to_host(piece, flat[piece.kept :])
             if piece.kept:
@@ -128,6 +134,10 @@ class OptimizerOffload:
             piece.has_grad, piece.order = True, self._arrived
             self._arrived += 1
             p.grad = None
+
+    def _add_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
+        self._wait_copy(piece)
+        piece.buffer.add_(tail.to("cpu"))
 
     def _copy_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
         if not self._cuda:
@@ -162,7 +172,7 @@ class OptimizerOffload:
             self._wait_copy(piece)
             if piece.kept:
                 out.append((piece.fqn, piece.head.grad))
-            if piece.host.numel():
+            if piece.tail:
                 out.append((piece.fqn, piece.buffer))
         return out
 
@@ -180,10 +190,7 @@ class OptimizerOffload:
             if not ready:
                 continue
             own = {k: v for k, v in settings.items() if k not in _OWN_SETTINGS}
-            if group.host is not None:
-                group.host.param_groups[0].update(own)
-                for chunk in _chunks([p for p in ready if p.host.numel()]):
-                    self._step_chunk(group.host, chunk)
+            self._step_tails(group, own, [p for p in ready if p.tail])
             if group.device is not None:
                 group.device.param_groups[0].update(own)
                 group.device.step()
@@ -192,6 +199,13 @@ class OptimizerOffload:
         if self._cuda:  # the next forward reads the tails sent back
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._arrived = 0
+
+    def _step_tails(self, group: _Group, own: dict[str, Any], ready: list[_Piece]) -> None:
+        """Step the tails of ``ready`` (their gradients here) under the settings ``own``."""
+        if group.host is not None:
+            group.host.param_groups[0].update(own)
+            for chunk in _chunks(ready):
+                self._step_chunk(group.host, chunk)
 
     def _step_chunk(self, host: torch.optim.Optimizer, chunk: list[_Piece]) -> None:
         for piece in chunk:
@@ -219,7 +233,7 @@ class OptimizerOffload:
         groups, cls = [], type(optimizer)
         for settings in optimizer.param_groups:
             pieces = [self.pieces[id(p)] for p in settings["params"] if id(p) in self.pieces]
-            hosts = [p.host for p in pieces if p.host.numel()]
+            hosts = [p.host for p in pieces if p.tail and self.host_optimizer]
             heads = [p.head for p in pieces if p.kept]
             groups.append(
                 _Group(
@@ -269,8 +283,7 @@ class OptimizerOffload:
         for group in self._groups_of(optimizer):
             for piece in group.pieces:
                 head = group.device.state.get(piece.head, {}) if group.device else {}
-                tail = group.host.state.get(piece.host, {}) if group.host else {}
-                out[id(piece.param)] = _joined(piece, head, tail)
+                out[id(piece.param)] = _joined(piece, head, self._tail_state(group, piece))
         return {k: v for k, v in out.items() if v}
 
     def load_state(self, optimizer: torch.optim.Optimizer, state: dict[int, dict]) -> None:
@@ -280,9 +293,17 @@ class OptimizerOffload:
                 for piece in group.pieces:
                     entries = state.get(id(piece.param), {})
                     head = group.device.state.get(piece.head, {}) if group.device else {}
-                    tail = group.host.state.get(piece.host, {}) if group.host else {}
+                    tail = self._tail_state(group, piece)
                     for key, value in entries.items():
                         _split_into(piece, key, value, head, tail)
+                    self._tail_loaded(piece, tail)
+
+    def _tail_state(self, group: _Group, piece: _Piece) -> dict[str, Any]:
+        """The optimizer state of ``piece``'s tail (tensors a load may copy into)."""
+        return group.host.state.get(piece.host, {}) if group.host else {}
+
+    def _tail_loaded(self, piece: _Piece, tail: dict[str, Any]) -> None:
+        """``_tail_state``'s tensors of ``piece`` hold what a checkpoint loaded (kept)."""
 
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What the host holds: master weights, gradients, optimizer state."""
@@ -364,23 +385,4 @@ def _split_into(
             part[key] = value
 
 
-def optimizer_offload(
-    offload: Any, tensors: dict[str, torch.Tensor], device: torch.device
-) -> OptimizerOffload | None:
-    """The offload ``Options.offload`` asks for over the trainable parameters of ``tensors``
-    (what the optimizer steps, by name: ZeRO shards or local tensors), or None where it
-    offloads nothing (no fraction, or no such tensor on this rank)."""
-    fraction = (offload or {}).get("optimizer", 0.0)
-    if not fraction:
-        return None
-    # an empty shard (a rank past a tensor's last rows) stays the user's optimizer's: its
-    # state, however empty, is what a checkpoint of that rank holds
-    params = {
-        fqn: t
-        for fqn, t in tensors.items()
-        if isinstance(t, nn.Parameter) and t.requires_grad and t.numel()
-    }
-    return OptimizerOffload(params, float(fraction), device) if params else None
-
-
-__all__ = ["CHUNK_BYTES", "OptimizerOffload", "optimizer_offload"]
+__all__ = ["CHUNK_BYTES", "OptimizerOffload"]

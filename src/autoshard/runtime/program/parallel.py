@@ -102,7 +102,7 @@ class ParallelModule(nn.Module):
             check_copies(self._programs[True], options.copies, captured[True].mutations)
         # the host tier's parameters are stepped where they are, by the user's optimizer
         on_device = {k: t for k, t in self.local_tensors().items() if not self._on_host(t)}
-        self._offload = optimizer_offload(options.offload, on_device, device)
+        self._offload = optimizer_offload(options.offload, on_device, device, self._rank)
         if self._offload is not None:  # each final gradient leaves for the host at once
             self._zero.summed = self._grad_sync.summed = self._offload.route
 

@@ -1,0 +1,311 @@
+"""NVMe offload (docs/offload.md): the optimizer's host part (each tail's master weights,
+gradient and optimizer state, ``optimizer.py``) kept in files under a directory rather than in
+host memory, and streamed through a bounded host buffer.
+
+Each rank writes its files into a directory of its own under the path given, one file per
+tail and kind (``master``, ``grad``, and each elementwise entry of the optimizer's state:
+AdamW's ``exp_avg`` and ``exp_avg_sq``), read and written in place with ``os.preadv`` and
+``os.pwrite`` on preallocated host tensors; the directory goes when the module does. A
+gradient is written to its file as it is routed. The step walks the tails in windows of at
+most ``window`` elements over two slots of host tensors: a background thread reads the window
+after next into one slot (read-ahead) and writes the last window's results from it
+(write-behind) while the optimizer steps the window in the other; one thread does all file
+I/O in the order it is asked, so a slot is read into only after its last results are written.
+The host memory held is the two slots: ``host_budget_mb``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autoshard.options import HOST_BUDGET_MB
+from autoshard.runtime.offload.optimizer import (
+    _OWN_SETTINGS,
+    OptimizerOffload,
+    _Group,
+    _make,
+    _Piece,
+)
+
+#: the tensors of a window a slot holds: master weights, gradient and two moments (Adam's)
+KINDS_PER_SLOT = 4
+SLOTS = 2
+
+
+def check_nvme(path: Any) -> Path:
+    """``path`` as a directory this rank can write files into, or a ValueError naming why not."""
+    root = Path(path)
+    shown = f"offload['nvme']={str(path)!r}"
+    if not root.exists():
+        raise ValueError(f"{shown}: no such directory; make it first")
+    if not root.is_dir():
+        raise ValueError(f"{shown}: not a directory")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(f"{shown}: this process cannot write there")
+    return root
+
+
+class NvmeOffload(OptimizerOffload):
+    """An optimizer offload whose tails live in files under ``path``, stepped through
+    ``budget`` bytes of host memory."""
+
+    host_optimizer = False
+
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        fraction: float,
+        device: torch.device,
+        path: Any,
+        budget: int,
+        rank: int,
+    ) -> None:
+        root = check_nvme(path)
+        self.budget = budget
+        self.directory = Path(tempfile.mkdtemp(prefix=f"rank{rank}-", dir=root))
+        self._fds: dict[tuple[str, str], int] = {}
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="autoshard-nvme")
+        self._slots: dict[torch.dtype, list[dict[str, torch.Tensor]]] = {}
+        self._scalars: dict[str, dict[str, Any]] = {}  # a tail's non-elementwise state
+        self._keys: list[str] = []  # the elementwise state entries, in their first order
+        self._cls: type | None = None
+        weakref.finalize(self, _remove, self._fds, self._io, str(self.directory))
+        need = sum(
+            math.floor(fraction * p.numel() + 0.5) * p.element_size() for p in params.values()
+        )
+        free = shutil.disk_usage(root).free
+        if KINDS_PER_SLOT * need > free:
+            raise ValueError(
+                f"offload['nvme']={str(path)!r}: the optimizer's state needs about "
+                f"{KINDS_PER_SLOT * need} bytes there, {free} are free"
+            )
+        super().__init__(params, fraction, device)
+
+    def window(self, dtype: torch.dtype) -> int:
+        """Elements of one window of tensors of ``dtype``."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return max(1, self.budget // (SLOTS * KINDS_PER_SLOT * size))
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def _fd(self, piece: _Piece, kind: str) -> int:
+        key = (piece.fqn, kind)
+        if key not in self._fds:
+            name = self.directory / f"{len(self._fds)}.{kind}"
+            self._fds[key] = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
+        return self._fds[key]
+
+    def _read(self, piece: _Piece, kind: str, start: int, into: torch.Tensor) -> None:
+        view = memoryview(into.view(torch.uint8).numpy())
+        got = os.preadv(self._fd(piece, kind), [view], start * into.element_size())
+        if got != len(view):
+            raise OSError(f"{self.directory}: {piece.fqn} {kind} is short ({got} bytes read)")
+
+    def _write(self, piece: _Piece, kind: str, start: int, data: torch.Tensor) -> None:
+        view = memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
+        offset, fd = start * data.element_size(), self._fd(piece, kind)
+        while view:  # a write may take fewer bytes than given
+            done = os.pwrite(fd, view, offset)
+            view, offset = view[done:], offset + done
+
+    def _put(self, piece: _Piece, kind: str, tail: torch.Tensor, add: bool = False) -> None:
+        """Write ``tail`` (the piece's whole tail, on any device) to its file, through one
+        window of host memory at a time; ``add``: to what the file holds."""
+        step = self.window(tail.dtype)
+        for start in range(0, tail.numel(), step):
+            part = tail[start : start + step].to("cpu")
+            if add:
+                held = torch.empty_like(part)
+                self._read(piece, kind, start, held)
+                part = held.add_(part)
+            self._write(piece, kind, start, part.contiguous())
+
+    def _get(self, piece: _Piece, kind: str) -> torch.Tensor:
+        # host: a checkpoint's copy of one tail's entry, read whole
+        out = torch.empty(piece.tail, dtype=piece.param.dtype, device="cpu")
+        self._read(piece, kind, 0, out)
+        return out
+
+    # -- the offload's tiers, in files ------------------------------------------------------------
+
+    def _place(self, fqn: str, p: torch.Tensor, kept: int) -> _Piece:
+        flat = p.detach().reshape(-1)
+        empty = flat.new_empty(0, device="cpu")
+        piece = _Piece(fqn, p, kept, empty, empty, flat[:kept], tail=p.numel() - kept)
+        self._put(piece, "master", flat[kept:])
+        return piece
+
+    def _copy_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
+        self._put(piece, "grad", tail)
+
+    def _add_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
+        self._put(piece, "grad", tail, add=True)
+
+    def grads(self) -> list[tuple[str, torch.Tensor]]:
+        raise ValueError(
+            "clip_grad_norm_ with offload['nvme']: the gradients are in files, which "
+            "clipping does not read yet; clip without nvme"
+        )
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for piece in self.pieces.values():
+                self._put(piece, "master", piece.param.detach().reshape(-1)[piece.kept :])
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._cls = type(optimizer)
+        super().step(optimizer)
+
+    # -- the streamed step ------------------------------------------------------------------------
+
+    def _slot(self, dtype: torch.dtype, index: int, kinds: list[str]) -> dict[str, torch.Tensor]:
+        slots = self._slots.setdefault(dtype, [{} for _ in range(SLOTS)])
+        slot = slots[index % SLOTS]
+        for kind in kinds:
+            if kind not in slot:  # host: one window of the stream, pinned for CUDA's copies
+                slot[kind] = torch.empty(
+                    self.window(dtype), dtype=dtype, device="cpu", pin_memory=self._cuda
+                )
+        return slot
+
+    def _load(self, window: tuple[_Piece, int, int], index: int) -> Future:
+        piece, start, n = window
+        kinds = ["master", "grad"] + (self._keys if piece.fqn in self._scalars else [])
+        slot = self._slot(piece.param.dtype, index, kinds)
+        return self._io.submit(
+            lambda: [self._read(piece, k, start, slot[k][:n]) for k in kinds] and None
+        )
+
+    def _step_tails(self, group: _Group, own: dict[str, Any], ready: list[_Piece]) -> None:
+        windows = [
+            (piece, start, min(self.window(piece.param.dtype), piece.tail - start))
+            for piece in ready
+            for start in range(0, piece.tail, self.window(piece.param.dtype))
+        ]
+        loads = {k: self._load(w, k) for k, w in enumerate(windows[:SLOTS])}
+        writes, scalars = [], {}
+        for k, window in enumerate(windows):
+            loads.pop(k).result()
+            scalars[window[0].fqn], kinds = self._step_window(window, k, own)
+            piece, start, n = window
+            slot = self._slot(piece.param.dtype, k, kinds)
+            writes.append(
+                self._io.submit(
+                    lambda p=piece, s=start, n=n, slot=slot, kinds=kinds: [
+                        self._write(p, kind, s, slot[kind][:n]) for kind in kinds
+                    ]
+                )
+            )
+            if k + SLOTS < len(windows):  # after the write just asked: the same slot
+                loads[k + SLOTS] = self._load(windows[k + SLOTS], k + SLOTS)
+        for w in writes:
+            w.result()
+        self._scalars |= scalars
+
+    def _step_window(
+        self, window: tuple[_Piece, int, int], index: int, own: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Step one window in its slot: its new non-elementwise state, and the kinds to write."""
+        piece, start, n = window
+        slot = self._slot(piece.param.dtype, index, ["master", "grad"])
+        p = slot["master"][:n]
+        p.grad = slot["grad"][:n]
+        opt = _make(self._cls, [p], own, host=True)
+        opt.param_groups[0].update({k: v for k, v in own.items() if k not in _OWN_SETTINGS})
+        if piece.fqn in self._scalars:
+            state = {k: slot[k][:n] for k in self._keys}
+            state |= {
+                k: v.clone() if torch.is_tensor(v) else v
+                for k, v in self._scalars[piece.fqn].items()
+            }
+            opt.state[p] = state
+        opt.step()
+        state = opt.state[p]
+        elementwise = [k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]
+        for k in elementwise:
+            if k not in self._keys:
+                self._keys.append(k)
+            self._slot(piece.param.dtype, index, [k])[k][:n].copy_(state[k])
+        with torch.no_grad():
+            tail = piece.param.detach().reshape(-1)[piece.kept + start : piece.kept + start + n]
+            tail.copy_(p)
+        p.grad = None
+        return {k: v for k, v in state.items() if k not in elementwise}, ["master", *elementwise]
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def _tail_state(self, group: _Group, piece: _Piece) -> dict[str, Any]:
+        if not piece.tail or piece.fqn not in self._scalars:
+            return {}
+        return {k: self._get(piece, k) for k in self._keys} | dict(self._scalars[piece.fqn])
+
+    def _tail_loaded(self, piece: _Piece, tail: dict[str, Any]) -> None:
+        for key, value in tail.items():
+            if key in self._keys:
+                self._put(piece, key, value)
+            else:
+                self._scalars[piece.fqn][key] = value
+
+    def ready(self, optimizer: torch.optim.Optimizer) -> None:
+        super().ready(optimizer)
+        self._cls = type(optimizer)
+        for group, settings in zip(self._groups_of(optimizer), optimizer.param_groups, strict=True):
+            missing = [p for p in group.pieces if p.tail and p.fqn not in self._scalars]
+            for piece in missing:  # a step of zero gradients at a learning rate of 0
+                self._put(piece, "grad", torch.zeros(piece.tail, dtype=piece.param.dtype))
+            own = {k: v for k, v in settings.items() if k not in _OWN_SETTINGS} | {"lr": 0.0}
+            self._step_tails(group, own, missing)
+
+    def host_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What the host holds: the two slots the files stream through."""
+        slots = [t for kinds in self._slots.values() for s in kinds for t in s.values()]
+        return {"parameters": [], "gradients": [], "optimizer": slots}
+
+    def file_bytes(self) -> int:
+        """Bytes in this rank's files."""
+        return sum(os.fstat(fd).st_size for fd in self._fds.values())
+
+
+def optimizer_offload(
+    offload: Any, tensors: dict[str, torch.Tensor], device: torch.device, rank: int = 0
+) -> OptimizerOffload | None:
+    """The offload ``Options.offload`` asks for over the trainable parameters of ``tensors``
+    (what the optimizer steps, by name: ZeRO shards or local tensors), in host memory or,
+    with ``nvme``, in files there; None where it offloads nothing (no fraction, or no such
+    tensor on this rank)."""
+    fraction = (offload or {}).get("optimizer", 0.0)
+    if not fraction:
+        return None
+    # an empty shard (a rank past a tensor's last rows) stays the user's optimizer's: its
+    # state, however empty, is what a checkpoint of that rank holds
+    params = {
+        fqn: t
+        for fqn, t in tensors.items()
+        if isinstance(t, nn.Parameter) and t.requires_grad and t.numel()
+    }
+    if not params:
+        return None
+    if not offload.get("nvme"):
+        return OptimizerOffload(params, float(fraction), device)
+    budget = int((offload.get("host_budget_mb") or HOST_BUDGET_MB) * 2**20)
+    return NvmeOffload(params, float(fraction), device, offload["nvme"], budget, rank)
+
+
+def _remove(fds: dict, io: ThreadPoolExecutor, directory: str) -> None:
+    io.shutdown(wait=True)
+    for fd in fds.values():
+        os.close(fd)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+__all__ = ["KINDS_PER_SLOT", "NvmeOffload", "check_nvme", "optimizer_offload"]
