@@ -10,7 +10,9 @@ bytes of rows each step moves."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import fnmatch
+import gc
 import math
 import warnings
 from pathlib import Path
@@ -29,6 +31,8 @@ from autoshard.testing import run_ranks
 
 LR = 1e-2
 CLIP = 0.05
+#: the host memory the NVMe runs stream through, in MiB
+NVME_BUDGET_MB = 0.01
 
 
 def _setup(unused: bool = True) -> tuple[torch.nn.Module, list, dict]:
@@ -63,11 +67,16 @@ def _made(
     captured: dict,
     level: int,
     fraction: float,
-    parameters: bool = False,
+    where: bool | str = False,
 ) -> Any:
-    offload = {"optimizer": fraction} if fraction or parameters else None
-    if parameters:  # ZeRO 3's shards on the host too
+    """``fraction`` of the optimizer on the host; ``where`` True puts ZeRO 3's shards there
+    too, a path keeps the optimizer's host part in files under it (NVMe, streamed in windows
+    of 164 float64 elements: many a tensor)."""
+    offload = {"optimizer": fraction} if fraction or where is True else None
+    if where is True:
         offload["parameters"] = True
+    elif where:
+        offload |= {"nvme": where, "host_budget_mb": NVME_BUDGET_MB}
     return parallelize(model, data[0], {"dp": 2}, captured=captured, zero=level, offload=offload)
 
 
@@ -138,17 +147,17 @@ def _offloaded_training(
 
 
 def _checkpoint_across(directory: str, before: tuple, after: tuple) -> None:
-    """Two steps at ZeRO and offload ``before`` (level, fraction, parameters offloaded or
-    not), saved; loaded into a model with other values at ``after``, three more steps: as
-    plain PyTorch's five. (No unused
-    parameter: a checkpoint holds no optimizer state of a tensor never stepped, which a load
-    asks for.)"""
+    """Two steps at ZeRO and offload ``before`` (level, fraction, and ``_made``'s ``where``
+    or not), saved; loaded into a model with other values at ``after``, three more steps: as
+    plain PyTorch's five. (No unused parameter: a checkpoint holds no optimizer state of a
+    tensor never stepped, which a load asks for.)"""
     model, data, captured = _setup(unused=False)
     ref = _plain(model, data, None)
     pm = _made(model, data, captured, *before)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     _train(pm, opt, data, range(2), None)
-    path = Path(directory) / f"{before}-{after}"
+    where = "" if len(before) < 3 else ("host" if before[2] is True else "nvme")
+    path = Path(directory) / f"{before[:2]}{where}-{after[:2]}"
     autoshard.save(path, pm, opt, step=2)
     other = copy.deepcopy(model)
     with torch.no_grad():
@@ -360,6 +369,101 @@ def _activations_offloaded(mesh: dict, **options: Any) -> dict[str, Any]:
     return out
 
 
+def _nvme_training(directory: str, level: int, fraction: float) -> None:
+    """GPT at ZeRO ``level`` with ``fraction`` of its optimizer in files under ``directory``,
+    as plain PyTorch; the files hold each tail's master weights, gradient and two moments,
+    the host only the two slots of the budget."""
+    model, data, captured = _setup()
+    ref = _plain(model, data, None)
+    before = set(Path(directory).iterdir())
+    pm = _made(model, data, captured, level, fraction, directory)
+    made = set(Path(directory).iterdir()) - before  # both ranks write there
+    (mine,) = [d for d in made if d.name.startswith(f"rank{pm.rank}-")]
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    got = _train(pm, opt, data, range(STEPS), None)
+    got["state"] = pm.full_state_dict()
+    _same(got, ref, range(STEPS), ("nvme", level, fraction))
+    if fraction == 1.0:
+        assert len(opt.state) == 0  # every tensor's state is in the files
+    tails = {
+        fqn: math.floor(fraction * t.numel() + 0.5) * t.element_size()
+        for fqn, t in pm.local_tensors().items()
+        if t.requires_grad and t.numel()
+    }
+    # a tensor never stepped has its master's file only
+    held = sum(4 * n if "unused" not in fqn else n for fqn, n in tails.items())
+    files = sum(f.stat().st_size for f in mine.iterdir())
+    assert files == held > 0, (files, tails)
+    host = pm.state_bytes(opt, tier="host")
+    assert host["parameters"] == host["gradients"] == 0
+    assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20
+
+
+class _Wide(torch.nn.Module):
+    """Four 1024-wide layers: 32 MiB of float64 weights, little else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _status(key: str) -> int:
+    """Bytes of ``key`` (``VmRSS``, ``VmHWM``: the peak since it was last reset) of this rank."""
+    line = next(s for s in Path("/proc/self/status").read_text().splitlines() if s.startswith(key))
+    return int(line.split()[1]) * 1024
+
+
+def _peak_growth(offload: dict | None, optimizer: type = torch.optim.AdamW) -> int:
+    """Three steps of ``_Wide`` on dp 2 at ZeRO 0: the peak of the rank's resident memory
+    over what it held before them."""
+    torch.manual_seed(0)
+    model = _Wide().double()
+    batch = (torch.randn(4, 1024, dtype=torch.float64), torch.randn(4, 1024, dtype=torch.float64))
+    pm = parallelize(model, batch, {"dp": 2}, zero=0, offload=offload)
+    opt = optimizer(pm.parameters(), lr=LR)
+    del model
+    gc.collect()
+    libc = ctypes.CDLL("libc.so.6")
+    # allocations of 64 KiB and more mapped and unmapped (M_MMAP_THRESHOLD), so that freed
+    # memory leaves the resident set and a peak is what was held at once; what earlier
+    # cases freed given back
+    libc.mallopt(-3, 65536)
+    libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from now
+    before = _status("VmRSS")
+    for _ in range(3):
+        pm(*shard_inputs(batch, pm)).backward()
+        opt.step(), opt.zero_grad()
+    return _status("VmHWM") - before
+
+
+def _nvme_cases(directory: str) -> dict[str, Any]:
+    """NVMe-held optimizer state: as plain PyTorch at ZeRO 0 and 2, checkpoints both ways,
+    and the resident memory of a run whose state outgrows its host budget."""
+    nvme = Path(directory) / "nvme"
+    nvme.mkdir(exist_ok=True)
+    _nvme_training(str(nvme), 0, 1.0)
+    _nvme_training(str(nvme), 2, 0.5)
+    _checkpoint_across(directory, (1, 1.0, str(nvme)), (2, 0.0))
+    _checkpoint_across(directory, (2, 0.5), (0, 1.0, str(nvme)))
+    budget = 4
+    held = {"optimizer": 1.0, "nvme": str(nvme), "host_budget_mb": budget}
+    return {
+        "budget": budget * 2**20,
+        # the state AdamW keeps for _Wide's 32 MiB on the host: masters, gradients, moments
+        "state": 4 * sum(p.numel() * p.element_size() for p in _Wide().double().parameters()),
+        # the same steps with no optimizer state: the device's own (here the rank's memory)
+        "stateless": _peak_growth(None, torch.optim.SGD),
+        "nvme": _peak_growth(held),
+        "on_host": _peak_growth({"optimizer": 1.0}),
+    }
+
+
 def _cases(directory: str) -> list[dict[str, Any]]:
     """Every case in one spawn of the ranks."""
     trained = [
@@ -393,7 +497,7 @@ def _cases(directory: str) -> list[dict[str, Any]]:
         _activations_offloaded({"pp": 2}, schedule="1f1b", microbatches=2),
         _activations_offloaded({"dp": 2}),
     ]
-    return {"optimizer": trained, "activations": activations}
+    return {"optimizer": trained, "activations": activations, "nvme": _nvme_cases(directory)}
 
 
 def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> None:
@@ -401,7 +505,9 @@ def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> 
     cases, gradient accumulation in three), and checkpoints saved under offload loaded without
     it and the reverse, each as plain PyTorch; with it all, the device holds no optimizer
     state and the host holds all of it. Activation offload of Llama's decoder layers on pp 2
-    and dp 2, as plain PyTorch: every byte they save goes to the host and comes back once."""
+    and dp 2, as plain PyTorch: every byte they save goes to the host and comes back once.
+    NVMe: as plain PyTorch, checkpoints both ways, and a rank's peak resident memory within
+    its host budget (and a margin) of a run without optimizer state."""
     per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=1500)
     for rank, cases in enumerate(per_rank):
         for moved in cases["activations"]:
@@ -411,6 +517,13 @@ def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> 
                 assert with_offload < without, (rank, moved)
             else:  # layer 0's tensors started back when layer 1's backward began, each step
                 assert moved["prefetches"] >= STEPS, moved
+        run = cases["nvme"]
+        # beside what the device's gradients, buckets and collectives take (here the rank's
+        # own memory: a stateless run's growth), the budget and 16 MiB more (the windows'
+        # optimizers, the I/O thread); the same state on the host outgrows that
+        bound = run["stateless"] + run["budget"] + 16 * 2**20
+        assert run["budget"] < run["state"], run
+        assert run["nvme"] < bound < run["on_host"], (rank, run)
         for held in cases["optimizer"]:
             fraction, host, device = held["fraction"], held["host"], held["device"]
             assert host["parameters"] == held["host_master_bytes"] > 0
@@ -446,6 +559,18 @@ def test_offload_is_checked_and_named() -> None:
         parallelize(model, data[0], {"pp": 1}, offload={"optimizer": 1.0})
     with pytest.raises(ValueError, match=r"offload\['activations'\]=3: expected a module glob"):
         Options(offload={"activations": 3})
+    for given, named in [
+        ({"nvme": "/tmp"}, r"offload\['nvme'\] keeps the optimizer's host part in files"),
+        ({"optimizer": 1.0, "host_budget_mb": 8}, r"host_budget_mb'\] bounds the NVMe tier"),
+        ({"optimizer": 1.0, "nvme": "/x", "host_budget_mb": 0}, r"expected a positive"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            Options(offload=given)
+    missing = Path(__file__).parent / "no-such-directory"
+    a_file = Path(__file__)
+    for path, named in [(missing, "no such directory"), (a_file, "not a directory")]:
+        with pytest.raises(ValueError, match=rf"offload\['nvme'\]=.*{path.name}.*: {named}"):
+            parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 1.0, "nvme": path})
     both = r"both name inner.layers.1: a block either runs again in backward or offloads"
     with pytest.raises(ValueError, match=both):
         parallelize(

@@ -93,7 +93,7 @@ class NvmeOffload(OptimizerOffload):
 
     def window(self, dtype: torch.dtype) -> int:
         """Elements of one window of tensors of ``dtype``."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         return max(1, self.budget // (SLOTS * KINDS_PER_SLOT * size))
 
     # -- files ------------------------------------------------------------------------------------
@@ -262,7 +262,8 @@ class NvmeOffload(OptimizerOffload):
         for group, settings in zip(self._groups_of(optimizer), optimizer.param_groups, strict=True):
             missing = [p for p in group.pieces if p.tail and p.fqn not in self._scalars]
             for piece in missing:  # a step of zero gradients at a learning rate of 0
-                self._put(piece, "grad", torch.zeros(piece.tail, dtype=piece.param.dtype))
+                zeros = torch.zeros(piece.tail, dtype=piece.param.dtype, device=self.device)
+                self._put(piece, "grad", zeros)
             own = {k: v for k, v in settings.items() if k not in _OWN_SETTINGS} | {"lr": 0.0}
             self._step_tails(group, own, missing)
 
