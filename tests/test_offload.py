@@ -5,7 +5,9 @@ tied embeddings and an unused parameter, and transformers' Llama built from a co
 under offload loaded without it and the reverse; the bytes each tier holds; bad ``offload=``
 values named. Parameter offload (ZeRO 3's shards on the host) likewise, and an embedding
 table on the host against plain PyTorch's ``sparse=True`` table under SparseAdam, with the
-bytes of rows each step moves."""
+bytes of rows each step moves. Activation offload of Llama's decoder layers on pp 2 and dp 2
+(the bytes moved against the test's own count of what they saved); NVMe-held optimizer state
+(the files, the checkpoints, a rank's peak resident memory against its host budget)."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def _made(
 ) -> Any:
     """``fraction`` of the optimizer on the host; ``where`` True puts ZeRO 3's shards there
     too, a path keeps the optimizer's host part in files under it (NVMe, streamed in windows
-    of 164 float64 elements: many a tensor)."""
+    of 163 float64 elements: many a tensor)."""
     offload = {"optimizer": fraction} if fraction or where is True else None
     if where is True:
         offload["parameters"] = True
