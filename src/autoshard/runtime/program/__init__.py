@@ -1,4 +1,5 @@
-"""The runtime's one-program room: the module each rank runs (``parallel``) with its gradient
+"""The runtime's one-program room: the module each rank runs (``parallel``; on one device, the
+reference every parallel run must equal, ``reference``) with its gradient
 buckets overlapping backward (``grad_sync``), ZeRO's shards and units (``zero``), replicas made
 equal (``replicas``), clipping (``clip``), loss scaling (``scaler``), the loss of micro-batches
 and copies weighed by their targets (``counted_loss``) and the batch cut in copies whose
@@ -10,7 +11,8 @@ from autoshard.runtime.program.copies import copy_example
 from autoshard.runtime.program.counted_loss import CountedLoss
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.inputs import local_input, shard_inputs
-from autoshard.runtime.program.parallel import ParallelModule, single_device
+from autoshard.runtime.program.parallel import ParallelModule
+from autoshard.runtime.program.reference import single_device
 from autoshard.runtime.program.replicas import ReplicaMismatchError
 from autoshard.runtime.program.scaler import GradScaler
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,12 +19,10 @@ import torch.utils._pytree as pytree
 
 from autoshard import watch
 from autoshard.devices import rank_device
-from autoshard.graph import OpGraph, call_inputs, capture_modes
+from autoshard.graph import OpGraph
 from autoshard.layout import Layout, LayoutError
 from autoshard.lower import RunState, attr_name, check_recompute, lower
-from autoshard.mesh import MeshInfo
 from autoshard.options import Options
-from autoshard.precision import Precision, precision_policy
 from autoshard.redistribution import gather_tensor, redistribute, shard_tensor
 from autoshard.runtime.offload import (
     HostTier,
@@ -38,8 +36,8 @@ from autoshard.runtime.program.inputs import local_input, part_of
 from autoshard.runtime.program.replicas import replica_group, sync_replicas
 from autoshard.runtime.program.tiers import state_bytes
 from autoshard.runtime.program.zero_plan import build_zero
-from autoshard.runtime.state import check_init, fill
-from autoshard.search import Plan, plan_graph
+from autoshard.runtime.state import fill
+from autoshard.search import Plan
 
 
 class ParallelModule(nn.Module):
@@ -473,34 +471,4 @@ class ParallelModule(nn.Module):
         return {key: values[self._canonical(key)] for key in self._full_keys}
 
 
-def single_device(
-    model: nn.Module,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    *,
-    example_kwargs: dict[str, Any] | None = None,
-    seed: int = 0,
-    captured: dict[bool, OpGraph] | None = None,
-    precision: str | Precision | None = None,
-    init: Any = None,
-    device: Any = None,
-) -> ParallelModule:
-    """The model as one device runs it under autoshard (the same dropout masks as any split,
-    the same ``precision`` policy, the same ``init`` of a meta model): the reference every
-    parallel run must equal. Runs without collectives, on any rank, on ``device`` (the
-    rank's, as ``parallelize`` picks it)."""
-    check_init(model, init)
-    info = MeshInfo(("dp",), (1,), ("dp",))
-    policy = precision_policy(precision).resolve(model)
-    if captured is None:
-        example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
-        captured = capture_modes(
-            model, example_inputs, example_kwargs, loss_fn=loss_fn, dtype=policy.compute
-        )
-    plans = {mode: plan_graph(captured[mode], info) for mode in (True, False)}
-    return ParallelModule(
-        model, captured, plans, 0, Options(seed=seed, precision=policy, init=init, device=device)
-    )
-
-
-__all__ = ["ParallelModule", "single_device"]
+__all__ = ["ParallelModule"]
