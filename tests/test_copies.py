@@ -159,14 +159,14 @@ def _indivisible() -> str:
     return "no error"
 
 
-def _traced(name: str, mesh: dict, strategies: Any = None) -> dict[str, Any]:
+def _traced(name: str, mesh: dict, strategies: Any = None, **options: Any) -> dict[str, Any]:
     """One step with 2 copies: the copies' posts, waits and compute in forward and
     backward, and the collectives issued."""
     from autoshard import comm, parallelize, shard_inputs
     from autoshard.runtime.program.copies import tracing
 
     batch = _batches()[0]
-    pm = parallelize(MODELS[name](), batch, mesh, strategies, copies=2)
+    pm = parallelize(MODELS[name](), batch, mesh, strategies, copies=2, **options)
     with tracing() as trace, comm.recording() as issued:
         pm(*shard_inputs(batch, pm)).backward()
     return {"trace": trace, "issued": issued}
@@ -198,7 +198,13 @@ def _world4() -> dict[str, Any]:
             sequence_parallel=True,
             zero=1,
         ),
+        "llama pp tp copies 2": _trained("llama", {"pp": 2, "tp": 2}, _megatron(), **PIPELINE),
+        "traced llama pp": _traced("llama", {"pp": 2, "tp": 2}, _megatron(), **ONE_F_ONE_B),
     }
+
+
+ONE_F_ONE_B = {"schedule": "1f1b", "microbatches": 2}
+PIPELINE = {"copies": 2, **ONE_F_ONE_B}
 
 
 @pytest.fixture(scope="module")
@@ -265,18 +271,40 @@ def test_a_copys_collective_travels_while_the_other_copy_computes(on_2_ranks, na
         assert kind in kinds, kinds
 
 
-def test_llama_on_dp_tp_with_sequence_parallelism_and_zero_1_with_copies() -> None:
-    results = run_ranks(_world4, 4, timeout=1200)
+@pytest.fixture(scope="module")
+def on_4_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_world4, 4, timeout=1200)
+
+
+def test_llama_on_dp_tp_with_sequence_parallelism_and_zero_1_with_copies(on_4_ranks) -> None:
     want = _eager(_llama())
-    for result in results:
+    for result in on_4_ranks:
         _same(result["llama dp tp sp zero1 copies 2"], want, "dp tp sp zero1", **HF)
 
 
-def test_copies_with_pipeline_stages_are_refused_by_name() -> None:
+def test_llama_on_pp_tp_under_1f1b_with_copies_inside_micro_batches(on_4_ranks) -> None:
+    """Each stage's micro-batch of 4 rows run as 2 copies of 2, the copies' Megatron
+    all-reduces posted in turns inside the stage, forward and backward."""
+    want = _eager(_llama())
+    for result in on_4_ranks:
+        _same(result["llama pp tp copies 2"], want, "pp tp 1f1b copies", **HF)
+        trace = result["traced llama pp"]["trace"]
+        posts = [i for i, e in enumerate(trace) if e[0] == "post"]
+        assert {trace[i][1] for i in posts} == {0, 1}, trace
+        # a stage runs once a micro-batch, its moves numbered anew each time: each post's
+        # wait is the next of its copy and number
+        for i in posts:
+            _, c, n = trace[i]
+            j = trace.index(("wait", c, n), i)
+            assert any(e[0] == "compute" and e[1] != c for e in trace[i:j]), (i, trace[i:j])
+        assert sum(e[0] == "post_grad" for e in trace) >= len(posts) // 2, trace
+
+
+def test_copies_with_a_split_backward_are_refused_by_name() -> None:
     from autoshard import parallelize
 
-    with pytest.raises(ValueError, match=r"copies=2: copies inside pipeline micro-batches"):
-        parallelize(_llama(), _batches()[0], {"pp": 2, "tp": 2}, copies=2)
+    with pytest.raises(ValueError, match=r"copies=2 with schedule='zb-h1': a split backward"):
+        parallelize(_llama(), _batches()[0], {"pp": 2, "tp": 2}, copies=2, schedule="zb-h1")
 
 
 def test_autoshard_train_takes_copies_to_the_ranks_options() -> None:

@@ -141,11 +141,6 @@ def _copies(opts: Options) -> int:
     if copies == 1 and opts.plan is not None:
         data = opts.plan.json if isinstance(opts.plan, Plan) else load_plan(opts.plan)
         copies = int((data or {}).get("options", {}).get("copies", 1))
-    if copies > 1 and _pipelined(opts):
-        raise ValueError(
-            f"copies={copies}: copies inside pipeline micro-batches are not run yet; use "
-            "copies=1 with pipeline stages"
-        )
     return copies
 
 

@@ -32,6 +32,7 @@ from autoshard.runtime.pipeline import (
     pipeline_plans,
     stage_mesh,
 )
+from autoshard.runtime.program import copy_example
 from autoshard.runtime.state import check_init
 from autoshard.schedule import make_schedule, validate
 from autoshard.search import Plan, load_plan
@@ -71,7 +72,7 @@ def parallelize_pipeline(
     plan_schedule = make_schedule(opts.schedule, pp, m, opts.stages_a_rank)
     validate(plan_schedule)
     opts = opts.replace(precision=opts.policy.resolve(model), microbatches=m)
-    example, kwargs = microbatch_example(tuple(example_inputs), example_kwargs, m)
+    example, kwargs = _example(example_inputs, example_kwargs, opts, plan_schedule)
     if captured is None:
         captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=opts.policy.compute)
     if any(og.mutations for og in captured.values()):
@@ -97,6 +98,20 @@ def parallelize_pipeline(
     pipe = Pipe(cuts, plan_schedule, groups, coordinate, groups[coordinate].index(rank))
     plans = pipeline_plans(plans, cuts, pipe.stages, groups[coordinate])
     return PipelineModule(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
+
+
+def _example(
+    example_inputs: Sequence[Any], kwargs: dict | None, opts: Options, schedule: Any
+) -> tuple[tuple, dict | None]:
+    """What is captured: one micro-batch of the example, under copies one copy's rows of it
+    (the program each copy runs)."""
+    if opts.copies > 1 and schedule.split_backward:
+        raise ValueError(
+            f"copies={opts.copies} with schedule={opts.schedule!r}: a split backward's weight "
+            "halves are not run as copies yet; use gpipe, 1f1b or interleaved-1f1b"
+        )
+    example, kwargs = microbatch_example(tuple(example_inputs), kwargs, opts.microbatches)
+    return copy_example(example, kwargs, opts.copies)
 
 
 def _plan_data(plan: Any) -> tuple[dict | None, str]:

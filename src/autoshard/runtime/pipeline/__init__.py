@@ -1,5 +1,6 @@
 """The runtime's pipeline room: the module of a rank's stages (``module``), the executor of
-their schedule's actions (``step``); the loss of micro-batches is weighed by their targets
+their schedule's actions (``step``), a stage's micro-batch run as interleaved copies
+(``copies``); the loss of micro-batches is weighed by their targets
 (``CountedLoss``, of the program room). The entry uses this face only."""
 
 from autoshard.runtime.pipeline.module import (

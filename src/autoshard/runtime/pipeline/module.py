@@ -21,6 +21,7 @@ from autoshard.graph import OpGraph, StageCut, cut_at_modules, cut_balanced
 from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
 from autoshard.redistribution import gather_tensor
+from autoshard.runtime.pipeline.copies import copy_shares, split_copies
 from autoshard.runtime.pipeline.step import SavedBytes, Step
 from autoshard.runtime.program import CountedLoss, ParallelModule, local_input
 from autoshard.schedule import Schedule, forward_only
@@ -128,6 +129,7 @@ class PipelineModule(ParallelModule):
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._counted = {mode: CountedLoss.of(og) for mode, og in self._captured.items()}
         self._shares: list[float] = []
+        self._copy_shares: list[list[float]] = []  # under copies: each copy's in its micro-batch
         # each weight reader's trainable tensors per stage (what a W of a split backward
         # reaches), in the order the stage's program returns the readers' outputs
         og, held = self._captured[True], self.local_tensors()
@@ -246,26 +248,35 @@ class PipelineModule(ParallelModule):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
             raise ValueError(f"inputs {spec} do not match the example inputs {captured.in_spec}")
-        m = self._microbatches
-        parts: list[list[Any]] = [[] for _ in range(m)]
+        m, k = self._microbatches, self.options.copies
         whole: list[list[Any]] = [[] for _ in range(m)]
-        cast = self.precision.compute is not None
         for x, name in zip(flat, captured.inputs, strict=True):
-            layout = plan.inputs[name]
+            layout = plan.inputs[name]  # under copies, one copy's
             if isinstance(x, torch.Tensor):
-                if x.dim() == 0 or x.shape[0] != layout.shape[0] * m:
+                if x.dim() == 0 or x.shape[0] != layout.shape[0] * m * k:
+                    shown = f"{m} x {k} copies x" if k > 1 else f"{m} x"
                     raise ValueError(
                         f"input {name} has shape {tuple(x.shape)}; under {m} micro-batches "
-                        f"the pipeline takes the whole batch, {m} x {layout.shape}"
+                        f"the pipeline takes the whole batch, {shown} {layout.shape}"
                     )
                 chunks = x.chunk(m)
             else:
                 chunks = [x] * m
             for i in range(m):
-                part = local_input(chunks[i], layout, self._rank, name, cast, self.device)
-                parts[i].append(part)
                 whole[i].append(chunks[i])
-        counted = self._counted[mode]
+        cast, counted = self.precision.compute is not None, self._counted[mode]
+        if k > 1:
+            parts, copies = split_copies(self, whole, mode, cast)
+            weights = counted.weights(copies) if counted is not None else None
+            self._shares, self._copy_shares = copy_shares(weights, m, k)
+            return parts
+        parts = [
+            [
+                local_input(x, plan.inputs[n], self._rank, n, cast, self.device)
+                for x, n in zip(xs, captured.inputs, strict=True)
+            ]
+            for xs in whole
+        ]
         shares = counted.weights(whole) if counted is not None else None
         self._shares = shares or [1.0 / m] * m
         return parts

@@ -16,6 +16,7 @@ import torch.fx as fx
 from autoshard import comm
 from autoshard.graph import OpGraph
 from autoshard.layout import Layout
+from autoshard.runtime.pipeline.copies import run_stage
 from autoshard.schedule import COMM, Action
 from autoshard.search import Plan
 
@@ -86,6 +87,7 @@ class Step:
         self.t0 = time.perf_counter()
         self.saved = pm.saved_bytes if pm.counting_saved else None
         self.ready: float | None = None
+        self.copies = pm.options.copies
 
     def needs_grad(self, name: str) -> bool:
         info = self.og[self.og.by_name[name]]
@@ -121,7 +123,10 @@ class Step:
             # the shape and dtype the sending stage makes: the captured graph's (captured in
             # the compute dtype, so a value the model upcasts stays float32)
             layout = _value_layout(self.plan, self.og, name)
-            out.append(torch.empty(layout.local_shape(), dtype=layout.dtype, device=self.pm.device))
+            shape = layout.local_shape()
+            if self.copies > 1:  # the micro-batch's copies' parts, stacked
+                shape = (self.copies, *shape)
+            out.append(torch.empty(shape, dtype=layout.dtype, device=self.pm.device))
         return out
 
     def post(self) -> None:
@@ -168,9 +173,9 @@ class Step:
         ]
         if self.saved is not None and torch.is_grad_enabled():
             with torch.autograd.graph.saved_tensors_hooks(*self.saved.hooks(s)):
-                out = tuple(self.programs[s](*self.inputs[i], *leaves))
+                out = self._run(s, i, leaves)
         else:
-            out = tuple(self.programs[s](*self.inputs[i], *leaves))
+            out = self._run(s, i, leaves)
         self.leaves[(s, i)] = leaves
         main = len(self.plan.outputs) if s == self.last else len(self.cut.sends(s))
         if self.split:  # what the weight halves of the backward start from
@@ -179,6 +184,11 @@ class Step:
         if s == self.last:
             self.losses.append(out[self.og.outputs[0]])
         self.outs[(s, i)] = out
+
+    def _run(self, s: int, i: int, leaves: list[torch.Tensor]) -> tuple:
+        if self.copies > 1:
+            return run_stage(self, s, i, leaves)
+        return tuple(self.programs[s](*self.inputs[i], *leaves))
 
     def _send_f(self, a: Action) -> list[torch.Tensor]:
         out = self.outs[(a.stage, a.microbatch)]

@@ -7,7 +7,12 @@ collectives overlap each other's compute (``copies``). The pipeline and the
 entry use this face only."""
 
 from autoshard.runtime.program.clip import NonFiniteGradientError, clip_grad_norm_
-from autoshard.runtime.program.copies import copy_example
+from autoshard.runtime.program.copies import (
+    combine,
+    copy_example,
+    interleaved_program,
+    whole_copies,
+)
 from autoshard.runtime.program.counted_loss import CountedLoss
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.inputs import local_input, shard_inputs
@@ -24,8 +29,11 @@ __all__ = [
     "ParallelModule",
     "ReplicaMismatchError",
     "clip_grad_norm_",
+    "combine",
     "copy_example",
+    "interleaved_program",
     "local_input",
     "shard_inputs",
     "single_device",
+    "whole_copies",
 ]

@@ -288,14 +288,16 @@ class Interleaved:
         return value
 
 
-def check_copies(program: fx.GraphModule, copies: int, mutations: Any) -> None:
-    """What copies cannot run as one device does, named."""
+def check_copies(program: fx.GraphModule | dict, copies: int, mutations: Any) -> None:
+    """What copies cannot run as one device does, named (``program``: a pipeline's, one a
+    stage)."""
     if mutations:
         raise ValueError(
             f"copies={copies}: the model writes buffers in forward (batch norm's running "
             "statistics), which copies would update once per copy"
         )
-    for name, m in program.named_modules():
+    programs = program.values() if isinstance(program, dict) else [program]
+    for name, m in (n_m for p in programs for n_m in p.named_modules()):
         if isinstance(m, Dropout) and m.p > 0 and m.train_flag:
             raise ValueError(
                 f"copies={copies}: dropout {name} (p={m.p}) draws its mask by the element's "
@@ -331,12 +333,17 @@ def cut_input(x: Any, layout: Layout, copies: int, rank: int, name: str) -> list
     if not isinstance(x, torch.Tensor):
         return [x] * copies
     _rows(x, copies, name)
-    whole = layout.shape[0] * copies
-    if x.shape[0] == whole and layout.local_shape(rank)[0] != layout.shape[0]:
-        parts = layout.shape[0] // layout.local_shape(rank)[0]
-        cut = x.reshape(parts, copies, -1, *x.shape[1:])
-        return [shard_tensor(cut[:, c].reshape(layout.shape), layout, rank) for c in range(copies)]
+    if x.shape[0] == layout.shape[0] * copies and layout.local_shape(rank)[0] != layout.shape[0]:
+        return [shard_tensor(w, layout, rank) for w in whole_copies(x, layout, copies, rank)]
     return list(x.chunk(copies))
+
+
+def whole_copies(x: torch.Tensor, layout: Layout, copies: int, rank: int) -> list[torch.Tensor]:
+    """Each copy's rows of the whole batch's ``x`` (``layout``: one copy's): where the batch
+    dim is split over ranks, a copy holds the ``c``-th ``1/k`` of every rank's rows."""
+    parts = layout.shape[0] // layout.local_shape(rank)[0]
+    cut = x.reshape(parts, copies, -1, *x.shape[1:])
+    return [cut[:, c].reshape(-1, *x.shape[1:]) for c in range(copies)]
 
 
 def rank_rows(x: torch.Tensor, layout: Layout, copies: int, rank: int, name: str) -> torch.Tensor:
@@ -368,6 +375,14 @@ def copy_weights(
 
 
 _interleaved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def interleaved_program(program: fx.GraphModule, rank: int) -> Interleaved:
+    """``program``'s interpreter for copies, made once a program (its nodes found once)."""
+    if program not in _interleaved:
+        _interleaved[program] = Interleaved(program, rank)
+    return _interleaved[program]
 
 
 def run_copies(pm: Any, flat: Sequence[Any], mode: bool, local: Callable[..., Any]) -> list:
@@ -385,10 +400,10 @@ def run_copies(pm: Any, flat: Sequence[Any], mode: bool, local: Callable[..., An
         for c in range(k)
     ]
     program = pm.programs[mode]
-    if program not in _interleaved:  # made once a program: its nodes and what counts its loss
-        _interleaved[program] = (Interleaved(program, pm.rank), CountedLoss.of(captured))
-    interleaved, counted = _interleaved[program]
-    weights = copy_weights(counted, inputs, layouts)
+    if program not in _counted:  # found once a program
+        _counted[program] = CountedLoss.of(captured)
+    weights = copy_weights(_counted[program], inputs, layouts)
+    interleaved = interleaved_program(program, pm.rank)
     with pm.zero_units.saving():
         results = interleaved(inputs)
     return combine(results, weights)
@@ -416,7 +431,9 @@ __all__ = [
     "copy_example",
     "copy_weights",
     "cut_input",
+    "interleaved_program",
     "rank_rows",
     "run_copies",
     "tracing",
+    "whole_copies",
 ]
