@@ -144,7 +144,24 @@ def _trained(name: str, mesh: dict, strategies: Any = None, **options: Any) -> d
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": pm.full_state_dict()}
+    return {"losses": losses, "state": pm.full_state_dict(), "copies": pm.options.copies}
+
+
+def _planned(tmp: str) -> dict[str, Any]:
+    """A plan file made with 2 copies (``autoshard.plan``, Megatron's strategies), run by
+    ``parallelize(plan=...)`` with no copies given: the run takes the plan's."""
+    import json
+
+    from autoshard import plan
+
+    path = f"{tmp}/plan.json"
+    if torch.distributed.get_rank() == 0:
+        made = plan(_llama(), _batches()[0], "cpu", mesh={"tp": 2}, strategies=_megatron(),
+                    zero=0, copies=2)  # fmt: skip
+        with open(path, "w") as f:
+            json.dump(made.json, f)
+    torch.distributed.barrier()
+    return _trained("llama", None, plan=path)
 
 
 def _indivisible() -> str:
@@ -172,10 +189,11 @@ def _traced(name: str, mesh: dict, strategies: Any = None, **options: Any) -> di
     return {"trace": trace, "issued": issued}
 
 
-def _world2() -> dict[str, Any]:
+def _world2(tmp: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     return {
+        "llama planned copies 2": _planned(tmp),
         "llama tp copies 2": _trained("llama", {"tp": 2}, _megatron(), copies=2),
         "llama tp copies 4": _trained("llama", {"tp": 2}, _megatron(), copies=4),
         "moe ep copies 2": _trained("moe", {"ep": 2}, copies=2),
@@ -208,8 +226,9 @@ PIPELINE = {"copies": 2, **ONE_F_ONE_B}
 
 
 @pytest.fixture(scope="module")
-def on_2_ranks() -> list[dict[str, Any]]:
-    return run_ranks(_world2, 2, timeout=1200)
+def on_2_ranks(tmp_path_factory) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("plan"))
+    return run_ranks(_world2, 2, tmp, timeout=1200)
 
 
 # transformers upcasts the logits: its loss is float32's
@@ -229,6 +248,29 @@ def test_experts_over_ep_with_copies_equal_one_device_running_the_copies(on_2_ra
     tolerance = HF if name == "mixtral" else {"rtol": 1.3e-6, "atol": 1e-8}
     for result in on_2_ranks:
         _same(result[f"{name} ep copies 2"], want, name, **tolerance)
+
+
+def test_a_plan_file_s_copies_reach_the_run(on_2_ranks) -> None:
+    """``parallelize(plan=...)`` (as ``autoshard train --plan`` calls it) runs the copies
+    the plan was made with: its strategies are one copy's, and the run equals one device."""
+    want = _eager(_llama())
+    for result in on_2_ranks:
+        got = result["llama planned copies 2"]
+        assert got["copies"] == 2
+        _same(got, want, "plan file with copies 2", **HF)
+
+
+def test_copies_that_differ_from_the_plan_s_are_named(tmp_path) -> None:
+    import json
+
+    from autoshard import parallelize, plan
+
+    made = plan(_llama(), _batches()[0], "cpu", mesh={"tp": 2}, strategies=_megatron(),
+                zero=0, copies=2)  # fmt: skip
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(made.json))
+    with pytest.raises(ValueError, match=r"copies=4, but plan .* was made with copies 2"):
+        parallelize(_llama(), _batches()[0], None, plan=str(path), copies=4)
 
 
 def test_a_batch_that_does_not_cut_into_copies_is_named(on_2_ranks) -> None:

@@ -136,12 +136,20 @@ def _one_program(
 
 
 def _copies(opts: Options) -> int:
-    """The copies to run: the options', else those a given plan was made with."""
-    copies = opts.copies
-    if copies == 1 and opts.plan is not None:
-        data = opts.plan.json if isinstance(opts.plan, Plan) else load_plan(opts.plan)
-        copies = int((data or {}).get("options", {}).get("copies", 1))
-    return copies
+    """The copies to run: those a given plan was made with (its strategies and input layouts
+    are one copy's), else the options'; copies given that differ from the plan's are an
+    error naming both."""
+    if opts.plan is None:
+        return opts.copies
+    data = opts.plan.json if isinstance(opts.plan, Plan) else load_plan(opts.plan)
+    planned = int((data or {}).get("options", {}).get("copies", 1))
+    if opts.copies not in (1, planned):
+        source = "the plan given" if isinstance(opts.plan, Plan) else f"plan {opts.plan}"
+        raise ValueError(
+            f"copies={opts.copies}, but {source} was made with copies {planned}; leave it "
+            "out or plan again"
+        )
+    return planned
 
 
 def _pipelined(opts: Options) -> bool:
