@@ -8,9 +8,8 @@ reference model and Mixtral (built from a config) with their experts over ``ep``
 copies, the batch that does not cut into copies, and a traced step showing the interleaving;
 4 ranks run Llama on dp 2 x tp 2 with sequence parallelism and ZeRO 1 with 2 copies.
 
-The Llama runs equal one device on the whole batch. A MoE router's balance loss is a product
-of means over the tokens, not a mean: under copies each copy's is its own tokens', as one
-device computes it running the copies in turn (``_eager_copies``), which the MoE runs equal.
+Every run equals one device on the whole batch; a MoE router's balance loss (a product of
+means over the tokens) too, as one device computes it over every token of the batch.
 """
 
 from __future__ import annotations
@@ -94,19 +93,12 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 # -- plain PyTorch -------------------------------------------------------------------------------
 
 
-def _eager(model: torch.nn.Module, copies: int = 1, parts: int = 1) -> dict[str, Any]:
-    """The eager model and AdamW on every batch: with ``copies``, the loss is the mean of
-    the copies' losses, copy ``c`` the ``c``-th ``1/copies`` of each of the ``parts`` blocks
-    of rows the ranks hold (one device running the copies in turn)."""
+def _eager(model: torch.nn.Module) -> dict[str, Any]:
+    """The eager model and AdamW on every batch, whole."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for batch in _batches():
-        if copies == 1:
-            loss = model(*batch)
-        else:
-            cut = [x.reshape(parts, copies, -1, *x.shape[1:]) for x in batch]
-            rows = [[x[:, c].reshape(-1, *x.shape[3:]) for x in cut] for c in range(copies)]
-            loss = sum(model(*r) for r in rows) / copies
+        loss = model(*batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -243,8 +235,10 @@ def test_llama_under_megatron_tp_with_copies_equals_one_device(on_2_ranks, copie
 
 
 @pytest.mark.parametrize("name", ["moe", "mixtral"])
-def test_experts_over_ep_with_copies_equal_one_device_running_the_copies(on_2_ranks, name) -> None:
-    want = _eager(MODELS[name](), copies=2, parts=2)  # ep 2 splits the batch in 2 blocks
+def test_experts_over_ep_with_copies_equal_one_device_on_the_whole_batch(on_2_ranks, name) -> None:
+    """The router's per-expert loads and mean probabilities are the copies' means before
+    the balance loss multiplies them: the whole batch's balance loss, not each copy's."""
+    want = _eager(MODELS[name]())
     tolerance = HF if name == "mixtral" else {"rtol": 1.3e-6, "atol": 1e-8}
     for result in on_2_ranks:
         _same(result[f"{name} ep copies 2"], want, name, **tolerance)

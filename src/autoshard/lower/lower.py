@@ -229,6 +229,8 @@ def lower(
             _param(low, og, node, tensors)
         else:
             low.env[node] = _op(low, og, node)
+            if isinstance(low.env[node], fx.Node):  # what runs the program can find it by
+                low.env[node].meta.setdefault("captured", node.name)
         if node.name in plan.shared_reduce:  # one sum for all readers' gradient parts
             reduce = ReduceGrad(*plan.shared_reduce[node.name])
             low.env[node] = low.module(reduce, (low.value(node),), "reduce_grad")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoshard.graph import OpGraph, call_inputs, capture_modes
+from autoshard.graph import OpGraph, call_inputs, capture, capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.layout import Layout
 from autoshard.mesh import check_world, mesh_info
@@ -25,7 +25,7 @@ from autoshard.runtime.entry.planned import (
     zero_of,
 )
 from autoshard.runtime.entry.staged import parallelize_pipeline
-from autoshard.runtime.program import ParallelModule, copy_example
+from autoshard.runtime.program import ParallelModule, batch_means, copy_example
 from autoshard.runtime.state import check_init
 from autoshard.search import Plan, load_plan
 
@@ -132,7 +132,12 @@ def _one_program(
     compare_plans(plans[True], rank)
     if opts.memory_limit is not None and ready is None:
         check_fits(plans[True], captured[True], opts)
-    return ParallelModule(model, captured, plans, rank, opts)
+    pm = ParallelModule(model, captured, plans, rank, opts)
+    if opts.copies > 1:  # the whole batch's graph: which ops reduce over its rows
+        whole = capture(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn,
+                        dtype=opts.policy.compute)  # fmt: skip
+        pm.copy_means = batch_means(captured[True], whole)
+    return pm
 
 
 def _copies(opts: Options) -> int:

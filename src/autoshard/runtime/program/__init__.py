@@ -3,7 +3,8 @@ reference every parallel run must equal, ``reference``) with its gradient
 buckets overlapping backward (``grad_sync``), ZeRO's shards and units (``zero``), replicas made
 equal (``replicas``), clipping (``clip``), loss scaling (``scaler``), the loss of micro-batches
 and copies weighed by their targets (``counted_loss``) and the batch cut in copies whose
-collectives overlap each other's compute (``copies``). The pipeline and the
+collectives overlap each other's compute (``copies``), the whole batch's statistics among
+them (``copy_means``). The pipeline and the
 entry use this face only."""
 
 from autoshard.runtime.program.clip import NonFiniteGradientError, clip_grad_norm_
@@ -13,6 +14,7 @@ from autoshard.runtime.program.copies import (
     interleaved_program,
     whole_copies,
 )
+from autoshard.runtime.program.copy_means import batch_means
 from autoshard.runtime.program.counted_loss import CountedLoss
 from autoshard.runtime.program.grad_sync import GradSync
 from autoshard.runtime.program.inputs import local_input, shard_inputs
@@ -28,6 +30,7 @@ __all__ = [
     "NonFiniteGradientError",
     "ParallelModule",
     "ReplicaMismatchError",
+    "batch_means",
     "clip_grad_norm_",
     "combine",
     "copy_example",

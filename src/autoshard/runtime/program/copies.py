@@ -187,8 +187,16 @@ class _Pending:
 class Interleaved:
     """A program run as ``k`` interleaved copies (see the module's docstring)."""
 
-    def __init__(self, program: fx.GraphModule, rank: int) -> None:
+    def __init__(
+        self, program: fx.GraphModule, rank: int, means: frozenset[str] = frozenset()
+    ) -> None:
         self.program, self.rank = program, rank
+        #: the nodes whose value is the copies' mean (``copy_means``: the whole batch's), each
+        #: with its captured name
+        self.means = {
+            n: n.meta["captured"] for n in program.graph.nodes if n.meta.get("captured") in means
+        }
+        self.weights: dict[str, list[float]] = {}
         self.modules = dict(program.named_modules())
         #: each node with what it is and the nodes it reads, found once
         self.nodes = [(n, self._kind(n), n.all_input_nodes) for n in program.graph.nodes]
@@ -201,10 +209,13 @@ class Interleaved:
             return "move"
         return "experts" if isinstance(module, LocalExperts) else node.op
 
-    def __call__(self, inputs: Sequence[Sequence[Any]]) -> list[Any]:
-        """Each copy's outputs, from each copy's local inputs."""
-        shared: dict[fx.Node, Any] = {}
+    def __call__(self, inputs: Sequence[Sequence[Any]], weights: dict | None = None) -> list[Any]:
+        """Each copy's outputs, from each copy's local inputs (``weights``: a mean's copies'
+        weights by its captured name, where not equal)."""
+        shared: dict[Any, Any] = {}
+        self.weights = weights or {}
         results: list[Any] = [None] * len(inputs)
+        self.copies = len(inputs)
         running = [self._copy(c, list(xs), shared, results) for c, xs in enumerate(inputs)]
         while running:  # each copy in turn, up to its next read of a result in flight
             for copy in list(running):
@@ -244,8 +255,21 @@ class Interleaved:
                 env[node] = yield from self._turns(turns, c)
                 continue
             env[node] = self._run(node, args, kwargs)
+            if node in self.means:
+                env[node] = yield from self._mean(node, env[node], shared)
             if _trace is not None:
                 env[node] = self._marked(env[node], c)
+
+    def _mean(self, node: fx.Node, value: torch.Tensor, shared: dict) -> Iterator[None]:
+        """The copies' mean of ``node``'s value, once every copy has made its own."""
+        made = shared.setdefault(("copies", node), [])
+        made.append(value)
+        while len(made) < self.copies:
+            yield
+        if ("mean", node) not in shared:
+            weights = self.weights.get(self.means[node]) or [1 / len(made)] * len(made)
+            shared[("mean", node)] = sum(w * v for w, v in zip(weights, made, strict=True))
+        return shared[("mean", node)]
 
     def _exchange(self, c: int, numbers: Iterator[int]) -> RowExchange:
         def exchange(x: torch.Tensor, send: list, recv: list, group: list) -> Any:
@@ -378,10 +402,13 @@ _interleaved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def interleaved_program(program: fx.GraphModule, rank: int) -> Interleaved:
-    """``program``'s interpreter for copies, made once a program (its nodes found once)."""
+def interleaved_program(
+    program: fx.GraphModule, rank: int, means: frozenset[str] = frozenset()
+) -> Interleaved:
+    """``program``'s interpreter for copies, made once a program (its nodes found once);
+    ``means``: the captured nodes whose value is the copies' mean."""
     if program not in _interleaved:
-        _interleaved[program] = Interleaved(program, rank)
+        _interleaved[program] = Interleaved(program, rank, means)
     return _interleaved[program]
 
 
@@ -399,13 +426,16 @@ def run_copies(pm: Any, flat: Sequence[Any], mode: bool, local: Callable[..., An
         ]
         for c in range(k)
     ]
-    program = pm.programs[mode]
-    if program not in _counted:  # found once a program
-        _counted[program] = CountedLoss.of(captured)
-    weights = copy_weights(_counted[program], inputs, layouts)
-    interleaved = interleaved_program(program, pm.rank)
+    program, means = pm.programs[mode], pm.copy_means if mode else frozenset()
+    if program not in _counted:  # found once a program: the loss's, and the losses' inside
+        inner = {n: CountedLoss.of(captured, captured.by_name[n]) for n in means}
+        _counted[program] = (CountedLoss.of(captured), {n: c for n, c in inner.items() if c})
+    counted, inner = _counted[program]
+    weights = copy_weights(counted, inputs, layouts)
+    interleaved = interleaved_program(program, pm.rank, means)
+    inside = {n: copy_weights(c, inputs, layouts) for n, c in inner.items()}
     with pm.zero_units.saving():
-        results = interleaved(inputs)
+        results = interleaved(inputs, inside)
     return combine(results, weights)
 
 

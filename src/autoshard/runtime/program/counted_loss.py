@@ -24,7 +24,7 @@ from autoshard.graph import OpGraph
 
 _MEAN = 1  # torch's Reduction::Mean
 #: losses whose arguments are (input, target, weight, reduction, ignore_index[, smoothing])
-_LOSSES = {
+LOSSES = {
     torch.ops.aten.cross_entropy_loss.default,
     torch.ops.aten.nll_loss.default,
     torch.ops.aten.nll_loss_nd.default,
@@ -39,13 +39,11 @@ class CountedLoss:
         self.program, self.ignore_index = program, ignore_index
 
     @staticmethod
-    def of(og: OpGraph) -> CountedLoss | None:
-        out = next(n for n in og.graph.nodes if n.op == "output")
-        values = out.args[0]
-        if not og.outputs or not isinstance(values, list | tuple):
-            return None
-        loss = values[og.outputs[0]]
-        if not isinstance(loss, fx.Node) or loss.target not in _LOSSES:
+    def of(og: OpGraph, loss: fx.Node | None = None) -> CountedLoss | None:
+        """The model's loss's (or the loss op ``loss``'s)."""
+        if loss is None:
+            loss = CountedLoss.output_loss(og)
+        if not isinstance(loss, fx.Node) or loss.target not in LOSSES:
             return None
 
         def arg(i: int, name: str, default: Any) -> Any:
@@ -57,6 +55,15 @@ class CountedLoss:
             return None
         program = _target_program(og, loss.args[1])
         return None if program is None else CountedLoss(program, int(ignore))
+
+    @staticmethod
+    def output_loss(og: OpGraph) -> Any:
+        """The value the model returns as its loss (None without one)."""
+        out = next(n for n in og.graph.nodes if n.op == "output")
+        values = out.args[0]
+        if not og.outputs or not isinstance(values, list | tuple):
+            return None
+        return values[og.outputs[0]]
 
     def weights(self, microbatches: Sequence[Sequence[Any]]) -> list[float] | None:
         """Each micro-batch's share of the counted targets (its whole inputs given, in the

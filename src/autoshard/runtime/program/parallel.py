@@ -45,6 +45,8 @@ class ParallelModule(nn.Module):
 
     #: whether forward takes the whole global batch (a pipeline's) rather than this rank's part
     whole_batch = False
+    #: under copies: the train graph's nodes whose value is the copies' mean (``copy_means``)
+    copy_means: frozenset[str] = frozenset()
 
     def __init__(
         self,
