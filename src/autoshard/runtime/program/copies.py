@@ -18,7 +18,8 @@ it the same way, so every group's members issue their collectives in one order.
 A parameter ZeRO gathers is gathered once, by the first copy to read it, for all of them;
 its gradient is the sum of the copies' parts, summed across ranks once. The loss is one
 device's: each copy's mean weighted by its share of the counted targets (``CountedLoss``),
-or by ``1/k`` for a loss that is not a counted mean.
+or by ``1/k`` for a loss that is not a counted mean; a statistic of the whole batch inside it
+(``copy_means``: a router's per-expert loads) is the copies' mean, every copy meeting there.
 """
 
 from __future__ import annotations
