@@ -36,7 +36,7 @@ BUCKET_CAP_MB = 25.0
 INTERLEAVED_STAGES = 2
 #: the options a run takes from the plan it is given where its own leave them out: those that
 #: shape the plan (a run's precision is its own choice: a plan runs under any)
-RUN_AS_PLANNED = ("attention", "sequence_parallel")
+RUN_AS_PLANNED = ("attention", "sequence_parallel", "offload")
 
 
 class FrozenDict(dict):
@@ -134,8 +134,8 @@ class Options:
     #: multi-copy parallelism: each rank's batch cut by its batch dim into this many copies,
     #: interleaved so one copy's collectives overlap another's compute (docs/parallelism/copies.md)
     copies: int = 1
-    #: what lives on the host rather than the device (docs/offload.md; run-only: plans do not
-    #: price it yet): {"optimizer": fraction}, the fraction (0-1, True for 1) of each tensor
+    #: what lives on the host rather than the device (docs/offload.md; None: searched, offloading
+    #: only where nothing fits without; {} offloads nothing): {"optimizer": fraction}, the fraction (0-1, True for 1) of each tensor
     #: the optimizer steps whose master weights, optimizer state and update are the host's;
     #: "parameters": True, ZeRO 3's shards between uses; "embeddings": a module glob of
     #: nn.Embedding tables looked up and sparsely updated there; "activations": a module glob
@@ -215,6 +215,7 @@ class Options:
             "sequence_parallel": self.sequence_parallel,
             "precision": None if self.precision is None else self.policy,
             "tp": self.tp,
+            "offload": self.offload,
         }
 
     def with_mesh_pp(self) -> Options:
@@ -294,6 +295,7 @@ class Options:
             "attention": self.attention,
             "sequence_parallel": self.sequence_parallel,
             "copies": self.copies,
+            "offload": dict(self.offload) if self.offload is not None else None,
         }
 
 

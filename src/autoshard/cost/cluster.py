@@ -84,6 +84,17 @@ class ClusterSpec:
     #: reduce-scatter out of one, in chunks under the product (Megatron-Core's
     #: ``--tp-comm-overlap``; ``collectives.move_time``): the presets' software does not
     tp_comm_overlap: bool = False
+    #: the host beside the devices, per node (docs/offload.md; 0: not known, nothing is
+    #: offloaded there): its memory in bytes, and its fused CPU AdamW throughput in parameter
+    #: elements a second on all its cores (shared by the node's devices)
+    host_memory_bytes: float = 0.0
+    host_adam_rate: float = 0.0
+    #: bytes/s each way between one device and the host (its own PCIe link; 0: not known)
+    host_bandwidth: float = 0.0
+    #: the node's NVMe drives together: bytes they hold and their read and write bytes/s
+    nvme_bytes: float = 0.0
+    nvme_read_bandwidth: float = 0.0
+    nvme_write_bandwidth: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -195,6 +206,12 @@ PRESETS: dict[str, ClusterSpec] = {
         inter_latency=5e-6,
         op_overhead=5e-6,
         optimizer_passes=7.0,
+        host_memory_bytes=1000 * _GB,
+        host_adam_rate=7e9,
+        host_bandwidth=25 * _GB,
+        nvme_bytes=4 * 3.84e12,
+        nvme_read_bandwidth=4 * 7 * _GB,
+        nvme_write_bandwidth=4 * 3.8 * _GB,
         matmul_efficiency=[
             [128, 0.02],
             [256, 0.08],
@@ -220,6 +237,12 @@ PRESETS: dict[str, ClusterSpec] = {
         inter_latency=5e-6,
         op_overhead=4e-6,
         optimizer_passes=7.0,
+        host_memory_bytes=2000 * _GB,
+        host_adam_rate=1e10,
+        host_bandwidth=55 * _GB,
+        nvme_bytes=8 * 3.84e12,
+        nvme_read_bandwidth=8 * 7 * _GB,
+        nvme_write_bandwidth=8 * 3.8 * _GB,
         matmul_efficiency=[
             [128, 0.01],
             [256, 0.035],
@@ -245,6 +268,12 @@ PRESETS: dict[str, ClusterSpec] = {
         inter_bandwidth=0.5 * _GB,
         inter_latency=1e-4,
         op_overhead=1e-5,
+        host_memory_bytes=8 * _GIB,
+        host_adam_rate=2e8,
+        host_bandwidth=8 * _GB,
+        nvme_bytes=50 * _GB,
+        nvme_read_bandwidth=1 * _GB,
+        nvme_write_bandwidth=0.5 * _GB,
     ),
 }
 

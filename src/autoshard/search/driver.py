@@ -16,7 +16,9 @@ from autoshard.mesh import MeshInfo
 from autoshard.options import SEARCHES
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
+from autoshard.cost.offload import Offload
 from autoshard.search.costgraph import CostGraph
+from autoshard.search.offloading import offloaded
 from autoshard.search.plans import ZERO_LEVELS, Plan, PlanningError
 from autoshard.search.pruning import (
     bare_graphs,
@@ -102,6 +104,7 @@ def run_search(
     sequence_parallel: bool = False,
     precision: Precision | None = None,
     tp: int | None = None,
+    offload: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``, or those of
     tensor-parallel degree ``tp``) and ZeRO
@@ -110,7 +113,8 @@ def run_search(
     over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice);
     ``sequence_parallel``: every op split over the tensor-parallel axes where it can be;
     ``precision``: the mixed precision policy a run keeps the parameters under (``og``
-    captured in its compute dtype; the master weights in its resolved ``master``)."""
+    captured in its compute dtype; the master weights in its resolved ``master``);
+    ``offload``: what is kept off the device (None: searched, ``search.offloading``)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
@@ -122,22 +126,27 @@ def run_search(
         else:
             mesh_list = [mesh]
         sequence = _sequence(og, mesh_list)
-        priced_as((attention, sequence, sequence_parallel, precision))
-        context = options.searching(attention, sequence, sequence_parallel)
-        with paused_gc(), context, pricing.priced_under(precision):
-            return _run_search(
-                og,
-                num_devices,
-                cluster,
-                search,
-                mesh_list,
-                memory_limit,
-                depth,
-                fixed,
-                zero,
-                step_share,
-                precision,
-            )
+
+        def searched(choice: Offload, level: int | None) -> SearchResult:
+            priced_as((attention, sequence, sequence_parallel, precision, choice))
+            context = options.searching(attention, sequence, sequence_parallel)
+            with paused_gc(), context, pricing.priced_under(precision, choice or None):
+                return _run_search(
+                    og,
+                    num_devices,
+                    cluster,
+                    search,
+                    mesh_list,
+                    memory_limit,
+                    depth,
+                    fixed,
+                    level,
+                    step_share,
+                    precision,
+                    choice,
+                )
+
+        return offloaded(searched, offload, zero, lambda r: build_plan(og, r, cluster), cluster)
 
 
 def _sequence(og: OpGraph, meshes: list[MeshInfo]) -> int | None:
@@ -161,6 +170,7 @@ def _run_search(
     zero: int | None,
     step_share: float = 1.0,
     precision: Precision | None = None,
+    offload: Offload | None = None,
 ) -> SearchResult:
     start = time.perf_counter()
     limit = cluster.memory_bytes if memory_limit is None else memory_limit
@@ -170,7 +180,7 @@ def _run_search(
     solved: list[tuple[CostGraph, Solution, float]] = []
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
-    estimated = _Estimates(og, cluster, precision)
+    estimated = _Estimates(og, cluster, precision, offload)
     whole = moves_once(og, cluster, depth, step_share)
     # first each mesh's options without the moves between them (cheap): a lower bound
     # that orders the meshes (at a tie the higher ZeRO stage first: its optimum may serve
@@ -203,9 +213,8 @@ def _run_search(
         raise PlanningError(_nothing_fits(og, graphs, meshes, cluster, limit, num_devices))
     k, sol = _final(estimated, found, best, meshes, graphs)
     seconds = time.perf_counter() - start
-    return SearchResult(
-        meshes[k], graphs[k], sol, tried, seconds, precision, estimated.made(graphs[k], sol)
-    )
+    made = estimated.made(graphs[k], sol)
+    return SearchResult(meshes[k], graphs[k], sol, tried, seconds, precision, made, offload)
 
 
 def _rank(graph: CostGraph | None, floor: float) -> tuple[bool, float, int]:
@@ -225,14 +234,16 @@ FINALIST_MARGIN = 0.05
 class _Estimates:
     """``build_plan`` of a search's solutions, once each (``_fitting``'s, then ``_final``'s)."""
 
-    def __init__(self, og: OpGraph, cluster: ClusterSpec, precision: Precision | None) -> None:
-        self.og, self.cluster, self.precision = og, cluster, precision
+    def __init__(
+        self, og: OpGraph, cluster: ClusterSpec, precision: Precision | None, offload: Any = None
+    ) -> None:
+        self.og, self.cluster, self.precision, self.offload = og, cluster, precision, offload
         self.built: dict[tuple, Plan] = {}
 
     def __call__(self, mesh: MeshInfo, graph: CostGraph, sol: Solution) -> Plan:
         key = (id(graph), tuple(sol.choice))  # (the graphs outlive the search)
         if key not in self.built:
-            result = SearchResult(mesh, graph, sol, [], 0.0, self.precision)
+            result = SearchResult(mesh, graph, sol, [], 0.0, self.precision, None, self.offload)
             self.built[key] = build_plan(self.og, result, self.cluster)
         return self.built[key]
 

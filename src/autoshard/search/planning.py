@@ -43,6 +43,7 @@ def plan(
     schedule: str | None = None,
     virtual_stages: int | None = None,
     recompute: str | None = None,
+    offload: Mapping[str, Any] | None = None,
     attention: str | None = None,
     sequence_parallel: bool = False,
     copies: int | str = 1,
@@ -64,7 +65,9 @@ def plan(
     ``captured`` given with it, in its compute dtype. Every other keyword is the field of
     :class:`~autoshard.options.Options` of its name (docs/options.md); ``zero`` (one stage,
     searched where None), ``tp`` and ``cp`` fix what the search would pick; ``copies``
-    ``"auto"`` searches 1, 2 and 4 copies (docs/parallelism/copies.md); ``options``: an
+    ``"auto"`` searches 1, 2 and 4 copies (docs/parallelism/copies.md); ``offload`` fixes
+    what is kept off the device (None: none where the plan fits without, docs/offload.md);
+    ``options``: an
     ``Options`` the keywords add to."""
     wanted, copies = copies, 1 if copies == "auto" else copies
     opts = Options.from_call(locals(), options).for_search()
@@ -77,6 +80,8 @@ def plan(
     spec = cluster_spec(spec, num_devices)
     opts = opts.replace(precision=opts.policy.resolve(model))
     inputs = tuple(example_inputs)
+    if opts.offload and (opts.staged or wanted != 1):
+        raise ValueError(f"offload={dict(opts.offload)}: not yet planned with stages or copies")
     if opts.staged:
         if wanted == "auto":
             raise ValueError("copies='auto' is searched without stages; give stages a count")
@@ -105,6 +110,7 @@ def _one_program(
     og = captured[True]
     if copies == 1:
         built = build_plan(og, _search(og, *where), where[1])
+        opts = opts.replace(offload=built.json.get("offload", opts.offload))  # as searched
         return dataclasses.replace(built, json={**built.json, "options": opts.as_json()})
     graphs = micro_batch_graphs(
         model, inputs, example_kwargs, loss_fn=loss_fn, dtype=opts.policy.compute

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch.fx as fx
@@ -22,6 +22,7 @@ from autoshard.cost.compute import (
     optimizer_time,
     saved_bytes,
 )
+from autoshard.cost.offload import device_bytes, host_parts
 from autoshard.cost.zero import ZeroParam, master_layout, sum_dtype, zero_param
 from autoshard.graph import node_info
 from autoshard.layout import Layout
@@ -85,16 +86,18 @@ def pending_sum(want: Layout, grad: Layout) -> Layout | None:
 
 
 @contextmanager
-def priced_under(precision: Precision | None) -> Iterator[None]:
+def priced_under(precision: Precision | None, offload: Any = None) -> Iterator[None]:
     """Parameters priced as a run under ``precision`` keeps them (master weights, their
     gradients and optimizer state in the master dtype, the graph's compute-dtype cast of each
-    kept for backward, gradient sums in the reduce dtype)."""
+    kept for backward, gradient sums in the reduce dtype), their device bytes and update as
+    ``offload`` (``cost.offload.Offload``) leaves them."""
     with search_session() as searching:
-        kept, searching.precision = searching.precision, precision
+        kept = searching.precision, searching.offload
+        searching.precision, searching.offload = precision, offload
         try:
             yield
         finally:
-            searching.precision = kept
+            searching.precision, searching.offload = kept
 
 
 def _kept(layout: Layout) -> Layout:
@@ -130,11 +133,16 @@ def param_bytes(
 ) -> float:
     if node_info(p).kind != "param":
         return local_bytes(layout)
+    offload = state().offload
     if zp is not None:
-        return sum(zp.memory.values())
+        return device_bytes(zp.memory, zp.stage, offload) if offload else sum(zp.memory.values())
     kept = _kept(layout)  # with the cast of it a mixed policy's program keeps for backward
     cast = local_bytes(layout) if kept != layout else 0.0
-    return local_bytes(kept) * (2 + optimizer_states) + cast
+    size = local_bytes(kept)
+    if offload and node_info(p).requires_grad:
+        kinds = {"parameters": size, "gradients": size, "optimizer": optimizer_states * size}
+        return device_bytes(kinds, 0, offload) + cast
+    return size * (2 + optimizer_states) + cast
 
 
 def param_time(
@@ -142,7 +150,12 @@ def param_time(
 ) -> float:
     if node_info(p).kind != "param":
         return 0.0
-    return optimizer_time(_kept(layout), cluster, zp.share if zp is not None else 1.0)
+    kept, share = _kept(layout), zp.share if zp is not None else 1.0
+    offload = state().offload
+    host = 0.0
+    if offload and offload.optimizer and node_info(p).requires_grad:
+        host = host_parts(kept.local_numel * share, kept.dtype.itemsize, offload.optimizer, cluster)
+    return optimizer_time(kept, cluster, share) + host
 
 
 def move(

@@ -11,6 +11,7 @@ import torch
 
 from autoshard.cost import ClusterSpec, estimate
 from autoshard.cost.breakdown import breakdown_rows
+from autoshard.cost.offload import with_offload
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.ops import Strategy
@@ -35,6 +36,8 @@ class SearchResult:
     precision: Precision | None = None
     #: the plan's estimate, where the search made it already (``build_plan`` reads it)
     estimated: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: what the plan keeps off the device (``cost.offload.Offload``; None: nothing)
+    offload: Any = None
 
     def strategies(self) -> dict[str, Strategy]:
         """Every decision node's strategy (repeated layers share their representative's)."""
@@ -66,13 +69,17 @@ def build_plan(og: OpGraph, result: SearchResult, cluster: ClusterSpec) -> Plan:
     predicted = result.estimated
     if predicted is None:
         predicted = estimate(built, og, cluster, depth=result.graph.depth)
+        predicted = with_offload(predicted, built, og, cluster, result.offload, result.graph.depth)
+    if result.offload:
+        data["offload"] = result.offload.as_json()
     pred = data["predicted"]
     pred["search_objective_s"] = pred["step_time_s"]
     pred["step_time_s"] = predicted.step_time
     pred["mfu"] *= pred["search_objective_s"] / pred["step_time_s"]
     pred["search_memory_bytes"] = pred["peak_memory_bytes"]
     pred["peak_memory_bytes"] = predicted.peak_memory
-    pred["memory_bytes"] = predicted.as_dict()["memory_bytes"]
+    tiers = ("memory_bytes", "host_memory_bytes", "nvme_memory_bytes", "offload_s")
+    pred |= {k: v for k, v in predicted.as_dict().items() if k in tiers}
     pred["layers"] = breakdown_rows(predicted, og)
     return with_notes(dataclasses.replace(built, predicted=predicted), og)
 

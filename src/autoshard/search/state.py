@@ -26,6 +26,7 @@ class SearchState:
             "sequence_parallel": False,
         }
         self.precision: Any = None  # the policy parameters are priced under (pricing)
+        self.offload: Any = None  # the ``cost.offload.Offload`` they are priced under
         self.priced_as: tuple | None = None  # what the graphs below were priced under
         self.bare: dict[tuple, tuple[Any, Any]] = {}  # each graph without moves
         self.priced: dict[tuple, tuple[Any, Any]] = {}  # the bare graphs at every stage

@@ -28,8 +28,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-#: host master bytes stepped in one go before that chunk's copy back starts
-CHUNK_BYTES = 32 * 2**20
+from autoshard.cost.offload import CHUNK_BYTES as OFFLOAD_CHUNK_BYTES
+
+#: host master bytes stepped in one go before that chunk's copy back starts (as priced)
+CHUNK_BYTES = OFFLOAD_CHUNK_BYTES
 #: a group's settings the host and device optimizers keep their own of: how the kernels run
 _OWN_SETTINGS = {"params", "foreach", "fused", "capturable", "differentiable"}
 

@@ -1,0 +1,79 @@
+"""Which offload a search plans with (docs/offload.md, "Planning"): the one given, else none
+where a plan fits without, else the first of a ladder of offloads that fits, from the least
+moved to the most: the whole optimizer on the host, then with ZeRO 3's parameter shards too,
+then the host's state in NVMe files, each only on a cluster that gives the numbers it is
+priced by. The device tier is the search's memory limit; the host and NVMe tiers are checked on
+the plan's estimate (a node's host memory and drives shared by its devices)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from autoshard.cost import ClusterSpec
+from autoshard.cost.offload import Offload, check_cluster, tiers_fit
+from autoshard.search.plans import Plan, PlanningError
+
+#: the offloads a search tries where nothing fits without, in order
+LADDER = (
+    Offload(optimizer=1.0),
+    Offload(optimizer=1.0, parameters=True),
+    Offload(optimizer=1.0, nvme=True),
+    Offload(optimizer=1.0, parameters=True, nvme=True),
+)
+
+
+def offloaded(
+    searched: Callable[[Offload, int | None], Any],
+    given: Mapping[str, Any] | None,
+    zero: int | None,
+    built: Callable[[Any], Plan],
+    cluster: ClusterSpec,
+) -> Any:
+    """The search's result under ``given`` (None: searched as above); ``searched(offload,
+    zero)`` runs the search, ``built(result)`` makes its plan."""
+    if given is not None:
+        choice = Offload.of(given)
+        if choice:
+            check_cluster(choice, cluster)
+        level = 3 if choice.parameters and zero is None else zero
+        if choice.parameters and level != 3:
+            raise PlanningError(f"offload parameters with zero={zero}: it offloads ZeRO 3 shards")
+        result = searched(choice, level)
+        over = tiers_fit(built(result).predicted, cluster) if choice else None
+        if over:
+            raise PlanningError(f"offload {choice.describe()}: over the cluster's {over}")
+        return result
+    try:
+        return searched(Offload(), zero)
+    except PlanningError as err:
+        nothing = err
+    tried = []
+    for choice in _ladder(cluster, zero):
+        try:
+            result = searched(choice, 3 if choice.parameters else zero)
+        except PlanningError:
+            tried.append(f"{choice.describe()}: over the device")
+            continue
+        over = tiers_fit(built(result).predicted, cluster)
+        if over is None:
+            return result
+        tried.append(f"{choice.describe()}: over the {over}")
+    raise PlanningError(f"{nothing}; nor with offload ({'; '.join(tried) or 'none priced'})")
+
+
+def _ladder(cluster: ClusterSpec, zero: int | None) -> list[Offload]:
+    """The ladder's offloads this cluster prices and ``zero`` allows."""
+    out = []
+    for choice in LADDER:
+        if choice.parameters and zero not in (None, 3):
+            continue
+        try:
+            check_cluster(choice, cluster)
+        except ValueError:
+            continue
+        out.append(choice)
+    return out
+
+
+__all__ = ["LADDER", "offloaded"]
