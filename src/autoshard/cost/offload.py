@@ -399,6 +399,29 @@ def host_parts(elements: float, itemsize: int, fraction: float, cluster: Cluster
     return max(update, back) - device
 
 
+#: the offloads a search tries where nothing fits without, in order: from the least moved
+LADDER = (
+    Offload(optimizer=1.0),
+    Offload(optimizer=1.0, parameters=True),
+    Offload(optimizer=1.0, nvme=True),
+    Offload(optimizer=1.0, parameters=True, nvme=True),
+)
+
+
+def ladder(cluster: ClusterSpec, zero: int | None) -> list[Offload]:
+    """The ``LADDER``'s offloads ``cluster`` gives the numbers of and ZeRO ``zero`` (None:
+    searched) allows."""
+    out = []
+    for choice in LADDER:
+        try:
+            check_cluster(choice, cluster)
+        except ValueError:
+            continue
+        if zero in (None, 3) or not choice.parameters:
+            out.append(choice)
+    return out
+
+
 def device_bytes(memory: Mapping[str, float], stage: int, choice: Offload) -> float:
     """A parameter's device bytes (``memory``: by kind, without offload) under ``choice``
     (the search's memory of it): the optimizer fraction of its state and shard gradient, and at
@@ -413,12 +436,14 @@ def device_bytes(memory: Mapping[str, float], stage: int, choice: Offload) -> fl
 
 __all__ = [
     "CHUNK_BYTES",
+    "LADDER",
     "OFFLOAD_KINDS",
     "Offload",
     "OffloadEstimate",
     "check_cluster",
     "device_bytes",
     "host_parts",
+    "ladder",
     "pipelined",
     "tiers_fit",
     "with_offload",

@@ -11,12 +11,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from autoshard.cost import ClusterSpec
+from autoshard.cost.offload import Offload
 from autoshard.graph import OpGraph
 from autoshard.mesh import MeshInfo
 from autoshard.options import SEARCHES
 from autoshard.precision import Precision
 from autoshard.search import options, pricing
-from autoshard.cost.offload import Offload
 from autoshard.search.costgraph import CostGraph
 from autoshard.search.offloading import offloaded
 from autoshard.search.plans import ZERO_LEVELS, Plan, PlanningError

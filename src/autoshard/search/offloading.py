@@ -11,16 +11,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from autoshard.cost import ClusterSpec
-from autoshard.cost.offload import Offload, check_cluster, tiers_fit
+from autoshard.cost.offload import Offload, check_cluster, ladder, tiers_fit
 from autoshard.search.plans import Plan, PlanningError
-
-#: the offloads a search tries where nothing fits without, in order
-LADDER = (
-    Offload(optimizer=1.0),
-    Offload(optimizer=1.0, parameters=True),
-    Offload(optimizer=1.0, nvme=True),
-    Offload(optimizer=1.0, parameters=True, nvme=True),
-)
 
 
 def offloaded(
@@ -49,7 +41,7 @@ def offloaded(
     except PlanningError as err:
         nothing = err
     tried = []
-    for choice in _ladder(cluster, zero):
+    for choice in ladder(cluster, zero):
         try:
             result = searched(choice, 3 if choice.parameters else zero)
         except PlanningError:
@@ -62,18 +54,4 @@ def offloaded(
     raise PlanningError(f"{nothing}; nor with offload ({'; '.join(tried) or 'none priced'})")
 
 
-def _ladder(cluster: ClusterSpec, zero: int | None) -> list[Offload]:
-    """The ladder's offloads this cluster prices and ``zero`` allows."""
-    out = []
-    for choice in LADDER:
-        if choice.parameters and zero not in (None, 3):
-            continue
-        try:
-            check_cluster(choice, cluster)
-        except ValueError:
-            continue
-        out.append(choice)
-    return out
-
-
-__all__ = ["LADDER", "offloaded"]
+__all__ = ["offloaded"]
