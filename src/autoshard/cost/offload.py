@@ -187,15 +187,13 @@ def _stepped(
     trainable = {i.fqn for i in og.state() if i.kind == "param" and i.requires_grad}
     out = []
     for fqn, param in plan.params.items():
-        if fqn not in trainable or param.grad_partial is None:
+        if fqn not in trainable:
             continue
         kept = master_layout(param.layout, plan.precision)
         level = plan.zero_level(fqn)
-        zp = (
-            None
-            if param.from_value
-            else zero_param(level, kept, param.grad_partial, cluster, ADAM_STATES, None, None)
-        )
+        summed = not param.from_value and param.grad_partial is not None
+        grad = param.grad_partial
+        zp = zero_param(level, kept, grad, cluster, ADAM_STATES, None, None) if summed else None
         share = zp.share if zp is not None else 1.0
         size = local_bytes(kept)
         whole = {"parameters": size, "gradients": size, "optimizer": ADAM_STATES * size}

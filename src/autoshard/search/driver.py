@@ -104,7 +104,7 @@ def run_search(
     sequence_parallel: bool = False,
     precision: Precision | None = None,
     tp: int | None = None,
-    offload: Mapping[str, Any] | None = None,
+    offload: Mapping[str, Any] | str | None = None,
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``, or those of
     tensor-parallel degree ``tp``) and ZeRO
@@ -114,7 +114,8 @@ def run_search(
     ``sequence_parallel``: every op split over the tensor-parallel axes where it can be;
     ``precision``: the mixed precision policy a run keeps the parameters under (``og``
     captured in its compute dtype; the master weights in its resolved ``master``);
-    ``offload``: what is kept off the device (None: searched, ``search.offloading``)."""
+    ``offload``: what is kept off the device (None: nothing; "auto": searched,
+    ``search.offloading``)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search

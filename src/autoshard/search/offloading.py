@@ -1,5 +1,6 @@
-"""Which offload a search plans with (docs/offload.md, "Planning"): the one given, else none
-where a plan fits without, else the first of a ladder of offloads that fits, from the least
+"""Which offload a search plans with (docs/offload.md, "Planning"): the one given, or where
+asked to search it (``autoshard.plan`` without ``offload=``), none where a plan fits without,
+else the first of a ladder of offloads that fits, from the least
 moved to the most: the whole optimizer on the host, then with ZeRO 3's parameter shards too,
 then the host's state in NVMe files, each only on a cluster that gives the numbers it is
 priced by. The device tier is the search's memory limit; the host and NVMe tiers are checked on
@@ -17,14 +18,14 @@ from autoshard.search.plans import Plan, PlanningError
 
 def offloaded(
     searched: Callable[[Offload, int | None], Any],
-    given: Mapping[str, Any] | None,
+    given: Mapping[str, Any] | str | None,
     zero: int | None,
     built: Callable[[Any], Plan],
     cluster: ClusterSpec,
 ) -> Any:
-    """The search's result under ``given`` (None: searched as above); ``searched(offload,
-    zero)`` runs the search, ``built(result)`` makes its plan."""
-    if given is not None:
+    """The search's result under ``given`` (``"auto"``: searched as above; None: nothing
+    offloaded); ``searched(offload, zero)`` runs the search, ``built(result)`` its plan."""
+    if given != "auto":
         choice = Offload.of(given)
         if choice:
             check_cluster(choice, cluster)

@@ -154,6 +154,7 @@ def _search(
         base = plan_graph(og, info, opts.strategies)
         fixed = {n.node: n.strategy for n in base.nodes.values() if n.configured}
     keywords = opts.search_keywords()
+    keywords["offload"] = "auto" if opts.offload is None and step_share == 1 else opts.offload
     return run_search(
         og, num_devices, spec, mesh=info, fixed=fixed, step_share=step_share, **keywords
     )
