@@ -327,28 +327,28 @@ def _embeddings(
     glob: str,
     cluster: ClusterSpec,
 ) -> list[_Stepped]:
-    """Tables matched by ``glob`` wholly on the host with their gradients and state; the
-    rows looked up come in and their gradients go out in line; the host updates those rows.
-    Returns the parameters left to the other kinds."""
-    tables = [s for s in stepped if _matches(s.fqn.rpartition(".")[0], glob)]
+    """The tables an embedding lookup reads in the modules ``glob`` names, wholly on the
+    host with their gradients and state; the rows looked up come in and their gradients go
+    out in line; the host updates those rows. Returns the parameters left to the others."""
+    looked_up: dict[str, float] = {}
+    for info in og.ops():
+        if info.op.startswith("embedding") and _matches(info.path, glob):
+            for fqn in info.params:
+                looked_up[fqn] = looked_up.get(fqn, 0.0) + math.prod(info.out_shapes[0])
+    tables = [s for s in stepped if s.fqn in looked_up]
     if not tables:
-        raise ValueError(f"offload embeddings {glob!r}: matches no parameter of the model")
+        raise ValueError(f"offload embeddings {glob!r}: no embedding lookup in those modules")
     rows = 0.0
     for s in tables:
         for kind, nbytes in s.memory.items():
             _move(est.host, est.memory, kind, s.count * nbytes)
-        est.optimizer -= (
-            cluster.optimizer_passes * s.elements * s.itemsize / cluster.memory_bandwidth
-        )
-        readers = [og[n] for n in og.graph.nodes if any(
-            og[a].fqn == s.fqn for a in n.all_input_nodes if og[a].kind == "param")]  # fmt: skip
-        looked_up = sum(math.prod(r.shape) for r in readers if r.shape)
-        rows += min(looked_up, s.elements) * s.itemsize
-    named = {s.fqn for s in tables}
+        traffic = cluster.optimizer_passes * s.elements * s.itemsize
+        est.optimizer -= traffic / cluster.memory_bandwidth
+        rows += min(looked_up[s.fqn], s.elements) * s.itemsize
     est.offload_parts["embedding_rows"] = 2 * rows / cluster.host_bandwidth
     rate = cluster.host_adam_rate / cluster.devices_per_node
     est.offload_parts["embedding_update"] = rows / tables[0].itemsize / rate
-    return [s for s in stepped if s.fqn not in named]
+    return [s for s in stepped if s.fqn not in looked_up]
 
 
 def _nvme(est: OffloadEstimate, cluster: ClusterSpec) -> dict[str, float]:
