@@ -393,6 +393,55 @@ def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
         "runs beside another's compute (auto: searched among 1, 2 and 4; "
         "docs/parallelism/copies.md)",
     )
+    p.add_argument(
+        "--offload",
+        action="append",
+        type=_offload_flag,
+        metavar="KIND[=VALUE]",
+        help="keep off the device (docs/offload.md): optimizer[=fraction], parameters (ZeRO "
+        "3), activations[=module glob], embeddings[=module glob]; repeat for several; auto: "
+        "searched where nothing fits without (left out: nothing offloaded)",
+    )
+    p.add_argument(
+        "--nvme",
+        nargs="?",
+        const=True,
+        metavar="PATH",
+        help="keep the host's offloaded state in files (under PATH) on the nodes' NVMe",
+    )
 
 
-__all__ = ["CHOICES", "DTYPES", "build_parser", "version"]
+def _offload_flag(text: str) -> tuple[str, Any]:
+    """One ``--offload``: a kind and its value (a fraction, a glob, or the whole)."""
+    kind, _, value = text.partition("=")
+    if kind == "auto" and not value:
+        return kind, True
+    if kind == "optimizer":
+        try:
+            return kind, float(value) if value else 1.0
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"optimizer={value}: expected a fraction") from None
+    if kind in ("activations", "embeddings"):
+        return kind, value or "*"
+    if kind == "parameters" and not value:
+        return kind, True
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected optimizer[=fraction], parameters, activations[=glob], "
+        "embeddings[=glob] or auto"
+    )
+
+
+def offload_of(args: argparse.Namespace) -> dict[str, Any] | str | None:
+    """What ``--offload`` and ``--nvme`` ask for: the kinds as ``offload=`` takes them,
+    "auto" (searched) or None (nothing)."""
+    kinds = dict(args.offload or [])
+    if kinds.pop("auto", False):
+        if kinds or args.nvme:
+            raise ValueError("--offload auto searches the offload: give no other kind with it")
+        return "auto"
+    if args.nvme:
+        kinds["nvme"] = args.nvme
+    return kinds or None
+
+
+__all__ = ["CHOICES", "DTYPES", "build_parser", "offload_of", "version"]

@@ -178,6 +178,8 @@ def _planned(job: Any) -> int:
     staged = opts.replace(pp=None if opts.pp == 1 else opts.pp).staged
     if job.args.copies == "auto" and (staged or job.args.pp == "auto"):
         raise ValueError("--copies auto is searched without stages; give stages a count")
+    if (staged or job.args.copies != 1) and job.args.offload:
+        raise ValueError("--offload: not yet planned with pipeline stages or copies")
     if job.args.pp != "auto" and staged:
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(job)
@@ -188,6 +190,7 @@ def _searched(job: Any) -> int:
     """The plan without stages, or with them where none fits without."""
     import time
 
+    from autoshard.cli.args import offload_of
     from autoshard.cli.plan_pipeline import pipeline_plan
     from autoshard.graph import capture, check_depth
     from autoshard.graph.batches import micro_batch_graphs
@@ -202,6 +205,7 @@ def _searched(job: Any) -> int:
     devices = job.spec.num_devices
     try:
         keywords = job.options().search_keywords()
+        keywords["offload"] = offload_of(job.args) or keywords["offload"]
         search = searched_with(devices, job.spec, depth=job.depth, **keywords)
         if job.args.copies == 1:
             result = search(captured, 1)
@@ -292,7 +296,9 @@ def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
 
     args, data = job.args, built.json
     copies = data["predicted"].get("copies", 1)
-    data["options"] = plan_options(args, built.precision).replace(copies=copies).as_json()
+    opts = plan_options(args, built.precision)
+    offload = data.get("offload", opts.offload)  # as searched
+    data["options"] = opts.replace(copies=copies, offload=offload).as_json()
     data["predicted"]["capture_s"] = captured_s
     data["predicted"]["end_to_end_s"] = time.perf_counter() - job.start
     write_json(args.json, data)

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any
 
+from autoshard.cli.args import offload_of
 from autoshard.cli.plan_text import format_search, write_json
 from autoshard.cli.plan_text import human_bytes as size
 from autoshard.options import Options
@@ -31,6 +32,7 @@ def plan_options(args: Any, policy: Any) -> Options:
         virtual_stages=args.virtual_stages,
         recompute=args.recompute,
         copies=args.copies if isinstance(args.copies, int) else 1,
+        offload=None if offload_of(args) == "auto" else offload_of(args),
     )
 
 

@@ -88,7 +88,20 @@ def _headline(data: dict, pred: dict) -> list[str]:
         f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
         f"peak memory {human_bytes(pred['peak_memory_bytes'])} per device",
         f"ZeRO stage {data.get('zero', 0)}; memory per device: {kinds}",
-    ]
+    ] + _offloaded(data, pred)
+
+
+def _offloaded(data: dict, pred: dict) -> list[str]:
+    """What the plan keeps off the device (docs/offload.md): the host's and NVMe's bytes
+    per device and the seconds the step waits for the offload."""
+    if not data.get("offload"):
+        return []
+    kinds = ", ".join(f"{k}={v}" for k, v in data["offload"].items())
+    tiers = "; ".join(
+        f"{tier} {human_bytes(pred[key]['total'])}"
+        for tier, key in (("host", "host_memory_bytes"), ("NVMe", "nvme_memory_bytes"))
+    )
+    return [f"offload {kinds}: {tiers} per device; the step waits {pred['offload_s']:.3f} s"]
 
 
 def _copies(pred: dict) -> list[str]:

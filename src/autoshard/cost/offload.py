@@ -64,7 +64,9 @@ class Offload:
         if isinstance(offload, Offload):
             return offload
         given = dict(offload or {})
-        fraction = given.get("optimizer", 0.0)
+        # NVMe alone holds the optimizer's state: the whole of it on the host first
+        whole = given.get("nvme") and not given.get("parameters")
+        fraction = given.get("optimizer", 1.0 if whole else 0.0)
         return cls(
             optimizer=1.0 if fraction is True else float(fraction or 0.0),
             parameters=bool(given.get("parameters", False)),
