@@ -345,6 +345,12 @@ def _calibrate_command(args: argparse.Namespace) -> int:
     spec = calibrate(ranks, args.threads, device=device)
     spec.save(args.out)
     gb = 1e9
+    print(
+        f"host: {spec.host_memory_bytes / gb:.0f} GB, copies {spec.host_bandwidth / gb:.1f} GB/s, "
+        f"fused CPU AdamW {spec.host_adam_rate / 1e6:.0f} M elements/s; files "
+        f"{spec.nvme_write_bandwidth / gb:.2f} GB/s written, {spec.nvme_read_bandwidth / gb:.2f} "
+        "GB/s read"
+    )
     if device == "cuda":
         link = "NCCL" if ranks > 1 else "no link measured"
         print(

@@ -6,7 +6,8 @@ at sizes 16 to 512 (the best is the peak, the others its efficiency curve), the 
 attention reaches forward and backward, memory bandwidth (a copy larger than the caches), the
 per-op overhead (a small op through autograd), the memory passes of one AdamW step, and
 all-reduce time at several message sizes, each all-reduce issued after a slice of compute as a
-step issues them (docs/cost.md, "How calibrate measures on a shared host"). Latency and
+step issues them (docs/cost.md, "How calibrate measures on a shared host"), and the host's
+numbers offload is priced by (``calibrate_host``). Latency and
 bandwidth are the least-squares fit of the cost model's own all-reduce formula to those times.
 Medians of repeated timings, the conditions compared taken in turns, then the median over
 ranks.
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from autoshard.cost.calibrate_host import with_host
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.linkfit import fit_all_reduce, kind_factors
 
@@ -319,7 +321,7 @@ def calibrate(
     over gloo, or with ``device="cuda"`` its first ``ranks`` GPUs over NCCL
     (``calibrate_cuda``)."""
     if device != "cpu":
-        return _on_device(ranks, name, device)
+        return with_host(_on_device(ranks, name, device), device)
     from autoshard.testing import run_ranks
 
     per_rank = run_ranks(_measure_rank, ranks, threads, timeout=600)
@@ -346,7 +348,7 @@ def calibrate(
     }
     flops = {key: v for key, v in m.items() if key.startswith("float")}
     flops["float64"] = m["float64"] / curve[MATMUL_SIZES.index(256)][1]  # on the same curve
-    return ClusterSpec(
+    spec = ClusterSpec(
         name=name,
         nodes=1,
         devices_per_node=ranks,
@@ -370,6 +372,7 @@ def calibrate(
             "all_reduce_fit_per_group_size": per_group,
         },
     )
+    return with_host(spec)
 
 
 def _on_device(ranks: int, name: str, device: str) -> ClusterSpec:
