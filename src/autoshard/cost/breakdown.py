@@ -102,8 +102,11 @@ def _rest(est: Estimate, rows: object) -> list[LayerCost]:
     hidden = est.hidden_by_copies if isinstance(est, CopiesEstimate) else 0.0
     if hidden:  # the layers' rows count every copy's communication in line
         out.append(LayerCost("in-line communication hidden by copies", comm_s=-hidden))
-    other_time = est.step_time - time - est.optimizer - waited + hidden
-    other_memory = est.peak_memory - memory
+    offload, moved = getattr(est, "offload_s", 0.0), getattr(est, "moved_off", 0.0)
+    if offload or moved:  # the layers' rows count the state on the device, as without it
+        out.append(LayerCost("offload: waited for, moved off", comm_s=offload, memory_bytes=-moved))
+    other_time = est.step_time - time - est.optimizer - waited + hidden - offload
+    other_memory = est.peak_memory - memory + moved
     other_time = 0.0 if abs(other_time) < 1e-9 * est.step_time else other_time  # rounding
     if abs(other_time) > 1e-12 * est.step_time or abs(other_memory) > 0.5:
         out.append(

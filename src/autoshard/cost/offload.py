@@ -102,6 +102,8 @@ class OffloadEstimate(Estimate):
     nvme: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0.0))
     offload_s: float = 0.0
     offload_parts: dict[str, float] = field(default_factory=dict)
+    #: the device bytes the offload moved off (the layers' rows count them on the device)
+    moved_off: float = 0.0
 
     @property
     def step_time(self) -> float:
@@ -163,6 +165,7 @@ def with_offload(
     if choice.nvme:
         parts |= _nvme(out, cluster)
     out.offload_s = sum(parts.values())
+    out.moved_off = est.peak_memory - out.peak_memory
     return out
 
 
