@@ -130,6 +130,7 @@ class _Stepped:
     elements: float
     itemsize: int
     stage: int
+    level: int  # the plan's ZeRO level for it (3 on one device too, where nothing is sharded)
     done: float
     count: int
     memory: dict[str, float]
@@ -210,6 +211,7 @@ def _stepped(
                 kept.local_numel * share,
                 kept.dtype.itemsize,
                 zp.stage if zp else 0,
+                level,
                 1.0 - at / max(len(nodes), 1),
                 copies.get(nodes[at], 1),
                 memory,
@@ -264,9 +266,10 @@ def pipelined(stages: list[float], nbytes: float, chunk: float = CHUNK_BYTES) ->
 def _parameters(
     est: OffloadEstimate, stepped: list[_Stepped], cluster: ClusterSpec
 ) -> dict[str, float]:
-    """ZeRO 3 shards on the host between uses, each fetched one unit ahead of its gathers,
-    forward and backward, behind the compute of the unit before it."""
-    sharded = [s for s in stepped if s.stage == 3]
+    """ZeRO 3 shards (a device's whole tensors where it has no replica) on the host between
+    uses, each fetched one unit ahead of its gathers, forward and backward, behind the compute
+    of the unit before it."""
+    sharded = [s for s in stepped if s.level == 3]
     if not sharded:
         raise ValueError("offload parameters: no parameter is at ZeRO 3 (plan with zero=3)")
     forward, backward = est.compute_forward, est.compute_backward

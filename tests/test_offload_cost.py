@@ -1,0 +1,215 @@
+"""Offload planned (docs/offload.md "Planning", docs/cost.md "Offload"): the host and NVMe
+numbers of a cluster, what each kind of offload moves off the device and what the step waits
+for it, the search that offloads only where nothing fits without, and the known answers:
+Llama-13B on one 80 GB H100 plans only with the optimizer offloaded, a 1T-parameter GPT on
+32 nodes of 8 H100s fits with its state on NVMe, and nothing is offloaded where all fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.cost import PRESETS, ClusterSpec, cluster_spec
+from autoshard.cost.breakdown import layer_breakdown
+from autoshard.cost.offload import LADDER, Offload, ladder, pipelined
+from autoshard.graph import capture
+from autoshard.models import GPT, GPTConfig, Llama, LlamaConfig, build, reference_config
+from autoshard.search import PlanningError, build_plan, run_search
+
+GIB = 2**30
+
+
+def _small(layers: int = 4):
+    config = reference_config("gpt", vocab=64, seq=8, layers=layers, heads=2, hidden=16)
+    return build(config), config.example_batch(4)
+
+
+def _plan(offload, layers: int = 4, **kw):
+    model, batch = _small(layers)
+    return autoshard.plan(model, batch, "cpu", num_devices=2, offload=offload, **kw)
+
+
+def test_presets_give_the_host_and_nvme_numbers_and_old_specs_load_without() -> None:
+    h100 = PRESETS["dgx-h100"]
+    assert h100.host_memory_bytes == 2000e9 and h100.host_bandwidth == 55e9
+    assert h100.nvme_read_bandwidth == 8 * 7e9 and h100.nvme_write_bandwidth == 8 * 3.8e9
+    for spec in PRESETS.values():
+        assert min(spec.host_memory_bytes, spec.host_bandwidth, spec.host_adam_rate) > 0
+        assert min(spec.nvme_bytes, spec.nvme_read_bandwidth, spec.nvme_write_bandwidth) > 0
+        assert ClusterSpec.from_json(spec.to_json()).to_json() == spec.to_json()
+    old = {k: v for k, v in h100.to_json().items() if not k.startswith(("host", "nvme"))}
+    bare = ClusterSpec.from_json(old)
+    assert bare.host_memory_bytes == 0 and ladder(bare, None) == []
+    with pytest.raises(ValueError, match="gives no host_memory_bytes, host_bandwidth, host_adam"):
+        run_search(_captured_small(), 2, bare.with_devices(2), offload={"optimizer": 1.0})
+
+
+@functools.cache
+def _captured_small():
+    model, batch = _small()
+    return capture(model, batch, {})
+
+
+def test_optimizer_offload_moves_its_fraction_to_the_host_and_prices_the_step() -> None:
+    base = _plan({}, zero=2).predicted
+    plans = [_plan({"optimizer": f}, zero=2) for f in (1.0, 0.5)]
+    whole, half = (p.predicted for p in plans)
+    assert whole.memory["optimizer"] == 0 and whole.host["optimizer"] == base.memory["optimizer"]
+    assert half.host["optimizer"] == pytest.approx(base.memory["optimizer"] / 2)
+    assert half.memory["optimizer"] == pytest.approx(base.memory["optimizer"] / 2)
+    assert whole.host["parameters"] == whole.host["gradients"] > 0  # the masters, their sums
+    assert whole.memory["gradients"] == base.memory["gradients"] - whole.host["gradients"]
+    assert whole.memory["parameters"] == base.memory["parameters"]  # the device keeps its own
+    assert whole.peak_memory < half.peak_memory < base.peak_memory
+    for plan in plans:
+        est = plan.predicted
+        assert est.offload_s == pytest.approx(sum(est.offload_parts.values())) and est.offload_s > 0
+        assert est.step_time == pytest.approx(
+            est.compute + est.exposed_comm + est.optimizer + est.offload_s
+        )
+        rows = layer_breakdown(est, plan.graph)
+        assert sum(r.blocks * r.time_s for r in rows) == pytest.approx(est.step_time)
+        assert sum(r.blocks * r.memory_bytes for r in rows) == pytest.approx(est.peak_memory)
+    # the device's update shrinks by the fraction moved; the host's takes it at its own rate
+    assert whole.optimizer < half.optimizer < base.optimizer
+
+
+def test_the_host_update_and_copies_are_priced_from_the_cluster() -> None:
+    cpu = cluster_spec("cpu", 2)
+    est = _plan({"optimizer": 1.0}).predicted
+    elements = est.host["parameters"] / 4
+    update = elements / (cpu.host_adam_rate / 2)
+    back = est.host["parameters"] / cpu.host_bandwidth
+    assert est.offload_parts["host_update"] == pytest.approx(
+        pipelined([update, back], 4 * elements)
+    )
+    # one chunk: the two stages one after another; many: the slower one and a chunk of the other
+    assert pipelined([1.0, 2.0], 10) == 3.0
+    assert pipelined([1.0, 2.0], 4 * 32 * 2**20) == pytest.approx(2.25)
+
+
+def test_parameters_activations_embeddings_and_nvme_are_priced_per_tier() -> None:
+    zero3 = _plan({}, zero=3).predicted
+    shards = _plan({"parameters": True}, zero=3).predicted
+    moved = zero3.memory["parameters"] - shards.memory["parameters"]
+    assert moved > 0 and shards.host["parameters"] == pytest.approx(moved)
+    assert shards.offload_parts["parameters_forward"] >= 0
+    with pytest.raises(PlanningError, match="offload parameters with zero=1: it offloads ZeRO 3"):
+        _plan({"parameters": True}, zero=1)
+    base = _plan({}, layers=6).predicted
+    acts = _plan({"activations": "layers.*"}, layers=6).predicted
+    held = acts.host["activations"]
+    assert held > 0 and acts.memory["activations"] == pytest.approx(
+        base.memory["activations"] - held
+    )
+    table = _plan({"embeddings": "wpe"}).predicted
+    assert table.host["parameters"] == 8 * 16 * 4 and table.host["optimizer"] == 2 * 8 * 16 * 4
+    assert table.offload_parts["embedding_rows"] > 0
+    with pytest.raises(ValueError, match="offload embeddings 'layers.*': no embedding lookup"):
+        _plan({"embeddings": "layers.*"})
+    with pytest.raises(ValueError, match="offload activations 'nothing': matches no module"):
+        _plan({"activations": "nothing"})
+    files = _plan({"nvme": "/tmp/state"}).predicted  # NVMe alone: the optimizer's on it
+    whole = _plan({"optimizer": 1.0}).predicted
+    assert files.offloaded == Offload(optimizer=1.0, nvme="/tmp/state")
+    held = files.nvme["optimizer"] + files.host["optimizer"]
+    assert held == pytest.approx(whole.host["optimizer"])
+
+
+def test_nothing_is_offloaded_where_everything_fits() -> None:
+    model, batch = _small()
+    searched = autoshard.plan(model, batch, "cpu", num_devices=2)
+    plain = build_plan(_captured_small(), run_search(_captured_small(), 2, cluster_spec("cpu", 2)),
+                       cluster_spec("cpu", 2))  # fmt: skip
+    assert "offload" not in searched.json and searched.json["options"]["offload"] is None
+    assert searched.json["predicted"]["step_time_s"] == plain.json["predicted"]["step_time_s"]
+    assert searched.json["predicted"]["memory_bytes"] == plain.json["predicted"]["memory_bytes"]
+    assert "host_memory_bytes" not in searched.json["predicted"]
+
+
+@functools.cache
+def _llama_13b():
+    """Llama-13B (40 layers, two captured), float32, one sequence of 512 tokens."""
+    config = LlamaConfig(vocab_size=32000, max_seq=512, num_layers=2, num_heads=40,
+                         num_kv_heads=40, hidden=5120, ffn_hidden=13824)  # fmt: skip
+    with torch.device("meta"):
+        model = Llama(config)
+    idx = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    return capture(model, (idx, idx.clone()), {})
+
+
+def test_llama_13b_on_one_h100_plans_only_with_the_optimizer_offloaded() -> None:
+    og, h100 = _llama_13b(), cluster_spec("dgx-h100", 1)
+    depth = {"layers": 40}
+    with pytest.raises(PlanningError, match="no plan fits in 80.00 GiB per device on 1 devices"):
+        run_search(og, 1, h100, depth=depth)
+    plan = build_plan(og, run_search(og, 1, h100, depth=depth, offload="auto"), h100)
+    est = plan.predicted
+    assert plan.json["offload"] == {"optimizer": 1.0}
+    assert est.peak_memory <= 80 * GIB and est.memory["optimizer"] == 0
+    elements = est.host["parameters"] / 4  # every float32 master is the host's
+    assert 12.8e9 < elements < 13.1e9
+    assert est.host["optimizer"] == 2 * est.host["parameters"] <= h100.host_memory_bytes
+    # the host's AdamW at 1e10 elements/s and the gradients' 52 GB at 55 GB/s after backward
+    # (one device: no sum, so none leaves before backward ends) are most of the step
+    assert est.offload_parts["host_update"] == pytest.approx(elements / 1e10, rel=0.01)
+    assert est.offload_parts["gradients_to_host"] == pytest.approx(4 * elements / 55e9, rel=0.01)
+    assert 2.0 < est.step_time < 3.0, est.step_time
+    assert plan.json["predicted"]["step_time_s"] == est.step_time
+
+
+@functools.cache
+def _gpt_1t():
+    """A GPT of about 1T parameters (128 layers of hidden 25600, two captured), float32, 32
+    sequences of 2048 tokens."""
+    config = GPTConfig(block_size=2048, vocab_size=51200, num_layers=2, num_heads=160,
+                       hidden=25600)  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(config)
+    idx = torch.zeros(32, 2048, dtype=torch.long, device="meta")
+    return capture(model, (idx, idx.clone()), {})
+
+
+def test_a_1t_model_on_32_nodes_of_h100_fits_with_nvme() -> None:
+    og, spec = _gpt_1t(), cluster_spec("dgx-h100", 256)
+    kw = dict(depth={"layers": 128}, tp=8)
+    with pytest.raises(PlanningError, match="no plan fits in 80.00 GiB per device on 256"):
+        run_search(og, 256, spec, **kw)
+    given = {"optimizer": 1.0, "parameters": True, "nvme": "/nvme"}
+    plan = build_plan(og, run_search(og, 256, spec, offload=given, **kw), spec)
+    est = plan.predicted
+    assert plan.zero == 3 and est.peak_memory <= 80 * GIB
+    state = 16 * 12 * 25600**2 * 128 / 256  # 16 bytes a parameter, ZeRO 3 over 256
+    assert sum(est.nvme.values()) > 0.9 * state
+    assert sum(est.host.values()) < state / 2 and math.isfinite(est.step_time)
+    # a host of 256 GB a node cannot hold the host's share: the search goes to NVMe itself
+    small = dataclasses.replace(spec, host_memory_bytes=256e9)
+    auto = build_plan(og, run_search(og, 256, small, offload="auto", **kw), small)
+    assert auto.json["offload"]["nvme"] is True and auto.predicted.peak_memory <= 80 * GIB
+    assert sum(auto.predicted.host.values()) <= 256e9 / 8
+    assert LADDER.index(auto.predicted.offloaded) >= 2  # after both host rungs
+
+
+def test_a_planned_offload_is_recorded_and_run() -> None:
+    model, batch = _small()
+    plan = autoshard.plan(model, batch, "cpu", num_devices=1, offload={"optimizer": 1.0})
+    assert plan.json["options"]["offload"] == {"optimizer": 1.0}
+    pm = autoshard.parallelize(model, batch, None, plan=plan)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm(*batch).backward()
+    opt.step()
+    host, device = pm.state_bytes(opt, tier="host"), pm.state_bytes(opt)
+    assert device["optimizer"] == 0
+    steps = 4 * sum(1 for p in pm.parameters() if p.requires_grad)  # AdamW's step counts
+    assert host["optimizer"] == plan.predicted.host["optimizer"] + steps
+    shards = autoshard.plan(model, batch, "cpu", num_devices=1, zero=3,
+                            offload={"optimizer": 1.0, "parameters": True})  # fmt: skip
+    with pytest.raises(ValueError, match="offload parameters: planned and priced .* not yet run"):
+        autoshard.parallelize(model, batch, None, plan=shards)
+    with pytest.raises(ValueError, match="not yet planned with stages or copies"):
+        autoshard.plan(model, batch, "cpu", num_devices=2, copies=2, offload={"optimizer": 1.0})
