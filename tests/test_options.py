@@ -22,7 +22,7 @@ MODEL_ARGS = {"model", "example_inputs", "loss_fn", "example_kwargs", "captured"
 #: options only a run reads (the search plans the same without them)
 RUN_ONLY = {
     "input_layouts", "plan", "replicas", "bucket_cap_mb", "init", "seed", "timeout_s",
-    "reshard_after_forward", "stages", "device", "offload",
+    "reshard_after_forward", "stages", "device",
 }  # fmt: skip
 FIELDS = {f.name for f in dataclasses.fields(Options)}
 
@@ -58,6 +58,9 @@ def test_every_keyword_of_the_entry_points_is_an_option() -> None:
         ({"seed": "0"}, "seed='0': expected an int"),
         ({"device": "gpu"}, "device='gpu': expected 'cpu', 'cuda', 'cuda:N' or a torch.device"),
         ({"device": "meta"}, "device='meta': expected 'cpu', 'cuda'"),
+        ({"offload": {"activations": 3}}, "offload.'activations'.=3: expected a module glob"),
+        ({"offload": {"parameters": "yes"}}, "offload.'parameters'.='yes': expected True or"),
+        ({"offload": {"nvme": 1}}, "offload.'nvme'.=1: expected a directory path"),
     ],
 )
 def test_an_option_out_of_range_is_named(given, named) -> None:
@@ -115,7 +118,8 @@ def test_keywords_and_an_options_value_combine_or_name_the_clash() -> None:
 
 
 def test_a_plan_s_options_are_the_run_s_unless_given_otherwise() -> None:
-    recorded = Options(precision="bf16", sequence_parallel=True, attention="ring").as_json()
+    recorded = Options(precision="bf16", sequence_parallel=True, attention="ring",
+                       offload={"optimizer": 0.5}).as_json()  # fmt: skip
     assert recorded["precision"] == {"compute": "bfloat16", "reduce": None}
     taken = Options().planned_under(recorded, "plan p.json")
     assert {n: taken.as_json()[n] for n in RUN_AS_PLANNED} == {
@@ -123,6 +127,8 @@ def test_a_plan_s_options_are_the_run_s_unless_given_otherwise() -> None:
     }
     with pytest.raises(ValueError, match="attention='ulysses', but plan p.json was made with"):
         Options(attention="ulysses").planned_under(recorded, "plan p.json")
+    with pytest.raises(ValueError, match=r"offload=\{'optimizer': 1.0\}, but plan p.json was"):
+        Options(offload={"optimizer": 1.0}).planned_under(recorded, "plan p.json")
 
 
 class Blocks(nn.Module):
