@@ -107,25 +107,21 @@ def run_search(
     offload: Mapping[str, Any] | str | None = None,
 ) -> SearchResult:
     """The fastest plan that fits, over every mesh shape (or the given ``mesh``, or those of
-    tensor-parallel degree ``tp``) and ZeRO
-    stage (or the given ``zero``); ``step_share``: see ``build_cost_graph``. ``cp``: a
-    context-parallel axis of that size in every mesh; ``attention``: the one method attention
-    over a split sequence may use (``ATTENTION_METHODS``; None: the search's choice);
-    ``sequence_parallel``: every op split over the tensor-parallel axes where it can be;
-    ``precision``: the mixed precision policy a run keeps the parameters under (``og``
-    captured in its compute dtype; the master weights in its resolved ``master``);
-    ``offload``: what is kept off the device (None: nothing; "auto": searched,
-    ``search.offloading``)."""
+    tensor-parallel degree ``tp``) and ZeRO stage (or the given ``zero``); ``step_share``:
+    see ``build_cost_graph``. ``cp``: a context-parallel axis of that size in every mesh;
+    ``attention``: the one method attention over a split sequence may use
+    (``ATTENTION_METHODS``; None: the search's choice); ``sequence_parallel``: every op split
+    over the tensor-parallel axes where it can be; ``precision``: the mixed precision policy
+    a run keeps the parameters under (``og`` captured in its compute dtype; the master
+    weights in its resolved ``master``); ``offload``: what is kept off the device (None:
+    nothing; "auto": searched, ``search.offloading``)."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {', '.join(SEARCHES)}")
     # The pricing caches are keyed by graph nodes and id(cluster): they belong to this search
     # alone, emptied before it and after it (nodes and clusters of another could share ids),
     # or to the searches of one ``search_session`` (a pipeline search's)
     with search_session():
-        if mesh is None:
-            mesh_list = mesh_shapes(num_devices, cluster, tp_across_nodes, cp, tp)
-        else:
-            mesh_list = [mesh]
+        mesh_list = [mesh] if mesh else mesh_shapes(num_devices, cluster, tp_across_nodes, cp, tp)
         sequence = _sequence(og, mesh_list)
 
         def searched(choice: Offload, level: int | None) -> SearchResult:

@@ -65,23 +65,18 @@ def plan(
     ``captured`` given with it, in its compute dtype. Every other keyword is the field of
     :class:`~autoshard.options.Options` of its name (docs/options.md); ``zero`` (one stage,
     searched where None), ``tp`` and ``cp`` fix what the search would pick; ``copies``
-    ``"auto"`` searches 1, 2 and 4 copies (docs/parallelism/copies.md); ``offload`` fixes
-    what is kept off the device (None: none where the plan fits without, docs/offload.md);
-    ``options``: an
-    ``Options`` the keywords add to."""
+    ``"auto"`` searches 1, 2 and 4 copies (docs/parallelism/copies.md); ``offload`` (None:
+    searched, docs/offload.md); ``options``: an ``Options`` the keywords add to."""
     wanted, copies = copies, 1 if copies == "auto" else copies
     opts = Options.from_call(locals(), options).for_search()
     wanted = opts.copies if wanted == 1 else wanted
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     info = mesh_info(opts.mesh) if opts.mesh is not None else None
     spec = cluster_spec(opts.cluster)
-    if num_devices is None:
-        num_devices = info.num_devices if info is not None else spec.num_devices
+    num_devices = num_devices or (info.num_devices if info is not None else spec.num_devices)
     spec = cluster_spec(spec, num_devices)
     opts = opts.replace(precision=opts.policy.resolve(model))
     inputs = tuple(example_inputs)
-    if opts.offload and (opts.staged or wanted != 1):
-        raise ValueError(f"offload={dict(opts.offload)}: not yet planned with stages or copies")
     if opts.staged:
         if wanted == "auto":
             raise ValueError("copies='auto' is searched without stages; give stages a count")
