@@ -254,6 +254,28 @@ def test_plan_command_for_the_mlp_on_one_node(tmp_path, capsys) -> None:
     assert "meshes tried" in capsys.readouterr().out
 
 
+def test_plan_command_fixes_the_offload_and_records_it(tmp_path, capsys) -> None:
+    """--offload and --nvme fix what is kept off the device: the JSON records it (and its
+    options, which a run takes), the table shows the host and NVMe tiers; a bad kind is named."""
+    from autoshard.cli.main import main
+
+    out = tmp_path / "out.json"
+    small = ["plan", "--model", "gpt", "--cluster", "cpu", "--devices", "2", "--zero", "3"]
+    flags = ["--offload", "optimizer=0.5", "--offload", "parameters", "--nvme", "/nvme"]
+    assert main([*small, *flags, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    wanted = {"optimizer": 0.5, "parameters": True, "nvme": "/nvme"}
+    assert data["offload"] == data["options"]["offload"] == wanted
+    pred = data["predicted"]
+    assert pred["host_memory_bytes"]["optimizer"] > 0 and pred["offload_s"] > 0
+    assert "offload optimizer=0.5, parameters=True, nvme=/nvme: host" in capsys.readouterr().out
+    assert main([*small, "--json", str(out)]) == 0  # left out: nothing offloaded
+    assert "offload" not in json.loads(out.read_text())
+    with pytest.raises(SystemExit):
+        main([*small, "--offload", "gpu"])
+    assert "'gpu': expected optimizer[=fraction]" in capsys.readouterr().err
+
+
 def test_python_dash_m_autoshard_cli_help() -> None:
     """``python -m autoshard.cli --help`` exits 0 and lists the subcommands."""
     done = subprocess.run(
