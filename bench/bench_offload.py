@@ -74,13 +74,10 @@ def _host_update(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, 
             times[name] += kept
     out = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     paired = paired_ratio(times["autoshard"], times["fused AdamW"])
-    others = {"deepspeed": paired_ratio(times["autoshard"], times["DeepSpeed CPU Adam"])}
-    return {
-        "ms": out,
-        "paired": paired,
-        "elements": sum(p.numel() for p in plain),
-        **(others if deepspeed else {}),
-    }
+    result = {"ms": out, "paired": paired, "elements": sum(p.numel() for p in plain)}
+    if deepspeed is not None:
+        result["deepspeed"] = paired_ratio(times["autoshard"], times["DeepSpeed CPU Adam"])
+    return result
 
 
 def _deepspeed(plain: list[torch.Tensor], grads: dict[int, torch.Tensor]) -> Any:
