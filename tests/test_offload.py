@@ -573,6 +573,8 @@ def test_offload_is_checked_and_named() -> None:
     for path, named in [(missing, "no such directory"), (a_file, "not a directory")]:
         with pytest.raises(ValueError, match=rf"offload\['nvme'\]=.*{path.name}.*: {named}"):
             parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 1.0, "nvme": path})
+    with pytest.raises(ValueError, match=r"offload\['nvme'\]=True: the plan keeps state on NVMe"):
+        parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 1.0, "nvme": True})
     both = r"both name inner.layers.1: a block either runs again in backward or offloads"
     with pytest.raises(ValueError, match=both):
         parallelize(

@@ -209,7 +209,8 @@ def test_a_planned_offload_is_recorded_and_run() -> None:
     assert host["optimizer"] == plan.predicted.host["optimizer"] + steps
     shards = autoshard.plan(model, batch, "cpu", num_devices=1, zero=3,
                             offload={"optimizer": 1.0, "parameters": True})  # fmt: skip
-    with pytest.raises(ValueError, match="offload parameters: planned and priced .* not yet run"):
+    # one device: ZeRO 3 shards nothing, so the run names what the host would hold
+    with pytest.raises(ValueError, match="no parameter of this plan is under ZeRO 3"):
         autoshard.parallelize(model, batch, None, plan=shards)
     with pytest.raises(ValueError, match="not yet planned with stages or copies"):
         autoshard.plan(model, batch, "cpu", num_devices=2, copies=2, offload={"optimizer": 1.0})

@@ -134,13 +134,14 @@ class Options:
     #: multi-copy parallelism: each rank's batch cut by its batch dim into this many copies,
     #: interleaved so one copy's collectives overlap another's compute (docs/parallelism/copies.md)
     copies: int = 1
-    #: what lives on the host rather than the device (docs/offload.md; None: searched, offloading
-    #: only where nothing fits without; {} offloads nothing): {"optimizer": fraction}, the fraction (0-1, True for 1) of each tensor
-    #: the optimizer steps whose master weights, optimizer state and update are the host's;
-    #: "parameters": True, ZeRO 3's shards between uses; "embeddings": a module glob of
-    #: nn.Embedding tables looked up and sparsely updated there; "activations": a module glob
-    #: whose blocks' saved tensors wait on the host for backward;
-    #: "nvme": a directory where the optimizer's host part is kept in files, streamed through
+    #: what lives on the host rather than the device (docs/offload.md; None: searched,
+    #: offloading only where nothing fits without; {} offloads nothing): {"optimizer": f},
+    #: the fraction f (0-1, True for 1) of each tensor the optimizer steps whose master
+    #: weights, optimizer state and update are the host's; "parameters": True, ZeRO 3's
+    #: shards between uses; "embeddings": a module glob of nn.Embedding tables looked up and
+    #: sparsely updated there; "activations": a module glob whose blocks' saved tensors wait
+    #: on the host for backward; "nvme": a directory where the optimizer's host part is kept
+    #: in files (True in a plan: on NVMe, the path the run's), streamed through
     #: "host_budget_mb" of host memory
     offload: Mapping[str, Any] | None = None
 
@@ -363,7 +364,12 @@ def _offload_problems(offload: Any) -> list[str]:
         )
     for key, what in (("activations", "a module glob"), ("nvme", "a directory path")):
         value = offload.get(key)
-        if value is not None and not (isinstance(value, str | os.PathLike) and str(value)):
+        planned = key == "nvme" and isinstance(value, bool)  # a plan's: where the run says
+        if (
+            value is not None
+            and not planned
+            and not (isinstance(value, str | os.PathLike) and str(value))
+        ):
             bad.append(f"offload[{key!r}]={value!r}: expected {what}")
     budget = offload.get("host_budget_mb")
     if budget is not None and not (
@@ -407,9 +413,9 @@ def _offload_values(offload: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in offload.items():
         if key == "optimizer":
             out[key] = 1.0 if value is True else float(value)
-        elif key in ("activations", "nvme", "embeddings"):
+        elif key in ("activations", "nvme", "embeddings") and not isinstance(value, bool):
             out[key] = str(value) if value is not None else None
-        elif key == "parameters":
+        elif key in ("parameters", "nvme"):
             out[key] = value
         else:
             out[key] = None if value is None else float(value)

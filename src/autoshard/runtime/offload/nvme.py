@@ -43,7 +43,13 @@ SLOTS = 2
 
 
 def check_nvme(path: Any) -> Path:
-    """``path`` as a directory this rank can write files into, or a ValueError naming why not."""
+    """``path`` as a directory this rank can write files into, or a ValueError naming why not
+    (True, as a plan records NVMe, names no directory: the run gives it)."""
+    if isinstance(path, bool):
+        raise ValueError(
+            f"offload['nvme']={path!r}: the plan keeps state on NVMe; give the directory "
+            "to keep it in, offload={..., 'nvme': path}"
+        )
     root = Path(path)
     shown = f"offload['nvme']={str(path)!r}"
     if not root.exists():
