@@ -395,7 +395,7 @@ def _host_problems(o: Options) -> list[str]:
     levels = o.zero.values() if isinstance(o.zero, Mapping) else [o.zero]
     if not isinstance(params, bool):
         bad.append(f"offload['parameters']={params!r}: expected True or False")
-    elif params and 3 not in levels:
+    elif params and o.zero is not None and 3 not in levels:  # None: the plan's, checked there
         bad.append(
             f"offload['parameters']=True with zero={o.zero!r}: parameters live on the host as "
             "ZeRO 3's shards; give zero=3"

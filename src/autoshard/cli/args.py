@@ -439,8 +439,8 @@ def offload_of(args: argparse.Namespace) -> dict[str, Any] | str | None:
         if kinds or args.nvme:
             raise ValueError("--offload auto searches the offload: give no other kind with it")
         return "auto"
-    if args.nvme:
-        kinds["nvme"] = args.nvme
+    if args.nvme:  # alone: the whole optimizer's host part, kept in files
+        kinds = {"optimizer": 1.0} | kinds | {"nvme": args.nvme}
     return kinds or None
 
 
