@@ -18,7 +18,7 @@ SRC = Path(autoshard.__file__).resolve().parent
 # Bottom first: a module may import its own package and the packages listed before it.
 LAYERS = [
     ("command", "watch"),
-    ("comm", "strict", "devices", "mesh", "precision", "testing"),
+    ("comm", "strict", "devices", "mesh", "precision", "testing", "memo"),
     ("layout", "schedule"),
     ("options",),
     ("redistribution",),

@@ -5,14 +5,17 @@ each plans alone."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import types
 
 import torch
 
 import autoshard
-from autoshard.cost import cluster_spec
+from autoshard import memo
+from autoshard.cost import cluster_spec, collectives
 from autoshard.graph import capture
+from autoshard.layout import Layout
 from autoshard.models import build, reference_config
 from autoshard.options import Options
 from autoshard.schedule import simulate
@@ -51,6 +54,40 @@ def test_nothing_a_search_learnt_stays_in_a_module() -> None:
     assert _module_state() == {}
     assert state.state().caches == {}  # outside a search: a state of its own, empty
     assert state.state().context["sequence_parallel"] is False
+
+
+def _memoized() -> dict[str, int]:
+    """How many answers each memoized function of autoshard's modules keeps outside a search
+    (an ``lru_cache``, or a ``memo.per_search`` function's cache for the runtime)."""
+    held = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("autoshard") or module is None:
+            continue
+        for attr, value in vars(module).items():
+            if getattr(value, "__module__", None) != name:
+                continue  # (imported: another module's, or torch's)
+            for cached in (value, getattr(value, "outside", None)):
+                if hasattr(cached, "cache_info") and cached.cache_info().currsize:
+                    held[f"{name}.{attr}"] = cached.cache_info().currsize
+    return held
+
+
+def test_the_lower_layers_keep_nothing_a_search_priced() -> None:
+    """The prices, redistribution plans and grids the cost model works out for a search are
+    kept in the search's scope (``memo``) and go with it; the search fills no cache of a
+    module, and none is open once it returns."""
+    assert collectives.transition.__module__ == "autoshard.cost.collectives"  # loaded
+    before = _memoized()
+    _planned("llama", zero=1)
+    _planned("gpt", sequence_parallel=True, precision="bf16")
+    assert _memoized() == before == {}
+    assert memo._OPEN.get() is None
+    with memo.scope() as caches:  # inside one: the answers are the scope's
+        src = Layout.replicated((8, 4), 4)
+        dst = Layout.from_strategy((8, 4), (4, 1), 4)
+        collectives.transition(src, dst, cluster_spec("dgx-h100", 4))
+        assert caches
+    assert _memoized() == {}
 
 
 def test_a_pipeline_search_keeps_its_schedules_to_itself() -> None:

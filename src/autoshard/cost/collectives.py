@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.graph import node_info
 from autoshard.layout import Layout
+from autoshard.memo import per_search
 from autoshard.ops import rule_for, tensor_inputs
 from autoshard.ops.regather import regathers
 from autoshard.options import BUCKET_CAP_MB
@@ -110,7 +110,7 @@ def transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
     return _transition(src, dst, cluster)
 
 
-@lru_cache(maxsize=1 << 18)
+@per_search()
 def _transition(src: Layout, dst: Layout, cluster: ClusterSpec) -> Transfer:
     # the plan's steps as pricing sees them (step_costs: the same plan, its layouts unmade)
     return _price_steps(step_costs(src, dst), cluster)
@@ -154,7 +154,7 @@ def move_time(src: Layout, dst: Layout, cluster: ClusterSpec, beside_product: bo
     return _chunked(src, dst, cluster)
 
 
-@lru_cache(maxsize=1 << 16)
+@per_search()
 def _chunked(src: Layout, dst: Layout, cluster: ClusterSpec) -> float:
     seconds, per_node = 0.0, cluster.devices_per_node
     for step in step_costs(src, dst):
@@ -190,7 +190,7 @@ def gradient_transition(partial: Layout, full: Layout, cluster: ClusterSpec) -> 
     return _gradient_transition(partial, full, cluster)
 
 
-@lru_cache(maxsize=1 << 16)
+@per_search()
 def _gradient_transition(partial: Layout, full: Layout, cluster: ClusterSpec) -> Transfer:
     return price_plan(gradient_sum(partial, full), cluster)
 

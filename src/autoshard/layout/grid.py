@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from autoshard.layout.normal import NOT_SPLIT
+from autoshard.memo import per_search
 
 
 def suffix_products(sizes: Sequence[int]) -> set[int]:
@@ -142,7 +143,7 @@ def _chain_sizes(bounds: set[int]) -> tuple[int, ...] | None:
     return tuple(sizes)
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@per_search()
 def _bounds_of(layout: Any) -> tuple[frozenset[int], tuple[frozenset[int], ...], tuple]:
     """What ``common_grid`` reads of a layout, made once a layout (the search prices each
     against tens of others): its device matrix's boundaries, each dim's factor boundaries,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -13,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.layout import NOT_SPLIT, Layout, is_block_split, resplit
+from autoshard.memo import per_search
 from autoshard.ops import local, ring
 from autoshard.ops.base import (
     FIXED,
@@ -308,7 +308,7 @@ def ring_ranks(strategy: Strategy, rank: int) -> list[int]:
     return list(_ring_of(strategy.ins[0], rank))
 
 
-@functools.lru_cache(maxsize=4096)
+@per_search()
 def _ring_of(q: Layout, rank: int) -> tuple[int, ...]:
     """``ring_ranks`` of a query in layout ``q`` (once a layout: pricing asks for each
     strategy's, and a ring of 512 ranks takes milliseconds to find)."""

@@ -29,7 +29,6 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from autoshard.layout import Layout, LayoutError
@@ -43,6 +42,7 @@ from autoshard.layout.grid import (
     prime_cuts,
     suffix_products,
 )
+from autoshard.memo import per_search
 from autoshard.redistribution.search import (
     bytes_of_step,
     candidate_steps,
@@ -177,7 +177,7 @@ def _groups(grid: Grid, axes: tuple[int, ...], ranks: Sequence[int]) -> tuple[tu
     return _groups_of(grid.axes, axes, tuple(ranks))
 
 
-@lru_cache(maxsize=4096)
+@per_search()
 def _groups_of(
     sizes: tuple[int, ...], axes: tuple[int, ...], ranks: tuple[int, ...]
 ) -> tuple[tuple[int, ...], ...]:
@@ -206,7 +206,7 @@ def _swap_pairs(grid: Grid, axes: tuple[int, ...], ranks: Sequence[int]) -> tupl
     return _swap_pairs_of(Grid(grid.axes, ()), axes, tuple(ranks))
 
 
-@lru_cache(maxsize=4096)
+@per_search()
 def _swap_pairs_of(grid: Grid, axes: tuple[int, ...], ranks: tuple[int, ...]) -> tuple:
     pairs = {
         tuple(sorted((ranks[p], ranks[swap_partner(grid, axes, p)]))) for p in range(len(ranks))
@@ -250,7 +250,7 @@ def _plan_on_grid(src: Layout, dst: Layout, grid: Grid, exhaustive: bool) -> lis
 FINE_GRID_MAX_AXES = 4
 
 
-@lru_cache(maxsize=65536)
+@per_search(outside=1 << 16)
 def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPlan:
     if src.shape != dst.shape:
         raise LayoutError(f"cannot redistribute {src} to {dst}: global shapes differ")
@@ -332,7 +332,7 @@ class StepCost:
         return StepCost(step.kind, step.bytes, local, group)
 
 
-@lru_cache(maxsize=1 << 16)
+@per_search()
 def step_costs(src: Layout, dst: Layout) -> tuple[StepCost, ...]:
     """``StepCost.of`` every step of ``redistribution_plan(src, dst)``, found by the same
     search without making the steps' layouts and groups (what most of a plan costs to make
@@ -369,7 +369,7 @@ def step_costs(src: Layout, dst: Layout) -> tuple[StepCost, ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=1 << 16)
+@per_search()
 def _encoded(grid: Grid, layout: Layout) -> GridState:
     """``grid.encode(layout)``, once: a layout meets the same grid against many others (the
     search's pricing encodes each about four times)."""
@@ -395,7 +395,7 @@ def backward_plan(src: Layout, dst: Layout, grad: Layout | None = None) -> Redis
     return redistribution_plan(backward_source(dst, grad), src.without_partial())
 
 
-@lru_cache(maxsize=65536)
+@per_search(outside=1 << 16)
 def gradient_sum(partial: Layout, full: Layout) -> RedistributionPlan:
     """How a parameter's gradient is summed once per backward, the one decision the runtime's
     buckets, ZeRO and the cost model all read: when ``full`` is ``partial`` with its pending

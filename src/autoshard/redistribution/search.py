@@ -8,12 +8,12 @@ import heapq
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from functools import lru_cache
 from typing import Any
 
 from autoshard import comm
 from autoshard.layout import NOT_SPLIT, LayoutError
 from autoshard.layout.grid import Grid, GridState
+from autoshard.memo import per_search
 
 __all__ = [
     "bytes_of_step",
@@ -389,7 +389,7 @@ EXACT_MAX_AXES = 5
 SEARCH_BUDGET = 8000
 
 
-@lru_cache(maxsize=16384)
+@per_search()
 def _search_pattern(
     grid: Grid, start: GridState, goal: GridState, exhaustive: bool
 ) -> tuple[tuple[str, tuple[int, ...], GridState, GridState], ...] | None:

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from autoshard import memo
+
 
 class SearchState:
     """One search's caches (by name, each a dict) and the way it prices."""
@@ -55,7 +57,8 @@ def search_session() -> Iterator[SearchState]:
         return
     token = _CURRENT.set(SearchState())
     try:
-        yield _CURRENT.get()
+        with memo.scope():  # the lower layers' caches (prices, plans, grids) are its too
+            yield _CURRENT.get()
     finally:
         _CURRENT.reset(token)
 
