@@ -1,8 +1,7 @@
-"""What one search holds while it runs: the prices, options and graphs it caches, and how it
-prices (attention and the sequence, sequence parallelism, the precision policy). The
-outermost ``search_session`` makes one for the searches inside it (a pipeline search's stage
-searches share it) and drops it when it ends; nothing a search learnt stays in a module, and
-searches in other threads or contexts each have their own (``contextvars``)."""
+"""One search's state while it runs: its caches, how it prices (attention, the sequence, sequence
+parallelism, the precision policy) and the lower layers' ``memo`` scope, which the outermost
+``search_session`` opens for the searches inside and drops when it ends: nothing learnt stays in
+a module, and searches in other threads or contexts each have their own (``contextvars``)."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def search_session() -> Iterator[SearchState]:
         return
     token = _CURRENT.set(SearchState())
     try:
-        with memo.scope():  # the lower layers' caches (prices, plans, grids) are its too
+        with memo.scope():
             yield _CURRENT.get()
     finally:
         _CURRENT.reset(token)
