@@ -589,7 +589,6 @@ def test_offload_is_checked_and_named() -> None:
 def test_parameter_and_embedding_offload_are_checked_and_named() -> None:
     bad = [
         ({"parameters": True}, 2, r"offload\['parameters'\]=True with zero=2: .*give zero=3"),
-        ({"parameters": True}, None, r"offload\['parameters'\]=True with zero=None"),
         ({"parameters": "yes"}, 3, r"offload\['parameters'\]='yes': expected True or False"),
         ({"embeddings": 3}, None, r"offload\['embeddings'\]=3: expected a glob"),
     ]
@@ -600,6 +599,9 @@ def test_parameter_and_embedding_offload_are_checked_and_named() -> None:
     model, data, captured = _setup()
     with pytest.raises(ValueError, match=r"no parameter of this plan is under ZeRO 3"):
         parallelize(model, data[0], {"dp": 1}, zero=3, offload={"parameters": True})
+    # zero left out (a plan's, or none): the run names what it found and what to give
+    with pytest.raises(ValueError, match=r"under ZeRO 3 on rank 0 \(zero=None\).*give zero=3"):
+        parallelize(model, data[0], {"dp": 1}, offload={"parameters": True})
     wrong = [
         ("nope", r"'nope': matches no nn.Embedding .*inner.wte, inner.wpe"),
         ("inner.wte", r"inner.wte is an nn.Embedding without sparse=True"),

@@ -133,7 +133,8 @@ class ParallelModule(nn.Module):
         if offload.get("parameters") and not any(map(self._on_host, shards.values())):
             raise ValueError(
                 "offload['parameters']=True: no parameter of this plan is under ZeRO 3 on rank "
-                f"{self._rank} (zero={options.zero!r}; ZeRO shards over data-parallel replicas)"
+                f"{self._rank} (zero={options.zero!r}): the host holds ZeRO 3's shards, made over "
+                "data-parallel replicas; give zero=3 on a mesh with a data-parallel axis"
             )
         return zero, fetchers, shards
 
