@@ -80,14 +80,15 @@ def test_the_lower_layers_keep_nothing_a_search_priced() -> None:
     before = _memoized()
     _planned("llama", zero=1)
     _planned("gpt", sequence_parallel=True, precision="bf16")
-    assert _memoized() == before == {}
+    # what runs before (a run's redistributions keep their own cache) stays as it was
+    assert _memoized() == before
     assert memo._OPEN.get() is None
     with memo.scope() as caches:  # inside one: the answers are the scope's
         src = Layout.replicated((8, 4), 4)
         dst = Layout.from_strategy((8, 4), (4, 1), 4)
         collectives.transition(src, dst, cluster_spec("dgx-h100", 4))
         assert caches
-    assert _memoized() == {}
+    assert _memoized() == before
 
 
 def test_a_pipeline_search_keeps_its_schedules_to_itself() -> None:

@@ -303,7 +303,13 @@ def _activity(position: dict[str, Any]) -> str:
 
 
 def _exit(line: str) -> None:
-    """Leave now: the main thread may be blocked in native code that never returns."""
-    print(line, file=sys.stderr, flush=True)
+    """Leave now: the main thread may be blocked in native code that never returns. The line
+    goes out in one write: the other ranks' watchdogs write theirs to the same stream at once."""
     sys.stdout.flush()
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
     os._exit(EXIT_TIMEOUT)
