@@ -105,6 +105,12 @@ def test_the_experts_example_under_torchrun_trains_as_plain_pytorch():
     assert losses == pytest.approx(_plain_pytorch("experts", 3), rel=1e-5)
 
 
+def test_the_offload_example_under_torchrun_trains_as_plain_pytorch():
+    out, losses = _torchrun("offload", 3)
+    assert "device: optimizer 0 bytes" in out  # the shards' and the rest's state: the host's
+    assert losses == pytest.approx(_plain_pytorch("offload", 3), rel=1e-5)
+
+
 def _train_command(argv: list[str], log: Path) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-m", "autoshard.cli", "train", "train_fn:make", "--batch-size", "8"]
     command += ["--nproc-per-node", "2"]

@@ -1,13 +1,13 @@
-"""Optimizer offload (docs/offload.md) against plain PyTorch (DESIGN.md invariant 1): GPT with
-tied embeddings and an unused parameter, and transformers' Llama built from a config, float64,
-5 AdamW steps on dp 2, every loss and every parameter equal to the eager model's under
-``torch.optim.AdamW``; a fraction of 1.0 and 0.5 at ZeRO 0-3, with clipping; checkpoints saved
-under offload loaded without it and the reverse; the bytes each tier holds; bad ``offload=``
-values named. Parameter offload (ZeRO 3's shards on the host) likewise, and an embedding
-table on the host against plain PyTorch's ``sparse=True`` table under SparseAdam, with the
-bytes of rows each step moves. Activation offload of Llama's decoder layers on pp 2 and dp 2
-(the bytes moved against the test's own count of what they saved); NVMe-held optimizer state
-(the files, the checkpoints, a rank's peak resident memory against its host budget)."""
+"""Optimizer offload (docs/parallelism/offload.md) against plain PyTorch (DESIGN.md invariant 1):
+GPT with tied embeddings and an unused parameter, and transformers' Llama built from a config,
+float64, 5 AdamW steps on dp 2, every loss and every parameter equal to the eager model's under
+``torch.optim.AdamW``; a fraction of 1.0 and 0.5 at ZeRO 0-3, with clipping; checkpoints saved under
+offload loaded without it and the reverse; the bytes each tier holds; bad ``offload=`` values named.
+Parameter offload (ZeRO 3's shards on the host) likewise, and an embedding table on the host against
+plain PyTorch's ``sparse=True`` table under SparseAdam, with the bytes of rows each step moves.
+Activation offload of Llama's decoder layers on pp 2 and dp 2 (the bytes moved against the test's
+own count of what they saved); NVMe-held optimizer state (the files, the checkpoints, a rank's peak
+resident memory against its host budget)."""
 
 from __future__ import annotations
 

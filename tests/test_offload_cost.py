@@ -1,8 +1,8 @@
-"""Offload planned (docs/offload.md "Planning", docs/cost.md "Offload"): the host and NVMe
-numbers of a cluster, what each kind of offload moves off the device and what the step waits
-for it, the search that offloads only where nothing fits without, and the known answers:
-Llama-13B on one 80 GB H100 plans only with the optimizer offloaded, a 1T-parameter GPT on
-32 nodes of 8 H100s fits with its state on NVMe, and nothing is offloaded where all fits."""
+"""Offload planned (docs/parallelism/offload.md "Planning", docs/cost.md "Offload"): the host and
+NVMe numbers of a cluster, what each kind of offload moves off the device and what the step waits
+for it, the search that offloads only where nothing fits without, and the known answers: Llama-13B
+on one 80 GB H100 plans only with the optimizer offloaded, a 1T-parameter GPT on 32 nodes of 8 H100s
+fits with its state on NVMe, and nothing is offloaded where all fits."""
 
 from __future__ import annotations
 

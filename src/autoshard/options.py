@@ -134,7 +134,7 @@ class Options:
     #: multi-copy parallelism: each rank's batch cut by its batch dim into this many copies,
     #: interleaved so one copy's collectives overlap another's compute (docs/parallelism/copies.md)
     copies: int = 1
-    #: what lives on the host rather than the device (docs/offload.md; None: searched,
+    #: what lives on the host rather than the device (docs/parallelism/offload.md; None: searched,
     #: offloading only where nothing fits without; {} offloads nothing): {"optimizer": f},
     #: the fraction f (0-1, True for 1) of each tensor the optimizer steps whose master
     #: weights, optimizer state and update are the host's; "parameters": True, ZeRO 3's

@@ -398,9 +398,9 @@ def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
         action="append",
         type=_offload_flag,
         metavar="KIND[=VALUE]",
-        help="keep off the device (docs/offload.md): optimizer[=fraction], parameters (ZeRO "
-        "3), activations[=module glob], embeddings[=module glob]; repeat for several; auto: "
-        "searched where nothing fits without (left out: nothing offloaded)",
+        help="keep off the device (docs/parallelism/offload.md): optimizer[=fraction], "
+        "parameters (ZeRO 3), activations[=module glob], embeddings[=module glob]; repeat for "
+        "several; auto: searched where nothing fits without (left out: nothing offloaded)",
     )
     p.add_argument(
         "--nvme",

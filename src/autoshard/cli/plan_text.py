@@ -92,7 +92,7 @@ def _headline(data: dict, pred: dict) -> list[str]:
 
 
 def _offloaded(data: dict, pred: dict) -> list[str]:
-    """What the plan keeps off the device (docs/offload.md): the host's and NVMe's bytes
+    """What the plan keeps off the device (docs/parallelism/offload.md): the host's and NVMe's bytes
     per device and the seconds the step waits for the offload."""
     if not data.get("offload"):
         return []

@@ -84,7 +84,7 @@ class ClusterSpec:
     #: reduce-scatter out of one, in chunks under the product (Megatron-Core's
     #: ``--tp-comm-overlap``; ``collectives.move_time``): the presets' software does not
     tp_comm_overlap: bool = False
-    #: the host beside the devices, per node (docs/offload.md; 0: not known, nothing is
+    #: the host beside the devices, per node (docs/parallelism/offload.md; 0: not known, nothing is
     #: offloaded there): its memory in bytes, and its fused CPU AdamW throughput in parameter
     #: elements a second on all its cores (shared by the node's devices)
     host_memory_bytes: float = 0.0

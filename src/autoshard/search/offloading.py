@@ -1,10 +1,10 @@
-"""Which offload a search plans with (docs/offload.md, "Planning"): the one given, or where
-asked to search it (``autoshard.plan`` without ``offload=``), none where a plan fits without,
-else the first of a ladder of offloads that fits, from the least
-moved to the most: the whole optimizer on the host, then with ZeRO 3's parameter shards too,
-then the host's state in NVMe files, each only on a cluster that gives the numbers it is
-priced by. The device tier is the search's memory limit; the host and NVMe tiers are checked on
-the plan's estimate (a node's host memory and drives shared by its devices)."""
+"""Which offload a search plans with (docs/parallelism/offload.md, "Planning"): the one given, or
+where asked to search it (``autoshard.plan`` without ``offload=``), none where a plan fits without,
+else the first of a ladder of offloads that fits, from the least moved to the most: the whole
+optimizer on the host, then with ZeRO 3's parameter shards too, then the host's state in NVMe files,
+each only on a cluster that gives the numbers it is priced by. The device tier is the search's
+memory limit; the host and NVMe tiers are checked on the plan's estimate (a node's host memory and
+drives shared by its devices)."""
 
 from __future__ import annotations
 

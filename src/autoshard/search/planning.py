@@ -66,7 +66,7 @@ def plan(
     :class:`~autoshard.options.Options` of its name (docs/options.md); ``zero`` (one stage,
     searched where None), ``tp`` and ``cp`` fix what the search would pick; ``copies``
     ``"auto"`` searches 1, 2 and 4 copies (docs/parallelism/copies.md); ``offload`` (None:
-    searched, docs/offload.md); ``options``: an ``Options`` the keywords add to."""
+    searched, docs/parallelism/offload.md); ``options``: an ``Options`` the keywords add to."""
     wanted, copies = copies, 1 if copies == "auto" else copies
     opts = Options.from_call(locals(), options).for_search()
     wanted = opts.copies if wanted == 1 else wanted

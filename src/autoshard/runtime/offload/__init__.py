@@ -1,9 +1,9 @@
 """The runtime's offload room: training state kept on the host rather than the device
-(``optimizer``: a fraction of each tensor's master weights, optimizer state and update;
-``host``: parameters made on the host, ZeRO 3's shards and embedding tables; ``embeddings``:
-tables looked up and updated on the host; ``activations``: what the named blocks save for
-backward; ``nvme``: the optimizer's host part in files; docs/offload.md). The one-program
-room places its state here through this face."""
+(``optimizer``: a fraction of each tensor's master weights, optimizer state and update; ``host``:
+parameters made on the host, ZeRO 3's shards and embedding tables; ``embeddings``: tables looked up
+and updated on the host; ``activations``: what the named blocks save for backward; ``nvme``: the
+optimizer's host part in files; docs/parallelism/offload.md). The one-program room places its state
+here through this face."""
 
 from autoshard.runtime.offload.activations import (
     ActivationOffload,

@@ -1,6 +1,6 @@
-"""Activation offload (docs/offload.md): the tensors autograd saves for backward inside the
-blocks a module glob names wait on the host, not the device, between a block's forward and
-its backward.
+"""Activation offload (docs/parallelism/offload.md): the tensors autograd saves for backward inside
+the blocks a module glob names wait on the host, not the device, between a block's forward and its
+backward.
 
 The lowering runs each such block as its own submodule (as recompute does), wrapped in
 :class:`OffloadedBlock`, whose forward runs under autograd's saved-tensor hooks. The pack hook

@@ -1,4 +1,4 @@
-"""Embedding offload (docs/offload.md): the tables of the ``nn.Embedding`` modules that
+"""Embedding offload (docs/parallelism/offload.md): the tables of the ``nn.Embedding`` modules that
 ``offload={"embeddings": glob}`` names stay on the host, with their lookup and their sparse
 update; only the rows a batch looks up travel to the device, and their gradients back.
 

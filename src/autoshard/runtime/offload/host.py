@@ -1,4 +1,4 @@
-"""The host tier of a rank's parameters (docs/offload.md): ZeRO 3's shards under
+"""The host tier of a rank's parameters (docs/parallelism/offload.md): ZeRO 3's shards under
 ``offload={"parameters": True}`` and the tables of ``offload={"embeddings": glob}`` are
 parameters made on the host, pinned where CUDA runs, so the optimizer steps them there.
 

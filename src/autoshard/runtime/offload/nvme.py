@@ -1,6 +1,6 @@
-"""NVMe offload (docs/offload.md): the optimizer's host part (each tail's master weights,
-gradient and optimizer state, ``optimizer.py``) kept in files under a directory rather than in
-host memory, and streamed through a bounded host buffer.
+"""NVMe offload (docs/parallelism/offload.md): the optimizer's host part (each tail's master
+weights, gradient and optimizer state, ``optimizer.py``) kept in files under a directory rather than
+in host memory, and streamed through a bounded host buffer.
 
 Each rank writes its files into a directory of its own under the path given, one file per
 tail and kind (``master``, ``grad``, and each elementwise entry of the optimizer's state:

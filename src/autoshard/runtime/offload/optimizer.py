@@ -1,6 +1,6 @@
-"""Optimizer offload (docs/offload.md): a fraction of each trainable tensor the optimizer steps
-(a ZeRO shard, or the whole local tensor at ZeRO 0) has its master weights, its optimizer
-state and its update on the host.
+"""Optimizer offload (docs/parallelism/offload.md): a fraction of each trainable tensor the
+optimizer steps (a ZeRO shard, or the whole local tensor at ZeRO 0) has its master weights, its
+optimizer state and its update on the host.
 
 Each such tensor is cut, flat, into a head of ``kept`` elements and a tail of the rest. The tail's
 master copy, gradient and optimizer state are separate host tensors (pinned where CUDA runs);

@@ -1,6 +1,6 @@
 """The bytes a rank holds in each tier (``pm.state_bytes``): the device's, and the host's
 (the optimizer offload's master weights, gradients and state; the host tier's parameters, their
-gradients and the optimizer's state of them; docs/offload.md)."""
+gradients and the optimizer's state of them; docs/parallelism/offload.md)."""
 
 from __future__ import annotations
 
