@@ -570,7 +570,10 @@ def test_bad_plans_and_arguments_are_clear_errors(tmp_path) -> None:
         )
 
 
-def test_propagate_keeps_configured_ops() -> None:
+@pytest.mark.parametrize("search", ["propagate", "optimal", "recursive"])
+def test_every_search_keeps_configured_ops(search) -> None:
+    """The strategies given are fixed and the rest searched, whichever search: a
+    column-parallel MLP input projection where the search alone picks none on this mesh."""
     model, example, captured = _meta_model("gpt", 8, 256, 64)
     col = ((None, None, None), ("tp", None))
     plan = autoshard.plan(
@@ -578,7 +581,7 @@ def test_propagate_keeps_configured_ops() -> None:
         example,
         "dgx-h100",
         mesh={"dp": 2, "tp": 4},
-        search="propagate",
+        search=search,
         strategies={"layers.*.mlp.c_fc": col},
         captured={True: captured},
     )

@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from autoshard.cost import ClusterSpec
 from autoshard.cost.offload import Offload
 from autoshard.graph import OpGraph
@@ -32,6 +34,7 @@ from autoshard.search.result_plan import SearchResult, build_plan
 from autoshard.search.solvers import (
     Solution,
     lower_bound,
+    restricted,
     solve_optimal,
     solve_propagate,
     solve_recursive,
@@ -281,6 +284,9 @@ def _solver(
 ) -> Any:
     """The search as a function of the memory limit; ``solved``: the optima found so far,
     which the optimal search reads its own off where it can (and adds to)."""
+    chosen = _fixed_options(graph, fixed or {})
+    if chosen and search != "propagate":  # the strategies given: each keeps its one option
+        return _pinned(search, graph, chosen)
     if search == "optimal":
 
         def optimal(limit: float) -> Solution | None:
@@ -294,8 +300,24 @@ def _solver(
         return optimal
     if search == "recursive":
         return lambda limit: solve_recursive(graph, limit)
-    chosen = _fixed_options(graph, fixed or {})
     return lambda limit: solve_propagate(graph, chosen, limit)
+
+
+def _pinned(search: str, graph: CostGraph, chosen: dict[int, int]) -> Any:
+    """The optimal or recursive search over ``graph`` with node i held to option ``chosen[i]``."""
+    kept = [
+        np.array([chosen[i]] if i in chosen else range(len(o))) for i, o in enumerate(graph.options)
+    ]
+    inner = restricted(graph, kept)
+    solver = solve_optimal if search == "optimal" else solve_recursive
+
+    def solve(limit: float) -> Solution | None:
+        sol = solver(inner, limit)
+        if sol is not None:  # the options by their index in ``graph``
+            sol.choice = [int(k[s]) for k, s in zip(kept, sol.choice, strict=True)]
+        return sol
+
+    return solve
 
 
 def _fitting(
