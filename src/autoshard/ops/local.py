@@ -58,6 +58,12 @@ def squared_error_sum(x: torch.Tensor, target: torch.Tensor, count: int) -> torc
     return (x - target).square().sum() / count
 
 
+def logistic_loss_sum(x: torch.Tensor, target: torch.Tensor, count: int) -> torch.Tensor:
+    """This part's share of a mean (``count``: the global element count) or sum (1) of
+    binary cross-entropies with logits: its part of the whole's partial sum."""
+    return F.binary_cross_entropy_with_logits(x, target, reduction="sum") / count
+
+
 def mean_of_part(x: torch.Tensor, dims: list[int], keepdim: bool, count: int) -> torch.Tensor:
     """This rank's part of a mean over split dims: its partial sum over the global count."""
     return x.sum(dims, keepdim=keepdim) / count
@@ -83,6 +89,28 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torc
     mine = (ids >= start) & (ids < start + weight.shape[0])
     out = F.embedding((ids - start) * mine, weight)
     return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+def vocab_embedding_bag(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    start: int,
+    mean: bool,
+    sparse: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Bags pooled from rows ``start:start+len(weight)`` of a table; other ids weigh zero, so
+    the sum over the vocabulary axes is the full pooling. A mean divides by each bag's whole
+    size, not by the ids this part holds."""
+    mine = (ids >= start) & (ids < start + weight.shape[0])
+    weights = mine.to(weight.dtype)
+    if mean:
+        ends = torch.cat([offsets[1:], offsets.new_tensor([ids.numel()])])
+        sizes = (ends - offsets).clamp(min=1).to(weight.dtype)
+        weights = weights / sizes.repeat_interleave(ends - offsets)
+    return torch.ops.aten._embedding_bag.default(
+        weight, (ids - start) * mine, offsets, False, 0, sparse, weights
+    )
 
 
 def cross_entropy(

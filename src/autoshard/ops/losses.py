@@ -11,7 +11,15 @@ import torch.fx as fx
 
 from autoshard.layout import Layout
 from autoshard.ops import local, pending
-from autoshard.ops.base import FREE, SUM, Space, SpaceRule, Strategy, StrategyError
+from autoshard.ops.base import (
+    FREE,
+    SUM,
+    Space,
+    SpaceRule,
+    Strategy,
+    StrategyError,
+    batch_names,
+)
 from autoshard.ops.nodes import node_arg, node_title, shape_of
 from autoshard.ops.work import Cost
 
@@ -109,4 +117,28 @@ class MseLoss(SpaceRule):
         return low.call(local.squared_error_sum, (args[0], args[1], count), {})
 
 
-__all__ = ["CrossEntropy", "MseLoss"]
+class BinaryCrossEntropyWithLogits(SpaceRule):
+    """binary_cross_entropy_with_logits(input, target) over any split, as ``MseLoss``: each
+    rank sums its elements' losses (divided by the global count for the mean), a partial sum
+    over the split dims. Per-element weights would be split with the input; they and
+    ``pos_weight`` have no rule yet."""
+
+    def make_space(self, node: fx.Node) -> Space:
+        if node_arg(node, 2, "weight") is not None or node_arg(node, 3, "pos_weight") is not None:
+            raise StrategyError(f"{node_title(node)}: only without weight and pos_weight")
+        shape = shape_of(node.args[0])
+        reduced = node_arg(node, 4, "reduction", 1) != 0
+        dims = tuple(range(len(shape)))
+        kinds = (SUM if reduced else FREE,) * len(shape)
+        outs = (() if reduced else dims,)
+        return Space(shape, kinds, (dims, dims), outs, batch_names(len(shape)))
+
+    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
+        reduction = node_arg(node, 4, "reduction", 1)
+        if reduction == 0:
+            return low.call(node.target, args, kwargs)
+        count = strategy.space.global_numel if reduction == 1 else 1
+        return low.call(local.logistic_loss_sum, (args[0], args[1], count), {})
+
+
+__all__ = ["BinaryCrossEntropyWithLogits", "CrossEntropy", "MseLoss"]

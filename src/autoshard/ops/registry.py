@@ -1,5 +1,5 @@
 """Which rule each aten op gets: add a new op's overloads to ``RULES`` here, and its rule to the
-module of its family (pointwise, contraction, reduction, losses, shape)."""
+module of its family (pointwise, contraction, bags, reduction, losses, shape)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoshard.ops.bags import EmbeddingBag
 from autoshard.ops.base import OpRule
 from autoshard.ops.contraction import Attention, Conv2d, Embedding, Linear, Matmul
 from autoshard.ops.experts import EXPERTS_OP, ExpertsRule
 from autoshard.ops.fallback import Replicated
-from autoshard.ops.losses import CrossEntropy, MseLoss
+from autoshard.ops.losses import BinaryCrossEntropyWithLogits, CrossEntropy, MseLoss
 from autoshard.ops.nodes import node_vals
 from autoshard.ops.pointwise import Dropout, Pointwise
 from autoshard.ops.reduction import (
@@ -74,8 +75,13 @@ RULES: dict[Any, OpRule] = {
         BatchNorm(),
     ),
     aten.embedding.default: Embedding(),
+    **dict.fromkeys(
+        [aten.embedding_bag.default, aten.embedding_bag.padding_idx, aten._embedding_bag.default],
+        EmbeddingBag(),
+    ),
     aten.cross_entropy_loss.default: CrossEntropy(),
     aten.mse_loss.default: MseLoss(),
+    aten.binary_cross_entropy_with_logits.default: BinaryCrossEntropyWithLogits(),
     aten.scaled_dot_product_attention.default: Attention(),
     aten.conv2d.default: Conv2d(),
     aten.native_dropout.default: Dropout(),
