@@ -3,6 +3,7 @@ shape change (view, permute, copies, expand, pad, split, slice, cat)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,7 @@ import torch.fx as fx
 
 from autoshard.layout import NOT_SPLIT, Layout, LayoutError, resplit
 from autoshard.mesh import MeshInfo
-from autoshard.ops.base import OpRule, Strategy, StrategyError
+from autoshard.ops.base import FIXED, FREE, OpRule, Space, SpaceRule, Strategy, StrategyError
 from autoshard.ops.nodes import dtype_of, node_arg, node_title, node_vals, shape_of, tensor_inputs
 
 aten = torch.ops.aten
@@ -219,13 +220,37 @@ class Slice(ShapeRule):
         return [_resized(layout, out)]
 
 
-class Cat(OpRule):
+class Cat(SpaceRule):
     """cat: every input in the first input's layout, the cat dim unsplit. A 1-d empty input
     (an empty KV cache), which torch.cat skips, stays whole; a cat of one tensor and such
     empties copies that tensor, so its cat dim keeps its split (a sequence split of the keys
-    stays split through transformers' cache)."""
+    stays split through transformers' cache).
+
+    Its iteration space (the output's dims, the cat dim fixed) lets the search choose its
+    split where it joins activations of different decision nodes (a DLRM's pooled rows and
+    its dense MLP's activations): each input is then moved to the chosen split, and the
+    cost graph prices those moves on its edges."""
 
     is_shape_op = True
+
+    def make_space(self, node: fx.Node) -> Space:
+        out = shape_of(node)
+        dim = self._dim(node)
+        kinds = tuple(FIXED if d == dim else FREE for d in range(len(out)))
+        ins = tuple(
+            (None,) if self._skipped(node, i) else tuple(range(len(out)))
+            for i in tensor_inputs(node)
+        )
+        return Space(out, kinds, ins, (tuple(range(len(out))),))
+
+    def layouts(self, node: fx.Node, space_layout: Layout) -> Strategy:
+        if _is_split(space_layout.factors[self._dim(node)]):
+            raise StrategyError(
+                f"{node_title(node)}: its inputs differ in size along the cat dim "
+                f"{self._dim(node)}, which cannot be split"
+            )
+        strategy = self.strategy_for(node, space_layout.with_dtype(dtype_of(node)))
+        return dataclasses.replace(strategy, space=space_layout)
 
     def _dim(self, node: fx.Node) -> int:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)

@@ -51,7 +51,10 @@ def _classify(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
             continue
         acts = {a for a in args if a not in weight}
         reads_matrix = any(a in weight and len(node_info(a).shape) >= 2 for a in args)
-        if SUM in rule.space(node).kinds or reads_matrix or len(acts) >= 2:
+        # a cat of one decision node's activations (a rotary embedding's halves) follows
+        # it; ``_sources`` promotes a cat of two decision nodes' to one of its own
+        joins = len(acts) >= 2 and not rule.is_shape_op
+        if SUM in rule.space(node).kinds or reads_matrix or joins:
             decision.add(node)
     return weight, decision
 
