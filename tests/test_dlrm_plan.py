@@ -1,0 +1,63 @@
+"""``autoshard.plan`` on the DLRM reference (src/autoshard/models/dlrm.py): its ``cat`` of the
+tables' pooled rows and the dense MLP's activations, its tables split by rows."""
+
+from __future__ import annotations
+
+import torch
+
+import autoshard
+from autoshard.layout import NOT_SPLIT
+from autoshard.models import DLRM, DLRMConfig
+
+# rows that 4 ranks divide, a batch that 4 ranks divide
+CONFIG = DLRMConfig(
+    num_tables=3, num_rows=48, embedding_dim=4, bag_size=3, dense_features=5, hidden=8
+)
+
+
+def _model_and_batch() -> tuple[DLRM, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return DLRM(CONFIG), CONFIG.example_batch(32, torch.Generator().manual_seed(0))
+
+
+def _bags(plan: autoshard.Plan) -> list:
+    return [n for n in plan.nodes.values() if "embedding_bag" in n.target]
+
+
+def _rows_split(layout) -> bool:
+    return any(a != NOT_SPLIT for _, a in layout.factors[0])
+
+
+def test_the_dlrm_is_searched_on_4_devices() -> None:
+    model, batch = _model_and_batch()
+    for where in ({"num_devices": 4}, {"mesh": {"dp": 4}}):
+        plan = autoshard.plan(model, batch, "cpu", **where)
+        assert plan.searched and plan.mesh.num_devices == 4
+        assert len(_bags(plan)) == CONFIG.num_tables
+        assert plan.predicted.step_time > 0
+        assert not any("has no rule" in w for w in plan.warnings), plan.warnings
+
+
+def test_the_dlrm_plans_with_its_tables_split_by_rows() -> None:
+    """The tables given split by rows over the 4 ranks (their pooled rows partial sums), the
+    rest searched: the cat sums the pooled rows into the split it takes, a move the plan
+    prices."""
+    model, batch = _model_and_batch()
+    plan = autoshard.plan(
+        model,
+        batch,
+        "cpu",
+        mesh={"dp": 4},
+        search="propagate",
+        strategies={"tables.*": {"space": (None, None, "dp")}},
+    )
+    bags = _bags(plan)
+    assert len(bags) == CONFIG.num_tables
+    for bag in bags:
+        weight, pooled = bag.strategy.ins[0], bag.strategy.outs[0]
+        assert _rows_split(weight) and weight.local_shape() == (CONFIG.num_rows // 4, 4)
+        assert pooled.partial and pooled.shape == (32, 4)
+    (cat,) = [n for n in plan.nodes.values() if n.target.startswith("aten.cat")]
+    assert not any(layout.partial for layout in cat.strategy.ins)
+    assert sorted(cat.moves) == [1, 2, 3]  # the three tables' pooled rows, summed
+    assert plan.predicted.comm > 0
