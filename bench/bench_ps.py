@@ -12,8 +12,7 @@ out). The ratio is the median over rounds of the two ways' ratio in each round, 
 bootstrap interval (``bench.timing.paired_ratio``).
 
 Not measured: the tables split by rows over the 4 ranks by autoshard's own layouts, which
-``autoshard.plan`` cannot yet do for the DLRM (its ``cat`` of pooled rows and activations
-has no iteration space the search can price).
+``autoshard.plan`` plans but no run on ranks has checked yet.
 """
 
 from __future__ import annotations
@@ -162,7 +161,7 @@ def summary(result: dict) -> str:
             "Ratio: the median over rounds of the parameter servers' step / data "
             "parallelism's, with its 95% interval; below 1 the servers are faster. Not "
             "measured: the tables split by rows over the 4 ranks by autoshard's layouts "
-            "(the planner cannot yet plan the DLRM).",
+            "(planned, not yet run on ranks).",
             "",
             "| way | ms/step | samples/s |",
             "|---|---:|---:|",
