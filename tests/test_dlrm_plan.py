@@ -4,10 +4,14 @@ tables' pooled rows and the dense MLP's activations, its tables split by rows.""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 import autoshard
 from autoshard.layout import NOT_SPLIT
+from autoshard.lower import RunState, attr_name, lower
 from autoshard.models import DLRM, DLRMConfig
+from autoshard.ops import local
+from autoshard.redistribution import shard_tensor
 
 # rows that 4 ranks divide, a batch that 4 ranks divide
 CONFIG = DLRMConfig(
@@ -38,12 +42,8 @@ def test_the_dlrm_is_searched_on_4_devices() -> None:
         assert not any("has no rule" in w for w in plan.warnings), plan.warnings
 
 
-def test_the_dlrm_plans_with_its_tables_split_by_rows() -> None:
-    """The tables given split by rows over the 4 ranks (their pooled rows partial sums), the
-    rest searched: the cat sums the pooled rows into the split it takes, a move the plan
-    prices."""
-    model, batch = _model_and_batch()
-    plan = autoshard.plan(
+def _rows_split_plan(model: DLRM, batch: tuple) -> autoshard.Plan:
+    return autoshard.plan(
         model,
         batch,
         "cpu",
@@ -51,6 +51,14 @@ def test_the_dlrm_plans_with_its_tables_split_by_rows() -> None:
         search="propagate",
         strategies={"tables.*": {"space": (None, None, "dp")}},
     )
+
+
+def test_the_dlrm_plans_with_its_tables_split_by_rows() -> None:
+    """The tables given split by rows over the 4 ranks (their pooled rows partial sums), the
+    rest searched: the cat sums the pooled rows into the split it takes, a move the plan
+    prices."""
+    model, batch = _model_and_batch()
+    plan = _rows_split_plan(model, batch)
     bags = _bags(plan)
     assert len(bags) == CONFIG.num_tables
     for bag in bags:
@@ -61,3 +69,24 @@ def test_the_dlrm_plans_with_its_tables_split_by_rows() -> None:
     assert not any(layout.partial for layout in cat.strategy.ins)
     assert sorted(cat.moves) == [1, 2, 3]  # the three tables' pooled rows, summed
     assert plan.predicted.comm > 0
+
+
+def test_each_rank_s_program_pools_the_rows_it_holds() -> None:
+    """Lowering runs no collective, so every rank's program is built here: it holds its
+    quarter of every table's rows and pools from them, told where they start."""
+    model, batch = _model_and_batch()
+    plan = _rows_split_plan(model, batch)
+    whole = dict(model.named_parameters())
+    part = CONFIG.num_rows // 4
+    for rank in range(4):
+        tensors = {
+            fqn: nn.Parameter(shard_tensor(whole[fqn].detach(), p.layout, rank))
+            for fqn, p in plan.params.items()
+        }
+        program = lower(plan.graph, plan, rank, torch.device("cpu"), tensors, RunState())
+        held = dict(program.named_parameters())
+        for t in range(CONFIG.num_tables):
+            rows = whole[f"tables.{t}.weight"][rank * part : (rank + 1) * part]
+            assert torch.equal(held[attr_name(f"tables.{t}.weight")], rows)
+        calls = [n for n in program.graph.nodes if n.target is local.vocab_embedding_bag]
+        assert [n.args[3] for n in calls] == [rank * part] * CONFIG.num_tables
