@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from autoshard.cost.calibrate_host import with_host
+from autoshard.cost.calibrate_host import median_seconds, with_host
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.linkfit import fit_all_reduce, kind_factors
 
@@ -38,12 +38,7 @@ def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
         fn()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, reps, warmup=0)
 
 
 #: rounds of each communication measurement; the conditions it compares take turns in each

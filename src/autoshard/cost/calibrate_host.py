@@ -28,8 +28,10 @@ ADAM_ELEMENTS = 1 << 21
 FILE_BYTES = 32 * 2**20
 
 
-def _median(fn: Callable[[], object], reps: int = 5) -> float:
-    fn()
+def median_seconds(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
+    """The median seconds of ``reps`` calls of ``fn``, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -54,7 +56,7 @@ def copy_bandwidth(device: str = "cpu", nbytes: int = COPY_BYTES) -> float:
 
         return run
 
-    seconds = max(_median(both(there, host)), _median(both(host, there)))
+    seconds = max(median_seconds(both(there, host)), median_seconds(both(host, there)))
     return nbytes / seconds
 
 
@@ -63,7 +65,7 @@ def adam_rate(elements: int = ADAM_ELEMENTS) -> float:
     param = torch.nn.Parameter(torch.randn(elements))
     param.grad = torch.randn(elements)
     opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
-    return elements / _median(opt.step)
+    return elements / median_seconds(opt.step)
 
 
 def file_bandwidth(directory: str | None = None, nbytes: int = FILE_BYTES) -> tuple[float, float]:
@@ -85,8 +87,8 @@ def file_bandwidth(directory: str | None = None, nbytes: int = FILE_BYTES) -> tu
                 while f.read(1 << 24):
                     pass
 
-        written = nbytes / _median(write, reps=3)
-        return written, nbytes / _median(read, reps=3)
+        written = nbytes / median_seconds(write, reps=3)
+        return written, nbytes / median_seconds(read, reps=3)
 
 
 def with_host(spec: ClusterSpec, device: str = "cpu", directory: str | None = None) -> ClusterSpec:
@@ -104,4 +106,4 @@ def with_host(spec: ClusterSpec, device: str = "cpu", directory: str | None = No
     )
 
 
-__all__ = ["adam_rate", "copy_bandwidth", "file_bandwidth", "with_host"]
+__all__ = ["adam_rate", "copy_bandwidth", "file_bandwidth", "median_seconds", "with_host"]

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch.fx as fx
 
-from autoshard.layout import NOT_SPLIT, Layout
+from autoshard.layout import Layout
 from autoshard.ops import local
 from autoshard.ops.base import FIXED, FREE, SUM, Space, SpaceRule, Strategy, StrategyError
+from autoshard.ops.contraction import first_row
 from autoshard.ops.nodes import node_arg, node_title, shape_of
 
 SUM_MODE, MEAN_MODE, MAX_MODE = 0, 1, 2
@@ -54,17 +55,14 @@ class EmbeddingBag(SpaceRule):
         return Strategy(strategy.ins, (strategy.outs[0], *whole), strategy.grads, space_layout)
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        weight = strategy.ins[0]
-        if not any(a != NOT_SPLIT for _, a in weight.factors[0]):
+        first = first_row(node, strategy.ins[0], low.rank)
+        if first is None:
             return low.call(node.target, args, kwargs)
-        rows = weight.local_index(low.rank)[0]
-        if not isinstance(rows, slice):
-            raise StrategyError(f"{node_title(node)}: the vocabulary split must be contiguous")
         mode = node_arg(node, 4, "mode", SUM_MODE)
         sparse = bool(node_arg(node, 5, "sparse", False))
         return low.call(
             local.vocab_embedding_bag,
-            (args[0], args[1], args[2], rows.start, mode == MEAN_MODE, sparse),
+            (args[0], args[1], args[2], first, mode == MEAN_MODE, sparse),
             {},
         )
 

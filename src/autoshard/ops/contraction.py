@@ -392,13 +392,21 @@ class Embedding(SpaceRule):
         return Space(sizes, kinds, ins, (tuple(range(n + 1)),), names)
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        weight = strategy.ins[0]
-        if not any(a != NOT_SPLIT for _, a in weight.factors[0]):
+        first = first_row(node, strategy.ins[0], low.rank)
+        if first is None:
             return low.call(node.target, args, kwargs)
-        rows = weight.local_index(low.rank)[0]
-        if not isinstance(rows, slice):
-            raise StrategyError(f"{node_title(node)}: the vocabulary split must be contiguous")
-        return low.call(local.vocab_embedding, (args[0], args[1], rows.start), {})
+        return low.call(local.vocab_embedding, (args[0], args[1], first), {})
 
 
-__all__ = ["Attention", "Conv2d", "Embedding", "Linear", "Matmul"]
+def first_row(node: fx.Node, table: Layout, rank: int) -> int | None:
+    """The first row of ``table`` that ``rank`` holds where its rows are split (a lookup then
+    reads only the ids in its block), None where they are whole."""
+    if not any(a != NOT_SPLIT for _, a in table.factors[0]):
+        return None
+    rows = table.local_index(rank)[0]
+    if not isinstance(rows, slice):
+        raise StrategyError(f"{node_title(node)}: the vocabulary split must be contiguous")
+    return rows.start
+
+
+__all__ = ["Attention", "Conv2d", "Embedding", "Linear", "Matmul", "first_row"]
