@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from autoshard import memo
+
 NOT_SPLIT = -1
 
 
@@ -93,10 +95,6 @@ def init_canonical(
     object.__setattr__(self, "_hash", hash(key))
 
 
-#: layouts made by ``made_once``, by their arguments (a search makes each about five times)
-_MADE: dict[tuple, Any] = {}
-
-
 def made_once(
     cls: type,
     shape: Sequence[int],
@@ -108,8 +106,9 @@ def made_once(
     axis_names: Sequence[str] | None,
 ) -> Any:
     """A ``cls`` normalized from these arguments (``init_canonical``), made once for equal
-    arguments: layouts are values, so one serves every call that asks for it."""
-    key = (
+    arguments in a search (a search makes each about five times; the runtime keeps a bounded
+    few of its own): layouts are values, so one serves every call that asks for it."""
+    return _made(
         cls,
         tuple(shape),
         tuple(mesh),
@@ -119,15 +118,23 @@ def made_once(
         dtype,
         None if axis_names is None else tuple(axis_names),
     )
-    made = _MADE.get(key)
-    if made is None:
-        if len(_MADE) >= 200_000:  # bounded: a long process plans many models
-            _MADE.clear()
-        made = cls.__new__(cls)
-        if ranks is None:
-            ranks = range(math.prod(mesh))
-        init_canonical(made, shape, mesh, factors, partial, ranks, dtype, axis_names)
-        _MADE[key] = made
+
+
+@memo.per_search(outside=4096)
+def _made(
+    cls: type,
+    shape: tuple,
+    mesh: tuple,
+    factors: tuple,
+    partial: tuple,
+    ranks: Any,
+    dtype: torch.dtype,
+    axis_names: tuple | None,
+) -> Any:
+    made = cls.__new__(cls)
+    if ranks is None:
+        ranks = range(math.prod(mesh))
+    init_canonical(made, shape, mesh, factors, partial, ranks, dtype, axis_names)
     return made
 
 

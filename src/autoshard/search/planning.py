@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autoshard import memo
 from autoshard.cost import ClusterSpec, cluster_spec
 from autoshard.graph import OpGraph, call_inputs, capture_modes
 from autoshard.graph.batches import micro_batch_graphs
@@ -23,6 +24,7 @@ from autoshard.search.result_plan import SearchResult, build_plan
 from autoshard.search.semi import check_inputs, plan_graph
 
 
+@memo.scope()  # what the capture, the searches and the plan's JSON make goes with the plan
 def plan(
     model: nn.Module,
     example_inputs: Sequence[Any] | Mapping[str, Any],
