@@ -251,140 +251,91 @@ def _pipeline_options(p: argparse.ArgumentParser, pp_type: Any, pp_help: str) ->
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """The defaults and types of ``autoshard plan``'s settings (its flags, as ``_settings``
+    reads a config); ``--pp``, ``--copies``, ``--offload`` and ``--nvme`` are its own."""
+
+    model: str = "llama"
+    rows: int | None = None
+    model_fn: str | None = None
+    every_block: bool = False
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int | None = None
+    ffn: int | None = None
+    experts: int | None = None
+    top_k: int | None = None
+    vocab: int = 32000
+    untie_embeddings: bool = False
+    seq: int | None = None
+    batch: int | None = None
+    precision: str = "bf16"
+    dtype: str | None = None
+    cluster: str = "dgx-h100"
+    nodes: int | None = None
+    devices: int | None = None
+    memory_gib: float | None = None
+    search: str = "optimal"
+    json: str | None = None
+    picture: str | None = None
+    tp_across_nodes: bool = False
+    tp: int | None = None
+    zero: int | None = None
+    cp: int = 1
+    attention: str | None = None
+    sequence_parallel: bool = False
+
+
+_PLAN_HELP = {
+    "model": "reference model to plan (not with --model-fn); moe: llama with a mixture of "
+    "experts for its feed-forward; dlrm: its tables priced on parameter servers, split by "
+    "rows, replicated",
+    "rows": "with --model dlrm: rows of each table (None: 1000)",
+    "model_fn": "module:function returning (model, dataset or batch[, loss_fn]) or a dict, as "
+    "for train; modules of the current directory are found",
+    "every_block": "with --model-fn: capture every block of a list of like blocks (by default "
+    "two are captured and all priced)",
+    "layers": "blocks (two are planned, all priced)",
+    "hidden": "hidden size",
+    "heads": "attention heads (they divide --hidden)",
+    "kv_heads": "key/value heads of grouped-query attention (llama; None: --heads)",
+    "ffn": "feed-forward width, each expert's for moe (None: the model's rule from --hidden)",
+    "experts": "experts of each MoE layer (moe)",
+    "top_k": "experts each token goes to (moe)",
+    "vocab": "vocabulary size",
+    "untie_embeddings": "gpt: its own lm_head weight",
+    "seq": "sequence length (None: 128; with --model-fn: dim 1 of every input of two or more "
+    "dims, None: the data's)",
+    "batch": "global batch, sequences per step (None: 8; with --model-fn: dim 0 of every "
+    "input, None: the batch's, or 8 samples of the dataset)",
+    "precision": "the mixed precision policy planned, as parallelize(precision=...) runs it: "
+    "bf16 computes in bfloat16 and keeps float32 master weights, gradients and Adam moments "
+    "(docs/precision.md)",
+    "dtype": "train in this one dtype throughout instead of a --precision policy (the model, "
+    "its gradients and optimizer state all in it)",
+    "cluster": f"a preset ({', '.join(PRESETS)}) or a cluster spec JSON file (autoshard calibrate)",
+    "nodes": "nodes (None: the preset's)",
+    "devices": "devices in all, instead of --nodes (fewer than a node, or whole nodes)",
+    "memory_gib": "memory per device in GiB (None: the cluster's)",
+    "search": "search algorithm (docs/search.md)",
+    "json": "write the plan JSON here ('-': to stdout, no table)",
+    "picture": "draw the plan's per-layer time, communication and memory here (matplotlib)",
+    "tp_across_nodes": "let tensor-parallel axes span nodes",
+    "tp": "tensor-parallel degree, fixed (left out: searched; may span nodes when given)",
+    "zero": "ZeRO stage, fixed (left out: searched)",
+    "cp": "context-parallel degree: every sequence split over this many devices, a cp mesh "
+    "axis (1: none fixed; the search may still split the sequence)",
+    "attention": _ATTENTION,
+    "sequence_parallel": "split every op over the tensor-parallel axes where it can be: norms, "
+    "dropouts and residuals by sequence between the tensor-parallel linears (Megatron's)",
+}
+
+
 def _plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="llama",
-        choices=["llama", "gpt", "mlp", "moe", "dlrm"],
-        help="reference model to plan (not with --model-fn); moe: llama with a mixture of "
-        "experts for its feed-forward; dlrm: its tables priced on parameter servers, split by "
-        "rows, replicated",
-    )
-    p.add_argument("--rows", type=int, help="with --model dlrm: rows of each table (None: 1000)")
-    p.add_argument(
-        "--model-fn",
-        help="module:function returning (model, dataset or batch[, loss_fn]) or a dict, as "
-        "for train; modules of the current directory are found",
-    )
-    p.add_argument(
-        "--every-block",
-        action="store_true",
-        help="with --model-fn: capture every block of a list of like blocks (by default two "
-        "are captured and all priced)",
-    )
-    p.add_argument("--layers", type=int, default=2, help="blocks (two are planned, all priced)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (they divide --hidden)")
-    p.add_argument(
-        "--kv-heads",
-        type=int,
-        help="key/value heads of grouped-query attention (llama; None: --heads)",
-    )
-    p.add_argument(
-        "--ffn",
-        type=int,
-        help="feed-forward width, each expert's for moe (None: the model's rule from --hidden)",
-    )
-    p.add_argument("--experts", type=int, help="experts of each MoE layer (moe)")
-    p.add_argument("--top-k", type=int, help="experts each token goes to (moe)")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    p.add_argument("--untie-embeddings", action="store_true", help="gpt: its own lm_head weight")
-    p.add_argument(
-        "--seq",
-        type=int,
-        help="sequence length (None: 128; with --model-fn: dim 1 of every input of two or more "
-        "dims, None: the data's)",
-    )
-    p.add_argument(
-        "--batch",
-        type=int,
-        help="global batch, sequences per step (None: 8; with --model-fn: dim 0 of every input, "
-        "None: the batch's, or 8 samples of the dataset)",
-    )
-    _plan_cluster_options(p)
-    _plan_parallel_options(p)
-    _pipeline_options(
-        p,
-        _pp,
-        "pipeline stages (1: none; auto: search them beside the plan without; left out: "
-        "searched when another pipeline flag is given or nothing fits without stages)",
-    )
-
-
-def _plan_cluster_options(p: argparse.ArgumentParser) -> None:
-    """The cluster planned for and the precision the plan keeps."""
-    p.add_argument(
-        "--precision",
-        default="bf16",
-        choices=CHOICES["precision"],
-        help="the mixed precision policy planned, as parallelize(precision=...) runs it: bf16 "
-        "computes in bfloat16 and keeps float32 master weights, gradients and Adam moments "
-        "(docs/precision.md)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        help="train in this one dtype throughout instead of a --precision policy (the model, "
-        "its gradients and optimizer state all in it)",
-    )
-    p.add_argument(
-        "--cluster",
-        default="dgx-h100",
-        help=f"a preset ({', '.join(PRESETS)}) or a cluster spec JSON file (autoshard calibrate)",
-    )
-    p.add_argument("--nodes", type=int, help="nodes (None: the preset's)")
-    p.add_argument(
-        "--devices",
-        type=int,
-        help="devices in all, instead of --nodes (fewer than a node, or whole nodes)",
-    )
-    p.add_argument(
-        "--memory-gib", type=float, help="memory per device in GiB (None: the cluster's)"
-    )
-    p.add_argument(
-        "--search",
-        default="optimal",
-        choices=CHOICES["search"],
-        help="search algorithm (docs/search.md)",
-    )
-    p.add_argument("--json", help="write the plan JSON here ('-': to stdout, no table)")
-    p.add_argument(
-        "--picture",
-        metavar="FILE.png",
-        help="draw the plan's per-layer time, communication and memory here (matplotlib)",
-    )
-
-
-def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
-    """The parallel degrees, layouts and ZeRO stage a plan may fix (the others searched)."""
-    p.add_argument(
-        "--tp-across-nodes", action="store_true", help="let tensor-parallel axes span nodes"
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        help="tensor-parallel degree, fixed (left out: searched; may span nodes when given)",
-    )
-    p.add_argument(
-        "--zero",
-        type=int,
-        choices=CHOICES["zero"],
-        help="ZeRO stage, fixed (left out: searched)",
-    )
-    p.add_argument(
-        "--cp",
-        type=int,
-        default=1,
-        help="context-parallel degree: every sequence split over this many devices, a cp "
-        "mesh axis (1: none fixed; the search may still split the sequence)",
-    )
-    p.add_argument("--attention", choices=CHOICES["attention"], help=_ATTENTION)
-    p.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="split every op over the tensor-parallel axes where it can be: norms, dropouts "
-        "and residuals by sequence between the tensor-parallel linears (Megatron's)",
-    )
+    models = ["llama", "gpt", "mlp", "moe", "dlrm"]
+    _settings(p, PlanConfig(), _PLAN_HELP, model=models, dtype=sorted(DTYPES))
     p.add_argument(
         "--copies",
         type=_copies,
@@ -408,6 +359,12 @@ def _plan_parallel_options(p: argparse.ArgumentParser) -> None:
         const=True,
         metavar="PATH",
         help="keep the host's offloaded state in files (under PATH) on the nodes' NVMe",
+    )
+    _pipeline_options(
+        p,
+        _pp,
+        "pipeline stages (1: none; auto: search them beside the plan without; left out: "
+        "searched when another pipeline flag is given or nothing fits without stages)",
     )
 
 
