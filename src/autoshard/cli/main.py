@@ -15,7 +15,7 @@ import torch
 from autoshard.cli import simulate
 from autoshard.cli.args import DTYPES as _DTYPES
 from autoshard.cli.args import build_parser
-from autoshard.cli.plan_text import format_search, write_json
+from autoshard.cli.plan_text import format_search
 from autoshard.layout import Layout, LayoutError
 from autoshard.mesh import MeshError, mesh_info
 from autoshard.redistribution import redistribution_plan
@@ -290,8 +290,6 @@ def _planned_precision(args: argparse.Namespace, model, example):
 def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
     """The plan without stages: its JSON (``--json``, with the options it was made under),
     its table and its picture."""
-    import time
-
     from autoshard.cli.plan_pipeline import plan_options
 
     args, data = job.args, built.json
@@ -299,11 +297,7 @@ def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
     opts = plan_options(args, built.precision)
     offload = data.get("offload", opts.offload)  # as searched
     data["options"] = opts.replace(copies=copies, offload=offload).as_json()
-    data["predicted"]["capture_s"] = captured_s
-    data["predicted"]["end_to_end_s"] = time.perf_counter() - job.start
-    write_json(args.json, data)
-    if args.json != "-":
-        print(format_search(data, result, built))
+    job.show(data, captured_s, lambda: [format_search(data, result, built)])
     if args.picture:
         from autoshard.pictures import plan_picture
 

@@ -5,34 +5,30 @@ searched), its table, and the plan without stages to compare with (``--pp auto``
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from autoshard.cli.args import offload_of
-from autoshard.cli.plan_text import format_search, write_json
+from autoshard.cli.plan_text import format_search
 from autoshard.cli.plan_text import human_bytes as size
 from autoshard.options import Options
 
 
 def plan_options(args: Any, policy: Any) -> Options:
     """The options ``autoshard plan``'s flags give (``--pp auto`` fixes no degree)."""
+    named = ("search", "tp", "cp", "tp_across_nodes", "attention", "sequence_parallel", "zero")
+    named += ("microbatches", "schedule", "virtual_stages", "recompute")
+    offload = offload_of(args)
     return Options(
-        search=args.search,
-        tp=args.tp,
-        cp=args.cp,
-        tp_across_nodes=args.tp_across_nodes,
-        attention=args.attention,
-        sequence_parallel=args.sequence_parallel,
         precision=policy,
-        zero=args.zero,
         pp=args.pp if isinstance(args.pp, int) else None,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        virtual_stages=args.virtual_stages,
-        recompute=args.recompute,
         copies=args.copies if isinstance(args.copies, int) else 1,
-        offload=None if offload_of(args) == "auto" else offload_of(args),
+        offload=None if offload == "auto" else offload,
+        **{name: getattr(args, name) for name in named},
     )
 
 
@@ -53,6 +49,19 @@ class PlanJob:
 
     def options(self) -> Options:
         return plan_options(self.args, self.policy)
+
+    def show(self, data: dict, captured_s: float, table: Callable[[], list[str]]) -> None:
+        """The plan's JSON with the command's times: to the ``--json`` file, or alone on
+        stdout for ``-``; else the lines of its ``table`` are printed."""
+        data["predicted"]["capture_s"] = captured_s
+        data["predicted"]["end_to_end_s"] = time.perf_counter() - self.start
+        if self.args.json:
+            text = json.dumps(data, indent=1)
+            if self.args.json == "-":
+                print(text)
+                return
+            Path(self.args.json).write_text(text + "\n")
+        print("\n".join(table()))
 
 
 def pipeline_plan(job: PlanJob, baseline: Any = None) -> int:
@@ -100,12 +109,8 @@ def pipeline_plan(job: PlanJob, baseline: Any = None) -> int:
     data = staged_json(best, tried, search_s, opts)
     if baseline is not None:
         data["pipeline"]["without_stages_step_s"] = baseline[0]
-    data["predicted"]["capture_s"] = captured_s[0]
-    data["predicted"]["end_to_end_s"] = time.perf_counter() - job.start
-    write_json(job.args.json, data)
-    if job.args.json != "-":
-        print("\n".join(pipeline_lines(data, spec)))
-        print(format_search(data, best.result, best.stage))
+    shown = (data, best.result, best.stage)
+    job.show(data, captured_s[0], lambda: [*pipeline_lines(data, spec), format_search(*shown)])
     return 0
 
 

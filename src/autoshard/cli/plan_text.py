@@ -1,23 +1,9 @@
 """The plan's table as ``autoshard plan`` prints it: the headline, the assumptions, the meshes
-tried, the step layer by layer and each op's layouts; and ``--json``."""
+tried, the step layer by layer and each op's layouts."""
 
 from __future__ import annotations
 
 from autoshard.cost.collectives import BUCKET_CAP_MB
-
-
-def write_json(where: str | None, data: dict) -> None:
-    """``--json``: the plan to a file, or to stdout for ``-``."""
-    import json
-
-    if not where:
-        return
-    text = json.dumps(data, indent=1)
-    if where == "-":
-        print(text)
-    else:
-        with open(where, "w") as f:
-            f.write(text + "\n")
 
 
 def _assumptions(data: dict) -> list[str]:
@@ -258,4 +244,4 @@ def _named_strategies(data: dict, built) -> list[str]:
     return lines
 
 
-__all__ = ["format_layers", "format_search", "human_bytes", "write_json"]
+__all__ = ["format_layers", "format_search", "human_bytes"]
