@@ -137,37 +137,32 @@ def _reference_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from autoshard.search.driver import paused_gc
-
-    with paused_gc():  # capture too makes many objects (docs/search.md)
-        return _plan(args)
-
-
-def _plan(args: argparse.Namespace) -> int:
     import time
 
     from autoshard.cli.plan_pipeline import PlanJob
     from autoshard.cli.user_fn import plan_inputs
     from autoshard.graph import BlocksDiffer, blocks_cut
+    from autoshard.search.driver import paused_gc
 
     start = time.perf_counter()
-    spec = _planned_cluster(args)
-    if args.model == "dlrm" and not args.model_fn:
-        return _plan_tables(args, spec)
-    if args.model_fn:
-        model, example, loss_fn = plan_inputs(args.model_fn, args.batch, args.seq)
-        depth = None
-    else:
-        (model, example), depth, loss_fn = _reference_model(args), {"layers": args.layers}, None
-    model, example, policy = _planned_precision(args, model, example)
-    job = PlanJob(args, spec, model, example, depth, loss_fn, policy, start)
-    if args.model_fn and not args.every_block:  # like blocks captured two, priced all
-        try:
-            with blocks_cut(model) as cut:
-                return _planned(dataclasses.replace(job, depth=cut or None))
-        except BlocksDiffer as err:
-            print(f"autoshard: {err}; capturing every block", file=sys.stderr)
-    return _planned(job)
+    with paused_gc():  # capture too makes many objects (docs/search.md)
+        spec = _planned_cluster(args)
+        if args.model == "dlrm" and not args.model_fn:
+            return _plan_tables(args, spec)
+        if args.model_fn:
+            model, example, loss_fn = plan_inputs(args.model_fn, args.batch, args.seq)
+            depth = None
+        else:
+            (model, example), depth, loss_fn = _reference_model(args), {"layers": args.layers}, None
+        model, example, policy = _planned_precision(args, model, example)
+        job = PlanJob(args, spec, model, example, depth, loss_fn, policy, start)
+        if args.model_fn and not args.every_block:  # like blocks captured two, priced all
+            try:
+                with blocks_cut(model) as cut:
+                    return _planned(dataclasses.replace(job, depth=cut or None))
+            except BlocksDiffer as err:
+                print(f"autoshard: {err}; capturing every block", file=sys.stderr)
+        return _planned(job)
 
 
 def _planned(job: Any) -> int:

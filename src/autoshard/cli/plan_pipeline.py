@@ -193,10 +193,11 @@ def tried_lines(pipe: dict, shown: int = 8) -> list[str]:
         f"pipeline search ({searched} searched): {len(tried)} configurations priced in "
         f"{pipe.get('search_s', 0.0):.2f} s; the fastest:"
     ]
+    chosen = ("pp", "microbatches", "schedule", "virtual_stages", "recompute", "zero")
     ranked = sorted(tried, key=lambda t: (not t["fits"], t["step_s"]))
     for t in ranked[:shown]:
         v = f" v{t['virtual_stages']}" if t["virtual_stages"] > 1 else ""
-        mark = "*" if _same(t, pipe) else " "
+        mark = "*" if all(t.get(k) == pipe.get(k) for k in chosen) else " "
         lines.append(
             f"{mark} pp {t['pp']:>3}  m {t['microbatches']:>4}  {t['schedule'] + v:<19} "
             f"recompute {t['recompute']:<9}  ZeRO {t.get('zero', 0)}  "
@@ -204,11 +205,6 @@ def tried_lines(pipe: dict, shown: int = 8) -> list[str]:
             f"{size(t['peak_bytes']):>10}{'' if t['fits'] else '  does not fit'}"
         )
     return lines
-
-
-def _same(t: dict, pipe: dict) -> bool:
-    keys = ("pp", "microbatches", "schedule", "virtual_stages", "recompute", "zero")
-    return all(t.get(k) == pipe.get(k) for k in keys)
 
 
 __all__ = ["PlanJob", "pipeline_lines", "pipeline_plan", "plan_options", "tried_lines"]

@@ -40,7 +40,7 @@ def format_search(data: dict, result, built=None) -> str:
         f"(graph of {result.graph.size[0]} decision nodes)",
     ]
     if built is not None:
-        lines += _experts(data, built)
+        lines += experts(built)
         lines += _sequence(built)
     lines += _assumptions(data)
     if "end_to_end_s" in data["predicted"]:
@@ -176,7 +176,7 @@ def format_layers(rows: list[dict], step_s: float, peak_bytes: float) -> list[st
     return lines
 
 
-def _experts(data: dict, built) -> list[str]:
+def experts(built) -> list[str]:
     """One line per experts op of the plan: how its experts are spread and their tokens moved."""
     import torch
 
@@ -244,4 +244,4 @@ def _named_strategies(data: dict, built) -> list[str]:
     return lines
 
 
-__all__ = ["format_layers", "format_search", "human_bytes"]
+__all__ = ["experts", "format_layers", "format_search", "human_bytes"]

@@ -378,7 +378,7 @@ def _described(pm: Any) -> list[str]:
     """The plan this run trains under: its mesh, ZeRO stage and pipeline schedule, then how
     its experts are spread and how attention computes over a split sequence, where it has
     them."""
-    from autoshard.cli.plan_text import _experts
+    from autoshard.cli.plan_text import experts
     from autoshard.search.plans import attention_methods
 
     mesh = pm.plan.mesh.describe()
@@ -392,7 +392,7 @@ def _described(pm: Any) -> list[str]:
         zero = f"{zero} (nothing to shard under this plan)"
     head = f"plan over {os.environ.get('WORLD_SIZE', 1)} rank(s): {mesh}, ZeRO {zero}"
     try:
-        return [head, *_experts({}, pm.plan), *attention_methods(pm.plan)]
+        return [head, *experts(pm.plan), *attention_methods(pm.plan)]
     except (AttributeError, KeyError):  # a stage's plan without its whole graph
         return [head]
 

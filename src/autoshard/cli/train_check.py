@@ -4,6 +4,7 @@ later (docs/failures.md)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +78,7 @@ def _check_cluster(cfg: TrainConfig, world: int, nproc: int) -> None:
 def _check_degrees(cfg: TrainConfig, world: int) -> None:
     """The parallel degrees given divide the ranks together."""
     given = {n: getattr(cfg, n) for n in ("pp", "ep", "cp", "tp") if getattr(cfg, n)}
-    product = 1
-    for k in given.values():
-        product *= k
+    product = math.prod(given.values())
     if world % product:
         named = " ".join(f"--{n} {k}" for n, k in given.items())
         raise ValueError(
@@ -124,9 +123,8 @@ def _check_server_model(parts: dict[str, Any]) -> None:
 def _check_plan_flags(cfg: TrainConfig) -> None:
     if not Path(cfg.plan).is_file():
         raise ValueError(f"plan {cfg.plan!r}: no such file")
-    pipeline = ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
     layout = ("tp", "cp", "attention", "ep", "sequence_parallel")
-    fixed = [n for n in (*pipeline, *layout) if getattr(cfg, n) not in (None, False)]
+    fixed = [*cfg.pipeline, *(n for n in layout if getattr(cfg, n) not in (None, False))]
     if fixed:
         raise ValueError(
             f"--plan {cfg.plan} carries its own pipeline and parallel settings; leave out "

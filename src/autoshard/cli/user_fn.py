@@ -127,12 +127,4 @@ def plan_inputs(target: str, batch: int | None, seq: int | None) -> tuple[Any, A
     return parts["model"], example, parts.get("loss_fn")
 
 
-__all__ = [
-    "DEFAULT_BATCH",
-    "collated",
-    "parts_of",
-    "plan_inputs",
-    "resized",
-    "train_example",
-    "user_function",
-]
+__all__ = ["parts_of", "plan_inputs", "train_example", "user_function"]
