@@ -13,6 +13,10 @@ import torch
 from autoshard.cli.train import TrainConfig, check_checkpoints
 from autoshard.cli.user_fn import parts_of, train_example, user_function
 
+#: the pipeline and parallel settings a plan file fixes (a run under one leaves them out)
+_PLANNED = ("pp", "microbatches", "schedule", "virtual_stages", "recompute", "tp", "cp")
+_PLANNED += ("attention", "ep", "sequence_parallel")
+
 
 def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
     """The settings, the launcher's arguments, the cluster, the parallel degrees, the plan
@@ -96,19 +100,21 @@ def _check_servers(cfg: TrainConfig, world: int) -> None:
     workers = world - cfg.servers
     if cfg.batch_size % workers:
         raise ValueError(f"--batch-size {cfg.batch_size} does not split over the {workers} workers")
-    others = ("plan", "pp", "microbatches", "schedule", "virtual_stages", "recompute", "tp")
-    others += ("cp", "attention", "ep", "sequence_parallel", "clip", "checkpoint_dir")
-    given = [n for n in others if getattr(cfg, n) not in (None, False)]
-    given += [
-        n
-        for n, off in (("zero", 0), ("precision", "fp32"), ("copies", 1))
-        if getattr(cfg, n) != off
-    ]
+    given = _given(
+        cfg, ("plan", *_PLANNED, "clip", "checkpoint_dir", "zero", "precision", "copies")
+    )
     if given:
         raise ValueError(
             "--servers trains the dense part data parallel in float32 among the workers; "
-            "leave out " + ", ".join(f"--{n.replace('_', '-')}" for n in given)
+            f"leave out {given}"
         )
+
+
+def _given(cfg: TrainConfig, names: tuple[str, ...]) -> str:
+    """The flags among ``names`` that ``cfg`` sets to other than their defaults."""
+    default = TrainConfig(cfg.target)
+    changed = [n for n in names if getattr(cfg, n) != getattr(default, n)]
+    return ", ".join(f"--{n.replace('_', '-')}" for n in changed)
 
 
 def _check_server_model(parts: dict[str, Any]) -> None:
@@ -123,12 +129,10 @@ def _check_server_model(parts: dict[str, Any]) -> None:
 def _check_plan_flags(cfg: TrainConfig) -> None:
     if not Path(cfg.plan).is_file():
         raise ValueError(f"plan {cfg.plan!r}: no such file")
-    layout = ("tp", "cp", "attention", "ep", "sequence_parallel")
-    fixed = [*cfg.pipeline, *(n for n in layout if getattr(cfg, n) not in (None, False))]
+    fixed = _given(cfg, _PLANNED)
     if fixed:
         raise ValueError(
-            f"--plan {cfg.plan} carries its own pipeline and parallel settings; leave out "
-            + ", ".join(f"--{k.replace('_', '-')}" for k in fixed)
+            f"--plan {cfg.plan} carries its own pipeline and parallel settings; leave out {fixed}"
         )
 
 
