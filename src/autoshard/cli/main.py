@@ -199,8 +199,7 @@ def _searched(job: Any) -> int:
     captured_s = time.perf_counter() - job.start
     devices = job.spec.num_devices
     try:
-        keywords = job.options().search_keywords()
-        keywords["offload"] = offload_of(job.args) or keywords["offload"]
+        keywords = {**job.options().search_keywords(), "offload": offload_of(job.args)}
         search = searched_with(devices, job.spec, depth=job.depth, **keywords)
         if job.args.copies == 1:
             result = search(captured, 1)
