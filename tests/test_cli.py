@@ -302,34 +302,39 @@ def test_plan_command_states_its_precision_and_assumptions(capsys) -> None:
     assert "precision: float32 compute" in capsys.readouterr().out
 
 
+def _finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
-    version = subprocess.run(
-        [sys.executable, "-m", "autoshard.cli", "--version"], capture_output=True, text=True
-    )
-    assert version.returncode == 0 and version.stdout.startswith("autoshard 0.1.0 (torch ")
-    planned = subprocess.run(
-        [sys.executable, "-m", "autoshard.cli", "plan", "--model", "mlp", "--nodes", "1"],
-        capture_output=True,
-        text=True,
-    )
-    assert planned.returncode == 0, planned.stderr
-    assert "FutureWarning" not in planned.stderr + planned.stdout
-    assert planned.stdout.startswith("mesh ")
-    # the process ends as soon as its output is out (``_end_process``): all of it is
-    assert "\n  (* chosen)\n" in planned.stdout and planned.stdout.endswith("\n"), planned.stdout
-    as_json = subprocess.run(
-        [sys.executable, "-m", "autoshard.cli", "plan", "--model", "mlp", "--nodes", "1",
-         "--json", "-"], capture_output=True, text=True,
-    )  # fmt: skip
-    assert as_json.returncode == 0, as_json.stderr
-    assert json.loads(as_json.stdout)["format"] == "autoshard-plan/1"  # nothing else on stdout
     # planning imports no runtime; the runtime's names are there on first use
     code = (
         "import sys, autoshard.cli.main, autoshard; print('autoshard.runtime' in sys.modules, "
         "'parallelize' in dir(autoshard), autoshard.parallelize.__module__, "
         "autoshard.runtime.save is autoshard.save)"
     )
-    lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    cli = [sys.executable, "-m", "autoshard.cli"]
+    plan = [*cli, "plan", "--model", "mlp", "--nodes", "1"]
+    # four processes of one core each, started together
+    started = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for argv in (
+            [*cli, "--version"],
+            plan,
+            [*plan, "--json", "-"],
+            [sys.executable, "-c", code],
+        )
+    ]
+    version, planned, as_json, lazy = (_finished(p) for p in started)
+    assert version.returncode == 0 and version.stdout.startswith("autoshard 0.1.0 (torch ")
+    assert planned.returncode == 0, planned.stderr
+    assert "FutureWarning" not in planned.stderr + planned.stdout
+    assert planned.stdout.startswith("mesh ")
+    # the process ends as soon as its output is out (``_end_process``): all of it is
+    assert "\n  (* chosen)\n" in planned.stdout and planned.stdout.endswith("\n"), planned.stdout
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["format"] == "autoshard-plan/1"  # nothing else on stdout
     assert lazy.stdout.split() == [
         "False",
         "True",
