@@ -177,28 +177,41 @@ def _timing(key: str) -> bool:
     return key in ("search_s", "capture_s", "end_to_end_s", "solve_s")
 
 
+def _finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> None:
     plan = ["plan", "--model", "gpt", "--layers", "32", "--hidden", "4096", "--heads", "32",
             "--seq", "2048", "--batch", "512", "--vocab", "51200", "--cluster", "dgx-h100",
             "--nodes", "1"]  # fmt: skip
     args = [sys.executable, "-m", "autoshard.cli", *plan]
-    assert main([*plan, "--pp", "1"]) == 3
-    assert "no plan fits in 80.00 GiB" in capsys.readouterr().err
     # without --pp: nothing fits without stages, so the stages are searched; on one core
-    # (where the machine lets a process be bound to one) the same plan and output come out
-    ahead = [*args, "--json", str(tmp_path / "ahead.json")]
-    searched = subprocess.run(ahead, capture_output=True, text=True, timeout=300)
+    # (where the machine lets a process be bound to one) the same plan and output come out.
+    # Both processes start first and run beside this one's checks: each uses one core.
+    one_core = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    runs = {
+        name: subprocess.Popen(
+            [*bound, *args, "--json", str(tmp_path / f"{name}.json")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, bound in (("ahead", []), ("alone", one_core))
+    }
+    try:
+        assert main([*plan, "--pp", "1"]) == 3
+        assert "no plan fits in 80.00 GiB" in capsys.readouterr().err
+        searched, alone = (_finished(runs[name]) for name in ("ahead", "alone"))
+    finally:
+        for proc in runs.values():
+            proc.kill()
+            proc.wait()
     assert searched.returncode == 0, searched.stderr
     assert "no plan fits in 80.00 GiB" in searched.stderr and "pipeline: pp(" in searched.stdout
     assert searched.stderr.index("no plan fits") < searched.stderr.index("searching pipeline")
     assert "(microbatches, pp, recompute, schedule searched)" in searched.stdout
-    one_core = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    alone = subprocess.run(
-        [*one_core, *args, "--json", str(tmp_path / "alone.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
     assert alone.returncode == 0, alone.stderr
     assert _untimed(searched.stdout) == _untimed(alone.stdout)
     assert searched.stderr == alone.stderr
