@@ -40,15 +40,16 @@ def edge_row(
     """Seconds of moving ``value`` in ``layout`` to what each option of ``user`` wants. A
     move's backward also sums the option's partial gradient (``backward_plan``): what summing
     it alone costs, which the option's own price holds (``CostGraph.own_inputs``), is taken
-    off where there is a move to do it."""
+    off where there is a move to do it. A row is priced once for every reader whose options
+    want the same layouts (each block of a repeated list, a block's q, k and v)."""
     rows_cache = cache("rows")
     backward = node_info(value).requires_grad
-    key = (layout, user, i, mesh, id(cluster), backward)
+    wants, where = _wants(user, i, mesh)
+    beside = is_product(user) or is_product(value)
+    key = (layout, wants, backward, beside, id(cluster))
     row = rows_cache.get(key)
     if row is None:
-        wants, where = _wants(user, i, mesh)
-        beside = is_product(user) or is_product(value)
-        row = np.array(
+        row = rows_cache[key] = np.array(
             [
                 move_cost(layout, w, backward, cluster, g, beside)
                 - (
@@ -58,14 +59,13 @@ def edge_row(
                 )
                 for w, g in wants
             ]
-        )[where]
-        rows_cache[key] = row
-    return row
+        )
+    return row[where]
 
 
 def _wants(
     user: fx.Node, i: int, mesh: MeshInfo
-) -> tuple[list[tuple[Layout, Layout | None]], np.ndarray]:
+) -> tuple[tuple[tuple[Layout, Layout | None], ...], np.ndarray]:
     """The distinct (layout, partial gradient or None) ``user``'s options want for input ``i``,
     and which each wants."""
     wants_cache = cache("wants")
@@ -75,7 +75,7 @@ def _wants(
         index: dict[tuple[Layout, Layout | None], int] = {}
         wants = [(o.strategy.ins[i], o.strategy.grads[i]) for o in options(user, mesh)]
         where = [index.setdefault((w, pending_sum(w, g)), len(index)) for w, g in wants]
-        found = wants_cache[key] = (list(index), np.array(where, dtype=np.intp))
+        found = wants_cache[key] = (tuple(index), np.array(where, dtype=np.intp))
     return found
 
 
