@@ -170,12 +170,14 @@ def price_pipeline(
     recompute: str = "none",
     boundary_bytes: float = 0.0,
     stride: int = 1,
+    parts: tuple | None = None,
 ) -> PipelineEstimate:
     """The step and memory of ``schedule`` over the stages of the model ``est`` prices for
     one micro-batch (on one stage's sub-mesh); ``boundary_bytes``: what a stage sends on per
     micro-batch (per rank); ``stride``: ranks between two neighbouring pipeline ranks (the
-    link they use: inside a node or across)."""
-    block, shares, pieces, seconds = _stages(est, og, schedule.num_stages, recompute)
+    link they use: inside a node or across); ``parts``: ``model_pieces(est, og)`` where the
+    caller made it already (a search prices one stage plan under many schedules)."""
+    block, shares, pieces, seconds = _stages(est, og, schedule.num_stages, recompute, parts)
     weights = tuple(p.weight for p in pieces)
     cost = stage_costs(seconds, weights)  # what autoshard simulate replays from the JSON
     crosses = stride >= cluster.devices_per_node
@@ -197,10 +199,12 @@ def price_pipeline(
     )
 
 
-def _stages(est: Estimate, og: OpGraph, stages: int, recompute: str) -> tuple:
+def _stages(
+    est: Estimate, og: OpGraph, stages: int, recompute: str, parts: tuple | None = None
+) -> tuple:
     """One block, each stage's number of blocks, its piece, and its (forward, backward)
     seconds per micro-batch with what ``recompute`` runs again."""
-    pre, block, count, post = model_pieces(est, og)
+    pre, block, count, post = parts or model_pieces(est, og)
     shares = [count // stages + (1 if s >= stages - count % stages else 0) for s in range(stages)]
     pieces = [
         (pre if s == 0 else Piece()) + block.scaled(n) + (post if s == stages - 1 else Piece())
@@ -212,12 +216,17 @@ def _stages(est: Estimate, og: OpGraph, stages: int, recompute: str) -> tuple:
 
 
 def busiest_rank_seconds(
-    est: Estimate, og: OpGraph, placement: Sequence[int], microbatches: int, recompute: str
+    est: Estimate,
+    og: OpGraph,
+    placement: Sequence[int],
+    microbatches: int,
+    recompute: str,
+    parts: tuple | None = None,
 ) -> float:
     """The compute of the busiest pipeline rank over a step whose stage ``s`` runs on rank
     ``placement[s]``: a lower bound of the step ``price_pipeline`` predicts (what the search
-    needs to skip a configuration without making its schedule)."""
-    seconds = _stages(est, og, len(placement), recompute)[3]
+    needs to skip a configuration without making its schedule); ``parts`` as there."""
+    seconds = _stages(est, og, len(placement), recompute, parts)[3]
     busy: dict[int, float] = {}
     for s, rank in enumerate(placement):
         busy[rank] = busy.get(rank, 0.0) + sum(seconds[s])

@@ -12,7 +12,6 @@ model's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.cost import ClusterSpec, cluster_spec
-from autoshard.cost.pipeline import PipelineEstimate, busiest_rank_seconds, price_pipeline
+from autoshard.cost import pipeline as piped
 from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
 from autoshard.options import Options
@@ -42,7 +41,7 @@ class PipelinePlan:
     result: SearchResult
     schedule: Schedule
     recompute: str
-    predicted: PipelineEstimate
+    predicted: piped.PipelineEstimate
     boundary_bytes: float
 
 
@@ -121,8 +120,8 @@ def search_pipeline(
         raise PlanningError(
             f"copies={k} x microbatches={opts.microbatches or 1} does not divide the batch {batch}"
         )
-    if k > 1:
-        capture, batch = functools.partial(_copy_graph, capture, k), batch // k
+    if k > 1:  # the graph of one of k copies of one of m micro-batches
+        capture, batch = (lambda m, c=capture: c(m * k)), batch // k
     search = _Search(capture, batch, num_devices, cluster, opts, depth, opts.stage_mesh)
     return search.run(), search.tried, time.perf_counter() - start
 
@@ -233,6 +232,7 @@ class _Search:
         og, cluster = self.graph(m), self.cluster
         stage, result = self.stage_plan(pp, m, zero, limit)
         fitted, lowest, fuller, closed = False, None, False, set()
+        parts = piped.model_pieces(stage.predicted, og)  # the same for every schedule priced
         for name, v, rc in _variants(self.opts, pp, m, _blocks(og, self.depth)):
             # full recompute first: where it does not fit, less recompute keeps more; then
             # none, selective: once one fits, more recompute only adds time. Nor can a
@@ -240,11 +240,11 @@ class _Search:
             placement = v_shape(pp) if name == "zbv" else looped(pp, v)
             if (name, v) in closed or (zero == 3 and name in ("zb-h1", "zbv")):
                 continue  # a split backward reads a weight twice: not under ZeRO 3
-            bound = busiest_rank_seconds(stage.predicted, og, placement, m, rc)
+            bound = piped.busiest_rank_seconds(stage.predicted, og, placement, m, rc, parts)
             if self.best is not None and bound >= self.best.predicted.step_time:
                 continue
             try:
-                plan = _priced(og, stage, result, cluster, pp, m, name, v, rc)
+                plan = _priced(og, stage, result, cluster, pp, m, name, v, rc, parts)
             except ScheduleError:  # e.g. interleaved with micro-batches not a multiple of pp
                 if self.opts.schedule:
                     raise
@@ -253,8 +253,8 @@ class _Search:
             p = plan.predicted
             fits = p.peak_memory <= cluster.memory_bytes
             if not fits and limit == math.inf and rc != "full" and self.opts.recompute:
-                full = _priced(og, stage, result, cluster, pp, m, name, v, "full").predicted
-                fuller |= full.peak_memory <= cluster.memory_bytes
+                full = _priced(og, stage, result, cluster, pp, m, name, v, "full", parts)
+                fuller |= full.predicted.peak_memory <= cluster.memory_bytes
             lowest = min(lowest or math.inf, p.peak_memory)
             self.tried.append(Tried(pp, m, name, v, rc, p.step_time, p.peak_memory, fits, zero))
             self.keep(plan, fits)
@@ -285,22 +285,17 @@ def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
     return made[key]
 
 
-def _priced(og, stage, result, cluster, pp, m, name, v, recompute) -> PipelinePlan:
+def _priced(og, stage, result, cluster, pp, m, name, v, recompute, parts) -> PipelinePlan:
     """``stage``'s plan in ``pp`` stages under the schedule ``name`` and ``recompute``."""
     sched = _schedule(name, pp, m, v)
     copies = stage.json["predicted"].get("copies", 1)  # each sends its rows
     crossing = copies * boundary_bytes(og, stage) if pp * v > 1 else 0.0  # one stage: none
     mesh = stage.mesh
     stride = mesh.num_devices // mesh.size_of([n for n in mesh.names if n.startswith("dp")])
-    predicted = price_pipeline(
-        stage.predicted, og, sched, cluster, recompute, crossing, stride=max(stride, 1)
+    predicted = piped.price_pipeline(
+        stage.predicted, og, sched, cluster, recompute, crossing, max(stride, 1), parts
     )
     return PipelinePlan(stage, result, sched, recompute, predicted, crossing)
-
-
-def _copy_graph(capture: Callable[[int], OpGraph], copies: int, m: int) -> OpGraph:
-    """The graph of one of ``copies`` copies of one of ``m`` micro-batches."""
-    return capture(m * copies)
 
 
 def _blocks(og: OpGraph, depth: Any) -> int:
