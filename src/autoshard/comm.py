@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ __all__ = [
     "in_flight",
     "leave",
     "make_groups",
+    "OwnGroup",
     "Posted",
     "post_exchange",
     "post_p2p",
@@ -446,3 +448,35 @@ def all_gather_object(obj: object, ranks: Sequence[int] | None = None) -> list:
     with watch.waiting(what):
         dist.all_gather_object(everyone, obj, group=group)
     return everyone
+
+
+class OwnGroup:
+    """A gloo group of ``ranks`` made from ``store`` under ``prefix`` by its members alone,
+    outside torch's registry of groups: a member that restarts makes it again with its peers
+    under a new prefix (a parameter server's worker coming back), which a group of torch's
+    world cannot do. ``rank`` is this process's global rank."""
+
+    def __init__(
+        self, store: dist.Store, prefix: str, ranks: Sequence[int], rank: int, timeout_s: float
+    ) -> None:
+        self.ranks = tuple(ranks)
+        self.rank = rank
+        with watch.waiting(watch.issued("new_group", self.ranks)):
+            self.group = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix, store),
+                self.ranks.index(rank),
+                len(self.ranks),
+                timedelta(seconds=timeout_s),
+            )
+
+    def broadcast_async_(self, x: torch.Tensor, source: int) -> watch.Watched:
+        """Start sending rank ``source``'s contiguous ``x`` to every member, in place."""
+        what = _count("broadcast", self.ranks, x)
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = self.ranks.index(source), 0
+        return watch.Watched(self.group.broadcast([x], options), what)
+
+    def broadcast_(self, x: torch.Tensor, source: int) -> torch.Tensor:
+        """Rank ``source``'s contiguous ``x`` on every member, in place."""
+        self.broadcast_async_(x, source).wait()
+        return x

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoshard import comm
 from autoshard.runtime.ps.job import Job
 
 __all__ = ["Pull", "request"]
@@ -70,7 +69,7 @@ def request(
         pull.parts.append(rows)
         with job.talking_to(s, f"pull of step {step}"):
             pull.works += [
-                (s, comm.broadcast_async_(ids, [job.rank, s])),
-                (s, comm.broadcast_async_(rows, [s, job.rank])),
+                (s, job.cast_async(ids, job.rank, s)),
+                (s, job.cast_async(rows, s, s)),
             ]
     return pull

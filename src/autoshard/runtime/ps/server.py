@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autoshard import comm, watch
+from autoshard import watch
 from autoshard.runtime.ps.job import Job, PSError, row_ranges
 
 __all__ = ["Server", "table_optimizer"]
@@ -57,6 +57,7 @@ class Server:
         self.rows_in = 0  # rows received and sent, counted where they cross
         self.rows_out = 0
         self.timeline: list[tuple[int, int, float]] = []  # (worker, step, when rows were sent)
+        self.done: set[int] = set()  # the workers that have said they are done
 
     def start(self, step: int) -> None:
         """Begin at ``step``: every worker's steps before it applied (a resumed job)."""
@@ -64,21 +65,27 @@ class Server:
 
     def serve(self) -> dict[str, Any]:
         """Answer requests until every worker is done; returns the rows held and counts."""
-        job, done, number = self.job, set(), 0
-        while len(done) < len(job.workers):
+        job, number = self.job, 0
+        while len(self.done) < len(job.workers):
             number += 1
             watch.doing(f"waiting for request {number}")
             message = job.get(job.key("queue", job.rank, number), "a request", job.workers)
-            kind, worker, step, *rest = message.split()
-            worker, step = int(worker), int(step)
-            if kind == "pull":
-                self._pull(worker, step, rest[0], int(rest[1]))
-            elif kind == "push":
-                self._push(worker, step)
-            else:
-                done.add(worker)
+            generation, kind, worker, step, *rest = message.split()
+            self.handle(int(generation), kind, int(worker), int(step), rest)
+        return self.result()
+
+    def handle(self, generation: int, kind: str, worker: int, step: int, rest: list[str]) -> None:
+        """Answer one request of ``worker``'s process ``generation``."""
+        if kind == "pull":
+            self._pull(worker, step, rest[0], int(rest[1]))
+        elif kind == "push":
+            self._push(worker, step)
+        else:
+            self.done.add(worker)
+
+    def result(self) -> dict[str, Any]:
         return {
-            "rank": job.rank,
+            "rank": self.job.rank,
             "ranges": dict(self.ranges),
             "shards": {name: shard.detach().clone() for name, shard in self.shards.items()},
             "applied": dict(self.applied),
@@ -98,23 +105,27 @@ class Server:
         self.max_staleness = max(self.max_staleness, staleness)
         if count == 0:
             return
-        pair = [worker, self.job.rank]
         with self.job.talking_to(worker, f"pull of step {step}"):
             rows = torch.empty(count, dtype=torch.int64, device=self.job.device)
-            comm.broadcast_(rows, pair)
-            comm.broadcast_(self.shards[table].detach()[rows].contiguous(), pair[::-1])
+            self.job.cast(rows, worker, worker)
+            self.job.cast(self.shards[table].detach()[rows].contiguous(), self.job.rank, worker)
         self.pulled[worker].setdefault(step, {})[table] = rows
         self.timeline.append((worker, step, time.time()))
         self.rows_out += count
 
-    def _push(self, worker: int, step: int) -> None:
+    def _receive(self, worker: int, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The gradients of the rows ``worker`` was sent for ``step``, by table."""
         grads = {}
         for table, rows in self.pulled[worker].pop(step, {}).items():
             shard = self.shards[table]
             grad = torch.empty(len(rows), shard.shape[1], dtype=shard.dtype, device=shard.device)
             with self.job.talking_to(worker, f"push of step {step}"):
-                grads[table] = (rows, comm.broadcast_(grad, [worker, self.job.rank]))
+                grads[table] = (rows, self.job.cast(grad, worker, worker))
             self.rows_in += len(rows)
+        return grads
+
+    def _push(self, worker: int, step: int) -> None:
+        grads = self._receive(worker, step)
         if self.job.config.staleness is not None:
             self._apply([grads])
             self._applied([worker], step)

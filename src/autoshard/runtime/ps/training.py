@@ -14,6 +14,8 @@ from autoshard import watch
 from autoshard.mesh import ensure_process_group
 from autoshard.runtime.ps.checkpoint import TableShards, load_job, save_job
 from autoshard.runtime.ps.job import Job, PSConfig, PSError
+from autoshard.runtime.ps.restart_server import RestartServer, dense_parameters
+from autoshard.runtime.ps.restart_worker import supervise
 from autoshard.runtime.ps.server import Server
 from autoshard.runtime.ps.worker import Worker, find_tables
 
@@ -48,12 +50,20 @@ def train(
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if config.restarts and (save_to is not None or resume_from is not None):
+        raise ValueError("a job whose workers restart saves and resumes no checkpoint yet")
     ensure_process_group(config.timeout_s)  # under torchrun, joins its group
     job = Job(config)
     model = model_fn()
     tables = find_tables(model)
     try:
         job.connect()
+        if config.restarts and job.is_server:
+            weights = {path: table.weight for path, table in tables.items()}
+            server = RestartServer(job, weights, dense_parameters(model, tables))
+            return {"role": "server", **server.serve()}
+        if config.restarts:
+            return supervise(job, model_fn, batches, steps, on_step)
         if job.is_server:
             return _serve(job, tables, steps, save_to, resume_from)
         return _work(job, model, tables, batches, steps, on_step, save_to, resume_from)

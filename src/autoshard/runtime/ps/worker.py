@@ -276,7 +276,7 @@ class Worker:
             job.post(s, f"push {job.rank} {step}")
             for grad in grads[s]:
                 with job.talking_to(s, f"push of step {step}"):
-                    comm.broadcast_(grad, [job.rank, s])
+                    job.cast(grad, job.rank, s)
                 pushed += grad.numel() * grad.element_size()
         self.pushed_bytes.append(pushed)
 
