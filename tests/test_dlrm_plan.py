@@ -3,6 +3,8 @@ tables' pooled rows and the dense MLP's activations, its tables split by rows.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -12,6 +14,7 @@ from autoshard.lower import RunState, attr_name, lower
 from autoshard.models import DLRM, DLRMConfig
 from autoshard.ops import local
 from autoshard.redistribution import shard_tensor
+from autoshard.testing import run_ranks
 
 # rows that 4 ranks divide, a batch that 4 ranks divide
 CONFIG = DLRMConfig(
@@ -90,3 +93,79 @@ def test_each_rank_s_program_pools_the_rows_it_holds() -> None:
             assert torch.equal(held[attr_name(f"tables.{t}.weight")], rows)
         calls = [n for n in program.graph.nodes if n.target is local.vocab_embedding_bag]
         assert [n.args[3] for n in calls] == [rank * part] * CONFIG.num_tables
+
+
+STEPS = 5
+TABLE_OPTIMIZERS = {
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.5),
+}
+
+
+def _float64_model_and_batches() -> tuple[DLRM, list[tuple[torch.Tensor, ...]]]:
+    torch.manual_seed(0)
+    model = DLRM(CONFIG).to(torch.float64)
+    batches = []
+    for step in range(STEPS):
+        dense, rows, clicks = CONFIG.example_batch(32, torch.Generator().manual_seed(step))
+        batches.append((dense.double(), rows, clicks.double()))
+    return model, batches
+
+
+def _optimizers(params: list[tuple[str, nn.Parameter]], tables: str) -> list:
+    """``tables``' optimizer on the tables (every parameter under ``tables.``), AdamW on the
+    rest, as the parameter servers' tests train them."""
+    on_tables = [p for name, p in params if name.startswith("tables")]
+    dense = [p for name, p in params if not name.startswith("tables")]
+    return [TABLE_OPTIMIZERS[tables](on_tables), torch.optim.AdamW(dense, lr=1e-2)]
+
+
+def _train(model: nn.Module, batches: list, optimizers: list, inputs) -> list[float]:
+    losses = []
+    for batch in batches:
+        loss = model(*inputs(batch))
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _rows_split_training() -> dict[str, Any]:
+    """On each of 4 ranks: the rows-split plan trained STEPS steps per table optimizer."""
+    torch.set_num_threads(1)
+    out = {}
+    for tables in TABLE_OPTIMIZERS:
+        model, batches = _float64_model_and_batches()
+        pm = autoshard.parallelize(
+            model,
+            batches[0],
+            {"dp": 4},
+            strategies={"tables.*": {"space": (None, None, "dp")}},
+            search="propagate",
+        )
+        held = {name: tuple(p.shape) for name, p in pm.named_parameters()}
+        optimizers = _optimizers(list(pm.named_parameters()), tables)
+        losses = _train(pm, batches, optimizers, lambda b, pm=pm: autoshard.shard_inputs(b, pm))
+        out[tables] = {"losses": losses, "state": pm.full_state_dict(), "held": held}
+    return out
+
+
+def test_the_rows_split_plan_trains_as_one_device() -> None:
+    """The DLRM with its tables split by rows over 4 ranks (each holding a quarter of every
+    table), float64, 5 steps, Adagrad or SGD on the tables and AdamW on the rest: every loss
+    and every parameter equal plain PyTorch on one device."""
+    per_rank = run_ranks(_rows_split_training, 4, timeout=600)
+    for tables in TABLE_OPTIMIZERS:
+        model, batches = _float64_model_and_batches()
+        optimizers = _optimizers(list(model.named_parameters()), tables)
+        losses = _train(model, batches, optimizers, lambda b: b)
+        for rank in per_rank:
+            outcome = rank[tables]
+            part = (CONFIG.num_rows // 4, CONFIG.embedding_dim)
+            assert [s for n, s in outcome["held"].items() if "tables" in n] == [part] * 3
+            torch.testing.assert_close(outcome["losses"], losses)
+            assert outcome["state"].keys() == model.state_dict().keys()
+            for name, value in model.state_dict().items():
+                torch.testing.assert_close(outcome["state"][name], value, msg=name)
