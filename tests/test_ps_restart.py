@@ -9,6 +9,7 @@ import functools
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from test_ps import SERVERS, SMALL, WORKERS, _model, _one_device, _worker_batch
 from autoshard import comm
 from autoshard.runtime.ps import PSConfig, find_tables, row_ranges, train
 from autoshard.runtime.ps import job as job_module
-from autoshard.testing import run_ranks
+from autoshard.testing import RankFailure, run_ranks
 
 STEPS = 6
 PER_WORKER = 4
@@ -156,3 +157,34 @@ def test_restarts_need_a_synchronous_job_and_no_checkpoint() -> None:
         PSConfig(2, restarts=-1)
     with pytest.raises(ValueError, match="saves and resumes no checkpoint"):
         train(lambda: None, lambda w, s: (), 1, PSConfig(2, restarts=1), save_to="x")
+
+
+def _always_killed(worker: int, step: int) -> tuple:
+    """Worker 1's every process kills itself at step 2."""
+    if worker == 1 and step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _worker_batch(SMALL, torch.float64, PER_WORKER, worker, step)
+
+
+def _killed_twice() -> dict[str, Any]:
+    return train(
+        functools.partial(_model, SMALL, torch.float64),
+        _always_killed,
+        STEPS,
+        PSConfig(SERVERS, restarts=1, timeout_s=400),
+    )
+
+
+def test_a_worker_killed_more_times_than_allowed_ends_the_job_with_its_name() -> None:
+    """Killed at step 2 in its first process and its second: its rank stops, naming it,
+    and every other role stops with that name, long before any timeout."""
+    began = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_killed_twice, SERVERS + WORKERS, timeout=600)
+    text = str(failure.value)
+    name = "worker 1 (rank 3)"
+    assert f"{name}'s process ended with exit code -9 after 2 start(s)" in text
+    for rank in range(SERVERS):
+        assert f"server {rank} (rank {rank}) stopped: {name}" in text
+    assert f"worker 0 (rank 2) stopped: {name}" in text
+    assert time.monotonic() - began < 300  # the job's timeouts are 400 s
