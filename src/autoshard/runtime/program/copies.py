@@ -199,8 +199,18 @@ class Interleaved:
         }
         self.weights: dict[str, list[float]] = {}
         self.modules = dict(program.named_modules())
-        #: each node with what it is and the nodes it reads, found once
-        self.nodes = [(n, self._kind(n), n.all_input_nodes) for n in program.graph.nodes]
+        kinds = {n: self._kind(n) for n in program.graph.nodes}
+        #: each node with what it is, what it calls and the moves whose results it reads,
+        #: found once: the loop a copy runs per node is the step's Python overhead
+        self.nodes = [
+            (
+                n,
+                kinds[n],
+                self._callable(n),
+                tuple(r for r in n.all_input_nodes if kinds[r] == "move"),
+            )
+            for n in program.graph.nodes
+        ]
 
     def _kind(self, node: fx.Node) -> str:
         module = self.modules.get(node.target) if node.op == "call_module" else None
@@ -227,16 +237,16 @@ class Interleaved:
     def _copy(self, c: int, inputs: list, shared: dict, results: list) -> Iterator[None]:
         env: dict[fx.Node, Any] = {}
         given, numbers = iter(inputs), itertools.count()
-        for node, kind, reads in self.nodes:
+        for node, kind, call, moves in self.nodes:
             if kind == "placeholder":
                 env[node] = next(given)
                 continue
             if kind == "shared":
                 if node not in shared:
-                    shared[node] = self._run(node, (), {})
+                    shared[node] = self._shared(node)
                 env[node] = shared[node]
                 continue
-            waiting = [n for n in reads if isinstance(env[n], _Pending)]
+            waiting = [n for n in moves if isinstance(env[n], _Pending)] if moves else None
             if waiting:
                 yield  # the other copies compute while this one's collective travels
                 for n in waiting:  # read once: the wait is in the graph once
@@ -245,17 +255,18 @@ class Interleaved:
                 results[c] = fx.node.map_arg(node.args[0], env.__getitem__)
                 return
             args = fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            module = self.modules.get(node.target)
             if kind == "move":
-                move = _Redistributed(module, c, next(numbers), self.rank)
+                move = _Redistributed(call, c, next(numbers), self.rank)
                 env[node] = _Pending(_Post.apply(args[0], move), move)
                 continue
-            turns = module.turns(*args, self._exchange(c, numbers)) if kind == "experts" else None
+            turns = call.turns(*args, self._exchange(c, numbers)) if kind == "experts" else None
             if turns is not None:  # the experts' all-to-alls: the other copies' turns between
                 env[node] = yield from self._turns(turns, c)
                 continue
-            env[node] = self._run(node, args, kwargs)
+            if node.kwargs:
+                env[node] = call(*args, **fx.node.map_arg(node.kwargs, env.__getitem__))
+            else:
+                env[node] = call(*args)
             if node in self.means:
                 env[node] = yield from self._mean(node, env[node], shared)
             if _trace is not None:
@@ -293,17 +304,22 @@ class Interleaved:
             _note("compute", c)
             yield
 
-    def _run(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
-        if node.op == "get_attr":
-            target: Any = self.program
-            for part in node.target.split("."):
-                target = getattr(target, part)
-            return target
+    def _callable(self, node: fx.Node) -> Any:
+        """What running ``node`` calls with its arguments (a move's module, for a move)."""
         if node.op == "call_module":
-            return self.modules[node.target](*args, **kwargs)
+            return self.modules[node.target]
         if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
+            return lambda obj, *args, **kwargs: getattr(obj, node.target)(*args, **kwargs)
+        return node.target if node.op == "call_function" else None
+
+    def _shared(self, node: fx.Node) -> Any:
+        """A parameter, or ZeRO's gather of it (a module called without arguments)."""
+        if node.op == "call_module":
+            return self.modules[node.target]()
+        target: Any = self.program
+        for part in node.target.split("."):
+            target = getattr(target, part)
+        return target
 
     @staticmethod
     def _marked(value: Any, c: int) -> Any:
