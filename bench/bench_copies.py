@@ -10,12 +10,17 @@ seq 64, batch 16) on 2 ranks. A step is forward, backward and the optimizer step
 slowest rank's time after a barrier; the ratio is the median over rounds of the copies
 step over the plain one of the same round, with its 95% interval (bootstrap over rounds).
 The communication share: the seconds a rank's step spends waiting in collectives without
-copies (every wait of the counting layer timed) over the step.
+copies (every wait of the counting layer timed) over the step. The exposed communication,
+those waits with and without copies, is set against the cost model's for the plan each run
+made, on this machine as ``autoshard calibrate`` measures it (the calibration runs first),
+and each way's CPU seconds (every rank's process) against the cores the step had: gloo's
+collectives are CPU work on the cores the ranks compute on, which bounds what copies hide.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 import warnings
@@ -53,8 +58,10 @@ def _model(case: str) -> tuple[torch.nn.Module, tuple]:
     return build(config), config.example_batch(batch, torch.Generator().manual_seed(1))
 
 
-def _waiting_share(state: tuple, steps: int) -> float:
-    """The share of a plain step this rank spends inside the collectives' waits."""
+def _waiting(state: tuple, steps: int) -> tuple[float, float, float]:
+    """The seconds a step of ``state`` spends inside the collectives' waits on this rank (the
+    counting layer's waits, every one timed: the recorded timeline's), the step's, and the
+    CPU seconds this rank's process (its compute and gloo's threads) used in it."""
     from autoshard import watch
 
     spent = [0.0]
@@ -74,16 +81,27 @@ def _waiting_share(state: tuple, steps: int) -> float:
 
     watch.waiting = _Timed
     try:
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             train_step(*state)
-        total = time.perf_counter() - began
+        total, cpu = time.perf_counter() - began, time.process_time() - cpu
     finally:
         watch.waiting = waiting
-    return spent[0] / total
+    return spent[0] / steps, total / steps, cpu / steps
 
 
-def _rank(case: str, rounds: int) -> dict:
+def _predicted(pm: Any, spec: Any, copies: int) -> dict[str, float]:
+    """The cost model's step and exposed communication of ``pm``'s plan (one copy's, as
+    ``parallelize`` planned it) run as ``copies`` copies on ``spec``."""
+    from autoshard.cost.copies import with_copies
+    from autoshard.cost.estimate import estimate
+
+    est = estimate(pm.plan, pm.captured[True], spec)
+    est = with_copies(est, pm.plan, pm.captured[True], copies)
+    return {"step_s": est.step_time, "exposed_comm_s": est.exposed_comm}
+
+
+def _rank(case: str, rounds: int, spec: Any) -> dict:
     import torch.distributed as dist
 
     from autoshard import parallelize, shard_inputs
@@ -107,24 +125,41 @@ def _rank(case: str, rounds: int) -> dict:
     # a MoE's balance loss is each copy's own (docs/parallelism/copies.md): close, not equal
     if gap > (1e-4 if case == "tp" else 1e-2):
         raise AssertionError(f"{case}: copies trained apart from the plain plan by {gap}")
-    share = torch.tensor([_waiting_share(states[1], 4)], dtype=torch.float64)
-    dist.all_reduce(share, op=dist.ReduceOp.MAX)
+    waits = {}
+    for k in states:  # the slowest rank's waits and step, every rank's CPU, each way
+        wait, step, cpu = _waiting(states[k], 4)
+        measured = torch.tensor([wait, step], dtype=torch.float64)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        used = torch.tensor([cpu], dtype=torch.float64)
+        dist.all_reduce(used)
+        waits[str(k)] = {
+            "exposed_comm_s": float(measured[0]),
+            "step_s": float(measured[1]),
+            "cpu_s": float(used[0]),
+        }
     return {
         "case": case,
         "ranks": world,
         "ms": {k: statistics.median(times[k]) * 1e3 for k in times},
         "paired": paired_ratio(times["2"], times["1"]),
-        "communication_share": float(share),
+        "communication_share": waits["1"]["exposed_comm_s"] / waits["1"]["step_s"],
+        "measured": waits,
+        "predicted": {str(k): _predicted(states[k][0], spec, k) for k in states},
+        "overlap_efficiency": spec.overlap_efficiency,
+        "load_average": os.getloadavg()[0],
+        "cores": len(os.sched_getaffinity(0)),
         "loss_gap": gap,
     }
 
 
 def run(quick: bool) -> dict:
+    from autoshard.cost.calibrate import calibrate
     from autoshard.testing import run_ranks
 
     rounds = 5 if quick else ROUNDS
     plans = [("tp", 2), ("ep", 2)] if quick else [("tp", 2), ("tp", 4), ("ep", 2)]
-    rows = [run_ranks(_rank, n, case, rounds, timeout=1200)[0] for case, n in plans]
+    specs = {n: calibrate(ranks=n, threads=1) for n in sorted({n for _, n in plans})}
+    rows = [run_ranks(_rank, n, case, rounds, specs[n], timeout=1200)[0] for case, n in plans]
     return {"rounds": rounds, "rows": rows}
 
 
@@ -149,4 +184,53 @@ def summary(result: dict) -> str:
             f"{p['median']:.3f} | {p['low']:.3f}-{p['high']:.3f} | "
             f"{r['communication_share']:.0%} | {r['loss_gap']:.1e} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + _exposed_rows(result))
+
+
+def _exposed_rows(result: dict) -> list[str]:
+    """The exposed communication measured against the cost model's, each plan and way."""
+    lines = [
+        "Exposed communication: measured, the seconds a step of the slowest rank spends in the "
+        "collectives' waits (4 steps of each way, every wait of the counting layer timed); "
+        "predicted, `cost.estimate` of the plan the run made (one copy's graph, "
+        "`cost.copies.with_copies` for 2 copies) on this machine as `autoshard calibrate` "
+        "measures it (its `overlap_efficiency` in the last column).",
+        "",
+        "| plan | ranks | copies | exposed ms measured | predicted | error | step ms measured "
+        "| predicted | CPU ms, all ranks | overlap_efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        for k in ("1", "2"):
+            got, want = r["measured"][k], r["predicted"][k]
+            error = want["exposed_comm_s"] / got["exposed_comm_s"] - 1
+            lines.append(
+                f"| {r['case']} | {r['ranks']} | {k} | {got['exposed_comm_s'] * 1e3:.1f} | "
+                f"{want['exposed_comm_s'] * 1e3:.1f} | {error:+.0%} | "
+                f"{got['step_s'] * 1e3:.1f} | {want['step_s'] * 1e3:.1f} | "
+                f"{got['cpu_s'] * 1e3:.1f} | {r['overlap_efficiency']:.2f} |"
+            )
+    return lines + ["", _why(result)]
+
+
+def _why(result: dict) -> str:
+    """What bounds copies on this host, from the run's own numbers: the CPU work a step of
+    every rank needs against what the cores give it, and the other processes' load."""
+    parts = []
+    for r in result["rows"]:
+        one, two = r["measured"]["1"], r["measured"]["2"]
+        parts.append(
+            f"{r['case']} {r['ranks']}: {one['cpu_s'] / (r['cores'] * one['step_s']):.0%} busy, "
+            f"copies {two['cpu_s'] / one['cpu_s']:.2f}x its CPU, load {r['load_average']:.1f}"
+        )
+    return (
+        "Why copies do not pay here: a gloo collective over loopback is CPU work (its thread "
+        "copies and sums on the cores the ranks compute on), so communication hides behind "
+        "compute only where a core would otherwise idle. Each row's share of the cores the "
+        "plain step's ranks keep busy (every rank's CPU seconds over the cores times the "
+        "step), what 2 copies cost in CPU against it (a second round of op dispatches, "
+        "collectives and their latencies) and the host's load average (other processes) "
+        f"during the run: {'; '.join(parts)}. `bench/copies_bound.py` measures the same bound "
+        "on k chunks of a product and its all-reduce (all-gather, reduce-scatter) interleaved "
+        "against one chunk."
+    )
