@@ -152,8 +152,10 @@ def test_copies_given_are_kept_and_round_trip_through_the_plan_json(tmp_path) ->
 
 
 def test_plan_command_with_copies_shows_the_exposed_communication(tmp_path, capsys) -> None:
-    out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "mlp", "--hidden", "512", "--batch", "512", "--cluster", "cpu"]
+    out, cluster = tmp_path / "plan.json", tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(_overlapping(2).to_json()))
+    argv = ["plan", "--model", "mlp", "--hidden", "512", "--batch", "512"]
+    argv += ["--cluster", str(cluster)]
     argv += ["--devices", "2", "--tp", "2", "--zero", "0", "--precision", "fp32"]
     assert main([*argv, "--copies", "2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
