@@ -616,8 +616,8 @@ def test_parameter_and_embedding_offload_are_checked_and_named() -> None:
 
 
 def test_one_rank_trains_as_plain_pytorch_with_gradients_no_sum_routes() -> None:
-    """dp 1: no bucket or unit sums a gradient, so the step takes them from ``.grad`` itself
-    before the user's optimizer can see them (without clipping, which would take them first)."""
+    """dp 1: no bucket or unit sums a gradient, so each leaves ``.grad`` for the host as soon as
+    backward has accumulated it, before the user's optimizer can see it."""
     model, data, captured = _setup()
     ref = _plain(model, data, None)
     for fraction in (1.0, 0.5):
@@ -628,11 +628,14 @@ def test_one_rank_trains_as_plain_pytorch_with_gradients_no_sum_routes() -> None
         got["state"] = pm.full_state_dict()
         _same(got, ref, range(STEPS), fraction)
         assert len(opt.state) == 0  # every tensor's state is the offload's
+        pm(*data[0]).backward()
+        assert all(p.grad is None for p in pm.parameters()), fraction  # routed in backward
 
 
 def test_bf16_offload_equals_the_run_without_it_under_fused_adamw() -> None:
-    """Mixed precision: the float32 masters updated on the host by torch's fused CPU AdamW are
-    bitwise those the same run updates on the device with ``fused=True``."""
+    """Mixed precision: the float32 masters updated on the host by torch's fused CPU AdamW (one
+    call over the flat masters) are bitwise those the same run updates on the device with
+    ``fused=True`` (one call over the tensors)."""
     warnings.filterwarnings("ignore")
     inner, config = build("gpt", 0.0)
     data = batches(config, torch.float32)
@@ -644,10 +647,12 @@ def test_bf16_offload_equals_the_run_without_it_under_fused_adamw() -> None:
         opt = torch.optim.AdamW(pm.parameters(), lr=LR, fused=offload is None)
         losses = _train(pm, opt, data, range(STEPS), None)["losses"]
         tiers = (pm.state_bytes(opt)["optimizer"], pm.state_bytes(opt, tier="host")["optimizer"])
-        runs.append((losses, pm.full_state_dict(), tiers))
-    (losses, state, (device, host)), (losses_off, state_off, tiers_off) = runs
+        runs.append((losses, pm.full_state_dict(), tiers, len(opt.state)))
+    (losses, state, (device, host), stepped), (losses_off, state_off, tiers_off, _) = runs
     assert device > 0 and host == 0
-    assert tiers_off == (0, device)  # the same state, all of it on the host
+    # the same moments, all of them on the host, where the tensors stepped as one flat chunk
+    # keep one float32 step count rather than one each
+    assert tiers_off == (0, device - 4 * (stepped - 1))
     assert losses_off == losses
     for k, v in state.items():
         assert torch.equal(state_off[k], v), k

@@ -144,12 +144,17 @@ class NvmeOffload(OptimizerOffload):
 
     # -- the offload's tiers, in files ------------------------------------------------------------
 
-    def _place(self, fqn: str, p: torch.Tensor, kept: int) -> _Piece:
-        flat = p.detach().reshape(-1)
-        empty = flat.new_empty(0, device="cpu")
-        piece = _Piece(fqn, p, kept, empty, empty, flat[:kept], tail=p.numel() - kept)
-        self._put(piece, "master", flat[kept:])
-        return piece
+    def _place(self, params: dict[str, torch.Tensor], kept: dict[str, int]) -> dict[int, _Piece]:
+        pieces = {}
+        for fqn, p in params.items():
+            flat = p.detach().reshape(-1)
+            empty = flat.new_empty(0, device="cpu")
+            piece = _Piece(
+                fqn, p, kept[fqn], empty, empty, flat[: kept[fqn]], p.numel() - kept[fqn]
+            )
+            self._put(piece, "master", flat[kept[fqn] :])
+            pieces[id(p)] = piece
+        return pieces
 
     def _copy_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
         self._put(piece, "grad", tail)

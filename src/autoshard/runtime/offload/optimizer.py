@@ -2,24 +2,31 @@
 optimizer steps (a ZeRO shard, or the whole local tensor at ZeRO 0) has its master weights, its
 optimizer state and its update on the host.
 
-Each such tensor is cut, flat, into a head of ``kept`` elements and a tail of the rest. The tail's
-master copy, gradient and optimizer state are separate host tensors (pinned where CUDA runs);
-the head's gradient and state stay on the device. When a gradient is final (a ZeRO unit's
-reduce-scatter or a bucket's all-reduce has landed in ``.grad``) it is routed at once: the tail
-copied to the host without blocking, the head copied on the device, ``.grad`` dropped, so the user's
-optimizer, built over ``pm.parameters()`` as always, finds no gradient there and keeps no state
-for it. After the user's ``optimizer.step()`` the same optimizer class, with that optimizer's
-settings of the moment (a scheduler's learning rate too), steps the tails on the host in chunks
-(torch's fused CPU kernel where it takes the dtype) and the heads on the device; each chunk's
-updated tail goes back to the device while the next chunk updates.
+Each such tensor is cut, flat, into a head of ``kept`` elements and a tail of the rest. The
+tails' master copies and gradients lie side by side in one flat host buffer each per dtype
+(pinned where CUDA runs); the head's gradient and state stay on the device. When a gradient is
+final (a ZeRO unit's reduce-scatter or a bucket's all-reduce has landed in ``.grad``) it is routed
+at once: the tail copied to the host without blocking, the head copied on the device, ``.grad``
+dropped, so the user's optimizer, built over ``pm.parameters()`` as always, finds no gradient
+there and keeps no state for it. After the user's ``optimizer.step()`` the same optimizer class,
+with that optimizer's settings of the moment (a scheduler's learning rate too), steps the tails
+on the host and the heads on the device. On the host it steps chunks: runs of tails side by side
+in the flat buffers, each one tensor to the optimizer, so one call of torch's fused CPU kernel
+(where it takes the dtype) updates a whole chunk rather than one call a tensor; each chunk's
+updated tails go back to the device while the next chunk updates. A chunk has one set of
+optimizer state, a step count too, so a chunk whose tails do not all have a gradient in a step
+is cut for good into runs that have and runs that have not (each keeping its part of the state),
+as torch steps only the tensors with a gradient.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,14 +50,25 @@ class _Piece:
     fqn: str
     param: torch.Tensor  # what the program reads (a ZeRO shard or a local tensor)
     kept: int  # elements of the head
-    host: torch.Tensor  # the tail's master weights (a leaf the host optimizer steps)
-    buffer: torch.Tensor  # the tail's gradient, filled by routing
+    host: torch.Tensor  # the tail's master weights (a view of its dtype's flat masters)
+    buffer: torch.Tensor  # the tail's gradient, filled by routing (the same view of the flat
+    # gradients)
     head: torch.Tensor  # a view of the param's first ``kept`` elements
     tail: int = 0  # elements of the tail
+    start: int = 0  # where the tail starts in its dtype's flat buffers
     has_grad: bool = False
     copied: Any = None  # the CUDA event after the gradient's copy to the host
-    returned: Any = None  # the CUDA event after the updated tail's copy back
     order: int = 0  # when its gradient arrived in this step
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """Tails side by side in their flat buffers, stepped as one tensor."""
+
+    pieces: list[_Piece]
+    master: torch.Tensor  # their masters, one view (a leaf the host optimizer steps)
+    grad: torch.Tensor  # their gradients, the same view of the flat gradients
+    returned: Any = None  # the CUDA event after the updated tails' copy back
 
 
 @dataclass(eq=False)
@@ -60,6 +78,7 @@ class _Group:
     pieces: list[_Piece]
     host: torch.optim.Optimizer | None
     device: torch.optim.Optimizer | None
+    chunks: dict[int, _Chunk] = field(default_factory=dict)  # id(piece) -> its chunk
 
 
 class OptimizerOffload:
@@ -75,11 +94,12 @@ class OptimizerOffload:
         self.device = device
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self.pieces: dict[int, _Piece] = {}
-        for fqn, p in params.items():
-            n = p.numel()
-            kept = n - math.floor(fraction * n + 0.5)
-            self.pieces[id(p)] = self._place(fqn, p, kept)
+        kept = {
+            fqn: p.numel() - math.floor(fraction * p.numel() + 0.5) for fqn, p in params.items()
+        }
+        #: dtype -> the flat host masters and gradients of the tails of that dtype
+        self._flat: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pieces: dict[int, _Piece] = self._place(params, kept)
         self._groups: dict[int, list[_Group]] = {}  # id(user optimizer) -> its groups
         self._arrived = 0
         ref = weakref.ref(self)
@@ -100,14 +120,29 @@ class OptimizerOffload:
         ):
             weakref.finalize(self, handle.remove)
 
-    def _place(self, fqn: str, p: torch.Tensor, kept: int) -> _Piece:
-        """``p`` cut at ``kept``: its tail's master copy and gradient buffer on the host."""
-        flat = p.detach().reshape(-1)
-        # host: the tail's master copy, pinned so copies to and from CUDA do not block
-        host = torch.empty(p.numel() - kept, dtype=p.dtype, device="cpu", pin_memory=self._cuda)
-        host.copy_(flat[kept:])
-        buffer = torch.zeros_like(host)
-        return _Piece(fqn, p, kept, host, buffer, flat[:kept], tail=host.numel())
+    def _place(self, params: dict[str, torch.Tensor], kept: dict[str, int]) -> dict[int, _Piece]:
+        """Each tensor cut at ``kept[fqn]``: its tail's master copy and gradient, views of
+        one flat host buffer each per dtype, in the order given."""
+        pieces, sizes = {}, {}
+        for p in params.values():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        for dtype, size in sizes.items():
+            size -= sum(kept[fqn] for fqn, p in params.items() if p.dtype == dtype)
+            # host: the tails' masters and gradients, pinned so copies to and from CUDA do not
+            # block
+            self._flat[dtype] = (
+                torch.empty(size, dtype=dtype, device="cpu", pin_memory=self._cuda),
+                torch.zeros(size, dtype=dtype, device="cpu", pin_memory=self._cuda),
+            )
+        offsets = dict.fromkeys(sizes, 0)
+        for fqn, p in params.items():
+            flat, start, tail = p.detach().reshape(-1), offsets[p.dtype], p.numel() - kept[fqn]
+            master, grad = (t[start : start + tail] for t in self._flat[p.dtype])
+            master.copy_(flat[kept[fqn] :])
+            piece = _Piece(fqn, p, kept[fqn], master, grad, flat[: kept[fqn]], tail, start)
+            pieces[id(p)] = piece
+            offsets[p.dtype] += tail
+        return pieces
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any tensor of this offload."""
@@ -137,6 +172,21 @@ class OptimizerOffload:
             self._arrived += 1
             p.grad = None
 
+    def route_when_accumulated(self, params: Iterable[torch.Tensor]) -> None:
+        """Route each of ``params`` (those offloaded) as soon as a backward has accumulated
+        its gradient: no bucket or unit sums it, so it is final then, and it leaves for the
+        host while backward goes on rather than at the step."""
+        ref = weakref.ref(self)
+
+        def accumulated(p: torch.Tensor) -> None:
+            offload = ref()
+            if offload is not None:
+                offload.route([p])
+
+        for p in params:
+            if id(p) in self.pieces:
+                p.register_post_accumulate_grad_hook(accumulated)
+
     def _add_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
         self._wait_copy(piece)
         piece.buffer.add_(tail.to("cpu"))
@@ -160,7 +210,8 @@ class OptimizerOffload:
             piece.copied = None
 
     def collect(self) -> None:
-        """Route what autograd left in ``.grad`` (a tensor no bucket or unit sums)."""
+        """Route what is left in ``.grad`` (a gradient no sum nor hook routed: one set by
+        hand)."""
         self.route(piece.param for piece in self.pieces.values())
 
     def grads(self) -> list[tuple[str, torch.Tensor]]:
@@ -203,29 +254,32 @@ class OptimizerOffload:
         self._arrived = 0
 
     def _step_tails(self, group: _Group, own: dict[str, Any], ready: list[_Piece]) -> None:
-        """Step the tails of ``ready`` (their gradients here) under the settings ``own``."""
-        if group.host is not None:
-            group.host.param_groups[0].update(own)
-            for chunk in _chunks(ready):
-                self._step_chunk(group.host, chunk)
+        """Step the tails of ``ready`` (their gradients here) under the settings ``own``:
+        chunk by chunk, in the order their last gradient came."""
+        if group.host is None:
+            return
+        group.host.param_groups[0].update(own)
+        _cut(group, {id(p) for p in ready})
+        chunks = {id(c): c for c in (group.chunks[id(p)] for p in ready)}.values()
+        for chunk in sorted(chunks, key=lambda c: max(p.order for p in c.pieces)):
+            self._step_chunk(group.host, chunk)
 
-    def _step_chunk(self, host: torch.optim.Optimizer, chunk: list[_Piece]) -> None:
-        for piece in chunk:
+    def _step_chunk(self, host: torch.optim.Optimizer, chunk: _Chunk) -> None:
+        for piece in chunk.pieces:
             self._wait_copy(piece)
-            if piece.returned is not None:  # the last copy back still reads the master
-                piece.returned.synchronize()
-            piece.host.grad = piece.buffer
-        host.step()
-        for piece in chunk:
-            piece.host.grad = None
-            tail = piece.param.detach().reshape(-1)[piece.kept :]
-            if not self._cuda:
-                tail.copy_(piece.host)
-                continue
-            with torch.no_grad(), torch.cuda.stream(self._stream):
-                tail.copy_(piece.host, non_blocking=True)
-                piece.returned = torch.cuda.Event()
-                piece.returned.record(self._stream)
+        if chunk.returned is not None:  # the last copy back still reads the masters
+            chunk.returned.synchronize()
+            chunk.returned = None
+        chunk.master.grad = chunk.grad
+        host.step()  # one kernel call: the other chunks have no gradient
+        chunk.master.grad = None
+        with torch.no_grad(), torch.cuda.stream(self._stream) if self._cuda else nullcontext():
+            for piece in chunk.pieces:
+                tail = piece.param.detach().reshape(-1)[piece.kept :]
+                tail.copy_(piece.host, non_blocking=self._cuda)
+            if self._cuda:
+                chunk.returned = torch.cuda.Event()
+                chunk.returned.record(self._stream)
 
     def _groups_of(self, optimizer: torch.optim.Optimizer) -> list[_Group]:
         """The host and device optimizers beside each group of ``optimizer``, made at its
@@ -235,17 +289,41 @@ class OptimizerOffload:
         groups, cls = [], type(optimizer)
         for settings in optimizer.param_groups:
             pieces = [self.pieces[id(p)] for p in settings["params"] if id(p) in self.pieces]
-            hosts = [p.host for p in pieces if p.tail and self.host_optimizer]
+            chunks = self._chunks([p for p in pieces if p.tail]) if self.host_optimizer else {}
+            masters = list({id(c): c.master for c in chunks.values()}.values())
             heads = [p.head for p in pieces if p.kept]
             groups.append(
                 _Group(
                     pieces,
-                    _make(cls, hosts, settings, host=True) if hosts else None,
+                    _make(cls, masters, settings, host=True) if masters else None,
                     _make(cls, heads, settings, host=False) if heads else None,
+                    chunks,
                 )
             )
         self._groups[id(optimizer)] = groups
         return groups
+
+    def _chunks(self, pieces: list[_Piece]) -> dict[int, _Chunk]:
+        """``pieces``' tails in chunks, by ``id`` of the piece: runs side by side in their flat
+        buffers of at most about ``CHUNK_BYTES`` each."""
+        out: dict[int, _Chunk] = {}
+        run: list[_Piece] = []
+        for piece in sorted(pieces, key=lambda p: (str(p.param.dtype), p.start)):
+            last = run[-1] if run else None
+            joins = last is not None and last.param.dtype == piece.param.dtype
+            if not joins or last.start + last.tail != piece.start or _bytes(run) >= CHUNK_BYTES:
+                out |= self._chunk(run)
+                run = []
+            run.append(piece)
+        return out | self._chunk(run)
+
+    def _chunk(self, run: list[_Piece]) -> dict[int, _Chunk]:
+        if not run:
+            return {}
+        start, stop = run[0].start, run[-1].start + run[-1].tail
+        master, grad = (t[start:stop] for t in self._flat[run[0].param.dtype])
+        chunk = _Chunk(run, master, grad)
+        return {id(p): chunk for p in run}
 
     def ready(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the host and device state of ``optimizer``'s offloaded tensors exist (a step
@@ -253,11 +331,11 @@ class OptimizerOffload:
         for group, settings in zip(self._groups_of(optimizer), optimizer.param_groups, strict=True):
             own = {k: v for k, v in settings.items() if k not in _OWN_SETTINGS}
             own["lr"] = 0.0
-            for opt, kind in ((group.host, "host"), (group.device, "head")):
+            masters = list({id(c): c.master for c in group.chunks.values()}.values())
+            heads = [piece.head for piece in group.pieces]
+            for opt, tensors in ((group.host, masters), (group.device, heads)):
                 missing = [
-                    t
-                    for t in (getattr(piece, kind) for piece in group.pieces)
-                    if t.numel() and opt is not None and t not in opt.state
+                    t for t in tensors if t.numel() and opt is not None and t not in opt.state
                 ]
                 if not missing:
                     continue
@@ -301,8 +379,16 @@ class OptimizerOffload:
                     self._tail_loaded(piece, tail)
 
     def _tail_state(self, group: _Group, piece: _Piece) -> dict[str, Any]:
-        """The optimizer state of ``piece``'s tail (tensors a load may copy into)."""
-        return group.host.state.get(piece.host, {}) if group.host else {}
+        """The optimizer state of ``piece``'s tail (tensors a load may copy into: views of its
+        chunk's elementwise state, and the chunk's own step count)."""
+        chunk = group.chunks.get(id(piece))
+        if group.host is None or chunk is None:
+            return {}
+        start = piece.start - chunk.pieces[0].start
+        return {
+            k: v[start : start + piece.tail] if _elementwise(v, chunk.master) else v
+            for k, v in group.host.state.get(chunk.master, {}).items()
+        }
 
     def _tail_loaded(self, piece: _Piece, tail: dict[str, Any]) -> None:
         """``_tail_state``'s tensors of ``piece`` hold what a checkpoint loaded (kept)."""
@@ -344,16 +430,42 @@ def _make(
     return cls(tensors, **lr)
 
 
-def _chunks(pieces: list[_Piece]) -> Iterable[list[_Piece]]:
-    chunk, size = [], 0
-    for piece in pieces:
-        chunk.append(piece)
-        size += piece.host.numel() * piece.host.element_size()
-        if size >= CHUNK_BYTES:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
+def _bytes(run: list[_Piece]) -> int:
+    return sum(p.tail * p.param.element_size() for p in run)
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _elementwise(value: Any, master: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == master.shape
+
+
+def _cut(group: _Group, ready: set[int]) -> None:
+    """Cut each chunk of ``group`` whose pieces are some in ``ready`` and some not into runs
+    of one kind: each keeps its slice of the chunk's elementwise state (views of it) and a
+    copy of the rest (a step count)."""
+    for chunk in {id(c): c for c in group.chunks.values()}.values():
+        kinds = [id(p) in ready for p in chunk.pieces]
+        if all(kinds) or not any(kinds):
+            continue
+        assert group.host is not None  # chunks are made only beside a host optimizer
+        params = group.host.param_groups[0]["params"]
+        index = next(i for i, t in enumerate(params) if t is chunk.master)
+        state, first, parts = group.host.state.pop(chunk.master, {}), chunk.pieces[0].start, []
+        for _, pieces in itertools.groupby(chunk.pieces, key=lambda p: id(p) in ready):
+            run = list(pieces)
+            a, b = run[0].start - first, run[-1].start + run[-1].tail - first
+            part = _Chunk(run, chunk.master[a:b], chunk.grad[a:b], chunk.returned)
+            if state:
+                group.host.state[part.master] = {
+                    k: v[a:b] if _elementwise(v, chunk.master) else _copied(v)
+                    for k, v in state.items()
+                }
+            group.chunks |= {id(p): part for p in run}
+            parts.append(part.master)
+        params[index : index + 1] = parts
 
 
 def _joined(piece: _Piece, head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:

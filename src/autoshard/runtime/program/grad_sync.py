@@ -117,6 +117,10 @@ class GradSync:
         param.register_hook(hook)
         param.register_post_accumulate_grad_hook(accumulated)
 
+    def sums(self, param: torch.Tensor) -> bool:
+        """Whether a bucket sums ``param``'s gradient (after backward has accumulated it)."""
+        return id(param) in self._groups
+
     def arrange(self, order: list[torch.Tensor]) -> None:
         """Fix the buckets: the watched parameters in the order backward completes them (the
         same on every rank, so every rank's buckets hold the same parameters); any watched

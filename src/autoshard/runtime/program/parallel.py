@@ -105,6 +105,8 @@ class ParallelModule(nn.Module):
         self._offload = optimizer_offload(options.offload, on_device, device, self._rank)
         if self._offload is not None:  # each final gradient leaves for the host at once
             self._zero.summed = self._grad_sync.summed = self._offload.route
+            unsummed = (t for fqn, t in on_device.items() if fqn not in shards)
+            self._offload.route_when_accumulated(t for t in unsummed if not self._grad_sync.sums(t))
 
     def _sharded(
         self, model: nn.Module, tensors: dict[str, torch.Tensor], options: Options, device: Any
