@@ -1,16 +1,20 @@
-"""Optimizer offload: the host update against torch's fused CPU AdamW, and an offloaded step's
-overhead measured against the cost model's prediction, in the same run.
+"""Optimizer offload: the host update against torch's fused CPU AdamW, an offloaded step's
+overhead measured against the cost model's prediction, and the NVMe step's reads and writes
+against the disk's, in the same run.
 
 The GPT reference model (hidden 256, 4 layers, 4 heads, vocab 512, seq 64, batch 8, float32,
 AdamW) on one CPU rank of 2 threads (gloo). Host update: ``opt.step()`` of a module made with
-``offload={"optimizer": 1.0}`` (its gradients already on the host: routed, stepped by the
-fused CPU kernel, the masters copied back) against ``torch.optim.AdamW(fused=True).step()`` on
-a plain copy of the same parameters with the same gradients; one of each a round, the order
-turning around every round (``bench.timing.in_turns``), the ratio the median over rounds of the
-two of a round. DeepSpeed's CPU Adam is timed beside them where ``deepspeed`` imports. Overhead:
-a whole training step (forward, backward, ``opt.step()``) with and without the offload, in
-turns; predicted: the plan's ``offload_s`` less the device update it takes over, on the ``cpu``
-preset with this host's numbers measured first (``cost.calibrate_host``).
+``offload={"optimizer": 1.0}`` (its gradients already on the host, routed as backward
+accumulated them: the fused CPU kernel over the flat masters, the masters copied back) against
+``torch.optim.AdamW(fused=True).step()`` on a plain copy of the same parameters whose own
+backward of the same batch gave the same gradients; one of each a round, the order turning
+around every round, wall and CPU seconds of each call, the ratio the median over rounds of the
+two of a round. DeepSpeed's CPU Adam is timed beside them where ``deepspeed`` imports.
+Overhead: a whole training step (forward, backward, ``opt.step()``) with and without the
+offload, in turns (``bench.timing.in_turns``); predicted: the plan's ``offload_s`` less the
+device update it takes over, on the ``cpu`` preset with this host's numbers measured first
+(``cost.calibrate_host``). NVMe: training steps with the state in files, the bytes their reads
+and writes move a second of those calls, against a file's sequential write and read there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+import tempfile
+import time
 import warnings
 from typing import Any
 
@@ -29,6 +35,14 @@ NAME = "offload"
 
 STEPS, WARMUP = 20, 3
 BATCH, THREADS = 8, 2
+#: the host memory the NVMe step streams its files through, and the disk probe's file size
+NVME_BUDGET_MB = 8
+DISK_BYTES = 64 * 2**20
+#: what the table says where ``deepspeed`` does not import
+DEEPSPEED_MISSING = (
+    "not installed here (`pip install deepspeed`, an sdist, with torch 2.13.0 did not finish "
+    "within 10 minutes on this machine)"
+)
 
 
 def _model():
@@ -40,61 +54,63 @@ def _model():
 
 
 def _host_update(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any]:
-    """The offloaded module's ``opt.step()`` against fused AdamW on the same parameters."""
+    """The offloaded module's ``opt.step()`` against fused AdamW on a plain copy of the same
+    parameters, each with the gradients of its own backward of the same batch (the same
+    values); wall and CPU seconds of each call."""
     import autoshard
 
     pm = autoshard.parallelize(copy.deepcopy(model), batch, {"dp": 1}, offload={"optimizer": 1.0})
     ours = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    plain = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    theirs = torch.optim.AdamW(plain, lr=1e-4, fused=True)
-    pm(*batch).backward()
-    grads = {id(p): p.grad for p in plain}
-    for p, q in zip(plain, model.parameters(), strict=True):
-        p.grad = torch.randn_like(q)
-        grads[id(p)] = p.grad
-
-    def step_ours() -> None:
-        ours.step()
-
-    def step_theirs() -> None:
-        for p in plain:
-            p.grad = grads[id(p)]
-        theirs.step()
-
-    ways = {"autoshard": step_ours, "fused AdamW": step_theirs}
-    deepspeed = _deepspeed(plain, grads)
+    plain = copy.deepcopy(model)
+    theirs = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
+    ways = {"autoshard": ours.step, "fused AdamW": theirs.step}
+    deepspeed = _deepspeed(plain)
     if deepspeed is not None:
         ways["DeepSpeed CPU Adam"] = deepspeed
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for i in range(WARMUP + steps):  # each round: new host gradients, then the updates timed
-        pm(*batch).backward()  # untimed: it puts this round's gradients on the host
-        order = dict(list(ways.items())[:: 1 if i % 2 == 0 else -1])
-        got = in_turns(order, 1, 0) if i >= WARMUP else in_turns(order, 0, 1)
-        for name, kept in got.items():
-            times[name] += kept
-    out = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    paired = paired_ratio(times["autoshard"], times["fused AdamW"])
-    result = {"ms": out, "paired": paired, "elements": sum(p.numel() for p in plain)}
+    wall: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}
+    for i in range(WARMUP + steps):  # each round: this round's gradients, then the updates
+        theirs.zero_grad()
+        plain(*batch).backward()  # untimed, as is the one below, which leaves them on the host
+        pm(*batch).backward()
+        for name, step in list(ways.items())[:: 1 if i % 2 == 0 else -1]:
+            began, used = time.perf_counter(), time.process_time()
+            step()
+            if i >= WARMUP:
+                wall[name].append(time.perf_counter() - began)
+                cpu[name].append(time.process_time() - used)
+    result = {
+        "ms": {name: statistics.median(t) * 1e3 for name, t in wall.items()},
+        "cpu_ms": {name: statistics.median(t) * 1e3 for name, t in cpu.items()},
+        "paired": paired_ratio(wall["autoshard"], wall["fused AdamW"]),
+        "cpu_paired": paired_ratio(cpu["autoshard"], cpu["fused AdamW"]),
+        "elements": sum(p.numel() for p in plain.parameters()),
+    }
     if deepspeed is not None:
-        result["deepspeed"] = paired_ratio(times["autoshard"], times["DeepSpeed CPU Adam"])
+        result["deepspeed"] = paired_ratio(wall["autoshard"], wall["DeepSpeed CPU Adam"])
     return result
 
 
-def _deepspeed(plain: list[torch.Tensor], grads: dict[int, torch.Tensor]) -> Any:
-    """DeepSpeed's CPU Adam over a copy of the parameters, where it builds here (else None)."""
+def _deepspeed(plain: torch.nn.Module) -> Any:
+    """DeepSpeed's CPU Adam over a copy of the parameters, stepping the gradients ``plain``
+    holds, where it builds here (else None)."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception:
         return None
-    params = [p.detach().clone().requires_grad_() for p in plain]
-    for p, q in zip(params, plain, strict=True):
-        p.grad = grads[id(q)]
+    sources = list(plain.parameters())
+    params = [p.detach().clone().requires_grad_() for p in sources]
     try:
         opt = DeepSpeedCPUAdam(params, lr=1e-4, adamw_mode=True)
-        opt.step()
     except Exception:
         return None
-    return opt.step
+
+    def step() -> None:
+        for p, q in zip(params, sources, strict=True):
+            p.grad = q.grad
+        opt.step()
+
+    return step
 
 
 def _overhead(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any]:
@@ -138,11 +154,50 @@ def _overhead(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any
     }
 
 
+def _nvme(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any]:
+    """Training steps with the optimizer's state in files: the bytes their reads and writes
+    moved a second of those calls, against the disk's sequential throughput in the same
+    directory (``cost.calibrate_host.file_bandwidth``: a file of ``DISK_BYTES`` written and
+    fsynced, its pages dropped with ``posix_fadvise`` before it is read back)."""
+    import autoshard
+    from autoshard.cost.calibrate_host import file_bandwidth
+
+    with tempfile.TemporaryDirectory(prefix="bench-nvme-") as where:
+        offload = {"optimizer": 1.0, "nvme": where, "host_budget_mb": NVME_BUDGET_MB}
+        pm = autoshard.parallelize(copy.deepcopy(model), batch, {"dp": 1}, offload=offload)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        times = []
+        for i in range(WARMUP + steps):
+            if i == WARMUP:
+                before = pm.nvme_io()
+            began = time.perf_counter()
+            pm(*batch).backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - began)
+        io = {k: v - before[k] for k, v in pm.nvme_io().items()}
+        del pm, opt  # its files go with it
+        write, read = file_bandwidth(where, DISK_BYTES)
+    return {
+        "step_ms": statistics.median(times[WARMUP:]) * 1e3,
+        "read_bytes": io["read_bytes"] / steps,
+        "write_bytes": io["write_bytes"] / steps,
+        "read_bandwidth": io["read_bytes"] / io["read_s"],
+        "write_bandwidth": io["write_bytes"] / io["write_s"],
+        "disk_read_bandwidth": read,
+        "disk_write_bandwidth": write,
+    }
+
+
 def _rank(steps: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(THREADS)
     model, batch = _model()
-    return {"host": _host_update(model, batch, steps), "step": _overhead(model, batch, steps)}
+    return {
+        "host": _host_update(model, batch, steps),
+        "step": _overhead(model, batch, steps),
+        "nvme": _nvme(model, batch, steps),
+    }
 
 
 def run(quick: bool) -> dict:
@@ -152,30 +207,67 @@ def run(quick: bool) -> dict:
     result = run_ranks(_rank, 1, steps, timeout=900)[0]
     result["steps"] = steps
     result["ratio"] = result["host"]["paired"]["median"]
+    result["cpu_ratio"] = result["host"]["cpu_paired"]["median"]
     return result
 
 
-def summary(result: dict) -> str:
-    host, step = result["host"], result["step"]
-    interval = f"{host['paired']['low']:.2f}-{host['paired']['high']:.2f}"
+def _host_lines(result: dict) -> list[str]:
+    host = result["host"]
     ds = host.get("deepspeed")
-    lines = [
+    wall, cpu = host["paired"], host["cpu_paired"]
+    return [
         "GPT reference model (hidden 256, 4 layers, vocab 512, seq 64, batch 8, float32, AdamW; "
-        f"{host['elements'] / 1e6:.2f}M parameters) on one CPU rank of {THREADS} threads. Host "
-        "update: `opt.step()` under `offload={'optimizer': 1.0}` (gradients on the host, the "
-        "fused CPU kernel, the masters copied back) against `AdamW(fused=True).step()` on the "
-        f"same parameters, in turns, {result['steps']} rounds; the ratio is the median over "
-        "rounds of the two of a round, with its 95% interval (bootstrap over rounds).",
+        f"{host['elements'] / 1e6:.2f}M parameters in 52 tensors) on one CPU rank of {THREADS} "
+        "threads. Host update: `opt.step()` under `offload={'optimizer': 1.0}` (the gradients "
+        "already on the host, routed as backward accumulated them; one fused CPU kernel call "
+        "over the flat masters; the masters copied back into the device tensors) against "
+        "`AdamW(fused=True).step()` on a plain copy of the same parameters with the same "
+        f"gradients, in turns, {result['steps']} rounds. Wall and CPU (`time.process_time`, "
+        "all the process's threads) milliseconds, medians; each ratio is the median over rounds "
+        "of the two of a round, with its 95% interval (bootstrap over rounds).",
         "",
-        "| autoshard host step ms | fused AdamW ms | ratio | 95% interval | DeepSpeed CPU Adam |",
-        "|---:|---:|---:|---:|---|",
+        "| autoshard host step ms | fused AdamW ms | ratio | autoshard CPU ms | fused AdamW CPU ms "
+        "| CPU ratio | DeepSpeed CPU Adam |",
+        "|---:|---:|---:|---:|---:|---:|---|",
         f"| {host['ms']['autoshard']:.2f} | {host['ms']['fused AdamW']:.2f} | "
-        f"{host['paired']['median']:.2f} | {interval} | "
+        f"{wall['median']:.2f} ({wall['low']:.2f}-{wall['high']:.2f}) | "
+        f"{host['cpu_ms']['autoshard']:.2f} | {host['cpu_ms']['fused AdamW']:.2f} | "
+        f"{cpu['median']:.2f} ({cpu['low']:.2f}-{cpu['high']:.2f}) | "
         + (
             f"{host['ms']['DeepSpeed CPU Adam']:.2f} ms, ratio {ds['median']:.2f} |"
             if ds
-            else "not installed here |"
+            else f"{DEEPSPEED_MISSING} |"
         ),
+    ]
+
+
+def _nvme_lines(result: dict) -> list[str]:
+    nvme = result["nvme"]
+    gb = 1e9
+    return [
+        "The same model's training step with the optimizer's state in files "
+        f"(`offload={{'optimizer': 1.0, 'nvme': path, 'host_budget_mb': {NVME_BUDGET_MB}}}`, "
+        "a temporary directory), against the disk there: the step's reads (`os.preadv`) and "
+        "writes (`os.pwrite`; the gradients' in backward and the step's write-behind) as bytes "
+        "over the seconds spent in those calls, through the page cache as the offload does "
+        "them; the disk's as a file of "
+        f"{DISK_BYTES >> 20} MiB written and fsynced, then read back after its pages were "
+        "dropped (`posix_fadvise(DONTNEED)`), so from the drive.",
+        "",
+        "| NVMe step ms | read MB a step | written MB a step | step reads GB/s | step writes "
+        "GB/s | disk read GB/s | disk write GB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {nvme['step_ms']:.1f} | {nvme['read_bytes'] / 1e6:.1f} | "
+        f"{nvme['write_bytes'] / 1e6:.1f} | {nvme['read_bandwidth'] / gb:.2f} | "
+        f"{nvme['write_bandwidth'] / gb:.2f} | {nvme['disk_read_bandwidth'] / gb:.2f} | "
+        f"{nvme['disk_write_bandwidth'] / gb:.2f} |",
+    ]
+
+
+def summary(result: dict) -> str:
+    step = result["step"]
+    lines = [
+        *_host_lines(result),
         "",
         "A training step with the optimizer offloaded against the same step without (ZeRO 0, "
         "one rank), in turns; predicted: the estimate's difference on the `cpu` preset with "
@@ -187,4 +279,6 @@ def summary(result: dict) -> str:
         f"| {step['offloaded_ms']:.1f} | {step['device_ms']:.1f} | {step['measured_ms']:.1f} | "
         f"{step['predicted_ms']:.1f} |",
     ]
+    if "nvme" in result:
+        lines += ["", *_nvme_lines(result)]
     return "\n".join(lines)

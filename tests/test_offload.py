@@ -135,16 +135,19 @@ def _offloaded_training(
         t for fqn, t in pm.local_tensors().items() if t.requires_grad and "unused" not in fqn
     ]
     offloaded = [math.floor(fraction * t.numel() + 0.5) for t in trainable]
+    tails = [math.floor(fraction * t.numel() + 0.5) for t in stepped]
+    heads = [t.numel() - n for t, n in zip(stepped, tails, strict=True)]
     return {
         "fraction": fraction,
         "device": pm.state_bytes(opt),
         "host": pm.state_bytes(opt, tier="host"),
         "user_state": len(opt.state),
         "host_master_bytes": 8 * sum(offloaded),
-        # tensors whose head and tail are both stepped: a step count on either tier
-        "split": sum(1 for t in stepped if 0 < math.floor(fraction * t.numel() + 0.5) < t.numel()),
-        # AdamW's two moments of every element stepped and a float32 step count per tensor
-        "adam_bytes": sum(2 * t.numel() * t.element_size() + 4 for t in stepped if t.numel()),
+        # on the device, AdamW's two moments of each head and a float32 step count per tensor
+        "head_adam_bytes": sum(2 * 8 * n + 4 for n in heads if n),
+        # on the host, the tails' two moments (and a step count per chunk of tails)
+        "tail_moment_bytes": sum(2 * 8 * n for n in tails),
+        "tails": sum(1 for n in tails if n),
     }
 
 
@@ -531,12 +534,11 @@ def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> 
             assert host["parameters"] == held["host_master_bytes"] > 0
             if fraction == 1.0:
                 assert held["user_state"] == 0
-                assert device["optimizer"] == 0
-                assert host["optimizer"] == held["adam_bytes"]
-            else:  # each tensor's moments split between the tiers, a step count on each
-                both = host["optimizer"] + device["optimizer"]
-                assert 0 < device["optimizer"] and 0 < host["optimizer"]
-                assert both == held["adam_bytes"] + 4 * held["split"]
+            # each tensor's moments split between the tiers: the heads' on the device with a
+            # step count per tensor (none at 1.0), the tails' on the host with one per chunk
+            assert device["optimizer"] == held["head_adam_bytes"], held
+            counts = host["optimizer"] - held["tail_moment_bytes"]
+            assert counts % 4 == 0 and 1 <= counts // 4 <= held["tails"], held
 
 
 def test_offload_is_checked_and_named() -> None:

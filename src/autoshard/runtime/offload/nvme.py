@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -85,6 +86,9 @@ class NvmeOffload(OptimizerOffload):
         self._scalars: dict[str, dict[str, Any]] = {}  # a tail's non-elementwise state
         self._keys: list[str] = []  # the elementwise state entries, in their first order
         self._cls: type | None = None
+        #: bytes read and written and the seconds spent in those calls (the I/O thread's and
+        #: the gradients' writes), since the module was made
+        self.io = {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0}
         weakref.finalize(self, _remove, self._fds, self._io, str(self.directory))
         need = sum(
             math.floor(fraction * p.numel() + 0.5) * p.element_size() for p in params.values()
@@ -113,16 +117,22 @@ class NvmeOffload(OptimizerOffload):
 
     def _read(self, piece: _Piece, kind: str, start: int, into: torch.Tensor) -> None:
         view = memoryview(into.view(torch.uint8).numpy())
+        began = time.perf_counter()
         got = os.preadv(self._fd(piece, kind), [view], start * into.element_size())
         if got != len(view):
             raise OSError(f"{self.directory}: {piece.fqn} {kind} is short ({got} bytes read)")
+        self.io["read_bytes"] += got
+        self.io["read_s"] += time.perf_counter() - began
 
     def _write(self, piece: _Piece, kind: str, start: int, data: torch.Tensor) -> None:
         view = memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
         offset, fd = start * data.element_size(), self._fd(piece, kind)
+        began, size = time.perf_counter(), len(view)
         while view:  # a write may take fewer bytes than given
             done = os.pwrite(fd, view, offset)
             view, offset = view[done:], offset + done
+        self.io["write_bytes"] += size
+        self.io["write_s"] += time.perf_counter() - began
 
     def _put(self, piece: _Piece, kind: str, tail: torch.Tensor, add: bool = False) -> None:
         """Write ``tail`` (the piece's whole tail, on any device) to its file, through one

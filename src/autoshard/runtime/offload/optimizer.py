@@ -21,6 +21,7 @@ as torch steps only the tensors with a gradient.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import weakref
@@ -311,7 +312,8 @@ class OptimizerOffload:
         for piece in sorted(pieces, key=lambda p: (str(p.param.dtype), p.start)):
             last = run[-1] if run else None
             joins = last is not None and last.param.dtype == piece.param.dtype
-            if not joins or last.start + last.tail != piece.start or _bytes(run) >= CHUNK_BYTES:
+            size = sum(p.tail * p.param.element_size() for p in run)
+            if not joins or last.start + last.tail != piece.start or size >= CHUNK_BYTES:
                 out |= self._chunk(run)
                 run = []
             run.append(piece)
@@ -430,14 +432,6 @@ def _make(
     return cls(tensors, **lr)
 
 
-def _bytes(run: list[_Piece]) -> int:
-    return sum(p.tail * p.param.element_size() for p in run)
-
-
-def _copied(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
 def _elementwise(value: Any, master: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == master.shape
 
@@ -459,8 +453,8 @@ def _cut(group: _Group, ready: set[int]) -> None:
             a, b = run[0].start - first, run[-1].start + run[-1].tail - first
             part = _Chunk(run, chunk.master[a:b], chunk.grad[a:b], chunk.returned)
             if state:
-                group.host.state[part.master] = {
-                    k: v[a:b] if _elementwise(v, chunk.master) else _copied(v)
+                group.host.state[part.master] = {  # views of the moments, a step count each
+                    k: v[a:b] if _elementwise(v, chunk.master) else copy.deepcopy(v)
                     for k, v in state.items()
                 }
             group.chunks |= {id(p): part for p in run}

@@ -345,6 +345,12 @@ class ParallelModule(nn.Module):
         rows each lookup read) and to the host (the summed gradients of their union)."""
         return dict(self._tables.traffic) if self._tables else {"to_device": 0, "to_host": 0}
 
+    def nvme_io(self) -> dict[str, float]:
+        """Bytes read and written to the optimizer's NVMe files and the seconds those calls
+        took, since the module was made (all 0 without ``nvme``)."""
+        io = getattr(self._offload, "io", None)
+        return dict(io or {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0})
+
     def offloaded_grads(self) -> list[tuple[str, torch.Tensor]]:
         """This step's gradients the optimizer offload holds, by name (a tensor's device
         head and host tail each; clipping reads and scales them)."""
