@@ -374,20 +374,23 @@ def _activations_offloaded(mesh: dict, **options: Any) -> dict[str, Any]:
     return out
 
 
-def _nvme_training(directory: str, level: int, fraction: float) -> None:
+def _nvme_training(directory: str, level: int, fraction: float, clip: float | None = None) -> None:
     """GPT at ZeRO ``level`` with ``fraction`` of its optimizer in files under ``directory``,
-    as plain PyTorch; the files hold each tail's master weights, gradient and two moments,
-    the host only the two slots of the budget."""
+    as plain PyTorch (clipped where ``clip``, the norms too); the files hold each tail's master
+    weights, gradient and two moments, the host only the two slots of the budget."""
     model, data, captured = _setup()
-    ref = _plain(model, data, None)
+    ref = _plain(model, data, clip)
     before = set(Path(directory).iterdir())
     pm = _made(model, data, captured, level, fraction, directory)
     made = set(Path(directory).iterdir()) - before  # both ranks write there
     (mine,) = [d for d in made if d.name.startswith(f"rank{pm.rank}-")]
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    got = _train(pm, opt, data, range(STEPS), None)
+    got = _train(pm, opt, data, range(STEPS), clip)
+    for norm, expected in zip(got["norms"], ref["norms"], strict=True):
+        assert norm == pytest.approx(expected, rel=1e-9), ("nvme", level, fraction)
+        assert expected > clip  # the clipping was active
     got["state"] = pm.full_state_dict()
-    _same(got, ref, range(STEPS), ("nvme", level, fraction))
+    _same(got, ref, range(STEPS), ("nvme", level, fraction, clip))
     if fraction == 1.0:
         assert len(opt.state) == 0  # every tensor's state is in the files
     tails = {
@@ -539,6 +542,19 @@ def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> 
             assert device["optimizer"] == held["head_adam_bytes"], held
             counts = host["optimizer"] - held["tail_moment_bytes"]
             assert counts % 4 == 0 and 1 <= counts // 4 <= held["tails"], held
+
+
+def _nvme_clipped(directory: str) -> None:
+    _nvme_training(directory, 0, 1.0, CLIP)
+    _nvme_training(directory, 2, 0.5, CLIP)
+    _nvme_training(directory, 3, 1.0, CLIP)
+
+
+def test_nvme_held_gradients_are_clipped_as_plain_pytorch(tmp_path) -> None:
+    """Clipping reads the gradients in files a window at a time for the norm (the device heads
+    as they are) and scales them as the step reads them: the norms, losses and parameters of
+    plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2."""
+    run_ranks(_nvme_clipped, 2, str(tmp_path), timeout=900)
 
 
 def test_offload_is_checked_and_named() -> None:

@@ -86,6 +86,7 @@ class NvmeOffload(OptimizerOffload):
         self._scalars: dict[str, dict[str, Any]] = {}  # a tail's non-elementwise state
         self._keys: list[str] = []  # the elementwise state entries, in their first order
         self._cls: type | None = None
+        self._scale: torch.Tensor | None = None  # clipping's, applied to the gradients at the step
         #: bytes read and written and the seconds spent in those calls (the I/O thread's and
         #: the gradients' writes), since the module was made
         self.io = {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0}
@@ -170,13 +171,43 @@ class NvmeOffload(OptimizerOffload):
         self._put(piece, "grad", tail)
 
     def _add_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
+        if self._scale is not None:
+            raise ValueError(
+                "offload['nvme']: a backward after clip_grad_norm_ and before the step; "
+                "the clipping's scale waits in memory for the gradients in the files"
+            )
         self._put(piece, "grad", tail, add=True)
 
     def grads(self) -> list[tuple[str, torch.Tensor]]:
-        raise ValueError(
-            "clip_grad_norm_ with offload['nvme']: the gradients are in files, which "
-            "clipping does not read yet; clip without nvme"
-        )
+        """The heads' gradients (on the device); the tails' are in files: ``tail_norms``."""
+        self.collect()
+        return [(p.fqn, p.head.grad) for p in self.pieces.values() if p.has_grad and p.kept]
+
+    def tail_norms(self, norm_type: float) -> list[tuple[str, torch.Tensor]]:
+        """Each tail's gradient's sum of ``|g| ** norm_type`` (its largest ``|g|`` for inf), by
+        name, read from its file a window at a time (into a slot: no step is under way), with
+        any scale clipping left pending."""
+        out = []
+        for piece in self.pieces.values():
+            if not (piece.has_grad and piece.tail):
+                continue
+            window, total = self.window(piece.param.dtype), []
+            into = self._slot(piece.param.dtype, 0, ["grad"])["grad"]
+            for start in range(0, piece.tail, window):
+                g = into[: min(window, piece.tail - start)]
+                self._read(piece, "grad", start, g)
+                g = g.to(torch.float64).abs() * (1.0 if self._scale is None else self._scale)
+                total.append(g.max() if math.isinf(norm_type) else g.pow(norm_type).sum())
+            out.append(
+                (piece.fqn, torch.stack(total).max() if math.isinf(norm_type) else sum(total))
+            )
+        return out
+
+    def scale_tails(self, scale: torch.Tensor) -> None:
+        """Scale the tails' gradients by ``scale`` at the step (as each window is read), not
+        in their files now."""
+        scale = scale.detach().to("cpu", torch.float64)
+        self._scale = scale if self._scale is None else self._scale * scale
 
     def refresh(self) -> None:
         with torch.no_grad():
@@ -186,6 +217,7 @@ class NvmeOffload(OptimizerOffload):
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self._cls = type(optimizer)
         super().step(optimizer)
+        self._scale = None
 
     # -- the streamed step ------------------------------------------------------------------------
 
@@ -241,6 +273,8 @@ class NvmeOffload(OptimizerOffload):
         slot = self._slot(piece.param.dtype, index, ["master", "grad"])
         p = slot["master"][:n]
         p.grad = slot["grad"][:n]
+        if self._scale is not None:  # clipping's
+            p.grad.mul_(self._scale.to(p.dtype))
         opt = _make(self._cls, [p], own, host=True)
         opt.param_groups[0].update({k: v for k, v in own.items() if k not in _OWN_SETTINGS})
         if piece.fqn in self._scalars:

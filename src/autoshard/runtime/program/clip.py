@@ -36,12 +36,14 @@ def clip_grad_norm_(
     # taking them moves what is still in .grad there
     grads = pm.offloaded_grads() if hasattr(pm, "offloaded_grads") else []
     grads += [(fqn, t.grad) for fqn, t in pm.local_tensors().items() if t.grad is not None]
+    # parts in files (NVMe), each already reduced: its sum of powers, or its largest value
+    streamed = pm.offloaded_norms(norm_type) if hasattr(pm, "offloaded_norms") else []
     # a rank without gradients still joins every collective below, or the others would wait
     device = pm.device
     if error_if_nonfinite:
-        _raise_if_nonfinite(grads, pm.rank)
+        _raise_if_nonfinite(grads + streamed, pm.rank)
     if math.isinf(norm_type):
-        maxima = [g.detach().abs().max().to(device, torch.float64) for _, g in grads]
+        maxima = [g.detach().abs().max().to(device, torch.float64) for _, g in grads + streamed]
         maxima.append(torch.zeros((), dtype=torch.float64, device=device))
         total = torch.stack(maxima).max().reshape(1)  # on the device: no host sync
         if _world() > 1:
@@ -53,6 +55,8 @@ def clip_grad_norm_(
         for fqn, g in grads:
             copies = pm.holders(fqn)
             local += g.detach().to(torch.float64).abs().pow(norm_type).sum().to(device) / copies
+        for fqn, part in streamed:
+            local += part.to(device) / pm.holders(fqn)
         total = local.reshape(1)
         if _world() > 1:
             comm.all_reduce_(total, list(range(_world())))
@@ -63,6 +67,8 @@ def clip_grad_norm_(
     scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))
     for _, g in grads:
         g.detach().mul_(scale.to(g.device, g.dtype))
+    if streamed:
+        pm.scale_offloaded(scale)
     # the gradients' dtype, a rank without any the parameters': the same norm everywhere
     tensors = [g for _, g in grads] or list(pm.local_tensors().values())
     return norm.to(tensors[0].dtype if tensors else torch.float32)

@@ -351,6 +351,16 @@ class ParallelModule(nn.Module):
         io = getattr(self._offload, "io", None)
         return dict(io or {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0})
 
+    def offloaded_norms(self, norm_type: float) -> list[tuple[str, torch.Tensor]]:
+        """Sums of ``|g| ** norm_type`` (largest ``|g|`` for inf) of the gradient parts in
+        files (NVMe's), by name; ``scale_offloaded`` scales them."""
+        norms = getattr(self._offload, "tail_norms", None)
+        return norms(norm_type) if norms else []
+
+    def scale_offloaded(self, scale: torch.Tensor) -> None:
+        if hasattr(self._offload, "scale_tails"):
+            self._offload.scale_tails(scale)
+
     def offloaded_grads(self) -> list[tuple[str, torch.Tensor]]:
         """This step's gradients the optimizer offload holds, by name (a tensor's device
         head and host tail each; clipping reads and scales them)."""
