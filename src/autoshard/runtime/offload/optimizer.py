@@ -129,10 +129,11 @@ class OptimizerOffload:
             sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
         for dtype, size in sizes.items():
             size -= sum(kept[fqn] for fqn, p in params.items() if p.dtype == dtype)
-            # host: the tails' masters and gradients, pinned so copies to and from CUDA do not
-            # block
+            # pinned, so that copies to and from CUDA do not block
             self._flat[dtype] = (
+                # host: the tails' master weights
                 torch.empty(size, dtype=dtype, device="cpu", pin_memory=self._cuda),
+                # host: the tails' gradients
                 torch.zeros(size, dtype=dtype, device="cpu", pin_memory=self._cuda),
             )
         offsets = dict.fromkeys(sizes, 0)
