@@ -208,8 +208,10 @@ def test_a_planned_offload_is_recorded_and_run() -> None:
     opt.step()
     host, device = pm.state_bytes(opt, tier="host"), pm.state_bytes(opt)
     assert device["optimizer"] == 0
-    steps = 4 * sum(1 for p in pm.parameters() if p.requires_grad)  # AdamW's step counts
-    assert host["optimizer"] == plan.predicted.host["optimizer"] + steps
+    # beside the predicted state, AdamW's float32 step counts: one a chunk of the flat host
+    # masters, at most one a tensor
+    tensors = sum(1 for p in pm.parameters() if p.requires_grad)
+    assert host["optimizer"] - plan.predicted.host["optimizer"] in range(4, 4 * tensors + 1, 4)
     shards = autoshard.plan(model, batch, "cpu", num_devices=1, zero=3,
                             offload={"optimizer": 1.0, "parameters": True})  # fmt: skip
     # one device: ZeRO 3 shards nothing, so the run names what the host would hold
