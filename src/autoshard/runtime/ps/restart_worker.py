@@ -25,7 +25,7 @@ from autoshard import watch
 from autoshard.runtime.ps.job import Job, PSConfig, PSError, join_store, tcp_store
 from autoshard.runtime.ps.pull import Pull, request
 from autoshard.runtime.ps.restart_server import committed_steps, dense_parameters
-from autoshard.runtime.ps.worker import RemoteTable, find_tables
+from autoshard.runtime.ps.worker import RemoteTable, find_tables, row_grads
 
 __all__ = ["RestartWorker", "supervise"]
 
@@ -93,25 +93,11 @@ class RestartWorker:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
         # the loss goes with the gradient, divided alike: their sums are the whole batch's
         share = loss.detach().reshape(1) / len(job.workers)
-        self._push(self._row_grads(), torch.cat([g.reshape(-1) for g in grads] + [share]))
+        self._push(row_grads(self), torch.cat([g.reshape(-1) for g in grads] + [share]))
         job.store.add(job.key("committed", job.rank), 1)  # the step's one commit
         for s in job.servers:
             job.post(s, f"commit {job.rank} {self.step_number}")
         self.step_number += 1
-
-    def _row_grads(self) -> dict[int, list[torch.Tensor]]:
-        grads: dict[int, list[torch.Tensor]] = {s: [] for s in self.job.servers}
-        for remote in self.remote.values():
-            if remote.pulled is None:
-                continue
-            pull, rows = remote.pulled
-            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-            for s, a, b in pull.slices:
-                grads[s].append(grad[a:b].contiguous())
-            remote.pulled = None
-        self.pulled_bytes.append(self.pulling)
-        self.pulling = 0
-        return grads
 
     def _push(self, grads: dict[int, list[torch.Tensor]], dense: torch.Tensor) -> None:
         """To one server after the other, each answering that it holds them before the next:

@@ -21,7 +21,7 @@ from autoshard import comm, watch
 from autoshard.runtime.ps.job import Job
 from autoshard.runtime.ps.pull import Pull, request
 
-__all__ = ["RemoteTable", "Worker", "find_tables"]
+__all__ = ["RemoteTable", "Worker", "find_tables", "row_grads"]
 
 
 def find_tables(model: nn.Module) -> dict[str, nn.Module]:
@@ -251,23 +251,12 @@ class Worker:
     def _take_grads(self) -> dict[int, list[torch.Tensor]]:
         """Per server, the gradients of the rows it sent this step, in the order it sent
         them."""
-        grads: dict[int, list[torch.Tensor]] = {s: [] for s in self.job.servers}
         if self.ready:
             raise ValueError(
                 f"{type(self.model).__name__}.table_rows named rows of {sorted(self.ready)} "
                 f"in step {self.step_number}, which its forward did not use"
             )
-        for remote in self.remote.values():
-            if remote.pulled is None:
-                continue
-            pull, rows = remote.pulled
-            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-            for s, a, b in pull.slices:
-                grads[s].append(grad[a:b].contiguous())
-            remote.pulled = None
-        self.pulled_bytes.append(self.pulling)
-        self.pulling = 0
-        return grads
+        return row_grads(self)
 
     def _push(self, step: int, grads: dict[int, list[torch.Tensor]]) -> None:
         """Every server hears of every step, rows or none, so that it can count it."""
@@ -286,3 +275,20 @@ class Worker:
             self._push(*pending)
         for s in self.job.servers:
             self.job.post(s, f"done {self.job.rank} {self.step_number}")
+
+
+def row_grads(worker: Any) -> dict[int, list[torch.Tensor]]:
+    """Per server, the gradients of the rows it sent ``worker`` (a worker of either kind)
+    this step, in the order it sent them; the step's pulled bytes recorded."""
+    grads: dict[int, list[torch.Tensor]] = {s: [] for s in worker.job.servers}
+    for remote in worker.remote.values():
+        if remote.pulled is None:
+            continue
+        pull, rows = remote.pulled
+        grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+        for s, a, b in pull.slices:
+            grads[s].append(grad[a:b].contiguous())
+        remote.pulled = None
+    worker.pulled_bytes.append(worker.pulling)
+    worker.pulling = 0
+    return grads
