@@ -97,48 +97,49 @@ def _start_count_early(low: Any, target: fx.Node, ignore_index: int, ranks: list
         return low.call(pending.start_count, (target, ignore_index, ranks), {})
 
 
-class MseLoss(SpaceRule):
-    """mse_loss(input, target) over any split: each rank sums its squared errors (divided by
-    the global count for the mean), a partial sum over the split dims; ``reduction="none"``
-    is elementwise."""
+class _SummedLoss(SpaceRule):
+    """A loss of ``input`` and ``target`` element by element, over any split: each rank sums
+    its elements' losses (divided by the global count for the mean), a partial sum over the
+    split dims; ``reduction="none"`` is elementwise. ``reduction_at``: the reduction's position
+    among the op's arguments; ``local_sum``: a rank's sum of its elements' losses."""
+
+    reduction_at: int
+    local_sum: Any
+    named = False  # the dims named as a batch's (``b``, ``s``, ...)
 
     def make_space(self, node: fx.Node) -> Space:
-        shape = shape_of(node.args[0])  # the target's too: F.mse_loss broadcasts them first
-        reduced = node_arg(node, 2, "reduction", 1) != 0
+        shape = shape_of(node.args[0])  # the target's too: the loss broadcasts them first
+        reduced = node_arg(node, self.reduction_at, "reduction", 1) != 0
         dims = tuple(range(len(shape)))
         kinds = (SUM if reduced else FREE,) * len(shape)
-        return Space(shape, kinds, (dims, dims), (() if reduced else dims,))
+        names = batch_names(len(shape)) if self.named else ()
+        return Space(shape, kinds, (dims, dims), (() if reduced else dims,), names)
 
     def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        reduction = node_arg(node, 2, "reduction", 1)
+        reduction = node_arg(node, self.reduction_at, "reduction", 1)
         if reduction == 0:
             return low.call(node.target, args, kwargs)
         count = strategy.space.global_numel if reduction == 1 else 1
-        return low.call(local.squared_error_sum, (args[0], args[1], count), {})
+        return low.call(type(self).local_sum, (args[0], args[1], count), {})
 
 
-class BinaryCrossEntropyWithLogits(SpaceRule):
-    """binary_cross_entropy_with_logits(input, target) over any split, as ``MseLoss``: each
-    rank sums its elements' losses (divided by the global count for the mean), a partial sum
-    over the split dims. Per-element weights would be split with the input; they and
-    ``pos_weight`` have no rule yet."""
+class MseLoss(_SummedLoss):
+    """mse_loss(input, target): each rank sums its squared errors."""
+
+    reduction_at, local_sum = 2, local.squared_error_sum
+
+
+class BinaryCrossEntropyWithLogits(_SummedLoss):
+    """binary_cross_entropy_with_logits(input, target): each rank sums its elements' logistic
+    losses. Per-element weights would be split with the input; they and ``pos_weight`` have
+    no rule yet."""
+
+    reduction_at, local_sum, named = 4, local.logistic_loss_sum, True
 
     def make_space(self, node: fx.Node) -> Space:
         if node_arg(node, 2, "weight") is not None or node_arg(node, 3, "pos_weight") is not None:
             raise StrategyError(f"{node_title(node)}: only without weight and pos_weight")
-        shape = shape_of(node.args[0])
-        reduced = node_arg(node, 4, "reduction", 1) != 0
-        dims = tuple(range(len(shape)))
-        kinds = (SUM if reduced else FREE,) * len(shape)
-        outs = (() if reduced else dims,)
-        return Space(shape, kinds, (dims, dims), outs, batch_names(len(shape)))
-
-    def lower(self, low: Any, node: fx.Node, strategy: Strategy, args: list, kwargs: dict) -> Any:
-        reduction = node_arg(node, 4, "reduction", 1)
-        if reduction == 0:
-            return low.call(node.target, args, kwargs)
-        count = strategy.space.global_numel if reduction == 1 else 1
-        return low.call(local.logistic_loss_sum, (args[0], args[1], count), {})
+        return super().make_space(node)
 
 
 __all__ = ["BinaryCrossEntropyWithLogits", "CrossEntropy", "MseLoss"]
