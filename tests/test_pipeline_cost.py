@@ -222,7 +222,9 @@ def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> No
     assert main(staged) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "pipeline: pp(4) x" in out and "1f1b, 64 micro-batches" in out
-    assert main([*plan, "--pp", "4", "--microbatches", "5"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main([*plan, "--pp", "4", "--microbatches", "5"])
+    assert exit_info.value.code == 2
     assert "--microbatches 5 does not divide --batch 512" in capsys.readouterr().err
 
     # the plan's pipeline played again by autoshard simulate, and drawn

@@ -80,11 +80,7 @@ def pipeline_plan(job: PlanJob, baseline: Any = None) -> int:
     leaves = pytree.tree_leaves(job.example)
     batch = next(t for t in leaves if isinstance(t, torch.Tensor)).shape[0]
     if opts.microbatches and batch % opts.microbatches:
-        print(
-            f"autoshard: error: --microbatches {opts.microbatches} does not divide --batch {batch}",
-            file=sys.stderr,
-        )
-        return 2
+        raise ValueError(f"--microbatches {opts.microbatches} does not divide --batch {batch}")
     micro, captured_s = _micro_graphs(job, opts)
     try:
         best, tried, search_s = search_pipeline(

@@ -81,19 +81,16 @@ class TrainConfig:
         given fixed, the others searched). ``per_node``: the ranks of a node (default:
         torchrun's ``LOCAL_WORLD_SIZE``), the size of the ``cpu`` preset's nodes."""
         planned = {"plan": self.plan} if self.plan else {"search": self.search}
-        split = {"attention": self.attention, "sequence_parallel": self.sequence_parallel}
+        named = ("precision", "seed", "copies", "attention", "sequence_parallel")
+        named += ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
         if not self.ep:  # with experts over ep, the mesh holds tp and cp (mesh())
-            split |= {"tp": self.tp, "cp": self.cp}
+            named += ("tp", "cp")
         return Options(
             cluster=self.run_cluster(per_node),
-            precision=self.precision,
             zero=self.zero or None,
-            seed=self.seed,
             timeout_s=self.timeout,
-            copies=self.copies,
             **planned,
-            **split,
-            **self.pipeline,
+            **{name: getattr(self, name) for name in named},
         )
 
     def run_cluster(self, per_node: int | None = None) -> Any:
@@ -115,12 +112,6 @@ class TrainConfig:
         axes = {"pp": self.pp or 1, "dp": 1, "ep": self.ep, "cp": self.cp or 1, "tp": self.tp or 1}
         axes["dp"] = world // math.prod(axes.values())
         return {n: k for n, k in axes.items() if k > 1 or n == "ep"}
-
-    @property
-    def pipeline(self) -> dict[str, Any]:
-        """The pipeline settings given (any of them plans stages; the others are searched)."""
-        names = ("pp", "microbatches", "schedule", "virtual_stages", "recompute")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -433,7 +424,6 @@ def _run_rank(cfg: TrainConfig) -> int:
     fails says why (the others fail because it did, or with the same error): an error of the
     user's input in one line, any other error with its traceback."""
     from autoshard.cli.launcher import die_with_parent
-    from autoshard.graph.failure import ONE_LINE_ERRORS
 
     die_with_parent()  # torchrun gone (killed, its launcher killed): this rank stops too
     try:
@@ -444,7 +434,7 @@ def _run_rank(cfg: TrainConfig) -> int:
             raise
         if _first_to_fail():
             rank = os.environ.get("RANK", "0")
-            if type(err).__name__ in ONE_LINE_ERRORS or isinstance(err, ValueError | OSError):
+            if isinstance(err, ValueError | OSError):  # autoshard's errors of the input too
                 print(f"autoshard: error: {' '.join(str(err).split())}", file=sys.stderr)
             else:
                 import traceback
