@@ -208,9 +208,12 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(capsys) ->
         (["plan", "--heads", "3"], "num_heads(3)"),
         (["plan", "--model-fn", "nosuchmodule:make"], "no module 'nosuchmodule' (looked in"),
         (["plan", "--model-fn", "justamodule"], "expected module:function"),
-        (["plan", "--devices", "8", "--cp", "3"], "--cp 3 does not divide the 8 devices"),
-        (["plan", "--devices", "8", "--tp", "3"], "--tp 3 does not divide the 8 devices"),
-        (["plan", "--devices", "8", "--cp", "2", "--tp", "8"], "--tp 8 does not divide the 4"),
+        (["plan", "--devices", "8", "--cp", "3"], "cp 3 does not divide the 8 devices"),
+        (["plan", "--devices", "8", "--tp", "3"], "tp 3 does not divide the 8 devices"),
+        (
+            ["plan", "--devices", "8", "--cp", "2", "--tp", "8"],
+            "tp 8 does not divide the 4 devices a context-parallel",
+        ),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(argv, message, capsys) -> None:

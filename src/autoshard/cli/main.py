@@ -16,7 +16,7 @@ from autoshard.cli import simulate
 from autoshard.cli.args import DTYPES as _DTYPES
 from autoshard.cli.args import build_parser
 from autoshard.cli.plan_text import format_search
-from autoshard.layout import Layout, LayoutError
+from autoshard.layout import Layout
 from autoshard.mesh import MeshError, mesh_info
 from autoshard.redistribution import redistribution_plan
 
@@ -24,17 +24,11 @@ from autoshard.redistribution import redistribution_plan
 def _parse_spec(text: str) -> tuple:
     """``dp,_`` or ``dp+tp,_`` (several axes on one dim, major first); ``P:tp`` entries mark
     partial axes: ``_,_,P:tp``."""
-    entries = []
-    partial = []
-    for part in text.split(","):
-        if part.startswith("P:"):
-            partial.extend(part[2:].split("+"))
-        elif part in ("_", "-", "", "None"):
-            entries.append(None)
-        else:
-            axes = tuple(part.split("+"))
-            entries.append(axes[0] if len(axes) == 1 else axes)
-    return tuple(entries), tuple(partial)
+    parts = text.split(",")
+    partial = [axis for p in parts if p.startswith("P:") for axis in p[2:].split("+")]
+    dims = [p for p in parts if not p.startswith("P:")]
+    spec = [None if p in ("_", "-", "", "None") else tuple(p.split("+")) for p in dims]
+    return tuple(s[0] if s and len(s) == 1 else s for s in spec), tuple(partial)
 
 
 def _redistribute_command(args: argparse.Namespace) -> int:
@@ -43,15 +37,10 @@ def _redistribute_command(args: argparse.Namespace) -> int:
     except MeshError as err:
         raise MeshError(f"--mesh: {err}") from None
     shape = tuple(int(s) for s in args.shape.split(","))
-    dtype = _DTYPES[args.dtype]
-    layouts = []
-    for text in (args.src, args.dst):
-        spec, partial = _parse_spec(text)
-        try:
-            layouts.append(Layout.from_named(shape, spec, mesh, partial=partial, dtype=dtype))
-        except LayoutError as err:
-            print(f"autoshard: {err}", file=sys.stderr)
-            return 2
+    layouts = [
+        Layout.from_named(shape, spec, mesh, partial=partial, dtype=_DTYPES[args.dtype])
+        for spec, partial in map(_parse_spec, (args.src, args.dst))
+    ]
     print(redistribution_plan(*layouts))
     if args.picture:
         from autoshard.pictures import layout_picture
@@ -119,19 +108,11 @@ def _reference_model(args: argparse.Namespace) -> tuple[Any, Any]:
     (the model returns its loss)."""
     from autoshard.models import build, reference_config
 
-    config = reference_config(
-        args.model,
-        layers=min(args.layers, 2),
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        ffn=args.ffn,
-        vocab=args.vocab,
-        seq=args.seq or 128,
-        experts=args.experts,
-        top_k=args.top_k,
-        **({"tie_embeddings": False} if args.untie_embeddings else {}),
-    )
+    named = ("hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "top_k")
+    sizes = {name: getattr(args, name) for name in named}
+    if args.untie_embeddings:
+        sizes["tie_embeddings"] = False
+    config = reference_config(args.model, layers=min(args.layers, 2), seq=args.seq or 128, **sizes)
     with torch.device("meta"):
         return build(config), config.example_batch(args.batch or 8)
 
@@ -242,8 +223,8 @@ def _plan_tables(args: argparse.Namespace, spec: Any) -> int:
 
 def _planned_cluster(args: argparse.Namespace):
     """The cluster ``--cluster``, ``--nodes``/``--devices`` and ``--memory-gib`` name."""
-
     from autoshard.cost import cluster_spec
+    from autoshard.search.driver import mesh_shapes
 
     spec = cluster_spec(args.cluster)
     for flag in ("nodes", "devices"):
@@ -251,13 +232,8 @@ def _planned_cluster(args: argparse.Namespace):
             raise ValueError(f"--{flag} {getattr(args, flag)}: at least 1")
     devices = args.devices or (args.nodes * spec.devices_per_node if args.nodes else None)
     spec = cluster_spec(spec, devices)
-    if args.cp < 1 or spec.num_devices % args.cp:
-        raise ValueError(f"--cp {args.cp} does not divide the {spec.num_devices} devices")
-    if args.tp is not None and (args.tp < 1 or spec.num_devices % (args.cp * args.tp)):
-        raise ValueError(
-            f"--tp {args.tp} does not divide the {spec.num_devices // args.cp} devices"
-            + (f" --cp {args.cp} leaves" if args.cp > 1 else "")
-        )
+    # --cp and --tp divide the devices, told before any capture (the search's own check)
+    mesh_shapes(spec.num_devices, spec, cp=args.cp, tp_degree=args.tp)
     if args.memory_gib:
         spec = dataclasses.replace(spec, memory_bytes=args.memory_gib * 2**30)
     return spec
@@ -322,8 +298,6 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def _calibrate_command(args: argparse.Namespace) -> int:
-    import torch
-
     from autoshard.cost.calibrate import calibrate
 
     device = args.device
@@ -359,12 +333,10 @@ def _calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the input's, told in one line (``--debug`` shows the traceback)."""
-    from autoshard.graph.capture import CaptureError
-    from autoshard.search import PlanningError
-
-    return (MeshError, LayoutError, PlanningError, CaptureError, ValueError, OSError, ImportError)
+#: the errors that are the input's, told in one line (``--debug`` shows the traceback): every
+#: error autoshard raises about its input (a mesh's, a layout's, a plan's, a capture's) is a
+#: ValueError
+_USER_ERRORS = (ValueError, OSError, ImportError)
 
 
 def _parsed(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -400,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.enable()
     try:
         code = args.run(args)
-    except _user_errors() as err:
+    except _USER_ERRORS as err:
         if args.debug:
             raise
         parser.exit(2, f"autoshard: error: {_one_line(err)}\n")
