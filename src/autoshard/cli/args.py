@@ -202,9 +202,6 @@ def _count_or_auto(what: str) -> Callable[[str], int | str]:
     return parse
 
 
-_pp, _copies = _count_or_auto("stages"), _count_or_auto("copies")
-
-
 def _train_options(p: argparse.ArgumentParser) -> None:
     from autoshard.cli.train import TrainConfig
 
@@ -338,7 +335,7 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     _settings(p, PlanConfig(), _PLAN_HELP, model=models, dtype=sorted(DTYPES))
     p.add_argument(
         "--copies",
-        type=_copies,
+        type=_count_or_auto("copies"),
         default=1,
         help="copies each rank's batch is cut into, interleaved so one copy's communication "
         "runs beside another's compute (auto: searched among 1, 2 and 4; "
@@ -362,7 +359,7 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     )
     _pipeline_options(
         p,
-        _pp,
+        _count_or_auto("stages"),
         "pipeline stages (1: none; auto: search them beside the plan without; left out: "
         "searched when another pipeline flag is given or nothing fits without stages)",
     )

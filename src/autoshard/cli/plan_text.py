@@ -31,7 +31,7 @@ def _assumptions(data: dict) -> list[str]:
     ]
 
 
-def format_search(data: dict, result, built=None) -> str:
+def format_search(data: dict, result, built) -> str:
     """The searched plan: mesh, predicted time, MFU and memory, the meshes tried, the time,
     communication and memory layer by layer, and every op's layouts with named dims."""
     pred = data.get("pipeline", {}).get("one_stage_one_microbatch") or data["predicted"]
@@ -39,18 +39,12 @@ def format_search(data: dict, result, built=None) -> str:
         f"search '{pred['search']}' {pred['search_s']:.2f} s "
         f"(graph of {result.graph.size[0]} decision nodes)",
     ]
-    if built is not None:
-        lines += experts(built)
-        lines += _sequence(built)
-    lines += _assumptions(data)
-    if "end_to_end_s" in data["predicted"]:
-        job = data["predicted"]
-        lines.append(f"capture {job['capture_s']:.2f} s, end to end {job['end_to_end_s']:.2f} s")
-    lines += _meshes(data, pred)
-    lines += _copies(pred)
+    lines += experts(built) + _sequence(built) + _assumptions(data)
+    job = data["predicted"]  # the command's times (PlanJob.show)
+    lines.append(f"capture {job['capture_s']:.2f} s, end to end {job['end_to_end_s']:.2f} s")
+    lines += _meshes(data, pred) + _copies(pred)
     lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
-    if built is not None:
-        lines += _named_strategies(data, built)
+    lines += _named_strategies(data, built)
     lines += [f"warning: {w}" for w in data.get("warnings", [])]
     return "\n".join(lines)
 
