@@ -225,7 +225,7 @@ def test_plan_with_stages_fits_what_does_not_fit_without(tmp_path, capsys) -> No
     with pytest.raises(SystemExit) as exit_info:
         main([*plan, "--pp", "4", "--microbatches", "5"])
     assert exit_info.value.code == 2
-    assert "--microbatches 5 does not divide --batch 512" in capsys.readouterr().err
+    assert "--microbatches 5 does not divide the batch of 512 samples" in capsys.readouterr().err
 
     # the plan's pipeline played again by autoshard simulate, and drawn
     assert main(["simulate", str(tmp_path / "plan.json"), "--picture",

@@ -68,19 +68,14 @@ def pipeline_plan(job: PlanJob, baseline: Any = None) -> int:
     """The fastest pipeline configuration that fits (the flags given fixed). ``baseline``
     (``--pp auto``): the plan without stages, (its step, a function that shows it), shown
     instead where it is faster or no pipeline fits."""
-    import torch
-    import torch.utils._pytree as pytree
-
+    from autoshard.cli.user_fn import global_rows
     from autoshard.graph import BlocksDiffer
     from autoshard.search import PlanningError
     from autoshard.search.pipelined import search_pipeline
     from autoshard.search.plans import staged_json
 
     opts, spec = job.options(), job.spec
-    leaves = pytree.tree_leaves(job.example)
-    batch = next(t for t in leaves if isinstance(t, torch.Tensor)).shape[0]
-    if opts.microbatches and batch % opts.microbatches:
-        raise ValueError(f"--microbatches {opts.microbatches} does not divide --batch {batch}")
+    batch = global_rows(job.example, opts.microbatches)
     micro, captured_s = _micro_graphs(job, opts)
     try:
         best, tried, search_s = search_pipeline(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from autoshard.cli.train import TrainConfig, check_checkpoints
-from autoshard.cli.user_fn import parts_of, train_example, user_function
+from autoshard.cli.user_fn import global_rows, parts_of, train_example, user_function
 
 #: the pipeline and parallel settings a plan file fixes (a run under one leaves them out)
 _PLANNED = ("pp", "microbatches", "schedule", "virtual_stages", "recompute", "tp", "cp")
@@ -42,7 +42,7 @@ def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
     if cfg.servers:
         _check_server_model(parts)
     example = train_example(parts, cfg.batch_size)
-    _check_microbatches(cfg, example)
+    global_rows(example, cfg.microbatches)  # micro-batches that divide the batch
     if cfg.plan is not None:
         _check_plan(cfg, parts, example, world)
 
@@ -133,17 +133,6 @@ def _check_plan_flags(cfg: TrainConfig) -> None:
     if fixed:
         raise ValueError(
             f"--plan {cfg.plan} carries its own pipeline and parallel settings; leave out {fixed}"
-        )
-
-
-def _check_microbatches(cfg: TrainConfig, example: tuple) -> None:
-    """Micro-batches that divide the global batch (the example's first dim)."""
-    if not cfg.microbatches:
-        return
-    rows = next((t.shape[0] for t in example if isinstance(t, torch.Tensor) and t.dim()), None)
-    if rows is not None and rows % cfg.microbatches:
-        raise ValueError(
-            f"--microbatches {cfg.microbatches} does not divide the batch of {rows} samples"
         )
 
 

@@ -106,6 +106,18 @@ def resized(batch: Any, dim: int, size: int) -> Any:
     return pytree.tree_map(one, batch)
 
 
+def global_rows(example: Any, microbatches: int | None = None) -> int:
+    """The samples of the global batch ``example`` (dim 0 of its first tensor of one dim or
+    more), which ``microbatches`` must divide where given."""
+    tensors = (t for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor) and t.dim())
+    rows = next(tensors).shape[0]
+    if microbatches and rows % microbatches:
+        raise ValueError(
+            f"--microbatches {microbatches} does not divide the batch of {rows} samples"
+        )
+    return rows
+
+
 def plan_inputs(target: str, batch: int | None, seq: int | None) -> tuple[Any, Any, Any]:
     """The model, the example batch and the loss function ``plan --model-fn`` plans:
     ``batch`` sets dim 0 of every input (the samples of a dataset), ``seq`` dim 1 of every
@@ -127,4 +139,4 @@ def plan_inputs(target: str, batch: int | None, seq: int | None) -> tuple[Any, A
     return parts["model"], example, parts.get("loss_fn")
 
 
-__all__ = ["parts_of", "plan_inputs", "train_example", "user_function"]
+__all__ = ["global_rows", "parts_of", "plan_inputs", "train_example", "user_function"]
