@@ -258,11 +258,9 @@ def _planned_precision(args: argparse.Namespace, model, example):
 def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
     """The plan without stages: its JSON (``--json``, with the options it was made under),
     its table and its picture."""
-    from autoshard.cli.plan_pipeline import plan_options
-
     args, data = job.args, built.json
     copies = data["predicted"].get("copies", 1)
-    opts = plan_options(args, built.precision)
+    opts = job.options()
     offload = data.get("offload", opts.offload)  # as searched
     data["options"] = opts.replace(copies=copies, offload=offload).as_json()
     job.show(data, captured_s, lambda: [format_search(data, result, built)])

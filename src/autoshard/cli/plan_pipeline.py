@@ -18,20 +18,6 @@ from autoshard.cli.plan_text import human_bytes as size
 from autoshard.options import Options
 
 
-def plan_options(args: Any, policy: Any) -> Options:
-    """The options ``autoshard plan``'s flags give (``--pp auto`` fixes no degree)."""
-    named = ("search", "tp", "cp", "tp_across_nodes", "attention", "sequence_parallel", "zero")
-    named += ("microbatches", "schedule", "virtual_stages", "recompute")
-    offload = offload_of(args)
-    return Options(
-        precision=policy,
-        pp=args.pp if isinstance(args.pp, int) else None,
-        copies=args.copies if isinstance(args.copies, int) else 1,
-        offload=None if offload == "auto" else offload,
-        **{name: getattr(args, name) for name in named},
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanJob:
     """What ``autoshard plan`` plans: its flags, the cluster, the model (on meta) with its
@@ -48,7 +34,18 @@ class PlanJob:
     start: float
 
     def options(self) -> Options:
-        return plan_options(self.args, self.policy)
+        """The options the flags give (``--pp auto`` fixes no degree; ``--offload auto``
+        leaves the offload to the search)."""
+        named = ("search", "tp", "cp", "tp_across_nodes", "attention", "sequence_parallel")
+        named += ("zero", "microbatches", "schedule", "virtual_stages", "recompute")
+        args, offload = self.args, offload_of(self.args)
+        return Options(
+            precision=self.policy,
+            pp=args.pp if isinstance(args.pp, int) else None,
+            copies=args.copies if isinstance(args.copies, int) else 1,
+            offload=None if offload == "auto" else offload,
+            **{name: getattr(args, name) for name in named},
+        )
 
     def show(self, data: dict, captured_s: float, table: Callable[[], list[str]]) -> None:
         """The plan's JSON with the command's times: to the ``--json`` file, or alone on
@@ -198,4 +195,4 @@ def tried_lines(pipe: dict, shown: int = 8) -> list[str]:
     return lines
 
 
-__all__ = ["PlanJob", "pipeline_lines", "pipeline_plan", "plan_options", "tried_lines"]
+__all__ = ["PlanJob", "pipeline_lines", "pipeline_plan", "tried_lines"]
