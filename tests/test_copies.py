@@ -5,11 +5,13 @@ collectives overlap each other's compute trains as the eager model stepped by
 Two spawns: 2 ranks run transformers' Llama under Megatron's tensor parallelism with 2 and 4
 copies (its own loss, padding ignored: copies weighted by their counted targets), the MoE
 reference model and Mixtral (built from a config) with their experts over ``ep`` with 2
-copies, the batch that does not cut into copies, and a traced step showing the interleaving;
-4 ranks run Llama on dp 2 x tp 2 with sequence parallelism and ZeRO 1 with 2 copies.
+copies, the MoE model on pp 2 under 1F1B with 2 copies inside each of 2 micro-batches, the
+batch that does not cut into copies, and a traced step showing the interleaving; 4 ranks run
+Llama on dp 2 x tp 2 with sequence parallelism and ZeRO 1 with 2 copies.
 
 Every run equals one device on the whole batch; a MoE router's balance loss (a product of
-means over the tokens) too, as one device computes it over every token of the batch.
+means over the tokens) too, as one device computes it over every token of the batch (under
+pipeline stages, over every token of the micro-batch).
 """
 
 from __future__ import annotations
@@ -106,6 +108,22 @@ def _eager(model: torch.nn.Module) -> dict[str, Any]:
     return {"losses": losses, "state": model.state_dict()}
 
 
+def _eager_microbatches(model: torch.nn.Module, m: int) -> dict[str, Any]:
+    """The eager model and AdamW with each batch's rows in ``m`` micro-batches, their
+    gradients accumulated: the step's loss the micro-batches' mean (a loss that is not one
+    counted mean over its targets weighs each micro-batch alike), and a statistic over the
+    rows inside it (a router's balance loss) each micro-batch's own, as a pipeline's is."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for batch in _batches():
+        loss = sum(model(*part) for part in zip(*(x.chunk(m) for x in batch), strict=True)) / m
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
 def _same(got: dict, want: dict, name: str, rtol: float, atol: float) -> None:
     assert got["losses"] == pytest.approx(want["losses"], rel=rtol, abs=atol), (
         name,
@@ -189,6 +207,7 @@ def _world2(tmp: str) -> dict[str, Any]:
         "llama tp copies 2": _trained("llama", {"tp": 2}, _megatron(), copies=2),
         "llama tp copies 4": _trained("llama", {"tp": 2}, _megatron(), copies=4),
         "moe ep copies 2": _trained("moe", {"ep": 2}, copies=2),
+        "moe pp copies 2": _trained("moe", {"pp": 2}, **PIPELINE),
         "mixtral ep copies 2": _trained("mixtral", {"ep": 2}, copies=2),
         "indivisible": _indivisible(),
         "traced llama": _traced("llama", {"tp": 2}, _megatron()),
@@ -242,6 +261,15 @@ def test_experts_over_ep_with_copies_equal_one_device_on_the_whole_batch(on_2_ra
     tolerance = HF if name == "mixtral" else {"rtol": 1.3e-6, "atol": 1e-8}
     for result in on_2_ranks:
         _same(result[f"{name} ep copies 2"], want, name, **tolerance)
+
+
+def test_experts_on_pp_with_copies_equal_one_device_on_each_micro_batch(on_2_ranks) -> None:
+    """Under pipeline stages the router's per-expert loads and mean probabilities are the
+    copies' means inside the stage: each micro-batch's balance loss as one device computes
+    it over the micro-batch's rows, not a mean of its copies' own."""
+    want = _eager_microbatches(_moe(), PIPELINE["microbatches"])
+    for result in on_2_ranks:
+        _same(result["moe pp copies 2"], want, "moe pp 1f1b copies", rtol=1.3e-6, atol=1e-8)
 
 
 def test_a_plan_file_s_copies_reach_the_run(on_2_ranks) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoshard.graph import OpGraph, capture_modes
+from autoshard.graph import OpGraph, capture, capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.lower import weight_readers
 from autoshard.mesh import check_world, mesh_info
@@ -32,7 +32,7 @@ from autoshard.runtime.pipeline import (
     pipeline_plans,
     stage_mesh,
 )
-from autoshard.runtime.program import copy_example
+from autoshard.runtime.program import batch_means, copy_example
 from autoshard.runtime.state import check_init
 from autoshard.schedule import make_schedule, validate
 from autoshard.search import Plan, load_plan
@@ -97,7 +97,26 @@ def parallelize_pipeline(
     coordinate = next(c for c, g in enumerate(groups) if rank in g)
     pipe = Pipe(cuts, plan_schedule, groups, coordinate, groups[coordinate].index(rank))
     plans = pipeline_plans(plans, cuts, pipe.stages, groups[coordinate])
-    return PipelineModule(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
+    pm = PipelineModule(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
+    return _with_copy_means(pm, model, example_inputs, example_kwargs, loss_fn)
+
+
+def _with_copy_means(
+    pm: PipelineModule,
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    kwargs: dict | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
+) -> PipelineModule:
+    """Under copies, which ops of a stage reduce over the rows of its micro-batch (a router's
+    per-expert loads): found as the one program finds them over its batch, from the graph of
+    one micro-batch's whole rows beside the one copy's that the stages run."""
+    opts = pm.options
+    if opts.copies > 1:
+        example, kwargs = microbatch_example(tuple(example_inputs), kwargs, opts.microbatches)
+        whole = capture(model, example, kwargs, loss_fn=loss_fn, dtype=opts.policy.compute)
+        pm.copy_means = batch_means(pm.captured[True], whole)
+    return pm
 
 
 def _example(

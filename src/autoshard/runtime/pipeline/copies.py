@@ -6,16 +6,25 @@ Between stages a micro-batch's value travels as its copies' local parts stacked 
 first dim (``k`` first): the sending stage stacks what its copies made, the receiving stage
 gives copy ``c`` the ``c``-th, whatever the value's own dims are (a batch dim, or none, as
 rotary tables have). The last stage's loss is its copies' losses weighted by their shares
-of the micro-batch's counted targets, so the micro-batch's loss is one device's."""
+of the micro-batch's counted targets, so the micro-batch's loss is one device's. A statistic
+of the micro-batch inside a stage (``copy_means``: a router's per-expert loads) is the copies'
+mean there, as one device computes it over the micro-batch's rows."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from autoshard.runtime.program import combine, interleaved_program, local_input, whole_copies
+from autoshard.runtime.program import (
+    CountedLoss,
+    combine,
+    interleaved_program,
+    local_input,
+    whole_copies,
+)
 
 
 def split_copies(
@@ -57,18 +66,39 @@ def copy_shares(weights: Sequence[float] | None, m: int, k: int) -> tuple[list, 
     return shares, within
 
 
+_inner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inner_shares(pm: Any, whole: Sequence[Sequence[Any]], mode: bool) -> list[dict]:
+    """Per micro-batch, each counted loss inside the loss (``copy_means``) with its copies'
+    shares of that micro-batch's counted targets (``whole``: each copy's whole inputs,
+    micro-batch by micro-batch)."""
+    k, found = pm.options.copies, _inner.setdefault(pm, {})
+    if mode not in found:  # found once a module and mode
+        captured, means = pm.captured[mode], pm.copy_means if mode else frozenset()
+        found[mode] = {n: CountedLoss.of(captured, captured.by_name[n]) for n in sorted(means)}
+    inner = found[mode]
+    shares: list[dict] = [{} for _ in range(len(whole) // k)]
+    for name, counted in inner.items():
+        for i, part in enumerate(shares):
+            if counted is not None:
+                part[name] = counted.weights(whole[i * k : (i + 1) * k]) or [1 / k] * k
+    return shares
+
+
 def run_stage(step: Any, s: int, i: int, leaves: Sequence[torch.Tensor]) -> tuple:
     """Stage ``s`` on micro-batch ``i`` as its copies interleaved: each copy reads its part of
     what the stage received; the outputs sent on are the copies' stacked, the last stage's
     the copies' combined (a loss weighted by the copies' shares)."""
     pm, k = step.pm, step.pm.options.copies
     inputs = [[*step.inputs[i][c], *(leaf[c] for leaf in leaves)] for c in range(k)]
-    interleaved = interleaved_program(step.programs[s], pm.rank)
+    means = pm.copy_means if step.mode else frozenset()
+    interleaved = interleaved_program(step.programs[s], pm.rank, means)
     with pm.zero_units.saving():
-        results = interleaved(inputs)
+        results = interleaved(inputs, pm._inner_shares[i])
     if s == step.last:
         return tuple(combine(results, pm._copy_shares[i]))
     return tuple(torch.stack(values) for values in zip(*results, strict=True))
 
 
-__all__ = ["copy_shares", "run_stage", "split_copies"]
+__all__ = ["copy_shares", "inner_shares", "run_stage", "split_copies"]

@@ -21,7 +21,7 @@ from autoshard.graph import OpGraph, StageCut, cut_at_modules, cut_balanced
 from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
 from autoshard.redistribution import gather_tensor
-from autoshard.runtime.pipeline.copies import copy_shares, split_copies
+from autoshard.runtime.pipeline.copies import copy_shares, inner_shares, split_copies
 from autoshard.runtime.pipeline.step import SavedBytes, Step
 from autoshard.runtime.program import CountedLoss, ParallelModule, local_input
 from autoshard.schedule import Schedule, forward_only
@@ -130,6 +130,7 @@ class PipelineModule(ParallelModule):
         self._counted = {mode: CountedLoss.of(og) for mode, og in self._captured.items()}
         self._shares: list[float] = []
         self._copy_shares: list[list[float]] = []  # under copies: each copy's in its micro-batch
+        self._inner_shares: list[dict] = []  # and of each counted loss inside the loss
         # each weight reader's trainable tensors per stage (what a W of a split backward
         # reaches), in the order the stage's program returns the readers' outputs
         og, held = self._captured[True], self.local_tensors()
@@ -269,6 +270,7 @@ class PipelineModule(ParallelModule):
             parts, copies = split_copies(self, whole, mode, cast)
             weights = counted.weights(copies) if counted is not None else None
             self._shares, self._copy_shares = copy_shares(weights, m, k)
+            self._inner_shares = inner_shares(self, copies, mode)
             return parts
         parts = [
             [
