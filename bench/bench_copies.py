@@ -11,8 +11,9 @@ slowest rank's time after a barrier; the ratio is the median over rounds of the 
 step over the plain one of the same round, with its 95% interval (bootstrap over rounds).
 The communication share: the seconds a rank's step spends waiting in collectives without
 copies (every wait of the counting layer timed) over the step. The exposed communication,
-those waits with and without copies, is set against the cost model's for the plan each run
-made, on this machine as ``autoshard calibrate`` measures it (the calibration runs first),
+each collective's wait as the last of its ranks to reach it waits (an earlier rank's longer
+wait is its peers' compute), with and without copies, is set against the cost model's for
+the plan each run made, on this machine as ``autoshard calibrate`` measures it (the calibration runs first),
 and each way's CPU seconds (every rank's process) against the cores the step had: gloo's
 collectives are CPU work on the cores the ranks compute on, which bounds what copies hide.
 """
@@ -58,18 +59,19 @@ def _model(case: str) -> tuple[torch.nn.Module, tuple]:
     return build(config), config.example_batch(batch, torch.Generator().manual_seed(1))
 
 
-def _waiting(state: tuple, steps: int) -> tuple[float, float, float]:
-    """The seconds a step of ``state`` spends inside the collectives' waits on this rank (the
-    counting layer's waits, every one timed: the recorded timeline's), the step's, and the
-    CPU seconds this rank's process (its compute and gloo's threads) used in it."""
+def _waiting(state: tuple, steps: int) -> tuple[dict, float, float]:
+    """The seconds a step of ``state`` spends inside each collective's wait on this rank (the
+    counting layer's waits, every one timed: the recorded timeline's), by what the watchdog
+    knows it by (kind, group, number on the group), the step's, and the CPU seconds this
+    rank's process (its compute and gloo's threads) used in it."""
     from autoshard import watch
 
-    spent = [0.0]
+    spent: dict[tuple, float] = {}
     waiting = watch.waiting
 
     class _Timed:
         def __init__(self, what: Any) -> None:
-            self.inner = waiting(what)
+            self.what, self.inner = what, waiting(what)
 
         def __enter__(self) -> None:
             self.start = time.perf_counter()
@@ -77,7 +79,8 @@ def _waiting(state: tuple, steps: int) -> tuple[float, float, float]:
 
         def __exit__(self, *exc: Any) -> None:
             self.inner.__exit__(*exc)
-            spent[0] += time.perf_counter() - self.start
+            seconds = (time.perf_counter() - self.start) / steps
+            spent[self.what] = spent.get(self.what, 0.0) + seconds
 
     watch.waiting = _Timed
     try:
@@ -87,7 +90,21 @@ def _waiting(state: tuple, steps: int) -> tuple[float, float, float]:
         total, cpu = time.perf_counter() - began, time.process_time() - cpu
     finally:
         watch.waiting = waiting
-    return spent[0] / steps, total / steps, cpu / steps
+    return spent, total / steps, cpu / steps
+
+
+def _exposed(spent: dict[tuple, float]) -> tuple[float, float]:
+    """This rank's waits in a step: all of them, and each collective's wait as the last of
+    its group's ranks to reach it waits (the least of the members' waits). A rank that
+    arrives earlier waits besides for its peers' compute (their extra rows of experts, the
+    host's scheduler): rank skew, which the cost model prices as compute (``sync_wait``),
+    not as the collective's time."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, spent)
+    last = sum(min(w.get(what, seconds) for w in everyone) for what, seconds in spent.items())
+    return sum(spent.values()), last
 
 
 def _predicted(pm: Any, spec: Any, copies: int) -> dict[str, float]:
@@ -127,14 +144,15 @@ def _rank(case: str, rounds: int, spec: Any) -> dict:
         raise AssertionError(f"{case}: copies trained apart from the plain plan by {gap}")
     waits = {}
     for k in states:  # the slowest rank's waits and step, every rank's CPU, each way
-        wait, step, cpu = _waiting(states[k], 4)
-        measured = torch.tensor([wait, step], dtype=torch.float64)
+        spent, step, cpu = _waiting(states[k], 4)
+        measured = torch.tensor([*_exposed(spent), step], dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         used = torch.tensor([cpu], dtype=torch.float64)
         dist.all_reduce(used)
         waits[str(k)] = {
-            "exposed_comm_s": float(measured[0]),
-            "step_s": float(measured[1]),
+            "waits_s": float(measured[0]),
+            "exposed_comm_s": float(measured[1]),
+            "step_s": float(measured[2]),
             "cpu_s": float(used[0]),
         }
     return {
@@ -142,7 +160,7 @@ def _rank(case: str, rounds: int, spec: Any) -> dict:
         "ranks": world,
         "ms": {k: statistics.median(times[k]) * 1e3 for k in times},
         "paired": paired_ratio(times["2"], times["1"]),
-        "communication_share": waits["1"]["exposed_comm_s"] / waits["1"]["step_s"],
+        "communication_share": waits["1"]["waits_s"] / waits["1"]["step_s"],
         "measured": waits,
         "predicted": {str(k): _predicted(states[k][0], spec, k) for k in states},
         "overlap_efficiency": spec.overlap_efficiency,
@@ -191,14 +209,17 @@ def _exposed_rows(result: dict) -> list[str]:
     """The exposed communication measured against the cost model's, each plan and way."""
     lines = [
         "Exposed communication: measured, the seconds a step of the slowest rank spends in the "
-        "collectives' waits (4 steps of each way, every wait of the counting layer timed); "
-        "predicted, `cost.estimate` of the plan the run made (one copy's graph, "
-        "`cost.copies.with_copies` for 2 copies) on this machine as `autoshard calibrate` "
-        "measures it (its `overlap_efficiency` in the last column).",
+        "collectives' waits (4 steps of each way, every wait of the counting layer timed), "
+        "each collective counted as the last of its ranks to reach it waits (the least wait "
+        "of its members: what an earlier rank waits longer is its peers' compute, rank skew, "
+        "which the cost model prices as compute); beside it every wait of the slowest rank, "
+        "skew included. Predicted, `cost.estimate` of the plan the run made (one copy's "
+        "graph, `cost.copies.with_copies` for 2 copies) on this machine as `autoshard "
+        "calibrate` measures it (its `overlap_efficiency` in the last column).",
         "",
-        "| plan | ranks | copies | exposed ms measured | predicted | error | step ms measured "
-        "| predicted | CPU ms, all ranks | overlap_efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| plan | ranks | copies | exposed ms measured | all waits ms | predicted | error "
+        "| step ms measured | predicted | CPU ms, all ranks | overlap_efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         for k in ("1", "2"):
@@ -206,6 +227,7 @@ def _exposed_rows(result: dict) -> list[str]:
             error = want["exposed_comm_s"] / got["exposed_comm_s"] - 1
             lines.append(
                 f"| {r['case']} | {r['ranks']} | {k} | {got['exposed_comm_s'] * 1e3:.1f} | "
+                f"{got.get('waits_s', got['exposed_comm_s']) * 1e3:.1f} | "
                 f"{want['exposed_comm_s'] * 1e3:.1f} | {error:+.0%} | "
                 f"{got['step_s'] * 1e3:.1f} | {want['step_s'] * 1e3:.1f} | "
                 f"{got['cpu_s'] * 1e3:.1f} | {r['overlap_efficiency']:.2f} |"
