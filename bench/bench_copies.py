@@ -13,9 +13,10 @@ The communication share: the seconds a rank's step spends waiting in collectives
 copies (every wait of the counting layer timed) over the step. The exposed communication,
 each collective's wait as the last of its ranks to reach it waits (an earlier rank's longer
 wait is its peers' compute), with and without copies, is set against the cost model's for
-the plan each run made, on this machine as ``autoshard calibrate`` measures it (the calibration runs first),
-and each way's CPU seconds (every rank's process) against the cores the step had: gloo's
-collectives are CPU work on the cores the ranks compute on, which bounds what copies hide.
+the plan each run made, on this machine as ``autoshard calibrate`` measures it (the
+calibration runs first), and each way's CPU seconds (every rank's process) against the cores
+the step had: gloo's collectives are CPU work on the cores the ranks compute on, which
+bounds what copies hide.
 """
 
 from __future__ import annotations
