@@ -54,6 +54,25 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+_CAPTURED: dict[int, tuple] = {}
+
+
+def _captures(model: torch.nn.Module, batch: tuple, microbatches: int) -> tuple:
+    """The bfloat16 captures of the whole batch (one device's) and of one micro-batch (a
+    stage's), made once per rank process for every case with that many micro-batches:
+    capturing is nearly all of a case's time, and the graphs are the same whatever the
+    schedule or the mesh."""
+    from autoshard import capture_modes
+    from autoshard.runtime.pipeline import microbatch_example
+
+    if microbatches not in _CAPTURED:
+        micro = microbatch_example(batch, None, microbatches)[0]
+        _CAPTURED[microbatches] = tuple(
+            capture_modes(model, example, dtype=torch.bfloat16) for example in (batch, micro)
+        )
+    return _CAPTURED[microbatches]
+
+
 def _against_one_device(mesh: dict, **pipeline: Any) -> str:
     """SGD steps under the pipeline and on one device, both in bfloat16; '' when every
     loss and every parameter's update agree at bfloat16's tolerance, else what differs."""
@@ -61,8 +80,9 @@ def _against_one_device(mesh: dict, **pipeline: Any) -> str:
 
     model, batches = _llama(), _batches()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref = single_device(copy.deepcopy(model), batches[0], precision="bf16")
-    pm = parallelize(model, batches[0], mesh, precision="bf16", **pipeline)
+    whole, micro = _captures(model, batches[0], pipeline["microbatches"])
+    ref = single_device(copy.deepcopy(model), batches[0], precision="bf16", captured=whole)
+    pm = parallelize(model, batches[0], mesh, precision="bf16", captured=micro, **pipeline)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
     for step, batch in enumerate(batches):
