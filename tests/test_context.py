@@ -77,23 +77,22 @@ def _against_pytorch(
     ref = copy.deepcopy(model)
     batches = _labels() if name == "hf-llama" else _batches()
     atol = 1e-6 if name == "hf-llama" else 1e-8  # transformers' upcast logits: float32 loss
-    if name not in _CAPTURED:
-        _CAPTURED[name] = capture_modes(model, batches[0])
+    captured = _captured(name, model, batches[0])
     strategies = _megatron(name) if "tp" in mesh else None
-    inputs = _striped(_CAPTURED[name][True], mesh) if striped else None
+    inputs = _striped(captured[True], mesh) if striped else None
     if searched:
         from autoshard import plan
 
-        found = plan(model, batches[0], "cpu", mesh=mesh, captured=_CAPTURED[name],
+        found = plan(model, batches[0], "cpu", mesh=mesh, captured=captured,
                      attention=attention).json  # fmt: skip
-        pm = parallelize(model, batches[0], mesh, plan=found, captured=_CAPTURED[name])
+        pm = parallelize(model, batches[0], mesh, plan=found, captured=captured)
         # Ulysses: the heads split over cp, the all-to-alls where the search puts them
         text = str(pm.plan)
         want = [attention] if attention != "ulysses" else []
         if [m for m in ATTENTION_METHODS if f": {m} (" in text and m != "ulysses"] != want:
             return f"{name} {mesh}: the searched plan computes attention by another method"
     else:
-        pm = parallelize(model, batches[0], mesh, strategies, captured=_CAPTURED[name],
+        pm = parallelize(model, batches[0], mesh, strategies, captured=captured,
                          attention=attention, input_layouts=inputs)  # fmt: skip
     where = f"{name} {mesh} {attention}{' striped' if striped else ''}"
 
@@ -103,6 +102,14 @@ def _against_pytorch(
         return "" if got == want else f"fed {got}, expected {want}"
 
     return _trained_alike(pm, ref, batches, where, atol, fed)
+
+
+def _captured(name: str, model: torch.nn.Module, batch: tuple) -> Any:
+    """The capture of ``name``'s model on ``batch``, made once per rank process: capturing
+    is most of a case's time, and the graph is the same whatever the mesh or attention."""
+    if name not in _CAPTURED:
+        _CAPTURED[name] = capture_modes(model, batch)
+    return _CAPTURED[name]
 
 
 def _trained_alike(
@@ -213,7 +220,8 @@ def _memory(mesh: dict, attention: str | None, strategies: Any = None, dropout: 
     from autoshard.cost import cluster_spec, estimate
 
     model, batch = _long_gpt(dropout)
-    pm = parallelize(model, batch, mesh, strategies, attention=attention)
+    captured = _captured(f"long gpt, dropout {dropout}", model, batch)
+    pm = parallelize(model, batch, mesh, strategies, attention=attention, captured=captured)
     mine = shard_inputs(batch, pm)
     measured = _saved_for_backward(lambda: pm(*mine), pm.local_tensors().values())
     predicted = estimate(pm.plan, pm.plan.graph, cluster_spec("dgx-h100"))
@@ -351,7 +359,8 @@ def _zero_over_cp() -> str:
     which are the ``cp`` ranks (no two ranks hold the same rows), and trains as PyTorch."""
     model, batches = _model("llama", LAYERS), _batches()
     ref = copy.deepcopy(model)
-    pm = parallelize(model, batches[0], {"cp": 2}, zero=3, attention="ring")
+    captured = _captured("llama", model, batches[0])
+    pm = parallelize(model, batches[0], {"cp": 2}, zero=3, attention="ring", captured=captured)
     doubled = [fqn for fqn, _ in ref.named_parameters() if pm.holders(fqn) > 1]
     if doubled:
         return f"ZeRO over cp: {doubled} held twice"
