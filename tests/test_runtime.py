@@ -108,6 +108,19 @@ def batches(config: Any, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
+#: each rank process's captures by (model, dtype, dropout), shared by every check
+_CAPTURES: dict[tuple, Any] = {}
+
+
+def captured_of(key: tuple, model: torch.nn.Module, example: tuple) -> dict:
+    """``model``'s capture on ``example``, made once per rank process for every check of the
+    same model (``key``: its name, dtype and dropout): capturing is most of a check's time,
+    and the graph is the same whatever the mesh, the strategies or the parameters' values."""
+    if key not in _CAPTURES:
+        _CAPTURES[key] = capture_modes(model, example)
+    return _CAPTURES[key]
+
+
 # -- strategies ------------------------------------------------------------------------------------
 
 
@@ -226,7 +239,6 @@ def train_and_compare(
     mesh: Any,
     strategies: Any,
     dtype: torch.dtype,
-    captures: dict,
     tolerance: dict | None = None,
     reference: str = ONE_DEVICE,
 ) -> None:
@@ -234,10 +246,7 @@ def train_and_compare(
     model, config = build(name, dropout)
     model = model.to(dtype)
     data = batches(config, dtype)
-    key = (name, dtype, dropout)
-    if key not in captures:
-        captures[key] = capture_modes(model, data[0])
-    captured = captures[key]
+    captured = captured_of((name, dtype, dropout), model, data[0])
     if isinstance(strategies, RandomStrategies):
         strategies = random_strategies(captured, mesh, strategies.seed)
     if reference == PYTORCH:
@@ -323,9 +332,8 @@ def _searched(model: Any, data: list, mesh: Any, how: Searched, captured: dict) 
 def run_cases(cases: list[tuple]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    captures: dict = {}
     for name, mesh, strategies, dtype, tol, *reference in cases:
-        train_and_compare(name, mesh, strategies, dtype, captures, tol, *reference)
+        train_and_compare(name, mesh, strategies, dtype, tol, *reference)
 
 
 MODELS = ["mlp", "gpt", "llama"]
@@ -478,8 +486,9 @@ def _llama_block_inputs_summed_once() -> dict:
     model = model.double()
     data = batches(config, torch.float64)
     layers = {k: v for k, v in megatron("llama").items() if k.startswith("layers.*")}
-    ref = single_device(copy.deepcopy(model), data[0])
-    pm = parallelize(model, data[0], {"tp": 2}, layers)
+    captured = captured_of(("llama", torch.float64, 0.0), model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], {"tp": 2}, layers, captured=captured)
     with comm.counting() as forward:
         loss = pm(*shard_inputs(data[0], pm))
     with comm.counting() as backward:
@@ -512,8 +521,10 @@ def _different_plans() -> None:
     model, config = build("mlp", 0.0)
     data = batches(config, torch.float64)
     strategies = {"head": ((1, 1), (2, 1))} if dist.get_rank() == 1 else None
+    model = model.double()
+    captured = captured_of(("mlp", torch.float64, 0.0), model, data[0])
     with pytest.raises(PlanMismatchError, match="rank 0 and rank 1|rank 1 and rank 0"):
-        parallelize(model.double(), data[0], 2, strategies)
+        parallelize(model, data[0], 2, strategies, captured=captured)
 
 
 def test_megatron_layer_moves_the_analytic_volume(on_2_ranks: list[dict]) -> None:
@@ -535,8 +546,9 @@ def _coalesced_gradients() -> None:
     model, config = build("mlp", 0.0)
     model = model.double()
     data = batches(config, torch.float64)
-    ref = single_device(copy.deepcopy(model), data[0])
-    pm = parallelize(model, data[0], {"dp": 2}, None)
+    captured = captured_of(("mlp", torch.float64, 0.0), model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], {"dp": 2}, None, captured=captured)
     names = [n for n, _ in ref.named_parameters()]
     # One flat all-reduce for every data-parallel gradient of the backward.
     loss = pm(*shard_inputs(data[0], pm))
@@ -603,8 +615,11 @@ def _perturbed_start(replicas: str) -> dict:
             for p in model.parameters():
                 p.add_(1.0)
     batch = config.example_batch(BATCH, torch.Generator().manual_seed(1))
+    captured = captured_of(("mlp", torch.float32, 0.0), model, batch)
     try:
-        pm = parallelize(model, batch, {"dp": 2, "tp": 2}, megatron("mlp"), replicas=replicas)
+        pm = parallelize(
+            model, batch, {"dp": 2, "tp": 2}, megatron("mlp"), replicas=replicas, captured=captured
+        )
     except ReplicaMismatchError as err:
         return {"error": str(err)}
     full = pm.full_state_dict()
@@ -645,7 +660,7 @@ def _gpt_against_one_device(mesh: Any, strategies: Any) -> tuple:
     model, config = build("gpt", 0.0)
     model = model.to(torch.float64)
     data = batches(config, torch.float64)
-    captured = capture_modes(model, data[0])
+    captured = captured_of(("gpt", torch.float64, 0.0), model, data[0])
     ref = single_device(copy.deepcopy(model), data[0], captured=captured)
     pm = parallelize(model, data[0], mesh, strategies, captured=captured)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -831,7 +846,7 @@ def _bucketed_training(name: str, mesh: Any, strategies: Any, micro: int) -> lis
     inner, config = build(name, 0.1)
     model = WithUnused(inner).to(torch.float64)
     data = batches(config, torch.float64)
-    captured = capture_modes(model, data[0])
+    captured = captured_of((f"{name} with an unused parameter", torch.float64, 0.1), model, data[0])
     ref = single_device(copy.deepcopy(model), data[0], captured=captured)
     pm = parallelize(
         model, data[0], mesh, strategies, captured=captured, bucket_cap_mb=SMALL_BUCKET_MB
@@ -952,8 +967,9 @@ def _gradients_of_some_parameters() -> None:
     model, config = build("gpt", 0.0)
     model = model.double()
     data = batches(config, torch.float64)
-    ref = single_device(copy.deepcopy(model), data[0])
-    pm = parallelize(model, data[0], {"dp": 2}, bucket_cap_mb=SMALL_BUCKET_MB)
+    captured = captured_of(("gpt", torch.float64, 0.0), model, data[0])
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured)
+    pm = parallelize(model, data[0], {"dp": 2}, bucket_cap_mb=SMALL_BUCKET_MB, captured=captured)
     names = [n for n, _ in pm.named_parameters()][::2]
     params, params_ref = list(pm.parameters())[::2], list(ref.parameters())[::2]
     for batch in data[:2]:
@@ -978,7 +994,9 @@ def _bucket_buffers_across_steps() -> dict:
     torch.set_num_threads(1)
     model, config = build("mlp", 0.0)
     data = batches(config, torch.float64)
-    pm = parallelize(model.double(), data[0], {"dp": 2})
+    model = model.double()
+    captured = captured_of(("mlp", torch.float64, 0.0), model, data[0])
+    pm = parallelize(model, data[0], {"dp": 2}, captured=captured)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     first = next(pm.parameters())
     ptrs, kept = [], None
