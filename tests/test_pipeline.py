@@ -151,7 +151,8 @@ def _scaled_and_accumulated() -> str:
     model = _model("gpt")
     ref = copy.deepcopy(model)
     a, b = _batches()[:2]
-    pm = parallelize(model, a, {"pp": 2}, microbatches=2)
+    captured = _capture_of("gpt", 4, model, a, {"pp": 2}, {"microbatches": 2})
+    pm = parallelize(model, a, {"pp": 2}, microbatches=2, captured=captured)
     (pm(*a) * 0.5).backward()
     pm(*b).backward()
     (ref(*a) * 0.5).backward()
@@ -176,7 +177,8 @@ def _saved_under_pp_loads_under_dp(path: str) -> str:
     model = _model("gpt")
     ref = copy.deepcopy(model)
     batches = _batches()
-    pm = parallelize(model, batches[0], {"pp": 2}, microbatches=2)
+    captured = _capture_of("gpt", 4, model, batches[0], {"pp": 2}, {"microbatches": 2})
+    pm = parallelize(model, batches[0], {"pp": 2}, microbatches=2, captured=captured)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     want = []
@@ -242,8 +244,10 @@ def _first_stage_holds() -> str:
     batch = _batches()[0]
     peak = {}
     for name, options in (("gpipe", {}), ("1f1b", {}), ("1f1b", {"recompute": "full"})):
-        pm = parallelize(_model("llama"), batch, {"pp": 2}, schedule=name, microbatches=4,
-                         **options)  # fmt: skip
+        model, given = _model("llama"), {"microbatches": 4}
+        captured = _capture_of("llama", 4, model, batch, {"pp": 2}, given)
+        pm = parallelize(model, batch, {"pp": 2}, schedule=name, captured=captured,
+                         **given, **options)  # fmt: skip
         pm.counting_saved = True
         pm(*batch).backward()
         peak[(name, bool(options))] = pm.saved_bytes.peak.get(0, 0)
@@ -261,9 +265,15 @@ def _flops_are_the_whole_batchs() -> str:
     """A step's model FLOPs (MFU's numerator) are the global batch's, whatever the number of
     micro-batches it is cut into."""
     batch = _batches()[0]
-    whole = parallelize(_model("llama"), batch, {"dp": 2}).flops_per_step
+
+    def flops(mesh: dict, **given: Any) -> float:
+        model = _model("llama")
+        captured = _capture_of("llama", 4, model, batch, mesh, given)
+        return parallelize(model, batch, mesh, captured=captured, **given).flops_per_step
+
+    whole = flops({"dp": 2})
     for m in (2, 4):
-        cut = parallelize(_model("llama"), batch, {"pp": 2}, microbatches=m).flops_per_step
+        cut = flops({"pp": 2}, microbatches=m)
         if not math.isclose(cut, whole, rel_tol=1e-9):
             return f"{m} micro-batches: {cut} FLOPs a step, {whole} without stages"
     return ""
