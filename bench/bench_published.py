@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import published_h100
+from bench import published_h100, published_parts
 
 NAME = "published"
 
@@ -168,7 +168,7 @@ def _plan(argv: list[str], said: io.StringIO | None = None) -> int:
 
 
 def _predict(r: dict, cluster: Path) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, published_parts.captured() as got:
         out = Path(tmp) / "plan.json"
         argv = _argv(r, out, cluster)
         start, said = time.perf_counter(), io.StringIO()
@@ -190,7 +190,11 @@ def _predict(r: dict, cluster: Path) -> dict:
             raise RuntimeError(f"autoshard {' '.join(argv)} exited {code}")
         data = json.loads(out.read_text())
     pipe = data["pipeline"]
-    return {
+    parts = {}
+    if r["cluster"] != "selene":  # where an H100 run's step goes (bench/published_parts.py)
+        overlap = json.loads(cluster.read_text()).get("overlap_efficiency", 1.0)
+        parts["parts"] = published_parts.parts(got["plan"], got["graph"], overlap)
+    return parts | {
         "predicted_s": pipe["step_time_s"],
         "peak_gib": pipe["peak_memory_bytes"] / 2**30,
         "over_memory": lifted,
@@ -275,6 +279,19 @@ def run(quick: bool) -> dict:
     return {"rows": rows, "score_bytes": SCORE_BYTES, "compared": compared}
 
 
+def _parts(rows: list[dict]) -> list[str]:
+    """Where each run's predicted step goes, in milliseconds (``python -m bench.published_parts``
+    prints the same for the runs it is given)."""
+    got = [
+        (r["run"], r["parts"] | {"predicted": r["predicted_s"], "published": r["seconds"]})
+        for r in rows
+        if r.get("parts")
+    ]
+    if not got:
+        return []
+    return ["", published_parts.DESCRIBED, "", *published_parts.table(got)]
+
+
 def _stats(rows: list[dict]) -> str:
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     misfits = len(rows) - len(errors)
@@ -346,6 +363,7 @@ def summary(result: dict) -> str:
         published_h100.DESCRIBED,
         "",
         *_table(h100),
+        *_parts(h100),
     ]
     if result.get("compared"):
         lines += [

@@ -112,3 +112,32 @@ def test_the_megatron_core_models_count_the_readmes_parameters_and_torchtitans_n
     want = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
     assert norm(x).dtype == torch.bfloat16
     torch.testing.assert_close(norm(x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_published_runs_parts_add_up_to_its_predicted_step(tmp_path, pp) -> None:
+    """``bench.published_parts`` splits a run planned as ``bench published`` plans it (here a
+    small GPT on two nodes of the H100 preset, ZeRO 1, selective recompute, with and without
+    stages) into parts that add up to the step the plan predicts: its kinds of compute,
+    what recompute runs again, the bubble, the data-parallel sums waited for and the
+    optimizer."""
+    import json
+
+    from autoshard.cost import cluster_spec
+    from bench import published_parts
+
+    cluster = tmp_path / "h100.json"
+    cluster.write_text(json.dumps(cluster_spec("dgx-h100").to_json()))
+    run = {
+        "run": "small", "model": "gpt", "layers": 4, "hidden": 256, "heads": 4, "vocab": 1024,
+        "seq": 128, "tp": 2, "pp": pp, "gpus": 16, "batch": 32, "microbatches": 4,
+        "schedule": "1f1b", "virtual_stages": 1, "recompute": "selective",
+        "sequence_parallel": True, "zero": 1, "precision": "bf16", "seconds": 1.0,
+    }  # fmt: skip
+    got = published_parts.run_parts(run, cluster)
+    parts = sum(got[k] for k in published_parts.PARTS)
+    assert parts == pytest.approx(got["predicted"], rel=1e-6)
+    assert all(got[k] >= -1e-12 for k in published_parts.PARTS)
+    assert got["matrix products"] > 0 and got["recompute"] > 0 and got["optimizer"] > 0
+    assert (got["bubble"] > 0) == (pp > 1)
+    assert got["dp comm priced"] > 0 and got["dp comm priced"] >= got["dp comm"]

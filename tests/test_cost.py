@@ -446,3 +446,32 @@ def test_a_products_output_passed_through_a_copy_is_still_beside_the_product() -
     whole = move_time(partial, rows, spec, beside_product=True)
     assert move_time(partial, rows, overlapped, beside_product=False) == pytest.approx(whole)
     assert move_time(partial, rows, overlapped, beside_product=True) < whole / 2
+
+
+def test_the_kind_breakdown_adds_up_to_the_estimates_compute_and_in_line_comm() -> None:
+    """``kind_breakdown`` splits a tensor-parallel GPT's step by kind of op: every node in
+    exactly one kind, products and attention priced by FLOPs, views by their overhead alone,
+    and the moves tensor parallelism adds on the products and the adds they feed."""
+    from autoshard.cost.breakdown import KINDS, kind_breakdown
+    from autoshard.models import GPT, GPTConfig
+    from autoshard.search import run_search
+    from autoshard.search.driver import build_plan
+
+    config = GPTConfig(vocab_size=512, block_size=64, hidden=128, num_heads=4, num_layers=2)
+    og = capture(GPT(config), config.example_batch(8))
+    spec = cluster_spec("dgx-h100").with_devices(2)
+    whole = build_plan(og, run_search(og, 2, spec, tp=2, zero=0), spec).predicted.peak_memory
+    # under less memory than the replicated plan's, the weights are split and moves priced
+    split = run_search(og, 2, spec, tp=2, zero=0, memory_limit=0.95 * whole)
+    est = build_plan(og, split, spec).predicted
+    rows = {r.kind: r for r in kind_breakdown(est, og)}
+    assert set(rows) <= set(KINDS) and {"matrix products", "attention", "loss"} <= set(rows)
+    assert sum(r.forward_s + r.backward_s for r in rows.values()) == pytest.approx(est.compute)
+    inline = est.comm_forward + est.comm_backward + est.grad_sync
+    comm = sum(r.comm_forward_s + r.comm_backward_s for r in rows.values())
+    assert 0 < comm <= inline * (1 + 1e-9)
+    assert sum(r.ops for r in rows.values()) == sum(c for _, c in est.by_node.values())
+    views = rows["views"]
+    # a view costs a kernel's overhead and a tuple's item nothing: no bytes, no FLOPs
+    assert 0 < views.forward_s <= views.ops * spec.op_overhead * (1 + 1e-9)
+    assert rows["matrix products"].forward_s > rows["elementwise"].forward_s

@@ -5,7 +5,8 @@ communication they wait for) and its parameters' memory and in-line gradient sum
 optimizer step, the overlapped communication the step still waits for, and what belongs to
 no layer (the inputs, moves of the outputs, ZeRO's gathered units). A repeated block list is
 one row (``layers.*``) whose values are one block's, with the number of blocks it stands for;
-the totals count every block.
+the totals count every block. The same step by kind of op (matrix products, attention, the
+loss, norms, other elementwise ops, views) is :func:`kind_breakdown`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+import torch.fx as fx
+
+from autoshard.cost.collectives import PRODUCTS
 from autoshard.cost.copies import CopiesEstimate
 from autoshard.cost.estimate import Estimate, exposed
 from autoshard.graph import OpGraph
+from autoshard.ops import rule_for
 
 #: the row of ops made by the root module itself (the loss, an add of two embeddings)
 TOP = "(top level)"
@@ -119,9 +124,79 @@ def _rest(est: Estimate, rows: object) -> list[LayerCost]:
     return out
 
 
+@dataclass
+class KindCost:
+    """The ops of one kind in a step: how many run, their compute forward and backward, and
+    the in-line communication they wait for (a tensor-parallel move before or after them,
+    an in-line gradient sum), all runs counted."""
+
+    kind: str
+    ops: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_forward_s: float = 0.0
+    comm_backward_s: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+#: the kinds of :func:`kind_breakdown`, in its order
+KINDS = ("matrix products", "attention", "loss", "norms", "elementwise", "views", "inputs")
+
+
+def op_kind(og: OpGraph, node: fx.Node) -> str:
+    """Which of :data:`KINDS` a node's op is: the kinds of work the cost model prices apart
+    (products and attention by their FLOPs, the rest by their bytes, views by their
+    overhead alone)."""
+    if node.op == "placeholder":
+        return "inputs"
+    op = str(og[node].op).split(".")[0]
+    if op in PRODUCTS:
+        return "matrix products"
+    if "attention" in op:
+        return "attention"
+    if "loss" in op or "cross_entropy" in op:
+        return "loss"
+    if "norm" in op:
+        return "norms"
+    if og[node].kind != "op" or rule_for(node).is_shape_op:  # a tuple's item: a view too
+        return "views"
+    return "elementwise"
+
+
+def kind_breakdown(est: Estimate, og: OpGraph) -> list[KindCost]:
+    """The estimate's ops by kind (:data:`KINDS`): every run of every node counted, so the
+    rows' compute adds up to ``est.compute`` and their communication to the in-line
+    communication of the ops (what the parameters' own sums and the overlapped transfers add
+    is :func:`layer_breakdown`'s other rows)."""
+    rows = {kind: KindCost(kind) for kind in KINDS}
+    for node in og.graph.nodes:
+        if node.name not in est.by_node:
+            continue
+        terms, count = est.by_node[node.name]
+        row = rows[op_kind(og, node)]
+        row.ops += count
+        row.forward_s += count * terms.compute_forward
+        row.backward_s += count * terms.compute_backward
+        row.comm_forward_s += count * terms.comm_forward
+        row.comm_backward_s += count * (terms.comm_backward + terms.grad_sync)
+    return [row for row in rows.values() if row.ops]
+
+
 def breakdown_rows(est: Estimate, og: OpGraph) -> list[dict[str, object]]:
     """:func:`layer_breakdown` as the plan JSON's ``predicted.layers``."""
     return [row.as_dict() for row in layer_breakdown(est, og)]
 
 
-__all__ = ["TOP", "LayerCost", "breakdown_rows", "layer_breakdown", "layer_of"]
+__all__ = [
+    "KINDS",
+    "TOP",
+    "KindCost",
+    "LayerCost",
+    "breakdown_rows",
+    "kind_breakdown",
+    "layer_breakdown",
+    "layer_of",
+    "op_kind",
+]
