@@ -105,6 +105,10 @@ TITAN_LOSS_BYTES = [6.0 + 16, 4.0 + 16 + 6]
 #: without the causal mask, gives cuDNN 609 and FlashAttention-2 368 at 4096); the backward
 #: ones are its head-size-128 backward panel's, whose mask the labels do not say
 CUDNN_ATTENTION = [518 / 989, 499 / 989]
+
+#: the H100 SXM's datasheet HBM3 bandwidth, of which the ``dgx-h100`` preset's 3.0 TB/s is
+#: what streaming copies reach (docs/cost.md, Presets)
+H100_SXM_HBM = 3.35e12
 FLASH2_ATTENTION = [333 / 989, 318 / 989]
 
 
@@ -225,9 +229,12 @@ def clusters(folder: Path) -> dict[str, Path]:
     # benchmark's note 2): the middle of that range
     peak = (835e12 + 989e12) / 2
     flops = base["flops"] | {"bfloat16": peak, "float16": peak}
-    # the benchmark's hardware: 96 GB of HBM2e at 2.4 TB/s a GPU, 400 Gb/s a GPU across hosts
+    # the benchmark's hardware: 96 GB of HBM2e at 2.4 TB/s a GPU, 400 Gb/s a GPU across hosts,
+    # both datasheet rates: taken at the shares of them the preset takes of the SXM's (HBM:
+    # 3.0 of its 3.35 TB/s, what streaming copies reach; the same 400 Gb/s NIC: 46 GB/s)
+    hbm = 2.4e12 * base["memory_bandwidth"] / H100_SXM_HBM
     titan = base | {
-        "memory_bytes": 96e9, "memory_bandwidth": 2.4e12, "inter_bandwidth": 50e9, "flops": flops,
+        "memory_bytes": 96e9, "memory_bandwidth": hbm, "flops": flops,
         "loss_bytes": TITAN_LOSS_BYTES, "optimizer_passes": 20.0,  # foreach AdamW
         "attention_efficiency": FLASH2_ATTENTION,
     }  # fmt: skip
@@ -264,7 +271,8 @@ DESCRIBED = (
     "as the GPT-3 example script of Megatron-Core r0.8.0 runs (`--micro-batch-size 1`; "
     "Megatron-LM itself has no default), 1F1B, recompute left to the search (Megatron's "
     "default is none). torchtitan's on Grand Teton (`h100-titan.json`: 96 GB of HBM2e at "
-    "2.4 TB/s, 400 Gb/s a GPU, a peak of 912 dense bf16 "
+    "2.4 TB/s and 400 Gb/s a GPU, datasheet rates taken at the shares the `dgx-h100` preset "
+    "takes of its own, 2.15 TB/s streamed (3.0 of 3.35) and 46 GB/s; a peak of 912 dense bf16 "
     "TFLOP/s, the middle of the NVL-to-SXM range the benchmark's note 2 gives for its 500 W "
     "H100s; FlashAttention-2, torch's SDPA kernel then, at the paper's 333 and 318 of 989 at "
     "sequence 8192; its `cross_entropy` of the logits cast to float32, `loss_bytes` 22 and 26; "
