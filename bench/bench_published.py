@@ -34,6 +34,10 @@ Where autoshard's cost model holds a configuration over the device's 80 GiB, the
 priced with the limit lifted and the table says so. Since sequence parallelism's activations
 are priced as Megatron-LM keeps them (every term of a layer a t-th, the column-parallel
 linears' inputs gathered again in backward), no run is.
+
+The published H100 runs (``bench/published_h100.py``) are reported apart, each with its
+predicted step in parts (``bench/published_parts.py``; ``python -m bench.published_parts
+[RUN ...]`` plans only the H100 runs named, in about a minute each).
 """
 
 from __future__ import annotations
