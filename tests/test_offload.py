@@ -705,3 +705,65 @@ def test_a_host_table_under_bf16_moves_its_master_rows_and_casts_them_on_the_dev
         assert pm.offload_traffic() == {"to_device": rows, "to_host": rows}
         for opt in opts + ref_opts:
             opt.step(), opt.zero_grad()
+
+
+class _Lamb(torch.optim.Optimizer):
+    """A step scaled by whole-tensor norms (LAMB's trust ratio): not elementwise."""
+
+    def __init__(self, params: Any, lr: float = LR) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.norm() / p.grad.norm().clamp_min(1e-12) * p.grad)
+
+
+class _OwnAdam(torch.optim.Adam):
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        return super().step(closure)
+
+
+def test_only_elementwise_optimizers_are_offloaded_and_others_are_named() -> None:
+    """Offload steps each tensor in parts, a tail beside other tensors' tails: SGD with momentum
+    and Adagrad, elementwise, train as plain PyTorch (float64, 5 steps, every loss and
+    parameter); Adafactor, Muon (over the matrices), a LAMB-like optimizer of whole-tensor
+    norms and an Adam subclass with its own step are refused by name at their first step,
+    before anything is stepped."""
+    model, data, captured = _setup()
+    for make in (
+        lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+        lambda ps: torch.optim.Adagrad(ps, lr=LR),
+    ):
+        ref_model = copy.deepcopy(model)
+        ref_opt = make(ref_model.parameters())
+        ref = {"losses": []}
+        for step in range(STEPS):
+            loss = ref_model(*data[step % len(data)])
+            loss.backward()
+            ref["losses"].append(float(loss))
+            ref_opt.step(), ref_opt.zero_grad()
+        ref["state"] = ref_model.state_dict()
+        pm = parallelize(model, data[0], {"dp": 1}, captured=captured, offload={"optimizer": 0.5})
+        got = _train(pm, make(pm.parameters()), data, range(STEPS), None)
+        got["state"] = pm.full_state_dict()
+        _same(got, ref, range(STEPS), type(ref_opt).__name__)
+    refused = [
+        (torch.optim.Adafactor, lambda ps: ps, "Adafactor"),
+        (torch.optim.Muon, lambda ps: [p for p in ps if p.dim() == 2], "Muon"),
+        (_Lamb, lambda ps: ps, "_Lamb"),
+        (_OwnAdam, lambda ps: ps, r"_OwnAdam \(a subclass of Adam with its own step\)"),
+    ]
+    for cls, chosen, named in refused:
+        pm = parallelize(model, data[0], {"dp": 1}, captured=captured, offload={"optimizer": 1.0})
+        opt = cls(chosen(list(pm.parameters())), lr=LR)
+        before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        pm(*data[0]).backward()
+        with pytest.raises(ValueError, match=rf"offload\['optimizer'\]: {named} is not an elem"):
+            opt.step()
+        after = pm.full_state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items()), cls
+        assert len(opt.state) == 0, cls

@@ -37,6 +37,7 @@ from torch.optim.optimizer import (
 )
 
 from autoshard.cost.offload import CHUNK_BYTES as OFFLOAD_CHUNK_BYTES
+from autoshard.runtime.offload.elementwise import check_elementwise
 
 #: host master bytes stepped in one go before that chunk's copy back starts (as priced)
 CHUNK_BYTES = OFFLOAD_CHUNK_BYTES
@@ -108,6 +109,7 @@ class OptimizerOffload:
         def before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
             offload = ref()
             if offload is not None and offload.owns(optimizer):
+                check_elementwise(optimizer)  # before anything is stepped
                 offload.collect()  # or the user's optimizer would step them too
 
         def after_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -288,6 +290,7 @@ class OptimizerOffload:
         first step: the same class, the host one fused where torch has that kernel."""
         if id(optimizer) in self._groups:
             return self._groups[id(optimizer)]
+        check_elementwise(optimizer)
         groups, cls = [], type(optimizer)
         for settings in optimizer.param_groups:
             pieces = [self.pieces[id(p)] for p in settings["params"] if id(p) in self.pieces]
