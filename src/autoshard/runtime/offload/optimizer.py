@@ -21,12 +21,10 @@ as torch steps only the tensors with a gradient.
 
 from __future__ import annotations
 
-import copy
-import itertools
 import math
 import weakref
 from collections.abc import Iterable
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,40 +35,23 @@ from torch.optim.optimizer import (
 )
 
 from autoshard.cost.offload import CHUNK_BYTES as OFFLOAD_CHUNK_BYTES
+from autoshard.runtime.offload.chunks import (
+    _Chunk,
+    _cut,
+    _elementwise,
+    _joined,
+    _Piece,
+    _split_into,
+)
 from autoshard.runtime.offload.elementwise import check_elementwise
 
 #: host master bytes stepped in one go before that chunk's copy back starts (as priced)
 CHUNK_BYTES = OFFLOAD_CHUNK_BYTES
+#: the same where the device is the CPU: a chunk's masters, gradients and moments stay in the
+#: last-level cache for its copy back, and later chunks update beside it
+CPU_CHUNK_BYTES = 4 * 2**20
 #: a group's settings the host and device optimizers keep their own of: how the kernels run
 _OWN_SETTINGS = {"params", "foreach", "fused", "capturable", "differentiable"}
-
-
-@dataclass(eq=False)
-class _Piece:
-    """One tensor the optimizer steps, its flat head on the device and its tail on the host."""
-
-    fqn: str
-    param: torch.Tensor  # what the program reads (a ZeRO shard or a local tensor)
-    kept: int  # elements of the head
-    host: torch.Tensor  # the tail's master weights (a view of its dtype's flat masters)
-    buffer: torch.Tensor  # the tail's gradient, filled by routing (the same view of the flat
-    # gradients)
-    head: torch.Tensor  # a view of the param's first ``kept`` elements
-    tail: int = 0  # elements of the tail
-    start: int = 0  # where the tail starts in its dtype's flat buffers
-    has_grad: bool = False
-    copied: Any = None  # the CUDA event after the gradient's copy to the host
-    order: int = 0  # when its gradient arrived in this step
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """Tails side by side in their flat buffers, stepped as one tensor."""
-
-    pieces: list[_Piece]
-    master: torch.Tensor  # their masters, one view (a leaf the host optimizer steps)
-    grad: torch.Tensor  # their gradients, the same view of the flat gradients
-    returned: Any = None  # the CUDA event after the updated tails' copy back
 
 
 @dataclass(eq=False)
@@ -96,6 +77,11 @@ class OptimizerOffload:
         self.device = device
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
+        # on the CPU the copies back take the cores the update runs on: a thread of their own
+        # (torch's ops let go of the GIL) copies chunk i back while chunk i + 1 updates
+        self._copier = None if self._cuda else ThreadPoolExecutor(1, "autoshard-offload-back")
+        self._copies: list[Future] = []
+        self._chunk_bytes = CHUNK_BYTES if self._cuda else CPU_CHUNK_BYTES
         kept = {
             fqn: p.numel() - math.floor(fraction * p.numel() + 0.5) for fqn, p in params.items()
         }
@@ -122,6 +108,8 @@ class OptimizerOffload:
             register_optimizer_step_post_hook(after_step),
         ):
             weakref.finalize(self, handle.remove)
+        if self._copier is not None:
+            weakref.finalize(self, self._copier.shutdown)
 
     def _place(self, params: dict[str, torch.Tensor], kept: dict[str, int]) -> dict[int, _Piece]:
         """Each tensor cut at ``kept[fqn]``: its tail's master copy and gradient, views of
@@ -255,6 +243,9 @@ class OptimizerOffload:
                 piece.has_grad, piece.head.grad = False, None
         if self._cuda:  # the next forward reads the tails sent back
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        for copied in self._copies:
+            copied.result()
+        self._copies.clear()
         self._arrived = 0
 
     def _step_tails(self, group: _Group, own: dict[str, Any], ready: list[_Piece]) -> None:
@@ -277,13 +268,13 @@ class OptimizerOffload:
         chunk.master.grad = chunk.grad
         host.step()  # one kernel call: the other chunks have no gradient
         chunk.master.grad = None
-        with torch.no_grad(), torch.cuda.stream(self._stream) if self._cuda else nullcontext():
-            for piece in chunk.pieces:
-                tail = piece.param.detach().reshape(-1)[piece.kept :]
-                tail.copy_(piece.host, non_blocking=self._cuda)
-            if self._cuda:
-                chunk.returned = torch.cuda.Event()
-                chunk.returned.record(self._stream)
+        if self._copier is not None:
+            self._copies.append(self._copier.submit(torch._foreach_copy_, *chunk.back))
+            return
+        with torch.cuda.stream(self._stream):
+            torch._foreach_copy_(*chunk.back, non_blocking=True)
+            chunk.returned = torch.cuda.Event()
+            chunk.returned.record(self._stream)
 
     def _groups_of(self, optimizer: torch.optim.Optimizer) -> list[_Group]:
         """The host and device optimizers beside each group of ``optimizer``, made at its
@@ -310,14 +301,15 @@ class OptimizerOffload:
 
     def _chunks(self, pieces: list[_Piece]) -> dict[int, _Chunk]:
         """``pieces``' tails in chunks, by ``id`` of the piece: runs side by side in their flat
-        buffers of at most about ``CHUNK_BYTES`` each."""
+        buffers of at most about ``CHUNK_BYTES`` each (``CPU_CHUNK_BYTES`` where the device
+        is the CPU)."""
         out: dict[int, _Chunk] = {}
         run: list[_Piece] = []
         for piece in sorted(pieces, key=lambda p: (str(p.param.dtype), p.start)):
             last = run[-1] if run else None
             joins = last is not None and last.param.dtype == piece.param.dtype
             size = sum(p.tail * p.param.element_size() for p in run)
-            if not joins or last.start + last.tail != piece.start or size >= CHUNK_BYTES:
+            if not joins or last.start + last.tail != piece.start or size >= self._chunk_bytes:
                 out |= self._chunk(run)
                 run = []
             run.append(piece)
@@ -434,67 +426,6 @@ def _make(
         except (TypeError, ValueError, RuntimeError):
             continue
     return cls(tensors, **lr)
-
-
-def _elementwise(value: Any, master: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == master.shape
-
-
-def _cut(group: _Group, ready: set[int]) -> None:
-    """Cut each chunk of ``group`` whose pieces are some in ``ready`` and some not into runs
-    of one kind: each keeps its slice of the chunk's elementwise state (views of it) and a
-    copy of the rest (a step count)."""
-    for chunk in {id(c): c for c in group.chunks.values()}.values():
-        kinds = [id(p) in ready for p in chunk.pieces]
-        if all(kinds) or not any(kinds):
-            continue
-        assert group.host is not None  # chunks are made only beside a host optimizer
-        params = group.host.param_groups[0]["params"]
-        index = next(i for i, t in enumerate(params) if t is chunk.master)
-        state, first, parts = group.host.state.pop(chunk.master, {}), chunk.pieces[0].start, []
-        for _, pieces in itertools.groupby(chunk.pieces, key=lambda p: id(p) in ready):
-            run = list(pieces)
-            a, b = run[0].start - first, run[-1].start + run[-1].tail - first
-            part = _Chunk(run, chunk.master[a:b], chunk.grad[a:b], chunk.returned)
-            if state:
-                group.host.state[part.master] = {  # views of the moments, a step count each
-                    k: v[a:b] if _elementwise(v, chunk.master) else copy.deepcopy(v)
-                    for k, v in state.items()
-                }
-            group.chunks |= {id(p): part for p in run}
-            parts.append(part.master)
-        params[index : index + 1] = parts
-
-
-def _joined(piece: _Piece, head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
-    """One tensor's optimizer state from its head's and its tail's."""
-    out = {}
-    for key in head.keys() | tail.keys():
-        h, t = head.get(key), tail.get(key)
-        either = t if t is not None else h
-        if isinstance(either, torch.Tensor) and either.dim() == 1:
-            parts = [x.detach().to("cpu") for x in (h, t) if x is not None]
-            out[key] = torch.cat(parts).view(piece.param.shape)
-        elif isinstance(either, torch.Tensor):
-            out[key] = either.detach().to("cpu").clone()
-        else:
-            out[key] = either
-    return out
-
-
-def _split_into(
-    piece: _Piece, key: str, value: Any, head: dict[str, Any], tail: dict[str, Any]
-) -> None:
-    """``value`` (one entry of the whole tensor's state) into its head's and tail's state."""
-    for part, start, stop in ((head, 0, piece.kept), (tail, piece.kept, piece.param.numel())):
-        if key not in part:
-            continue
-        if isinstance(part[key], torch.Tensor) and part[key].dim() == 1:  # elementwise
-            part[key].copy_(value.reshape(-1)[start:stop])
-        elif isinstance(part[key], torch.Tensor):
-            part[key].copy_(torch.as_tensor(value, device=part[key].device))
-        else:
-            part[key] = value
 
 
 __all__ = ["CHUNK_BYTES", "OptimizerOffload"]
