@@ -112,16 +112,21 @@ def measure_compute(threads: int = 1) -> dict[str, Any]:
     out["matmul_efficiency"] = curve
     out["attention_efficiency"] = measure_attention(peak)
     out["float64"] = _matmul_rate(256, torch.float64)
+    return out | measure_optimizer()
+
+
+def measure_optimizer() -> dict[str, float]:
+    """Memory bandwidth, op overhead and the memory passes of one step of ``torch.optim``'s
+    AdamW as the user's runs on this process's threads (what the device's update is priced
+    by, ``cost.compute.optimizer_time``)."""
     big = torch.empty(64 * 2**20 // 4)  # 64 MiB: training's tensors do not live in cache
     dst = torch.empty_like(big)
     seconds = _median_time(lambda: dst.copy_(big), reps=9)
     bandwidth = 2 * big.numel() * 4 / seconds
-    out["memory_bandwidth"] = bandwidth
     from autoshard.cost.calibrate_cuda import kernel_overhead
 
     cpu = torch.device("cpu")
     overhead = kernel_overhead(cpu, lambda chain: _median_time(chain, reps=15))
-    out["op_overhead"] = overhead
     # A model's parameters: several tensors of a few MiB, stepped one after the other.
     params = [torch.nn.Parameter(torch.zeros(2**19)) for _ in range(8)]  # 8 x 2 MiB
     for param in params:
@@ -129,8 +134,8 @@ def measure_compute(threads: int = 1) -> dict[str, Any]:
     opt = torch.optim.AdamW(params, lr=1e-6)
     seconds = _median_time(opt.step, reps=7)
     traffic = max(seconds - 10 * overhead * len(params), 0.0) * bandwidth
-    out["optimizer_passes"] = traffic / sum(p.numel() * 4 for p in params)
-    return out
+    passes = traffic / sum(p.numel() * 4 for p in params)
+    return {"memory_bandwidth": bandwidth, "op_overhead": overhead, "optimizer_passes": passes}
 
 
 #: 256-cube products between two timed collectives (about 10 ms on a CPU rank): a
@@ -384,5 +389,6 @@ __all__ = [
     "kind_factors",
     "measure_attention",
     "measure_compute",
+    "measure_optimizer",
     "measure_matmul",
 ]
