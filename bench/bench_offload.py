@@ -5,15 +5,17 @@ against the disk's, in the same run.
 The GPT reference model (hidden 256, 4 layers, 4 heads, vocab 512, seq 64, batch 8, float32,
 AdamW) on one CPU rank of 2 threads (gloo). Host update: ``opt.step()`` of a module made with
 ``offload={"optimizer": 1.0}`` (its gradients already on the host, routed as backward
-accumulated them: the fused CPU kernel over the flat masters, the masters copied back) against
+accumulated them: the fused CPU kernel over the flat masters chunk by chunk, each chunk's tails
+copied back into the device tensors before the call returns) against
 ``torch.optim.AdamW(fused=True).step()`` on a plain copy of the same parameters whose own
 backward of the same batch gave the same gradients; one of each a round, the order turning
 around every round, wall and CPU seconds of each call, the ratio the median over rounds of the
 two of a round. DeepSpeed's CPU Adam is timed beside them where ``deepspeed`` imports.
 Overhead: a whole training step (forward, backward, ``opt.step()``) with and without the
-offload, in turns (``bench.timing.in_turns``); predicted: the plan's ``offload_s`` less the
-device update it takes over, on the ``cpu`` preset with this host's numbers measured first
-(``cost.calibrate_host``). NVMe: training steps with the state in files, the bytes their reads
+offload, in turns (``bench.timing.in_turns``), and its ``opt.step()`` alone; predicted: the
+estimates of the two plans on the ``cpu`` preset with both updates' numbers measured here
+first (the device's AdamW by ``cost.calibrate.measure_optimizer``, the host's by
+``cost.calibrate_host``). NVMe: training steps with the state in files, the bytes their reads
 and writes move a second of those calls, against a file's sequential write and read there.
 """
 
@@ -58,6 +60,7 @@ def _host_update(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, 
     parameters, each with the gradients of its own backward of the same batch (the same
     values); wall and CPU seconds of each call."""
     import autoshard
+    from autoshard.runtime.offload import CHUNK_BYTES
 
     pm = autoshard.parallelize(copy.deepcopy(model), batch, {"dp": 1}, offload={"optimizer": 1.0})
     ours = torch.optim.AdamW(pm.parameters(), lr=1e-4)
@@ -85,6 +88,7 @@ def _host_update(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, 
         "paired": paired_ratio(wall["autoshard"], wall["fused AdamW"]),
         "cpu_paired": paired_ratio(cpu["autoshard"], cpu["fused AdamW"]),
         "elements": sum(p.numel() for p in plain.parameters()),
+        "chunk_bytes": CHUNK_BYTES,
     }
     if deepspeed is not None:
         result["deepspeed"] = paired_ratio(wall["autoshard"], wall["DeepSpeed CPU Adam"])
@@ -113,20 +117,32 @@ def _deepspeed(plain: torch.nn.Module) -> Any:
     return step
 
 
-def _overhead(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any]:
-    """A training step with the optimizer offloaded against the same step without, measured
-    and predicted."""
-    import autoshard
+def _spec() -> Any:
+    """The ``cpu`` preset with this machine's numbers measured on this process's threads, both
+    updates' alike: the device's (torch.optim's AdamW as the user's runs: memory bandwidth, op
+    overhead, memory passes; ``calibrate.measure_optimizer``) and the host's (fused AdamW,
+    copies; ``calibrate_host.with_host``), as ``autoshard calibrate`` measures them."""
     from autoshard.cost import cluster_spec
+    from autoshard.cost.calibrate import measure_optimizer
     from autoshard.cost.calibrate_host import with_host
 
-    spec = with_host(cluster_spec("cpu", 1))
-    spec = dataclasses.replace(spec, host_memory_bytes=64e9)  # the tier is not what is timed
+    spec = dataclasses.replace(cluster_spec("cpu", 1), **measure_optimizer())
+    # the tier is not what is timed
+    return dataclasses.replace(with_host(spec), host_memory_bytes=64e9)
+
+
+def _overhead(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any]:
+    """A training step with the optimizer offloaded against the same step without, measured
+    and predicted: the whole step, and its update (``opt.step()``) alone."""
+    import autoshard
+
+    spec = _spec()
     plans = {
         f: autoshard.plan(model, batch, spec, num_devices=1, zero=0, offload={"optimizer": f})
         for f in (0.0, 1.0)
     }
     mods, opts = {}, {}
+    updates: dict[float, list[float]] = {0.0: [], 1.0: []}
     for f, plan in plans.items():
         mods[f] = autoshard.parallelize(copy.deepcopy(model), batch, None, plan=plan)
         opts[f] = torch.optim.AdamW(mods[f].parameters(), lr=1e-4)
@@ -134,7 +150,9 @@ def _overhead(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any
     def step(f: float):
         def run() -> None:
             mods[f](*batch).backward()
+            began = time.perf_counter()
             opts[f].step()
+            updates[f].append(time.perf_counter() - began)
             opts[f].zero_grad()
 
         return run
@@ -145,11 +163,25 @@ def _overhead(model: torch.nn.Module, batch: tuple, steps: int) -> dict[str, Any
     return {
         "measured_ms": measured * 1e3,
         "predicted_ms": (offloaded.step_time - base.step_time) * 1e3,
+        "predicted_steps_ms": {
+            "offloaded": offloaded.step_time * 1e3,
+            "device": base.step_time * 1e3,
+        },
         "offloaded_ms": statistics.median(times["offloaded"]) * 1e3,
         "device_ms": statistics.median(times["device"]) * 1e3,
         "paired": paired_ratio(times["offloaded"], times["device"]),
+        "update_ms": {
+            "device": statistics.median(updates[0.0][WARMUP:]) * 1e3,
+            "offloaded": statistics.median(updates[1.0][WARMUP:]) * 1e3,
+        },
+        "predicted_update_ms": {
+            "device": base.optimizer * 1e3,
+            "offloaded": (offloaded.optimizer + offloaded.offload_parts["host_update"]) * 1e3,
+        },
         "host_adam_rate": spec.host_adam_rate,
         "host_bandwidth": spec.host_bandwidth,
+        "memory_bandwidth": spec.memory_bandwidth,
+        "optimizer_passes": spec.optimizer_passes,
         "parts_ms": {k: v * 1e3 for k, v in offloaded.offload_parts.items()},
     }
 
@@ -218,12 +250,19 @@ def _host_lines(result: dict) -> list[str]:
     return [
         "GPT reference model (hidden 256, 4 layers, vocab 512, seq 64, batch 8, float32, AdamW; "
         f"{host['elements'] / 1e6:.2f}M parameters in 52 tensors) on one CPU rank of {THREADS} "
-        "threads. Host update: `opt.step()` under `offload={'optimizer': 1.0}` (the gradients "
-        "already on the host, routed as backward accumulated them; one fused CPU kernel call "
-        "over the flat masters; the masters copied back into the device tensors) against "
+        "threads. Host update: `opt.step()` under `offload={'optimizer': 1.0}` against "
         "`AdamW(fused=True).step()` on a plain copy of the same parameters with the same "
-        f"gradients, in turns, {result['steps']} rounds. Wall and CPU (`time.process_time`, "
-        "all the process's threads) milliseconds, medians; each ratio is the median over rounds "
+        "gradients, in turns. Each side's call is all that is timed and leaves the same: "
+        "the updated parameters in the tensors the next forward reads. Ours: the user's "
+        "AdamW (no gradient left in `.grad`), then one fused CPU kernel call a chunk (at "
+        f"most {host['chunk_bytes'] / 2**20:g} MiB of the flat host masters) and that "
+        "chunk's tails copied back into the device tensors (one `torch._foreach_copy_`; "
+        "here the model is one chunk), returning when every copy is done. "
+        "Theirs: the kernel over the tensors in place. Neither times the gradients' "
+        "arrival: the plain copy's are in `.grad` from its own backward, ours went to the "
+        "host as backward accumulated them (those copies are in backward, in the step "
+        f"below). {result['steps']} rounds. Wall and CPU (`time.process_time`, all the "
+        "process's threads) milliseconds, medians; each ratio is the median over rounds "
         "of the two of a round, with its 95% interval (bootstrap over rounds).",
         "",
         "| autoshard host step ms | fused AdamW ms | ratio | autoshard CPU ms | fused AdamW CPU ms "
@@ -266,18 +305,31 @@ def _nvme_lines(result: dict) -> list[str]:
 
 def summary(result: dict) -> str:
     step = result["step"]
+    up, pred = step["update_ms"], step["predicted_update_ms"]
+    steps = step["predicted_steps_ms"]
     lines = [
         *_host_lines(result),
         "",
         "A training step with the optimizer offloaded against the same step without (ZeRO 0, "
-        "one rank), in turns; predicted: the estimate's difference on the `cpu` preset with "
-        f"this host's numbers measured first (fused CPU AdamW {step['host_adam_rate'] / 1e6:.0f}"
-        f"M elements/s, copies {step['host_bandwidth'] / 1e9:.2f} GB/s).",
+        "one rank, `torch.optim.AdamW(lr=1e-4)` as a user makes it), in turns; the update is "
+        "`opt.step()` alone (the device's AdamW, or the offload's host update and copies back). "
+        "Predicted: the estimates' on the `cpu` preset with both updates' numbers measured "
+        f"here first, on the same {THREADS} threads, as `autoshard calibrate` measures them: "
+        f"the device's AdamW {step['optimizer_passes']:.1f} memory passes at "
+        f"{step['memory_bandwidth'] / 1e9:.2f} GB/s (`calibrate.measure_optimizer`), the "
+        f"host's fused AdamW {step['host_adam_rate'] / 1e6:.0f}M elements/s and copies "
+        f"{step['host_bandwidth'] / 1e9:.2f} GB/s (`calibrate_host.with_host`).",
         "",
-        "| offloaded step ms | device step ms | overhead measured ms | overhead predicted ms |",
-        "|---:|---:|---:|---:|",
-        f"| {step['offloaded_ms']:.1f} | {step['device_ms']:.1f} | {step['measured_ms']:.1f} | "
+        "| | offloaded ms | device ms | difference ms |",
+        "|---|---:|---:|---:|",
+        f"| step measured | {step['offloaded_ms']:.1f} | {step['device_ms']:.1f} | "
+        f"{step['measured_ms']:.1f} |",
+        f"| step predicted | {steps['offloaded']:.1f} | {steps['device']:.1f} | "
         f"{step['predicted_ms']:.1f} |",
+        f"| update measured | {up['offloaded']:.1f} | {up['device']:.1f} | "
+        f"{up['offloaded'] - up['device']:.1f} |",
+        f"| update predicted | {pred['offloaded']:.1f} | {pred['device']:.1f} | "
+        f"{pred['offloaded'] - pred['device']:.1f} |",
     ]
     if "nvme" in result:
         lines += ["", *_nvme_lines(result)]
