@@ -317,8 +317,8 @@ def summary(result: dict) -> str:
         before, after = result["load"]
         lines += [
             f"The machine's load average (1 minute) was {before:.1f} before the run and "
-            f"{after:.1f} after: above 2, its core count, other processes shared the cores, "
-            "and the times below include waiting for them.",
+            f"{after:.1f} after. Where it is above 2, the core count, other processes shared "
+            "the cores, and the times below include waiting for them.",
             "",
         ]
     lines += [
