@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from autoshard.runtime.offload.optimizer import _Group
 
 
 @dataclass(eq=False)
@@ -50,6 +47,16 @@ class _Chunk:
             [p.param.detach().view(-1)[p.kept :] for p in self.pieces],
             [p.host for p in self.pieces],
         )
+
+
+@dataclass(eq=False)
+class _Group:
+    """The host and device optimizers of the pieces one group of the user's optimizer holds."""
+
+    pieces: list[_Piece]
+    host: torch.optim.Optimizer | None
+    device: torch.optim.Optimizer | None
+    chunks: dict[int, _Chunk] = field(default_factory=dict)  # id(piece) -> its chunk
 
 
 def _elementwise(value: Any, master: torch.Tensor) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from autoshard.runtime.offload.chunks import (
     _Chunk,
     _cut,
     _elementwise,
+    _Group,
     _joined,
     _Piece,
     _split_into,
@@ -48,16 +48,6 @@ from autoshard.runtime.offload.elementwise import check_elementwise
 CHUNK_BYTES = OFFLOAD_CHUNK_BYTES
 #: a group's settings the host and device optimizers keep their own of: how the kernels run
 _OWN_SETTINGS = {"params", "foreach", "fused", "capturable", "differentiable"}
-
-
-@dataclass(eq=False)
-class _Group:
-    """The host and device optimizers of the pieces one group of the user's optimizer holds."""
-
-    pieces: list[_Piece]
-    host: torch.optim.Optimizer | None
-    device: torch.optim.Optimizer | None
-    chunks: dict[int, _Chunk] = field(default_factory=dict)  # id(piece) -> its chunk
 
 
 class OptimizerOffload:
