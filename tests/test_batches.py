@@ -34,7 +34,7 @@ def _export_only(monkeypatch, request):
     """Sizes made from the one export, not captured in one trace each (``one_trace`` tests:
     both)."""
     if "one_trace" not in request.node.name:
-        monkeypatch.setattr(batches_module, "traced_program", lambda *a, **k: None)
+        monkeypatch.setattr(batches_module, "captured_in_one_trace", lambda *a, **k: None)
 
 
 def _facts(og) -> list:
@@ -194,44 +194,6 @@ def test_sizes_captured_in_one_trace_are_the_sizes_made_from_the_export_one_trac
     for size in (6, 4, 3):
         assert _facts(one.at(size)) == _facts(exported.at(size)), (name, size)
     assert one.traced == [6, 4, 3] and one.made == [] and exported.made == [6, 4, 3]
-
-
-@pytest.mark.parametrize(
-    "name,dtype", [("gpt", torch.bfloat16), ("llama", None), ("transformers-llama", torch.bfloat16)]
-)
-def test_sizes_read_from_three_traces_are_their_captures_one_trace(name: str, dtype) -> None:
-    """Past three traced sizes, a size is read from them (``graph/resized.py``), and it is
-    the graph a capture at that size makes, smaller or larger than the traced ones; a batch of
-    one is traced (transformers' Llama slices where it expands at 2 or more)."""
-    model = _transformers_llama() if name == "transformers-llama" else _reference(name)
-    idx = torch.zeros(16, 64, dtype=torch.long)
-    sizes = Batches(model, (idx, idx.clone()), loss_fn=_loss, dtype=dtype)
-    for size in (8, 4, 2, 16, 1, 6):
-        alone = capture(model, (idx[:size], idx[:size].clone()), {}, loss_fn=_loss, train=True,
-                        dtype=dtype)  # fmt: skip
-        assert _facts(sizes.at(size)) == _facts(alone), (name, size)
-    assert sizes.traced == [8, 4, 2, 1] and sizes.resized == [16, 6]
-
-
-class _ByHalves(nn.Module):
-    """A view whose size is half the batch: no whole line in it, so each size is traced."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w(x).reshape(x.shape[0] // 2, 16)
-
-
-def test_a_size_not_on_a_line_is_traced_one_trace() -> None:
-    model = _ByHalves()
-    x = torch.randn(16, 8)
-    sizes = Batches(model, (x,))
-    for size in (16, 8, 4, 12):
-        alone = capture(model, (x[:size],), {}, train=True)
-        assert _facts(sizes.at(size)) == _facts(alone), size
-    assert sizes.traced == [16, 8, 4, 12] and sizes.resized == []
 
 
 def test_a_model_that_needs_export_is_made_from_the_export_one_trace() -> None:

@@ -31,11 +31,10 @@ from autoshard.graph.capture import (
     _from_program,
     call_inputs,
     capture,
+    captured_in_one_trace,
     exported,
-    traced_program,
 )
 from autoshard.graph.opgraph import OpGraph
-from autoshard.graph.resized import SAMPLES, at_size
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -61,18 +60,17 @@ class Batches:
         #: one export, and captured on their own (by export)
         self.one_trace = True
         self.traced: list[int] = []
-        #: sizes read from traces at other sizes (``graph/resized.py``): those traces
-        self.resized: list[int] = []
-        self.samples: list[tuple[int, fx.Graph]] = []
-        self.sampled: Any = None
         self.made: list[int] = []
         self.captured: list[int] = []
 
     def at(self, size: int) -> OpGraph:
         """The training graph at batch ``size``."""
         if self.one_trace:  # a capture in one trace costs less than making it from export's
-            made = self._in_one_trace(size)
+            made = captured_in_one_trace(
+                self.model, self._rows(size), loss_fn=self.loss_fn, dtype=self.dtype
+            )
             if made is not None:
+                self.traced.append(size)
                 return made
             self.one_trace = False  # the model needs export: once, with the batch free
         if not self.tried:
@@ -92,27 +90,6 @@ class Batches:
         return capture(
             self.model, self._rows(size), {}, loss_fn=self.loss_fn, train=True, dtype=self.dtype
         )
-
-    def _in_one_trace(self, size: int) -> OpGraph | None:
-        """The graph at ``size`` read from the traces at other sizes where they are one graph
-        on lines in the batch (``graph/resized.py``), else traced; None where it needs export."""
-        prefix = "" if self.loss_fn is None else "model."
-        if len(self.samples) == SAMPLES:
-            graph = at_size(self.samples, size)
-            if graph is not None:
-                self.resized.append(size)
-                return _from_program(self.sampled, self.model, prefix, True, graph=graph)
-        program = traced_program(
-            self.model, self._rows(size), loss_fn=self.loss_fn, dtype=self.dtype
-        )
-        if program is None:
-            return None
-        self.traced.append(size)
-        graph = _copied(program.graph_module.graph)  # (the OpGraph's, edited; the trace kept)
-        if len(self.samples) < SAMPLES and size > 1 and size not in dict(self.samples):
-            self.samples.append((size, program.graph_module.graph))
-            self.sampled = program
-        return _from_program(program, self.model, prefix, True, graph=graph)
 
     def _rows(self, size: int) -> tuple:
         return tuple(self._cut(x, size) for x in self.args)
@@ -169,18 +146,14 @@ def micro_batch_graphs(
     return micro
 
 
-def _copied(source: fx.Graph) -> fx.Graph:
-    graph = fx.Graph()
-    result, output = graph.graph_copy(source, {}, return_output_node=True)
-    graph.output(result).meta = dict(output.meta)
-    return graph
-
-
 def _at_size(program: ExportedProgram, size: int) -> fx.Graph:
     """A copy of ``program``'s graph with its batch symbol at ``size``: sizes computed from it
     are numbers in the arguments that read them, every value a fake tensor of its shape, on
     its device (torch's own fake tensors, in a mode of their own)."""
-    graph = _copied(program.graph_module.graph)
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    result, output = graph.graph_copy(program.graph_module.graph, copies, return_output_node=True)
+    graph.output(result).meta = dict(output.meta)
     values: dict[fx.Node, Any] = {}
     symbolic: list[fx.Node] = []
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -110,26 +110,12 @@ def captured_in_one_trace(
 ) -> OpGraph | None:
     """The training graph :func:`capture` makes, where it is made in one trace (``traced``);
     None where it would need export."""
-    program = traced_program(model, args, loss_fn=loss_fn, dtype=dtype)
-    if program is None:
-        return None
-    return _from_program(program, model, "" if loss_fn is None else "model.", True)
-
-
-def traced_program(
-    model: nn.Module,
-    args: Sequence[Any],
-    *,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    dtype: torch.dtype | None = None,
-) -> Traced | None:
-    """The one trace :func:`captured_in_one_trace` makes its graph of (``_from_program``
-    edits the graph it is given); None where it would need export."""
     held = Held()
     program = _exported(model, args, {}, loss_fn, True, dtype, held, one_trace=True, export=False)
-    if program is not None:
-        replay(held)
-    return program
+    if program is None:
+        return None
+    replay(held)
+    return _from_program(program, model, "" if loss_fn is None else "model.", True)
 
 
 def exported(
@@ -402,5 +388,4 @@ __all__ = [
     "captured_in_one_trace",
     "exported",
     "tied_names",
-    "traced_program",
 ]
