@@ -12,7 +12,6 @@ mean there, as one device computes it over the micro-batch's rows."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,14 +65,11 @@ def copy_shares(weights: Sequence[float] | None, m: int, k: int) -> tuple[list, 
     return shares, within
 
 
-_inner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def inner_shares(pm: Any, whole: Sequence[Sequence[Any]], mode: bool) -> list[dict]:
     """Per micro-batch, each counted loss inside the loss (``copy_means``) with its copies'
     shares of that micro-batch's counted targets (``whole``: each copy's whole inputs,
     micro-batch by micro-batch)."""
-    k, found = pm.options.copies, _inner.setdefault(pm, {})
+    k, found = pm.options.copies, pm._inner_counted
     if mode not in found:  # found once a module and mode
         captured, means = pm.captured[mode], pm.copy_means if mode else frozenset()
         found[mode] = {n: CountedLoss.of(captured, captured.by_name[n]) for n in sorted(means)}

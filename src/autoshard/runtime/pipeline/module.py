@@ -131,6 +131,7 @@ class PipelineModule(ParallelModule):
         self._shares: list[float] = []
         self._copy_shares: list[list[float]] = []  # under copies: each copy's in its micro-batch
         self._inner_shares: list[dict] = []  # and of each counted loss inside the loss
+        self._inner_counted: dict[bool, dict] = {}  # those losses, found once a mode
         # each weight reader's trainable tensors per stage (what a W of a split backward
         # reaches), in the order the stage's program returns the readers' outputs
         og, held = self._captured[True], self.local_tensors()
