@@ -34,6 +34,14 @@ CHOICES: dict[str, Any] = {
     "recompute": RECOMPUTE_MODES,
 }
 _ATTENTION = "how attention computes over a split sequence (left out: searched)"
+#: plan's and train's pipeline flags but --pp: any of them plans stages; those left out are
+#: searched
+_PIPELINE_HELP = {
+    "microbatches": "micro-batches a step (they divide the batch; left out: searched)",
+    "schedule": "pipeline schedule (left out: searched)",
+    "virtual_stages": "stages a rank of interleaved-1f1b (left out: 2)",
+    "recompute": "recompute of the repeated blocks in backward (left out: searched)",
+}
 
 _DEMO_HELP = {
     "ranks": "local CPU ranks (processes)",
@@ -80,6 +88,8 @@ _TRAIN_HELP = {
     "rest train as workers (docs/parallelism/parameter-server.md; 0: none)",
     "staleness": "with --servers: steps a worker may run ahead of its rows' oldest update "
     "(left out: synchronous)",
+    "pp": "pipeline stages (left out: searched when another pipeline flag is given, else none)",
+    **_PIPELINE_HELP,
 }
 _METAVARS = {"picture": "FILE.png", "timeout": "SECONDS"}
 
@@ -120,7 +130,7 @@ def build_parser(
     demo = command(
         "demo", "plan and train a small GPT on local CPU ranks, checked against one process"
     )
-    _settings(demo, DemoConfig(), _DEMO_HELP, search=["optimal", "recursive"])
+    _settings(demo, DemoConfig(), _DEMO_HELP, search={"choices": ["optimal", "recursive"]})
     demo.add_argument(
         "--layouts",
         action="store_true",
@@ -150,9 +160,10 @@ def build_parser(
     return parser
 
 
-def _settings(p: argparse.ArgumentParser, config: Any, helps: dict[str, str], **choices) -> None:
+def _settings(p: argparse.ArgumentParser, config: Any, helps: dict[str, str], **given) -> None:
     """An option for each field of ``config`` that ``helps`` names, its default the field's
-    and its type the field's annotation (``int | None``: int); a bool is a switch."""
+    and its type the field's annotation (``int | None``: int), a bool a switch; ``given``:
+    an option's own keywords of ``add_argument`` (its choices, parser, metavar)."""
     for field in dataclasses.fields(config):
         if field.name not in helps:
             continue
@@ -160,14 +171,14 @@ def _settings(p: argparse.ArgumentParser, config: Any, helps: dict[str, str], **
         if field.type == "bool":
             p.add_argument(flag, action="store_true", help=helps[field.name])
             continue
-        p.add_argument(
-            flag,
-            type={"int": int, "float": float}.get(str(field.type).partition(" ")[0], str),
-            default=default,
-            choices=choices.get(field.name, CHOICES.get(field.name)),
-            metavar=_METAVARS.get(field.name),
-            help=helps[field.name],
-        )
+        kind = {"int": int, "float": float}.get(str(field.type).partition(" ")[0], str)
+        keywords = {
+            "type": kind,
+            "choices": CHOICES.get(field.name),
+            "metavar": _METAVARS.get(field.name),
+        }
+        keywords |= given.get(field.name, {})
+        p.add_argument(flag, default=default, help=helps[field.name], **keywords)
 
 
 def _redistribute_options(p: argparse.ArgumentParser) -> None:
@@ -218,40 +229,13 @@ def _train_options(p: argparse.ArgumentParser) -> None:
         ("master-port", "rank 0's port"),
     ):
         p.add_argument(f"--{flag}", help=f"{what}, passed to torchrun")
-    _settings(p, TrainConfig(target=""), _TRAIN_HELP)
-    _pipeline_options(
-        p,
-        int,
-        "pipeline stages (left out: searched when another pipeline flag is given, else none)",
-    )
-
-
-def _pipeline_options(p: argparse.ArgumentParser, pp_type: Any, pp_help: str) -> None:
-    """Pipeline stages, for ``autoshard plan`` and ``autoshard train``: any of them plans
-    stages; those left out are searched."""
-    p.add_argument("--pp", type=pp_type, default=None, help=pp_help)
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        help="micro-batches a step (they divide the batch; left out: searched)",
-    )
-    p.add_argument(
-        "--schedule", choices=CHOICES["schedule"], help="pipeline schedule (left out: searched)"
-    )
-    p.add_argument(
-        "--virtual-stages", type=int, help="stages a rank of interleaved-1f1b (left out: 2)"
-    )
-    p.add_argument(
-        "--recompute",
-        choices=CHOICES["recompute"],
-        help="recompute of the repeated blocks in backward (left out: searched)",
-    )
+    _settings(p, TrainConfig(""), _TRAIN_HELP)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """The defaults and types of ``autoshard plan``'s settings (its flags, as ``_settings``
-    reads a config); ``--pp``, ``--copies``, ``--offload`` and ``--nvme`` are its own."""
+    reads a config)."""
 
     model: str = "llama"
     rows: int | None = None
@@ -283,6 +267,14 @@ class PlanConfig:
     cp: int = 1
     attention: str | None = None
     sequence_parallel: bool = False
+    copies: int | str = 1
+    offload: list | None = None
+    nvme: str | None = None
+    pp: int | str | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
 
 
 _PLAN_HELP = {
@@ -327,41 +319,29 @@ _PLAN_HELP = {
     "attention": _ATTENTION,
     "sequence_parallel": "split every op over the tensor-parallel axes where it can be: norms, "
     "dropouts and residuals by sequence between the tensor-parallel linears (Megatron's)",
+    "copies": "copies each rank's batch is cut into, interleaved so one copy's communication "
+    "runs beside another's compute (auto: searched among 1, 2 and 4; docs/parallelism/copies.md)",
+    "offload": "keep off the device (docs/parallelism/offload.md): optimizer[=fraction], "
+    "parameters (ZeRO 3), activations[=module glob], embeddings[=module glob]; repeat for "
+    "several; auto: searched where nothing fits without (left out: nothing offloaded)",
+    "nvme": "keep the host's offloaded state in files (under PATH) on the nodes' NVMe",
+    "pp": "pipeline stages (1: none; auto: search them beside the plan without; left out: "
+    "searched when another pipeline flag is given or nothing fits without stages)",
+    **_PIPELINE_HELP,
 }
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
-    models = ["llama", "gpt", "mlp", "moe", "dlrm"]
-    _settings(p, PlanConfig(), _PLAN_HELP, model=models, dtype=sorted(DTYPES))
-    p.add_argument(
-        "--copies",
-        type=_count_or_auto("copies"),
-        default=1,
-        help="copies each rank's batch is cut into, interleaved so one copy's communication "
-        "runs beside another's compute (auto: searched among 1, 2 and 4; "
-        "docs/parallelism/copies.md)",
-    )
-    p.add_argument(
-        "--offload",
-        action="append",
-        type=_offload_flag,
-        metavar="KIND[=VALUE]",
-        help="keep off the device (docs/parallelism/offload.md): optimizer[=fraction], "
-        "parameters (ZeRO 3), activations[=module glob], embeddings[=module glob]; repeat for "
-        "several; auto: searched where nothing fits without (left out: nothing offloaded)",
-    )
-    p.add_argument(
-        "--nvme",
-        nargs="?",
-        const=True,
-        metavar="PATH",
-        help="keep the host's offloaded state in files (under PATH) on the nodes' NVMe",
-    )
-    _pipeline_options(
+    _settings(
         p,
-        _count_or_auto("stages"),
-        "pipeline stages (1: none; auto: search them beside the plan without; left out: "
-        "searched when another pipeline flag is given or nothing fits without stages)",
+        PlanConfig(),
+        _PLAN_HELP,
+        model={"choices": ["llama", "gpt", "mlp", "moe", "dlrm"]},
+        dtype={"choices": sorted(DTYPES)},
+        copies={"type": _count_or_auto("copies")},
+        offload={"action": "append", "type": _offload_flag, "metavar": "KIND[=VALUE]"},
+        nvme={"nargs": "?", "const": True, "metavar": "PATH"},
+        pp={"type": _count_or_auto("stages")},
     )
 
 
