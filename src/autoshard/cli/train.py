@@ -106,7 +106,15 @@ class TrainConfig:
     def mesh(self, world: int) -> Any:
         """What ``parallelize`` is given for the mesh: the device count (its shape searched),
         or with ``ep`` the mesh itself, the data-parallel axis taking the devices the given
-        degrees leave (the pipeline's axis outermost where ``pp`` is given)."""
+        degrees leave (the pipeline's axis outermost where ``pp`` is given). Degrees whose
+        product does not divide the ranks are an error naming them."""
+        given = {n: getattr(self, n) for n in ("pp", "ep", "cp", "tp") if getattr(self, n)}
+        if world % math.prod(given.values()):
+            named = " ".join(f"--{n} {k}" for n, k in given.items())
+            raise ValueError(
+                f"{named}: the ranks must be a multiple of {math.prod(given.values())}; "
+                f"this run has {world}"
+            )
         if not self.ep:
             return world
         axes = {"pp": self.pp or 1, "dp": 1, "ep": self.ep, "cp": self.cp or 1, "tp": self.tp or 1}

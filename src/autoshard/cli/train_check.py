@@ -4,7 +4,6 @@ later (docs/failures.md)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
         _check_plan_flags(cfg)
     cfg.options(per_node=nproc)  # every option in range, each error naming it
     _check_cluster(cfg, world, nproc)
-    _check_degrees(cfg, world)
+    cfg.mesh(world)  # the degrees given divide the ranks together
     if cfg.picture is not None:
         try:
             import matplotlib  # noqa: F401
@@ -77,17 +76,6 @@ def _check_cluster(cfg: TrainConfig, world: int, nproc: int) -> None:
         cluster_spec(spec, world)
     except ValueError as err:
         raise ValueError(f"--cluster {cfg.cluster}: {err}") from None
-
-
-def _check_degrees(cfg: TrainConfig, world: int) -> None:
-    """The parallel degrees given divide the ranks together."""
-    given = {n: getattr(cfg, n) for n in ("pp", "ep", "cp", "tp") if getattr(cfg, n)}
-    product = math.prod(given.values())
-    if world % product:
-        named = " ".join(f"--{n} {k}" for n, k in given.items())
-        raise ValueError(
-            f"{named}: the ranks must be a multiple of {product}; this run has {world}"
-        )
 
 
 def _check_servers(cfg: TrainConfig, world: int) -> None:
