@@ -43,7 +43,7 @@ def format_search(data: dict, result, built) -> str:
     job = data["predicted"]  # the command's times (PlanJob.show)
     lines.append(f"capture {job['capture_s']:.2f} s, end to end {job['end_to_end_s']:.2f} s")
     lines += _meshes(data, pred) + _copies(pred)
-    lines += format_layers(pred.get("layers", []), pred["step_time_s"], pred["peak_memory_bytes"])
+    lines += format_layers(pred.get("layers", []), pred["peak_memory_bytes"])
     lines += _named_strategies(data, built)
     lines += [f"warning: {w}" for w in data.get("warnings", [])]
     return "\n".join(lines)
@@ -146,7 +146,7 @@ def _meshes(data: dict, pred: dict | None = None) -> list[str]:
     return lines
 
 
-def format_layers(rows: list[dict], step_s: float, peak_bytes: float) -> list[str]:
+def format_layers(rows: list[dict], peak_bytes: float) -> list[str]:
     """The step layer by layer (a repeated block list once, per block, with its count); the
     total counts every block and equals the headline."""
     if not rows:

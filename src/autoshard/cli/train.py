@@ -2,10 +2,8 @@
 
 ``autoshard train mymodule:make --nproc-per-node 2`` (or a TOML file whose ``[train]`` table
 holds the same settings, ``target`` included) starts torchrun, which runs this module's
-:func:`worker` on every rank. The function returns ``(model, data)`` or ``(model, data,
-loss_fn)``, or a dict with ``model``, ``dataset`` or ``batch``, and optionally ``loss_fn`` and
-``optimizer`` (AdamW's keyword arguments). ``data`` is a map-style dataset of samples (each
-rank reads its shard of every global batch) or one global batch, trained on again and again.
+:func:`worker` on every rank, on what the function returns (``user_fn``): each rank reads its
+shard of every global batch of a dataset, or trains on one batch again and again.
 """
 
 from __future__ import annotations
