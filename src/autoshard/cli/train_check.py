@@ -30,11 +30,6 @@ def check(cfg: TrainConfig, nproc: int = 1, nnodes: str | None = None) -> None:
     cfg.options(per_node=nproc)  # every option in range, each error naming it
     _check_cluster(cfg, world, nproc)
     cfg.mesh(world)  # the degrees given divide the ranks together
-    if cfg.picture is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--picture needs matplotlib: pip install matplotlib") from None
     check_checkpoints(cfg)
     torch.manual_seed(cfg.seed)
     parts = parts_of(user_function(cfg.target), cfg.target)
