@@ -211,8 +211,7 @@ def _sequence(built) -> list[str]:
             axes = [a for _, a in layout.factors[1] if a >= 0]
             if axes:
                 ways = layout.shape[1] // layout.local_shape()[1]
-                names = layout.axis_names or [str(a) for a in range(max(axes) + 1)]
-                named = " x ".join(names[a] for a in axes)
+                named = " x ".join(layout.axis_names[a] for a in axes)
                 lines.append(f"sequence of input {name}: split {ways} ways over {named}")
     return lines + attention_methods(built)
 
