@@ -85,19 +85,26 @@ def parallelize(
     opts = Options.from_call(locals(), options)
     opts = opts.replace(copies=_copies(opts))
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
-    if _pipelined(opts):
-        _check_pipelined_offload(opts)
+    pipelined = _pipelined(opts)
+    _check_offload(opts, pipelined)
+    if pipelined:
         return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
     return _one_program(model, example_inputs, opts, loss_fn, example_kwargs, captured)
 
 
-def _check_pipelined_offload(opts: Options) -> None:
-    """Only activations offload under pipeline stages: a pipeline's steps do not route the
-    optimizer's gradients to the host yet."""
-    held = {k: v for k, v in (opts.offload or {}).items() if v and k != "activations"}
-    if held:
+def _check_offload(opts: Options, pipelined: bool) -> None:
+    """What offload does not run with yet: float16's loss scaling beside the optimizer's,
+    and embedding tables on the host under pipeline stages."""
+    offload = opts.offload or {}
+    if offload.get("optimizer") and opts.policy.compute == torch.float16:
         raise ValueError(
-            f"offload={held}: not yet with pipeline stages (offload['activations'] is)"
+            "offload={'optimizer': ...} with float16: GradScaler does not unscale the "
+            "host's gradients yet; use bf16"
+        )
+    if pipelined and offload.get("embeddings"):
+        raise ValueError(
+            f"offload={{'embeddings': {offload['embeddings']!r}}}: not yet with pipeline "
+            "stages (the optimizer's, NVMe's, parameters' and activations' offload are)"
         )
 
 
@@ -113,11 +120,6 @@ def _one_program(
     one_line_on_rank_zero()  # under a launcher: errors of the model or plan once, on rank 0
     check_init(model, opts.init)
     opts = opts.replace(precision=opts.policy.resolve(model))
-    if opts.offload and opts.offload.get("optimizer") and opts.policy.compute == torch.float16:
-        raise ValueError(
-            "offload={'optimizer': ...} with float16: GradScaler does not unscale the "
-            "host's gradients yet; use bf16"
-        )
     if captured is None:  # under copies, of one copy's rows: the program each copy runs
         example, kwargs = copy_example(tuple(example_inputs), example_kwargs, opts.copies)
         captured = capture_modes(model, example, kwargs, loss_fn=loss_fn, dtype=opts.policy.compute)

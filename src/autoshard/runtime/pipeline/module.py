@@ -220,17 +220,25 @@ class PipelineModule(ParallelModule):
         loss = self._broadcast_loss(run.loss(), True)
         return _Finished.apply(loss, self._anchor, self)
 
+    def _route_when_final(self, on_device: dict[str, torch.Tensor], shards: set[str]) -> None:
+        """No gradient leaves for the optimizer offload while the schedule runs: a stage's
+        sums land before the step has summed the stages' tied weights and before
+        ``loss.backward`` scales what the schedule made (``_scale_gradients`` routes them)."""
+
     def _scale_gradients(self, factor: float) -> None:
-        if factor == 1.0:
-            return
-        with torch.no_grad():
-            for p, part in self._pending:
-                if p.grad is None:
-                    continue
-                if part is None:
-                    p.grad.mul_(factor)
-                else:
-                    p.grad.add_(part, alpha=factor - 1.0)
+        """Scale this step's part of each gradient by ``factor``; they are final then, and
+        the optimizer offload's tensors' leave for the host."""
+        if factor != 1.0:
+            with torch.no_grad():
+                for p, part in self._pending:
+                    if p.grad is None:
+                        continue
+                    if part is None:
+                        p.grad.mul_(factor)
+                    else:
+                        p.grad.add_(part, alpha=factor - 1.0)
+        if self._offload is not None:
+            self._offload.route(p for p, _ in self._pending)
 
     def _forward_only(self, args: tuple, kwargs: dict) -> Any:
         mode = self.training
@@ -292,7 +300,11 @@ class PipelineModule(ParallelModule):
             holders = sorted({pipe.rank_of(s) for s in cut.holders(fqn)})
             t = self.local_tensors()[fqn]
             if len(holders) > 1 and isinstance(t, torch.nn.Parameter) and t.grad is not None:
-                comm.all_reduce_(t.grad, holders)
+                # a shard on the host (parameter offload) is summed on the device, as NCCL can
+                grad = t.grad.to(self.device)
+                comm.all_reduce_(grad, holders)
+                if grad is not t.grad:
+                    t.grad.copy_(grad)
 
     def _broadcast_loss(self, loss: torch.Tensor | None, mode: bool) -> Any:
         pipe, captured, plan = self._pipe, self._captured[mode], self._plans[mode]

@@ -103,10 +103,15 @@ class ParallelModule(nn.Module):
         # the host tier's parameters are stepped where they are, by the user's optimizer
         on_device = {k: t for k, t in self.local_tensors().items() if not self._on_host(t)}
         self._offload = optimizer_offload(options.offload, on_device, device, self._rank)
-        if self._offload is not None:  # each final gradient leaves for the host at once
-            self._zero.summed = self._grad_sync.summed = self._offload.route
-            unsummed = (t for fqn, t in on_device.items() if fqn not in shards)
-            self._offload.route_when_accumulated(t for t in unsummed if not self._grad_sync.sums(t))
+        if self._offload is not None:
+            self._route_when_final(on_device, set(shards))
+
+    def _route_when_final(self, on_device: dict[str, torch.Tensor], shards: set[str]) -> None:
+        """Each final gradient of the optimizer offload's tensors leaves for the host at once:
+        a unit's or a bucket's sum as it lands, an unsummed one as backward accumulates it."""
+        self._zero.summed = self._grad_sync.summed = self._offload.route
+        unsummed = (t for fqn, t in on_device.items() if fqn not in shards)
+        self._offload.route_when_accumulated(t for t in unsummed if not self._grad_sync.sums(t))
 
     def _sharded(
         self, model: nn.Module, tensors: dict[str, torch.Tensor], options: Options, device: Any
