@@ -195,29 +195,30 @@ def _checkpoint_across(
 
 
 def _offloaded_llama(
-    level: int, fraction: float, mesh: dict | None = None, clip: float | None = CLIP
+    level: int, fraction: float, mesh: dict | None = None, clip: float | None = CLIP, micro: int = 1
 ) -> None:
     """transformers' Llama built from a config (padded targets the loss leaves out), clipped
     where ``clip``, at ZeRO ``level`` with ``fraction`` of its optimizer on the host, on dp 2
-    or ``mesh`` (``_made``'s): as plain PyTorch, every tensor stepped by the offload (the
-    user's optimizer keeps no state) with its tails' state on the host."""
+    or ``mesh`` (``_made``'s), ``micro`` scaled backwards a step that each sum: as plain
+    PyTorch, every tensor stepped by the offload (the user's optimizer keeps no state) with
+    its tails' state on the host."""
     from test_copies import _batches, _llama
 
     model, data = _llama(), _batches()
-    ref = _plain(model, data, clip)
+    ref = _plain(model, data, clip, micro)
     staged = mesh is not None and "pp" in mesh
     captured = None if staged else capture_modes(model, data[0])
     pm = _made(model, data, captured, level, fraction, mesh=mesh)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    got = _train(pm, opt, data, range(STEPS), clip)
-    case = ("llama", level, fraction, mesh)
+    got = _train(pm, opt, data, range(STEPS), clip, micro, sync=True)
+    case = ("llama", level, fraction, mesh, micro)
     # under pipeline stages, each micro-batch's loss is rounded to float32 apart (HF)
     close = HF if staged else {}
     for norm, expected in zip(got["norms"], ref["norms"], strict=True):
         assert norm == pytest.approx(expected, rel=close.get("rtol", 1e-9)), case
         assert expected > clip  # the clipping was active
     got["state"] = pm.full_state_dict()
-    _same(got, ref, range(STEPS), case, rel=1e-6, **close)
+    _same(got, ref, range(STEPS * micro), case, rel=1e-6, **close)
     assert len(opt.state) == 0 and pm.state_bytes(opt, tier="host")["optimizer"] > 0, case
 
 
@@ -526,8 +527,9 @@ def _cases(directory: str) -> list[dict[str, Any]]:
     _checkpoint_across(directory, (1, 0.0), (3, 0.5, True))  # and loaded into it
     _offloaded_llama(2, 0.5)
     _offloaded_llama(3, 1.0)
-    # pipeline stages: Llama clipped; GPT's tied embedding and head across its two stages
-    _offloaded_llama(0, 1.0, {"pp": 2})
+    # pipeline stages: Llama clipped, two halved losses a step (each backward's gradients
+    # scaled, the second's added on the host); GPT's tied embedding and head in both stages
+    _offloaded_llama(0, 1.0, {"pp": 2}, micro=2)
     _checkpoint_across(directory, (0, 1.0), (0, 0.0), {"pp": 2})
     nvme = Path(directory) / "nvme"
     nvme.mkdir(exist_ok=True)
