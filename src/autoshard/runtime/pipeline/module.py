@@ -227,7 +227,7 @@ class PipelineModule(ParallelModule):
 
     def _scale_gradients(self, factor: float) -> None:
         """Scale this step's part of each gradient by ``factor``; they are final then, and
-        the optimizer offload's tensors' leave for the host."""
+        those of the optimizer offload's tensors leave for the host."""
         if factor != 1.0:
             with torch.no_grad():
                 for p, part in self._pending:
@@ -300,7 +300,7 @@ class PipelineModule(ParallelModule):
             holders = sorted({pipe.rank_of(s) for s in cut.holders(fqn)})
             t = self.local_tensors()[fqn]
             if len(holders) > 1 and isinstance(t, torch.nn.Parameter) and t.grad is not None:
-                # a shard on the host (parameter offload) is summed on the device, as NCCL can
+                # a shard on the host (parameter offload): summed on the device, where NCCL sums
                 grad = t.grad.to(self.device)
                 comm.all_reduce_(grad, holders)
                 if grad is not t.grad:
