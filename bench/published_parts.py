@@ -24,6 +24,9 @@ PARTS = (
 )  # fmt: skip
 #: beside the parts: the data-parallel sums and ZeRO's gathers of the rank a step, hidden or not
 ALL_DP = "dp comm priced"
+#: beside the parts: the kernels the busiest rank launches a step (forward, backward and what
+#: recompute runs again), each priced at the cluster's ``op_overhead`` inside its kind's time
+KERNELS = "kernels"
 
 #: what the parts table of ``bench published`` shows
 DESCRIBED = (
@@ -35,8 +38,9 @@ DESCRIBED = (
     "(`tp comm`), what recompute runs again, the schedule's bubble, the data-parallel "
     "gradient sums and ZeRO's gathers the step waits for after the schedule (`dp comm`: "
     "the sums beside the last micro-batch's backward, the gathers beside the first one's "
-    "forward) and the optimizer step; last, all of the rank's data-parallel traffic a step, "
-    "hidden or not (`dp comm priced`)."
+    "forward) and the optimizer step; then all of the rank's data-parallel traffic a step, "
+    "hidden or not (`dp comm priced`), and the kernels the rank launches a step (forward, "
+    "backward and recompute; each pays 4 us of overhead inside its kind's time)."
 )
 
 
@@ -103,7 +107,34 @@ def parts(plan, og, overlap: float) -> dict[str, float]:
         optimizer = sum(p.state.values()) / state * est.optimizer
         tail = max(tail, (waited + optimizer, waited, p.grad_sums + p.gathers), key=lambda t: t[0])
     out["dp comm"], out["optimizer"], out[ALL_DP] = tail[1], tail[0] - tail[1], tail[2]
+    out[KERNELS] = m * _kernels(est, og, plan.recompute, shares[busy], count)
     return out
+
+
+def _kernels(est, og, recompute: str | None, blocks: int, count: int) -> float:
+    """Kernels a micro-batch launches on a rank holding ``blocks`` of the ``count`` blocks:
+    every op priced forward and every one priced backward, plus the forward ops recompute runs
+    again (full: all of a block's; selective: all but its matrix products), the ops outside
+    the blocks counted with the rank's share of the blocks (the first and last stages hold
+    them; the busiest rank's share is close to its blocks')."""
+    from autoshard.cost.collectives import PRODUCTS
+
+    prefix = next(iter(og.repeated), None)
+    inside = outside = again = 0.0
+    for node in og.graph.nodes:
+        if node.name not in est.by_node:
+            continue
+        terms, copies = est.by_node[node.name]
+        info = og[node]
+        n = copies * ((terms.compute_forward > 0) + (terms.compute_backward > 0))
+        if info.block is None or info.block[0] != prefix:
+            outside += n
+            continue
+        inside += n
+        product = str(info.op).split(".")[0] in PRODUCTS
+        again += copies * (terms.compute_forward > 0) * (recompute == "full" or not product)
+    again = again if recompute in ("full", "selective") else 0.0
+    return (inside + again + outside) * blocks / max(count, 1)
 
 
 def run_parts(r: dict, cluster: Path) -> dict[str, float]:
@@ -124,12 +155,12 @@ def run_parts(r: dict, cluster: Path) -> dict[str, float]:
 
 def table(rows: list[tuple[str, dict[str, float]]]) -> list[str]:
     """The runs' parts as a Markdown table, milliseconds a step."""
-    head = ["run", "published ms", "predicted ms", "error", *PARTS, ALL_DP]
+    head = ["run", "published ms", "predicted ms", "error", *PARTS, ALL_DP, KERNELS]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for name, p in rows:
         error = p["published"] / p["predicted"] - 1
         cells = [f"{p['published'] * 1e3:.0f}", f"{p['predicted'] * 1e3:.0f}", f"{error:+.1%}"]
-        cells += [f"{p[k] * 1e3:.1f}" for k in (*PARTS, ALL_DP)]
+        cells += [f"{p[k] * 1e3:.1f}" for k in (*PARTS, ALL_DP)] + [f"{p.get(KERNELS, 0):.0f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

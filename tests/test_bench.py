@@ -120,7 +120,7 @@ def test_a_published_runs_parts_add_up_to_its_predicted_step(tmp_path, pp) -> No
     small GPT on two nodes of the H100 preset, ZeRO 1, selective recompute, with and without
     stages) into parts that add up to the step the plan predicts: its kinds of compute,
     what recompute runs again, the bubble, the data-parallel sums waited for and the
-    optimizer."""
+    optimizer; beside them, the kernels the rank launches."""
     import json
 
     from autoshard.cost import cluster_spec
@@ -141,3 +141,6 @@ def test_a_published_runs_parts_add_up_to_its_predicted_step(tmp_path, pp) -> No
     assert got["matrix products"] > 0 and got["recompute"] > 0 and got["optimizer"] > 0
     assert (got["bubble"] > 0) == (pp > 1)
     assert got["dp comm priced"] > 0 and got["dp comm priced"] >= got["dp comm"]
+    # every micro-batch launches the same kernels; with stages the rank holds half the blocks
+    kernels = got[published_parts.KERNELS]
+    assert kernels > 0 and (pp > 1 or kernels % run["microbatches"] == 0)
