@@ -436,6 +436,38 @@ def _nvme_training(directory: str, level: int, fraction: float, clip: float | No
     assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20
 
 
+def _parameters_in_files(directory: str) -> None:
+    """GPT at ZeRO 3 with its shards kept in files under ``directory`` (with their masters'
+    optimizer state; no optimizer fraction of the rest), as plain PyTorch; the device and the
+    host hold none of a shard's bytes, nor its gradient or state, the files all of them."""
+    model, data, captured = _setup()
+    ref = _plain(model, data, None)
+    before = set(Path(directory).iterdir())
+    offload = {"parameters": True, "nvme": directory, "host_budget_mb": NVME_BUDGET_MB}
+    pm = parallelize(model, data[0], {"dp": 2}, captured=captured, zero=3, offload=offload)
+    (mine,) = [
+        d for d in set(Path(directory).iterdir()) - before if d.name.startswith(f"rank{pm.rank}-")
+    ]
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    got = _train(pm, opt, data, range(STEPS), None)
+    device, host = pm.state_bytes(opt), pm.state_bytes(opt, tier="host")
+    got["state"] = pm.full_state_dict()
+    _same(got, ref, range(STEPS), "parameters in files")
+    local = pm.local_tensors()
+    shards = {fqn: t for fqn, t in local.items() if fqn in pm.zero_units and t.numel()}
+    rest = [t for fqn, t in local.items() if fqn not in shards]
+    assert shards and all(t.untyped_storage().nbytes() == 0 for t in shards.values())
+    assert device["parameters"] == sum(t.nbytes for t in rest)
+    assert host["parameters"] == host["gradients"] == 0
+    assert not any(t in opt.state for t in shards.values())  # their state is in the files
+    assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20  # the two slots
+    # each stepped shard's master, gradient and two moments; the unused one's master alone
+    held = sum(t.nbytes * (1 if "unused" in fqn else 4) for fqn, t in shards.items())
+    assert sum(f.stat().st_size for f in mine.iterdir()) == held
+    with pytest.raises(ValueError, match=r"checkpoints do not yet read or write ZeRO 3's shards"):
+        autoshard.save(Path(directory) / "refused", pm, opt, step=STEPS)
+
+
 class _Wide(torch.nn.Module):
     """Four 1024-wide layers: 32 MiB of float64 weights, little else."""
 
@@ -481,11 +513,13 @@ def _peak_growth(offload: dict | None, optimizer: type = torch.optim.AdamW) -> i
 
 def _nvme_cases(directory: str) -> dict[str, Any]:
     """NVMe-held optimizer state: as plain PyTorch at ZeRO 0 and 2, checkpoints both ways,
-    and the resident memory of a run whose state outgrows its host budget."""
+    and the resident memory of a run whose state outgrows its host budget; ZeRO 3's shards
+    in files, as plain PyTorch."""
     nvme = Path(directory) / "nvme"
     nvme.mkdir(exist_ok=True)
     _nvme_training(str(nvme), 0, 1.0)
     _nvme_training(str(nvme), 2, 0.5)
+    _parameters_in_files(str(nvme))
     _checkpoint_across(directory, (1, 1.0, str(nvme)), (2, 0.0))
     _checkpoint_across(directory, (2, 0.5), (0, 1.0, str(nvme)))
     budget = 4
@@ -551,7 +585,8 @@ def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> 
     state and the host holds all of it. Activation offload of Llama's decoder layers on pp 2
     and dp 2, as plain PyTorch: every byte they save goes to the host and comes back once.
     NVMe: as plain PyTorch, checkpoints both ways, and a rank's peak resident memory within
-    its host budget (and a margin) of a run without optimizer state."""
+    its host budget (and a margin) of a run without optimizer state; ZeRO 3's shards kept in
+    files as plain PyTorch, neither the device nor the host holding their bytes."""
     per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=1500)
     for rank, cases in enumerate(per_rank):
         for moved in cases["activations"]:
@@ -632,6 +667,9 @@ def test_offload_is_checked_and_named() -> None:
     tables = r"offload=\{'embeddings': 'inner.wpe'\}: not yet with pipeline stages"
     with pytest.raises(ValueError, match=tables):
         parallelize(model, data[0], {"pp": 1}, offload={"embeddings": "inner.wpe"})
+    in_files = {"parameters": True, "nvme": Path(__file__).parent}
+    with pytest.raises(ValueError, match=r"ZeRO 3's shards in files not yet with pipeline"):
+        parallelize(model, data[0], {"pp": 1}, zero=3, offload=in_files)
     with pytest.raises(ValueError, match=r"offload\['activations'\]=3: expected a module glob"):
         Options(offload={"activations": 3})
     for given, named in [

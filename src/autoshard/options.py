@@ -25,8 +25,8 @@ SEARCHES = ("optimal", "recursive", "propagate")
 ATTENTION_METHODS = ("allgather", "ulysses", "ring")
 RECOMPUTE_MODES = ("none", "full", "selective")
 REPLICAS = ("broadcast", "check", "none")
-#: what ``offload=`` may move to the host (``nvme``: where the optimizer's host part is kept
-#: in files, ``host_budget_mb``: the host memory that streams them)
+#: what ``offload=`` may move to the host (``nvme``: where the optimizer's host part and ZeRO
+#: 3's host shards are kept in files, ``host_budget_mb``: the host memory that streams them)
 OFFLOADS = ("optimizer", "parameters", "embeddings", "activations", "nvme", "host_budget_mb")
 #: the host memory the NVMe tier streams through where ``host_budget_mb`` is not given
 HOST_BUDGET_MB = 64.0
@@ -140,8 +140,9 @@ class Options:
     #: weights, optimizer state and update are the host's; "parameters": True, ZeRO 3's
     #: shards between uses; "embeddings": a module glob of nn.Embedding tables looked up and
     #: sparsely updated there; "activations": a module glob whose blocks' saved tensors wait
-    #: on the host for backward; "nvme": a directory where the optimizer's host part is kept
-    #: in files (True in a plan: on NVMe, the path the run's), streamed through
+    #: on the host for backward; "nvme": a directory where the optimizer's host part (and
+    #: with "parameters" the shards, their optimizer state too) is kept in files (True in a
+    #: plan: on NVMe, the path the run's), streamed through
     #: "host_budget_mb" of host memory
     offload: Mapping[str, Any] | None = None
 
@@ -376,10 +377,11 @@ def _offload_problems(offload: Any) -> list[str]:
         isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0
     ):
         bad.append(f"offload['host_budget_mb']={budget!r}: expected a positive number of MiB")
-    if (offload.get("nvme") or budget is not None) and not fraction:
+    if (offload.get("nvme") or budget is not None) and not (fraction or offload.get("parameters")):
         bad.append(
             "offload['nvme'] keeps the optimizer's host part in files: give "
-            "offload['optimizer'] a fraction too, and host_budget_mb only with nvme"
+            "offload['optimizer'] a fraction too (or 'parameters': True, ZeRO 3's shards in "
+            "files), and host_budget_mb only with nvme"
         )
     elif budget is not None and not offload.get("nvme"):
         bad.append("offload['host_budget_mb'] bounds the NVMe tier's host memory: give 'nvme'")

@@ -13,7 +13,7 @@ has an event; ``settle`` waits for them all, before the host reads or writes its
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,6 +33,9 @@ class HostTier:
         #: the host parameters by name
         self.params: dict[str, nn.Parameter] = {}
         self._ids: set[int] = set()
+        #: id of a parameter kept in files (NVMe; it holds no memory) -> what reads it into
+        #: a flat tensor given
+        self.files: dict[int, Callable[[torch.Tensor], None]] = {}
         ref = weakref.ref(self)
 
         def before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -56,6 +59,15 @@ class HostTier:
         self.params[fqn] = param
         self._ids.add(id(param))
         return param
+
+    def read(self, param: torch.Tensor, into: torch.Tensor) -> None:
+        """``param``'s values into the flat tensor ``into`` (the device's): copied without
+        blocking, or read from its files."""
+        reader = self.files.get(id(param))
+        if reader is None:
+            into.copy_(param.detach().reshape(-1), non_blocking=True)
+        else:
+            reader(into)
 
     def holds(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,14 @@ import torch
 import torch.nn as nn
 
 from autoshard.options import HOST_BUDGET_MB
+from autoshard.runtime.offload.host import HostTier
 from autoshard.runtime.offload.optimizer import (
     _OWN_SETTINGS,
     OptimizerOffload,
     _Group,
     _make,
     _Piece,
+    _share,
 )
 
 #: the tensors of a window a slot holds: master weights, gradient and two moments (Adam's)
@@ -71,7 +74,7 @@ class NvmeOffload(OptimizerOffload):
     def __init__(
         self,
         params: dict[str, torch.Tensor],
-        fraction: float,
+        fraction: float | Mapping[str, float],
         device: torch.device,
         path: Any,
         budget: int,
@@ -87,12 +90,16 @@ class NvmeOffload(OptimizerOffload):
         self._keys: list[str] = []  # the elementwise state entries, in their first order
         self._cls: type | None = None
         self._scale: torch.Tensor | None = None  # clipping's, applied to the gradients at the step
+        #: ids of ZeRO 3's host shards kept in their files alone (``keep_in_files``)
+        self.in_files: set[int] = set()
+        self._host: HostTier | None = None
         #: bytes read and written and the seconds spent in those calls (the I/O thread's and
         #: the gradients' writes), since the module was made
         self.io = {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0}
         weakref.finalize(self, _remove, self._fds, self._io, str(self.directory))
         need = sum(
-            math.floor(fraction * p.numel() + 0.5) * p.element_size() for p in params.values()
+            math.floor(_share(fraction, fqn) * p.numel() + 0.5) * p.element_size()
+            for fqn, p in params.items()
         )
         free = shutil.disk_usage(root).free
         if KINDS_PER_SLOT * need > free:
@@ -168,7 +175,44 @@ class NvmeOffload(OptimizerOffload):
         return pieces
 
     def _copy_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
+        if self._host is not None:  # a host shard's sum is copied there without blocking
+            self._host.settle()
         self._put(piece, "grad", tail)
+
+    # -- parameters in files ----------------------------------------------------------------------
+
+    def keep_in_files(self, host: HostTier, shards: Iterable[torch.Tensor]) -> None:
+        """ZeRO 3's host ``shards`` (pieces offloaded whole, their masters already in their
+        files) kept there alone: their memory freed, each gather reading them from the files
+        a window at a time through the bounded host buffer, each step writing them back."""
+        self._host = host
+        for shard in shards:
+            piece = self.pieces[id(shard)]
+            assert piece.kept == 0, piece.fqn
+            # host: the shard's shape without its memory, where the host tier kept it
+            empty = torch.empty(shard.shape, dtype=shard.dtype, device="cpu")
+            empty.untyped_storage().resize_(0)
+            shard.data = empty
+            piece.head = shard.detach().reshape(-1)[:0]  # not a view of the memory freed
+            self.in_files.add(id(shard))
+            host.files[id(shard)] = lambda into, piece=piece: self._fetch(piece, into)
+
+    def check_checkpoint(self) -> None:
+        if self.in_files:
+            raise ValueError(
+                "offload={'parameters': True, 'nvme': ...}: checkpoints do not yet read or "
+                "write ZeRO 3's shards kept in files; save and load without 'nvme'"
+            )
+
+    def _fetch(self, piece: _Piece, into: torch.Tensor) -> None:
+        """``piece``'s parameter from its master file into the flat tensor ``into``, through
+        one window of a slot (no step is under way while forward and backward gather)."""
+        window = self.window(piece.param.dtype)
+        slot = self._slot(piece.param.dtype, 0, ["master"])["master"]
+        for start in range(0, piece.tail, window):
+            n = min(window, piece.tail - start)
+            self._read(piece, "master", start, slot[:n])
+            into[start : start + n].copy_(slot[:n])  # blocking: the slot is read again next
 
     def _add_to_host(self, piece: _Piece, tail: torch.Tensor) -> None:
         if self._scale is not None:
@@ -212,7 +256,8 @@ class NvmeOffload(OptimizerOffload):
     def refresh(self) -> None:
         with torch.no_grad():
             for piece in self.pieces.values():
-                self._put(piece, "master", piece.param.detach().reshape(-1)[piece.kept :])
+                if id(piece.param) not in self.in_files:  # the file is the parameter
+                    self._put(piece, "master", piece.param.detach().reshape(-1)[piece.kept :])
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self._cls = type(optimizer)
@@ -291,9 +336,12 @@ class NvmeOffload(OptimizerOffload):
             if k not in self._keys:
                 self._keys.append(k)
             self._slot(piece.param.dtype, index, [k])[k][:n].copy_(state[k])
-        with torch.no_grad():
-            tail = piece.param.detach().reshape(-1)[piece.kept + start : piece.kept + start + n]
-            tail.copy_(p)
+        if id(piece.param) in self.in_files:  # its file is the parameter: gathered again
+            torch.autograd.graph.increment_version(piece.param)
+        else:
+            with torch.no_grad():
+                flat = piece.param.detach().reshape(-1)
+                flat[piece.kept + start : piece.kept + start + n].copy_(p)
         p.grad = None
         return {k: v for k, v in state.items() if k not in elementwise}, ["master", *elementwise]
 
@@ -333,28 +381,43 @@ class NvmeOffload(OptimizerOffload):
 
 
 def optimizer_offload(
-    offload: Any, tensors: dict[str, torch.Tensor], device: torch.device, rank: int = 0
+    offload: Any,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device,
+    rank: int = 0,
+    host: HostTier | None = None,
+    shards: dict[str, torch.Tensor] | None = None,
 ) -> OptimizerOffload | None:
     """The offload ``Options.offload`` asks for over the trainable parameters of ``tensors``
     (what the optimizer steps, by name: ZeRO shards or local tensors), in host memory or,
-    with ``nvme``, in files there; None where it offloads nothing (no fraction, or no such
-    tensor on this rank)."""
-    fraction = (offload or {}).get("optimizer", 0.0)
-    if not fraction:
-        return None
+    with ``nvme``, in files there; with ``nvme`` and ``parameters`` also ZeRO 3's ``shards``
+    held by ``host``, whole, kept in the files alone. None where it offloads nothing (no
+    fraction nor shard, or no such tensor on this rank)."""
+    offload = offload or {}
+    fraction = offload.get("optimizer", 0.0)
     # an empty shard (a rank past a tensor's last rows) stays the user's optimizer's: its
     # state, however empty, is what a checkpoint of that rank holds
-    params = {
-        fqn: t
-        for fqn, t in tensors.items()
-        if isinstance(t, nn.Parameter) and t.requires_grad and t.numel()
-    }
-    if not params:
+    params = {fqn: t for fqn, t in tensors.items() if _stepped(t)} if fraction else {}
+    in_files = offload.get("nvme") and offload.get("parameters") and host is not None
+    whole = (
+        {fqn: t for fqn, t in (shards or {}).items() if _stepped(t) and host.holds(t)}
+        if in_files
+        else {}
+    )
+    if not params and not whole:
         return None
     if not offload.get("nvme"):
         return OptimizerOffload(params, float(fraction), device)
     budget = int((offload.get("host_budget_mb") or HOST_BUDGET_MB) * 2**20)
-    return NvmeOffload(params, float(fraction), device, offload["nvme"], budget, rank)
+    shares = dict.fromkeys(params, float(fraction)) | dict.fromkeys(whole, 1.0)
+    out = NvmeOffload(params | whole, shares, device, offload["nvme"], budget, rank)
+    if whole:
+        out.keep_in_files(host, whole.values())
+    return out
+
+
+def _stepped(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) and t.requires_grad and t.numel() > 0
 
 
 def _remove(fds: dict, io: ThreadPoolExecutor, directory: str) -> None:

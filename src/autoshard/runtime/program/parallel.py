@@ -68,8 +68,7 @@ class ParallelModule(nn.Module):
         self.precision = precision = options.policy
         # the plans as this module runs them: copies under its precision policy
         plans = {mode: dataclasses.replace(p, precision=precision) for mode, p in plans.items()}
-        self.plan = plans[True]
-        self._plans = plans
+        self.plan, self._plans = plans[True], plans
         self._captured = captured
         self._rank = rank
         self._state = RunState(seed=options.seed)
@@ -100,9 +99,11 @@ class ParallelModule(nn.Module):
             fill(self, model, options.init, options.seed)
         if options.copies > 1:
             check_copies(self._programs[True], options.copies, captured[True].mutations)
-        # the host tier's parameters are stepped where they are, by the user's optimizer
+        # the host tier's parameters are stepped where they are, by the user's optimizer (but
+        # ZeRO 3's with NVMe: the offload keeps them in its files)
         on_device = {k: t for k, t in self.local_tensors().items() if not self._on_host(t)}
-        self._offload = optimizer_offload(options.offload, on_device, device, self._rank)
+        hosted = (self._host, shards)
+        self._offload = optimizer_offload(options.offload, on_device, device, self._rank, *hosted)
         if self._offload is not None:
             self._route_when_final(on_device, set(shards))
 
@@ -351,14 +352,18 @@ class ParallelModule(nn.Module):
         return dict(self._tables.traffic) if self._tables else {"to_device": 0, "to_host": 0}
 
     def nvme_io(self) -> dict[str, float]:
-        """Bytes read and written to the optimizer's NVMe files and the seconds those calls
-        took, since the module was made (all 0 without ``nvme``)."""
+        """Bytes read and written to the NVMe files and seconds taken since the module was made."""
         io = getattr(self._offload, "io", None)
         return dict(io or {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0})
 
+    def offload_seconds(self) -> dict[str, float]:
+        """Seconds the optimizer offload's host update and copies back took since the module
+        was made (docs/parallelism/offload.md)."""
+        seconds = getattr(self._offload, "seconds", None)
+        return dict(seconds or {"host_update": 0.0, "copy_back": 0.0})
+
     def offloaded_norms(self, norm_type: float) -> list[tuple[str, torch.Tensor]]:
-        """Sums of ``|g| ** norm_type`` (largest ``|g|`` for inf) of the gradient parts in
-        files (NVMe's), by name; ``scale_offloaded`` scales them."""
+        """Sums of ``|g| ** norm_type`` (largest ``|g|`` for inf) of gradients in NVMe's files."""
         norms = getattr(self._offload, "tail_norms", None)
         return norms(norm_type) if norms else []
 
@@ -367,16 +372,14 @@ class ParallelModule(nn.Module):
             self._offload.scale_tails(scale)
 
     def offloaded_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """This step's gradients the optimizer offload holds, by name (a tensor's device
-        head and host tail each; clipping reads and scales them)."""
+        """This step's offloaded gradients by name (device heads, host tails; clipping's)."""
         return self._offload.grads() if self._offload else []
 
     def offloaded_optimizer_state(
         self, optimizer: torch.optim.Optimizer, ready: bool = False
     ) -> dict[int, dict]:
-        """The offloaded tensors' optimizer state by ``id`` of the tensor ``optimizer`` steps,
-        as without offload (checkpoints save it; ``load_offloaded_optimizer_state`` takes it
-        back); ``ready``: made first where no step has made it."""
+        """The offloaded tensors' optimizer state by ``id`` of the tensor ``optimizer`` steps, as
+        without offload (checkpoints'); ``ready``: made first where no step has made it."""
         if self._offload is None or not self._offload.owns(optimizer):
             return {}
         if ready:
@@ -404,6 +407,8 @@ class ParallelModule(nn.Module):
     def checkpoint_parts(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[int, ...], Any]]:
         """Each saved tensor by name: (this rank's tensor, its global indices per dim, the
         global shape, its rows of dim 0 under ZeRO or None); ``autoshard.save`` writes them."""
+        if self._offload is not None:  # what a checkpoint cannot hold yet is named
+            self._offload.check_checkpoint()
         out = {}
         for fqn, t in self.local_tensors().items():
             if not any(n in self._full_keys for n in self._aliases.get(fqn, [fqn])):

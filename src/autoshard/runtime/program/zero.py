@@ -110,7 +110,11 @@ class _Unit:
         with self.host.side(out) if self.host is not None else nullcontext():
             for m in self.members:
                 n = (m.mine[1] - m.mine[0]) * m.row
-                send[m.offset : m.offset + n].copy_(m.shard.detach().reshape(-1), non_blocking=True)
+                part = send[m.offset : m.offset + n]
+                if self.host is not None:  # a shard in files is read from them here
+                    self.host.read(m.shard, part)
+                else:
+                    part.copy_(m.shard.detach().reshape(-1), non_blocking=True)
             self.gathering = (comm.all_gather_async(out, send, self.group), out)
         self.version = self.versions()
 
@@ -426,7 +430,10 @@ class Zero:
         unit, m = self._unit_of[fqn]
         size = len(unit.group)
         send = torch.zeros(m.chunk * m.row, dtype=m.shard.dtype, device=unit.device)
-        send[: m.shard.numel()].copy_(m.shard.detach().reshape(-1))
+        if unit.host is not None:
+            unit.host.read(m.shard, send[: m.shard.numel()])
+        else:
+            send[: m.shard.numel()].copy_(m.shard.detach().reshape(-1))
         out = comm.all_gather(send, sorted(unit.group)).reshape(-1)
         probe = _Member(m.fqn, m.shard, m.shape, m.rows, m.row, m.chunk, 0, m.mine)
         return _unpad(probe, out, size, m.chunk * m.row)
