@@ -98,6 +98,9 @@ def test_parameters_activations_embeddings_and_nvme_are_priced_per_tier() -> Non
     shards = _plan({"parameters": True}, zero=3).predicted
     moved = zero3.memory["parameters"] - shards.memory["parameters"]
     assert moved > 0 and shards.host["parameters"] == pytest.approx(moved)
+    # the optimizer steps the shards on the host, so their state is the host's too
+    stated = zero3.memory["optimizer"] - shards.memory["optimizer"]
+    assert stated > 0 and shards.host["optimizer"] == pytest.approx(stated)
     assert shards.offload_parts["parameters_forward"] >= 0
     with pytest.raises(
         ValueError, match=r"offload\['parameters'\]=True with zero=1: .* give zero=3"

@@ -160,7 +160,7 @@ def with_offload(
     if choice.optimizer:
         parts |= _optimizer(out, stepped, choice.optimizer, cluster)
     if choice.parameters:
-        parts |= _parameters(out, stepped, cluster)
+        parts |= _parameters(out, stepped, cluster, choice.optimizer)
     if choice.activations:
         parts |= _activations(out, og, choice.activations, cluster, depth)
     if choice.nvme:
@@ -264,11 +264,12 @@ def pipelined(stages: list[float], nbytes: float, chunk: float = CHUNK_BYTES) ->
 
 
 def _parameters(
-    est: OffloadEstimate, stepped: list[_Stepped], cluster: ClusterSpec
+    est: OffloadEstimate, stepped: list[_Stepped], cluster: ClusterSpec, fraction: float = 0.0
 ) -> dict[str, float]:
     """ZeRO 3 shards (a device's whole tensors where it has no replica) on the host between
     uses, each fetched one unit ahead of its gathers, forward and backward, behind the compute
-    of the unit before it."""
+    of the unit before it; the optimizer steps them there, so their state the optimizer's
+    ``fraction`` left on the device is the host's too."""
     sharded = [s for s in stepped if s.level == 3]
     if not sharded:
         raise ValueError("offload parameters: no parameter is at ZeRO 3 (plan with zero=3)")
@@ -278,6 +279,8 @@ def _parameters(
     for s in sorted(sharded, key=lambda s: s.done, reverse=True):  # forward's order
         shard = s.count * s.elements * s.itemsize
         _move(est.host, est.memory, "parameters", min(shard, s.count * s.memory["parameters"]))
+        left = s.count * s.memory["optimizer"] * (1.0 - fraction)
+        _move(est.host, est.memory, "optimizer", min(ADAM_STATES * shard * (1.0 - fraction), left))
         seconds = shard / cluster.host_bandwidth
         at = {"forward": (1.0 - s.done) * forward, "backward": s.done * backward}
         for run, items in ahead.items():
