@@ -32,6 +32,7 @@ import torch
 pytest.importorskip("transformers")
 
 from test_copies import _megatron  # noqa: E402
+from test_examples import _free_port  # noqa: E402
 
 from autoshard.testing import run_ranks  # noqa: E402
 
@@ -244,6 +245,7 @@ def test_autoshard_train_of_a_model_without_labels_is_one_line(tmp_path) -> None
     command = [
         sys.executable, "-m", "autoshard.cli", "train", "test_hf_own_loss:make_unlabelled",
         "--nproc-per-node", "2", "--steps", "1", "--log", str(tmp_path / "log.jsonl"),
+        "--master-port", str(_free_port()),  # not torchrun's 29500: other launches run beside
     ]  # fmt: skip
     out = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
