@@ -3,6 +3,8 @@ once per test module."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -38,3 +40,8 @@ preload(
     "transformers.models.mixtral.modeling_mixtral",
     "transformers.models.gpt2.modeling_gpt2",
 )
+
+# Two pytest-xdist workers share the cores: with a pool of intra-op threads each, the pools spin
+# against each other (and against the ranks, which run on one thread each).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
