@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from test_runtime import STEPS, WithUnused, batches, build
 
 import autoshard
-from autoshard import Options, clip_grad_norm_, parallelize, shard_inputs
+from autoshard import Options, clip_grad_norm_, parallelize, shard_inputs, single_device
 from autoshard.graph.capture import capture_modes
 from autoshard.runtime.offload import OffloadedBlock
 from autoshard.testing import run_ranks
@@ -631,16 +631,78 @@ def test_offload_inside_pipeline_stages_trains_as_plain_pytorch(tmp_path) -> Non
     run_ranks(_staged_cases, 4, str(tmp_path), timeout=1200)
 
 
+def _fp16_scaled(level: int, fraction: float, nvme: str | None = None) -> None:
+    """GPT computing in float16 with ``fraction`` of its optimizer on the host (in files under
+    ``nvme``) at ZeRO ``level`` on dp 2 under ``autoshard.GradScaler``, against one device
+    under ``torch.amp.GradScaler``, both stepped by SGD with momentum (an update linear in the
+    gradients, so float16's rounding moves it by as much as it moves them: test_precision.py).
+    The first step's scaled gradients overflow float16 on both sides; a later step has an inf
+    put into a host tail's gradient on rank 1 alone (into one parameter's on the one device):
+    both skip those steps (the host's update too) and back off alike, and the rest equal."""
+    model, config = build("gpt", 0.0)
+    data = batches(config, torch.float32)
+    captured = capture_modes(model, data[0], dtype=torch.float16)
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured, precision="fp16")
+    offload = {"optimizer": fraction} | ({"nvme": nvme, "host_budget_mb": 0.05} if nvme else {})
+    pm = parallelize(
+        model, data[0], {"dp": 2}, captured=captured, zero=level, precision="fp16", offload=offload
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, pm)]
+    # 2**16 scales float16's gradients past its largest value (65504)
+    scalers = [
+        torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2),
+        autoshard.GradScaler(init_scale=2.0**16, growth_interval=2),
+    ]
+    start = ref.full_state_dict()
+    case, poisoned = ("fp16", level, fraction, nvme), 4
+    scales, stepped, losses = [], [], []
+    for step in range(8):
+        batch, before = data[step % len(data)], pm.full_state_dict()
+        for m, opt, scaler, local in zip(
+            (ref, pm), opts, scalers, (batch, shard_inputs(batch, pm)), strict=True
+        ):
+            loss = m(*local)
+            scaler.scale(loss).backward()
+            if step == poisoned and m is ref:
+                next(iter(ref.parameters())).grad.view(-1)[0] = float("inf")
+            elif step == poisoned and pm.rank == 1:
+                # the last part: a host tail (a device head where the tails are in files)
+                pm.offloaded_grads()[-1][1].view(-1)[0] = math.inf
+            scaler.step(opt), scaler.update(), opt.zero_grad()
+            losses.append(float(loss))
+        scales.append([float(s.get_scale()) for s in scalers])
+        after = pm.full_state_dict()
+        stepped.append(any(not torch.equal(after[k], v) for k, v in before.items()))
+    assert [a == b for a, b in scales] == [True] * 8, (case, scales)
+    # a step skipped is one the scale backed off after (2**16 again after two clean ones)
+    backed = [now[0] < was[0] for was, now in zip([[2.0**16]] + scales, scales, strict=False)]
+    assert backed[0] and backed[poisoned] and not all(backed), (case, scales)
+    assert stepped == [not b for b in backed], (case, stepped, scales)
+    for got, expected in zip(losses[1::2], losses[0::2], strict=True):
+        assert got == pytest.approx(expected, rel=0.02), case
+    full = pm.full_state_dict()
+    for k, v in ref.full_state_dict().items():
+        moved, moved_ref = full[k] - start[k], v - start[k]
+        error = float((moved - moved_ref).norm() / moved_ref.norm().clamp_min(1e-12))
+        assert error < 0.03 or moved_ref.norm() == 0, (case, k, error)
+
+
 def _nvme_clipped(directory: str) -> None:
+    """NVMe's clipping; float16's loss scaling over offloaded gradients (in the same ranks)."""
     _nvme_training(directory, 0, 1.0, CLIP)
     _nvme_training(directory, 2, 0.5, CLIP)
     _nvme_training(directory, 3, 1.0, CLIP)
+    for level, fraction in [(1, 1.0), (1, 0.5), (3, 1.0), (3, 0.5)]:
+        _fp16_scaled(level, fraction)
+    _fp16_scaled(2, 0.5, directory)
 
 
 def test_nvme_held_gradients_are_clipped_as_plain_pytorch(tmp_path) -> None:
     """Clipping reads the gradients in files a window at a time for the norm (the device heads
     as they are) and scales them as the step reads them: the norms, losses and parameters of
-    plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2."""
+    plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2. float16 under loss scaling
+    with the optimizer offloaded (1.0 and 0.5 at ZeRO 1 and 3; 0.5 in files at ZeRO 2) as
+    plain PyTorch under ``torch.amp.GradScaler``, overflowing steps skipped on both sides."""
     run_ranks(_nvme_clipped, 2, str(tmp_path), timeout=900)
 
 
@@ -660,10 +722,6 @@ def test_offload_is_checked_and_named() -> None:
     model, data, _ = _setup()
     with pytest.raises(ValueError, match=r"offload\['optimizer'\]=2"):
         parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 2})
-    with pytest.raises(ValueError, match="with float16: GradScaler does not unscale"):
-        parallelize(model, data[0], {"dp": 1}, precision="fp16", offload={"optimizer": True})
-    with pytest.raises(ValueError, match="with float16: GradScaler does not unscale"):
-        parallelize(model, data[0], {"pp": 1}, precision="fp16", offload={"optimizer": True})
     tables = r"offload=\{'embeddings': 'inner.wpe'\}: not yet with pipeline stages"
     with pytest.raises(ValueError, match=tables):
         parallelize(model, data[0], {"pp": 1}, offload={"embeddings": "inner.wpe"})

@@ -253,6 +253,20 @@ class NvmeOffload(OptimizerOffload):
         scale = scale.detach().to("cpu", torch.float64)
         self._scale = scale if self._scale is None else self._scale * scale
 
+    def unscale(self, optimizer: torch.optim.Optimizer, factor: float) -> list[torch.Tensor]:
+        """The heads as in host memory; the tails' flags from their files (each read a window
+        at a time), their ``factor`` left pending with clipping's scale."""
+        mine = self._mine(optimizer)
+        flags = super().unscale(optimizer, factor)
+        flags += [~torch.isfinite(m) for fqn, m in self.tail_norms(math.inf) if fqn in mine]
+        # host: the pending scale the step multiplies each window read by
+        self.scale_tails(torch.tensor(factor, dtype=torch.float64, device="cpu"))
+        return flags
+
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        super().skip(optimizer)
+        self._scale = None
+
     def refresh(self) -> None:
         with torch.no_grad():
             for piece in self.pieces.values():
