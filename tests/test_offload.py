@@ -436,12 +436,13 @@ def _nvme_training(directory: str, level: int, fraction: float, clip: float | No
     assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20
 
 
-def _parameters_in_files(directory: str) -> None:
+def _parameters_in_files(directory: str, clip: float | None = None) -> None:
     """GPT at ZeRO 3 with its shards kept in files under ``directory`` (with their masters'
-    optimizer state; no optimizer fraction of the rest), as plain PyTorch; the device and the
-    host hold none of a shard's bytes, nor its gradient or state, the files all of them."""
+    optimizer state; no optimizer fraction of the rest), as plain PyTorch (clipped where
+    ``clip``, the norms too); the device and the host hold none of a shard's bytes, nor its
+    gradient or state, the files all of them; gathers found shards read ahead."""
     model, data, captured = _setup()
-    ref = _plain(model, data, None)
+    ref = _plain(model, data, clip)
     before = set(Path(directory).iterdir())
     offload = {"parameters": True, "nvme": directory, "host_budget_mb": NVME_BUDGET_MB}
     pm = parallelize(model, data[0], {"dp": 2}, captured=captured, zero=3, offload=offload)
@@ -449,10 +450,15 @@ def _parameters_in_files(directory: str) -> None:
         d for d in set(Path(directory).iterdir()) - before if d.name.startswith(f"rank{pm.rank}-")
     ]
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    got = _train(pm, opt, data, range(STEPS), None)
+    got = _train(pm, opt, data, range(STEPS), clip)
+    for norm, expected in zip(got["norms"], ref["norms"], strict=True):
+        assert norm == pytest.approx(expected, rel=1e-9), ("parameters in files", clip)
+        assert expected > clip  # the clipping was active
     device, host = pm.state_bytes(opt), pm.state_bytes(opt, tier="host")
+    io = pm.nvme_io()
+    assert 0 < io["ahead_bytes"] < io["read_bytes"], io  # a part of what was read
     got["state"] = pm.full_state_dict()
-    _same(got, ref, range(STEPS), "parameters in files")
+    _same(got, ref, range(STEPS), ("parameters in files", clip))
     local = pm.local_tensors()
     shards = {fqn: t for fqn, t in local.items() if fqn in pm.zero_units and t.numel()}
     rest = [t for fqn, t in local.items() if fqn not in shards]
@@ -460,7 +466,7 @@ def _parameters_in_files(directory: str) -> None:
     assert device["parameters"] == sum(t.nbytes for t in rest)
     assert host["parameters"] == host["gradients"] == 0
     assert not any(t in opt.state for t in shards.values())  # their state is in the files
-    assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20  # the two slots
+    assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20  # the two slots, the read-ahead
     # each stepped shard's master, gradient and two moments; the unused one's master alone
     held = sum(t.nbytes * (1 if "unused" in fqn else 4) for fqn, t in shards.items())
     assert sum(f.stat().st_size for f in mine.iterdir()) == held
@@ -692,6 +698,7 @@ def _nvme_clipped(directory: str) -> None:
     _nvme_training(directory, 0, 1.0, CLIP)
     _nvme_training(directory, 2, 0.5, CLIP)
     _nvme_training(directory, 3, 1.0, CLIP)
+    _parameters_in_files(directory, CLIP)
     for level, fraction in [(1, 1.0), (1, 0.5), (3, 1.0), (3, 0.5)]:
         _fp16_scaled(level, fraction)
     _fp16_scaled(2, 0.5, directory)

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -40,6 +41,7 @@ from autoshard.runtime.offload.optimizer import (
     _Piece,
     _share,
 )
+from autoshard.runtime.offload.readahead import ReadAhead
 
 #: the tensors of a window a slot holds: master weights, gradient and two moments (Adam's)
 KINDS_PER_SLOT = 4
@@ -93,9 +95,14 @@ class NvmeOffload(OptimizerOffload):
         #: ids of ZeRO 3's host shards kept in their files alone (``keep_in_files``)
         self.in_files: set[int] = set()
         self._host: HostTier | None = None
+        self._ahead: ReadAhead | None = None  # with shards in files: their reads ahead
+        self._parts = SLOTS  # the budget's parts: the step's slots (and the read-ahead's)
+        self._counting = threading.Lock()  # the I/O thread and this one both count
         #: bytes read and written and the seconds spent in those calls (the I/O thread's and
         #: the gradients' writes), since the module was made
         self.io = {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0}
+        #: of those read, the bytes of shards in files a gather took from their read-ahead
+        self.io["ahead_bytes"] = 0
         weakref.finalize(self, _remove, self._fds, self._io, str(self.directory))
         need = sum(
             math.floor(_share(fraction, fqn) * p.numel() + 0.5) * p.element_size()
@@ -112,7 +119,7 @@ class NvmeOffload(OptimizerOffload):
     def window(self, dtype: torch.dtype) -> int:
         """Elements of one window of tensors of ``dtype``."""
         size = dtype.itemsize
-        return max(1, self.budget // (SLOTS * KINDS_PER_SLOT * size))
+        return max(1, self.budget // (self._parts * KINDS_PER_SLOT * size))
 
     # -- files ------------------------------------------------------------------------------------
 
@@ -129,8 +136,9 @@ class NvmeOffload(OptimizerOffload):
         got = os.preadv(self._fd(piece, kind), [view], start * into.element_size())
         if got != len(view):
             raise OSError(f"{self.directory}: {piece.fqn} {kind} is short ({got} bytes read)")
-        self.io["read_bytes"] += got
-        self.io["read_s"] += time.perf_counter() - began
+        with self._counting:
+            self.io["read_bytes"] += got
+            self.io["read_s"] += time.perf_counter() - began
 
     def _write(self, piece: _Piece, kind: str, start: int, data: torch.Tensor) -> None:
         view = memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
@@ -139,8 +147,9 @@ class NvmeOffload(OptimizerOffload):
         while view:  # a write may take fewer bytes than given
             done = os.pwrite(fd, view, offset)
             view, offset = view[done:], offset + done
-        self.io["write_bytes"] += size
-        self.io["write_s"] += time.perf_counter() - began
+        with self._counting:
+            self.io["write_bytes"] += size
+            self.io["write_s"] += time.perf_counter() - began
 
     def _put(self, piece: _Piece, kind: str, tail: torch.Tensor, add: bool = False) -> None:
         """Write ``tail`` (the piece's whole tail, on any device) to its file, through one
@@ -186,6 +195,12 @@ class NvmeOffload(OptimizerOffload):
         files) kept there alone: their memory freed, each gather reading them from the files
         a window at a time through the bounded host buffer, each step writing them back."""
         self._host = host
+        # a third part of the budget, beside the step's two slots: the unit read ahead
+        self._parts = SLOTS + 1
+        self._ahead = ReadAhead(
+            self._io, self._read, lambda dtype: KINDS_PER_SLOT * self.window(dtype), self._cuda
+        )
+        host.ahead = self._read_ahead
         for shard in shards:
             piece = self.pieces[id(shard)]
             assert piece.kept == 0, piece.fqn
@@ -204,12 +219,19 @@ class NvmeOffload(OptimizerOffload):
                 "write ZeRO 3's shards kept in files; save and load without 'nvme'"
             )
 
+    def _read_ahead(self, shards: list[torch.Tensor]) -> None:
+        """Read ``shards`` (a unit's, gathered after the next) on the I/O thread now."""
+        self._ahead.ask([self.pieces[id(s)] for s in shards if id(s) in self.in_files])
+
     def _fetch(self, piece: _Piece, into: torch.Tensor) -> None:
-        """``piece``'s parameter from its master file into the flat tensor ``into``, through
-        one window of a slot (no step is under way while forward and backward gather)."""
+        """``piece``'s parameter from its master file into the flat tensor ``into``: what
+        was read ahead copied, the rest read here through one window of a slot (no step is
+        under way while forward and backward gather)."""
+        done = self._ahead.take(piece, into) if self._ahead is not None else 0
+        self.io["ahead_bytes"] += done * piece.param.element_size()
         window = self.window(piece.param.dtype)
         slot = self._slot(piece.param.dtype, 0, ["master"])["master"]
-        for start in range(0, piece.tail, window):
+        for start in range(done, piece.tail, window):
             n = min(window, piece.tail - start)
             self._read(piece, "master", start, slot[:n])
             into[start : start + n].copy_(slot[:n])  # blocking: the slot is read again next
@@ -268,6 +290,8 @@ class NvmeOffload(OptimizerOffload):
         self._scale = None
 
     def refresh(self) -> None:
+        if self._ahead is not None:  # the files change under it
+            self._ahead.drop()
         with torch.no_grad():
             for piece in self.pieces.values():
                 if id(piece.param) not in self.in_files:  # the file is the parameter
@@ -275,6 +299,8 @@ class NvmeOffload(OptimizerOffload):
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self._cls = type(optimizer)
+        if self._ahead is not None:  # the step writes the masters read ahead
+            self._ahead.drop()
         super().step(optimizer)
         self._scale = None
 
@@ -387,7 +413,8 @@ class NvmeOffload(OptimizerOffload):
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What the host holds: the two slots the files stream through."""
         slots = [t for kinds in self._slots.values() for s in kinds for t in s.values()]
-        return {"parameters": [], "gradients": [], "optimizer": slots}
+        ahead = self._ahead.tensors() if self._ahead is not None else []
+        return {"parameters": [], "gradients": [], "optimizer": slots + ahead}
 
     def file_bytes(self) -> int:
         """Bytes in this rank's files."""
