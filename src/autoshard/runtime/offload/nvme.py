@@ -95,6 +95,7 @@ class NvmeOffload(OptimizerOffload):
         #: ids of ZeRO 3's host shards kept in their files alone (``keep_in_files``)
         self.in_files: set[int] = set()
         self._host: HostTier | None = None
+        self._staged: dict[int, torch.Tensor] = {}  # shards in files a checkpoint holds
         self._ahead: ReadAhead | None = None  # with shards in files: their reads ahead
         self._parts = SLOTS  # the budget's parts: the step's slots (and the read-ahead's)
         self._counting = threading.Lock()  # the I/O thread and this one both count
@@ -212,12 +213,20 @@ class NvmeOffload(OptimizerOffload):
             self.in_files.add(id(shard))
             host.files[id(shard)] = lambda into, piece=piece: self._fetch(piece, into)
 
-    def check_checkpoint(self) -> None:
-        if self.in_files:
-            raise ValueError(
-                "offload={'parameters': True, 'nvme': ...}: checkpoints do not yet read or "
-                "write ZeRO 3's shards kept in files; save and load without 'nvme'"
-            )
+    def in_memory(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` where its memory holds its values; one kept in files read whole into a
+        host tensor that a checkpoint saves from or loads into (held until ``refresh``
+        writes it back, or ``release``)."""
+        if id(shard) not in self.in_files:
+            return shard
+        # host: the shard's values while a checkpoint reads or writes them, one tensor each
+        value = self._get(self.pieces[id(shard)], "master").view(shard.shape)
+        self._staged[id(shard)] = value
+        return value
+
+    def release(self) -> None:
+        """Let go of what ``in_memory`` read (a save is done with it)."""
+        self._staged = {}
 
     def _read_ahead(self, shards: list[torch.Tensor]) -> None:
         """Read ``shards`` (a unit's, gathered after the next) on the I/O thread now."""
@@ -294,8 +303,12 @@ class NvmeOffload(OptimizerOffload):
             self._ahead.drop()
         with torch.no_grad():
             for piece in self.pieces.values():
-                if id(piece.param) not in self.in_files:  # the file is the parameter
+                if id(piece.param) not in self.in_files:
                     self._put(piece, "master", piece.param.detach().reshape(-1)[piece.kept :])
+                elif id(piece.param) in self._staged:  # the file is the parameter: loaded
+                    self._put(piece, "master", self._staged[id(piece.param)].reshape(-1))
+                    torch.autograd.graph.increment_version(piece.param)  # gathered again
+        self.release()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self._cls = type(optimizer)

@@ -413,9 +413,6 @@ class OptimizerOffload:
             for k, v in group.host.state.get(chunk.master, {}).items()
         }
 
-    def check_checkpoint(self) -> None:
-        """A ValueError where a checkpoint cannot yet save or load this offload's state."""
-
     def _tail_loaded(self, piece: _Piece, tail: dict[str, Any]) -> None:
         """``_tail_state``'s tensors of ``piece`` hold what a checkpoint loaded (kept)."""
 

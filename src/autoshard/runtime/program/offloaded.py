@@ -84,6 +84,16 @@ class OffloadedState:
         if self._offload is not None and state:
             self._offload.load_state(optimizer, state)
 
+    def in_memory(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or for a ZeRO 3 shard kept in NVMe's files a host tensor of its values
+        (what checkpoints save from and load into; ``loaded`` writes it back)."""
+        return self._offload.in_memory(t) if hasattr(self._offload, "in_memory") else t
+
+    def checkpoint_saved(self) -> None:
+        """A save is done with what ``in_memory`` read."""
+        if hasattr(self._offload, "release"):
+            self._offload.release()
+
     def loaded(self) -> None:
         """The weights were loaded in place: the host's master copies follow them."""
         if self._offload is not None:
