@@ -816,6 +816,20 @@ def test_one_rank_trains_as_plain_pytorch_with_gradients_no_sum_routes() -> None
         assert all(p.grad is None for p in pm.parameters()), fraction  # routed in backward
 
 
+def test_loss_scaling_names_a_second_optimizer_over_tensors_in_files(tmp_path) -> None:
+    """The division loss scaling leaves pending over the tails in files is one for all of
+    them: an optimizer that steps only some of them is named at ``unscale_``."""
+    model, data, _ = _setup()
+    offload = {"optimizer": 1.0, "nvme": str(tmp_path)}
+    pm = parallelize(model, data[0], {"dp": 1}, precision="fp16", offload=offload)
+    params = list(pm.parameters())
+    opts = [torch.optim.SGD(params[:2], lr=LR), torch.optim.SGD(params[2:], lr=LR)]
+    scaler = autoshard.GradScaler()
+    scaler.scale(pm(*data[0])).backward()
+    with pytest.raises(ValueError, match=r"under loss scaling: .* stepped by another optimizer"):
+        scaler.unscale_(opts[0])
+
+
 def test_bf16_offload_equals_the_run_without_it_under_fused_adamw() -> None:
     """Mixed precision: the float32 masters updated on the host by torch's fused CPU AdamW (one
     call over the flat masters) are bitwise those the same run updates on the device with

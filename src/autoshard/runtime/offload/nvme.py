@@ -288,6 +288,13 @@ class NvmeOffload(OptimizerOffload):
         """The heads as in host memory; the tails' flags from their files (each read a window
         at a time), their ``factor`` left pending with clipping's scale."""
         mine = self._mine(optimizer)
+        others = sorted(p.fqn for p in self.pieces.values() if p.tail and p.fqn not in mine)
+        if others:  # the pending scale is one for every tail in files
+            raise ValueError(
+                f"offload['nvme'] under loss scaling: {others[0]} is in files but stepped by "
+                "another optimizer than the one unscaled; give one optimizer all the "
+                "offloaded parameters"
+            )
         flags = super().unscale(optimizer, factor)
         flags += [~torch.isfinite(m) for fqn, m in self.tail_norms(math.inf) if fqn in mine]
         # host: the pending scale the step multiplies each window read by
