@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from test_runtime import STEPS, WithUnused, batches, build
 
 import autoshard
-from autoshard import Options, clip_grad_norm_, parallelize, shard_inputs
+from autoshard import Options, clip_grad_norm_, parallelize, shard_inputs, single_device
 from autoshard.graph.capture import capture_modes
 from autoshard.runtime.offload import OffloadedBlock
 from autoshard.testing import run_ranks
@@ -75,16 +75,19 @@ def _made(
     captured: dict,
     level: int,
     fraction: float,
-    where: bool | str = False,
+    where: bool | str | dict = False,
     mesh: dict | None = None,
 ) -> Any:
     """``fraction`` of the optimizer on the host; ``where`` True puts ZeRO 3's shards there
     too, a path keeps the optimizer's host part in files under it (NVMe, streamed in windows
-    of 163 float64 elements: many a tensor). On dp 2, or on ``mesh``, whose ``pp`` axis makes
+    of 163 float64 elements: many a tensor), a mapping adds its keys (ZeRO 3's shards in
+    files: ``{"parameters": True, "nvme": path}``). On dp 2, or on ``mesh``, whose ``pp`` axis makes
     ``PIPELINE``'s stages (capturing one micro-batch, not ``captured``'s whole batch)."""
     offload = {"optimizer": fraction} if fraction or where is True else None
     if where is True:
         offload["parameters"] = True
+    elif isinstance(where, dict):
+        offload = {"optimizer": fraction, "host_budget_mb": NVME_BUDGET_MB} | where
     elif where:
         offload |= {"nvme": where, "host_budget_mb": NVME_BUDGET_MB}
     staged = PIPELINE if mesh and "pp" in mesh else {"captured": captured}
@@ -179,6 +182,7 @@ def _checkpoint_across(
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     _train(pm, opt, data, range(2), None)
     where = "" if len(before) < 3 else ("host" if before[2] is True else "nvme")
+    where += "files" if len(before) > 2 and isinstance(before[2], dict) else ""
     staged = "-".join(f"{k}{v}" for k, v in (mesh or {}).items())
     path = Path(directory) / f"{staged}{before[:2]}{where}-{after[:2]}"
     autoshard.save(path, pm, opt, step=2)
@@ -436,12 +440,13 @@ def _nvme_training(directory: str, level: int, fraction: float, clip: float | No
     assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20
 
 
-def _parameters_in_files(directory: str) -> None:
+def _parameters_in_files(directory: str, clip: float | None = None) -> None:
     """GPT at ZeRO 3 with its shards kept in files under ``directory`` (with their masters'
-    optimizer state; no optimizer fraction of the rest), as plain PyTorch; the device and the
-    host hold none of a shard's bytes, nor its gradient or state, the files all of them."""
+    optimizer state; no optimizer fraction of the rest), as plain PyTorch (clipped where
+    ``clip``, the norms too); the device and the host hold none of a shard's bytes, nor its
+    gradient or state, the files all of them; gathers found shards read ahead."""
     model, data, captured = _setup()
-    ref = _plain(model, data, None)
+    ref = _plain(model, data, clip)
     before = set(Path(directory).iterdir())
     offload = {"parameters": True, "nvme": directory, "host_budget_mb": NVME_BUDGET_MB}
     pm = parallelize(model, data[0], {"dp": 2}, captured=captured, zero=3, offload=offload)
@@ -449,10 +454,15 @@ def _parameters_in_files(directory: str) -> None:
         d for d in set(Path(directory).iterdir()) - before if d.name.startswith(f"rank{pm.rank}-")
     ]
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    got = _train(pm, opt, data, range(STEPS), None)
+    got = _train(pm, opt, data, range(STEPS), clip)
+    for norm, expected in zip(got["norms"], ref["norms"], strict=True):
+        assert norm == pytest.approx(expected, rel=1e-9), ("parameters in files", clip)
+        assert expected > clip  # the clipping was active
     device, host = pm.state_bytes(opt), pm.state_bytes(opt, tier="host")
+    io = pm.nvme_io()
+    assert 0 < io["ahead_bytes"] < io["read_bytes"], io  # a part of what was read
     got["state"] = pm.full_state_dict()
-    _same(got, ref, range(STEPS), "parameters in files")
+    _same(got, ref, range(STEPS), ("parameters in files", clip))
     local = pm.local_tensors()
     shards = {fqn: t for fqn, t in local.items() if fqn in pm.zero_units and t.numel()}
     rest = [t for fqn, t in local.items() if fqn not in shards]
@@ -460,12 +470,10 @@ def _parameters_in_files(directory: str) -> None:
     assert device["parameters"] == sum(t.nbytes for t in rest)
     assert host["parameters"] == host["gradients"] == 0
     assert not any(t in opt.state for t in shards.values())  # their state is in the files
-    assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20  # the two slots
+    assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20  # the two slots, the read-ahead
     # each stepped shard's master, gradient and two moments; the unused one's master alone
     held = sum(t.nbytes * (1 if "unused" in fqn else 4) for fqn, t in shards.items())
     assert sum(f.stat().st_size for f in mine.iterdir()) == held
-    with pytest.raises(ValueError, match=r"checkpoints do not yet read or write ZeRO 3's shards"):
-        autoshard.save(Path(directory) / "refused", pm, opt, step=STEPS)
 
 
 class _Wide(torch.nn.Module):
@@ -631,16 +639,85 @@ def test_offload_inside_pipeline_stages_trains_as_plain_pytorch(tmp_path) -> Non
     run_ranks(_staged_cases, 4, str(tmp_path), timeout=1200)
 
 
+def _fp16_scaled(level: int, fraction: float, nvme: str | None = None) -> None:
+    """GPT computing in float16 with ``fraction`` of its optimizer on the host (in files under
+    ``nvme``) at ZeRO ``level`` on dp 2 under ``autoshard.GradScaler``, against one device
+    under ``torch.amp.GradScaler``, both stepped by SGD with momentum (an update linear in the
+    gradients, so float16's rounding moves it by as much as it moves them: test_precision.py).
+    The first step's scaled gradients overflow float16 on both sides; a later step has an inf
+    put into a host tail's gradient on rank 1 alone (into one parameter's on the one device):
+    both skip those steps (the host's update too) and back off alike, and the rest equal."""
+    model, config = build("gpt", 0.0)
+    data = batches(config, torch.float32)
+    captured = capture_modes(model, data[0], dtype=torch.float16)
+    ref = single_device(copy.deepcopy(model), data[0], captured=captured, precision="fp16")
+    offload = {"optimizer": fraction} | ({"nvme": nvme, "host_budget_mb": 0.05} if nvme else {})
+    pm = parallelize(
+        model, data[0], {"dp": 2}, captured=captured, zero=level, precision="fp16", offload=offload
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, pm)]
+    # 2**16 scales float16's gradients past its largest value (65504)
+    scalers = [
+        torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2),
+        autoshard.GradScaler(init_scale=2.0**16, growth_interval=2),
+    ]
+    start = ref.full_state_dict()
+    case, poisoned = ("fp16", level, fraction, nvme), 4
+    scales, stepped, losses = [], [], []
+    for step in range(8):
+        batch, before = data[step % len(data)], pm.full_state_dict()
+        for m, opt, scaler, local in zip(
+            (ref, pm), opts, scalers, (batch, shard_inputs(batch, pm)), strict=True
+        ):
+            loss = m(*local)
+            scaler.scale(loss).backward()
+            if step == poisoned and m is ref:
+                next(iter(ref.parameters())).grad.view(-1)[0] = float("inf")
+            elif step == poisoned and pm.rank == 1:
+                # the last part: a host tail (a device head where the tails are in files)
+                pm.offloaded_grads()[-1][1].view(-1)[0] = math.inf
+            scaler.step(opt), scaler.update(), opt.zero_grad()
+            losses.append(float(loss))
+        scales.append([float(s.get_scale()) for s in scalers])
+        after = pm.full_state_dict()
+        stepped.append(any(not torch.equal(after[k], v) for k, v in before.items()))
+    assert [a == b for a, b in scales] == [True] * 8, (case, scales)
+    # a step skipped is one the scale backed off after (2**16 again after two clean ones)
+    backed = [now[0] < was[0] for was, now in zip([[2.0**16]] + scales, scales, strict=False)]
+    assert backed[0] and backed[poisoned] and not all(backed), (case, scales)
+    assert stepped == [not b for b in backed], (case, stepped, scales)
+    for got, expected in zip(losses[1::2], losses[0::2], strict=True):
+        assert got == pytest.approx(expected, rel=0.02), case
+    full = pm.full_state_dict()
+    for k, v in ref.full_state_dict().items():
+        moved, moved_ref = full[k] - start[k], v - start[k]
+        error = float((moved - moved_ref).norm() / moved_ref.norm().clamp_min(1e-12))
+        assert error < 0.03 or moved_ref.norm() == 0, (case, k, error)
+
+
 def _nvme_clipped(directory: str) -> None:
+    """NVMe's clipping; float16's loss scaling over offloaded gradients (in the same ranks)."""
     _nvme_training(directory, 0, 1.0, CLIP)
     _nvme_training(directory, 2, 0.5, CLIP)
     _nvme_training(directory, 3, 1.0, CLIP)
+    _parameters_in_files(directory, CLIP)
+    # ZeRO 3's shards in files saved from them (resharded to ZeRO 2 without offload) and
+    # loaded into them; the optimizer's half in files beside them
+    files = {"parameters": True, "nvme": directory}
+    _checkpoint_across(directory, (3, 0.0, files), (2, 0.0))
+    _checkpoint_across(directory, (1, 0.0), (3, 0.0, files))
+    _checkpoint_across(directory, (3, 0.5, files), (3, 0.0, files))
+    for level, fraction in [(1, 1.0), (1, 0.5), (3, 1.0), (3, 0.5)]:
+        _fp16_scaled(level, fraction)
+    _fp16_scaled(2, 0.5, directory)
 
 
 def test_nvme_held_gradients_are_clipped_as_plain_pytorch(tmp_path) -> None:
     """Clipping reads the gradients in files a window at a time for the norm (the device heads
     as they are) and scales them as the step reads them: the norms, losses and parameters of
-    plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2."""
+    plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2. float16 under loss scaling
+    with the optimizer offloaded (1.0 and 0.5 at ZeRO 1 and 3; 0.5 in files at ZeRO 2) as
+    plain PyTorch under ``torch.amp.GradScaler``, overflowing steps skipped on both sides."""
     run_ranks(_nvme_clipped, 2, str(tmp_path), timeout=900)
 
 
@@ -660,10 +737,6 @@ def test_offload_is_checked_and_named() -> None:
     model, data, _ = _setup()
     with pytest.raises(ValueError, match=r"offload\['optimizer'\]=2"):
         parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 2})
-    with pytest.raises(ValueError, match="with float16: GradScaler does not unscale"):
-        parallelize(model, data[0], {"dp": 1}, precision="fp16", offload={"optimizer": True})
-    with pytest.raises(ValueError, match="with float16: GradScaler does not unscale"):
-        parallelize(model, data[0], {"pp": 1}, precision="fp16", offload={"optimizer": True})
     tables = r"offload=\{'embeddings': 'inner.wpe'\}: not yet with pipeline stages"
     with pytest.raises(ValueError, match=tables):
         parallelize(model, data[0], {"pp": 1}, offload={"embeddings": "inner.wpe"})
@@ -741,6 +814,20 @@ def test_one_rank_trains_as_plain_pytorch_with_gradients_no_sum_routes() -> None
         assert len(opt.state) == 0  # every tensor's state is the offload's
         pm(*data[0]).backward()
         assert all(p.grad is None for p in pm.parameters()), fraction  # routed in backward
+
+
+def test_loss_scaling_names_a_second_optimizer_over_tensors_in_files(tmp_path) -> None:
+    """The division loss scaling leaves pending over the tails in files is one for all of
+    them: an optimizer that steps only some of them is named at ``unscale_``."""
+    model, data, _ = _setup()
+    offload = {"optimizer": 1.0, "nvme": str(tmp_path)}
+    pm = parallelize(model, data[0], {"dp": 1}, precision="fp16", offload=offload)
+    params = list(pm.parameters())
+    opts = [torch.optim.SGD(params[:2], lr=LR), torch.optim.SGD(params[2:], lr=LR)]
+    scaler = autoshard.GradScaler()
+    scaler.scale(pm(*data[0])).backward()
+    with pytest.raises(ValueError, match=r"under loss scaling: .* stepped by another optimizer"):
+        scaler.unscale_(opts[0])
 
 
 def test_bf16_offload_equals_the_run_without_it_under_fused_adamw() -> None:

@@ -93,14 +93,9 @@ def parallelize(
 
 
 def _check_offload(opts: Options, pipelined: bool) -> None:
-    """What offload does not run with yet: float16's loss scaling beside the optimizer's,
-    embedding tables on the host and ZeRO 3's shards in files under pipeline stages."""
+    """What offload does not run with yet: embedding tables on the host and ZeRO 3's shards
+    in files under pipeline stages."""
     offload = opts.offload or {}
-    if offload.get("optimizer") and opts.policy.compute == torch.float16:
-        raise ValueError(
-            "offload={'optimizer': ...} with float16: GradScaler does not unscale the "
-            "host's gradients yet; use bf16"
-        )
     if pipelined and offload.get("embeddings"):
         raise ValueError(
             f"offload={{'embeddings': {offload['embeddings']!r}}}: not yet with pipeline "

@@ -13,7 +13,7 @@ from autoshard.runtime.offload.activations import (
 from autoshard.runtime.offload.embeddings import EmbeddingOffload, embedding_offload
 from autoshard.runtime.offload.host import HostTier
 from autoshard.runtime.offload.nvme import NvmeOffload, check_nvme, optimizer_offload
-from autoshard.runtime.offload.optimizer import CHUNK_BYTES, OptimizerOffload
+from autoshard.runtime.offload.optimizer import CHUNK_BYTES, OptimizerOffload, offloads_of
 
 __all__ = [
     "CHUNK_BYTES",
@@ -26,5 +26,6 @@ __all__ = [
     "activation_offload",
     "check_nvme",
     "embedding_offload",
+    "offloads_of",
     "optimizer_offload",
 ]

@@ -36,6 +36,8 @@ class HostTier:
         #: id of a parameter kept in files (NVMe; it holds no memory) -> what reads it into
         #: a flat tensor given
         self.files: dict[int, Callable[[torch.Tensor], None]] = {}
+        #: what reads such parameters ahead of their gather (NVMe's I/O thread), or None
+        self.ahead: Callable[[list[torch.Tensor]], None] | None = None
         ref = weakref.ref(self)
 
         def before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -68,6 +70,12 @@ class HostTier:
             into.copy_(param.detach().reshape(-1), non_blocking=True)
         else:
             reader(into)
+
+    def read_ahead(self, params: list[torch.Tensor]) -> None:
+        """Start reading those of ``params`` kept in files, whose gather comes after the
+        next one's (a no-op where none is)."""
+        if self.ahead is not None and any(id(p) in self.files for p in params):
+            self.ahead(params)
 
     def holds(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids

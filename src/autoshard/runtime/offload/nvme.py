@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -40,6 +41,7 @@ from autoshard.runtime.offload.optimizer import (
     _Piece,
     _share,
 )
+from autoshard.runtime.offload.readahead import ReadAhead
 
 #: the tensors of a window a slot holds: master weights, gradient and two moments (Adam's)
 KINDS_PER_SLOT = 4
@@ -93,9 +95,15 @@ class NvmeOffload(OptimizerOffload):
         #: ids of ZeRO 3's host shards kept in their files alone (``keep_in_files``)
         self.in_files: set[int] = set()
         self._host: HostTier | None = None
+        self._staged: dict[int, torch.Tensor] = {}  # shards in files a checkpoint holds
+        self._ahead: ReadAhead | None = None  # with shards in files: their reads ahead
+        self._parts = SLOTS  # the budget's parts: the step's slots (and the read-ahead's)
+        self._counting = threading.Lock()  # the I/O thread and this one both count
         #: bytes read and written and the seconds spent in those calls (the I/O thread's and
         #: the gradients' writes), since the module was made
         self.io = {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0}
+        #: of those read, the bytes of shards in files a gather took from their read-ahead
+        self.io["ahead_bytes"] = 0
         weakref.finalize(self, _remove, self._fds, self._io, str(self.directory))
         need = sum(
             math.floor(_share(fraction, fqn) * p.numel() + 0.5) * p.element_size()
@@ -112,7 +120,7 @@ class NvmeOffload(OptimizerOffload):
     def window(self, dtype: torch.dtype) -> int:
         """Elements of one window of tensors of ``dtype``."""
         size = dtype.itemsize
-        return max(1, self.budget // (SLOTS * KINDS_PER_SLOT * size))
+        return max(1, self.budget // (self._parts * KINDS_PER_SLOT * size))
 
     # -- files ------------------------------------------------------------------------------------
 
@@ -129,8 +137,9 @@ class NvmeOffload(OptimizerOffload):
         got = os.preadv(self._fd(piece, kind), [view], start * into.element_size())
         if got != len(view):
             raise OSError(f"{self.directory}: {piece.fqn} {kind} is short ({got} bytes read)")
-        self.io["read_bytes"] += got
-        self.io["read_s"] += time.perf_counter() - began
+        with self._counting:
+            self.io["read_bytes"] += got
+            self.io["read_s"] += time.perf_counter() - began
 
     def _write(self, piece: _Piece, kind: str, start: int, data: torch.Tensor) -> None:
         view = memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
@@ -139,8 +148,9 @@ class NvmeOffload(OptimizerOffload):
         while view:  # a write may take fewer bytes than given
             done = os.pwrite(fd, view, offset)
             view, offset = view[done:], offset + done
-        self.io["write_bytes"] += size
-        self.io["write_s"] += time.perf_counter() - began
+        with self._counting:
+            self.io["write_bytes"] += size
+            self.io["write_s"] += time.perf_counter() - began
 
     def _put(self, piece: _Piece, kind: str, tail: torch.Tensor, add: bool = False) -> None:
         """Write ``tail`` (the piece's whole tail, on any device) to its file, through one
@@ -186,6 +196,12 @@ class NvmeOffload(OptimizerOffload):
         files) kept there alone: their memory freed, each gather reading them from the files
         a window at a time through the bounded host buffer, each step writing them back."""
         self._host = host
+        # a third part of the budget, beside the step's two slots: the unit read ahead
+        self._parts = SLOTS + 1
+        self._ahead = ReadAhead(
+            self._io, self._read, lambda dtype: KINDS_PER_SLOT * self.window(dtype), self._cuda
+        )
+        host.ahead = self._read_ahead
         for shard in shards:
             piece = self.pieces[id(shard)]
             assert piece.kept == 0, piece.fqn
@@ -197,19 +213,34 @@ class NvmeOffload(OptimizerOffload):
             self.in_files.add(id(shard))
             host.files[id(shard)] = lambda into, piece=piece: self._fetch(piece, into)
 
-    def check_checkpoint(self) -> None:
-        if self.in_files:
-            raise ValueError(
-                "offload={'parameters': True, 'nvme': ...}: checkpoints do not yet read or "
-                "write ZeRO 3's shards kept in files; save and load without 'nvme'"
-            )
+    def in_memory(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` where its memory holds its values; one kept in files read whole into a
+        host tensor that a checkpoint saves from or loads into (held until ``refresh``
+        writes it back, or ``release``)."""
+        if id(shard) not in self.in_files:
+            return shard
+        # host: the shard's values while a checkpoint reads or writes them, one tensor each
+        value = self._get(self.pieces[id(shard)], "master").view(shard.shape)
+        self._staged[id(shard)] = value
+        return value
+
+    def release(self) -> None:
+        """Let go of what ``in_memory`` read (a save is done with it)."""
+        self._staged = {}
+
+    def _read_ahead(self, shards: list[torch.Tensor]) -> None:
+        """Read ``shards`` (a unit's, gathered after the next) on the I/O thread now."""
+        self._ahead.ask([self.pieces[id(s)] for s in shards if id(s) in self.in_files])
 
     def _fetch(self, piece: _Piece, into: torch.Tensor) -> None:
-        """``piece``'s parameter from its master file into the flat tensor ``into``, through
-        one window of a slot (no step is under way while forward and backward gather)."""
+        """``piece``'s parameter from its master file into the flat tensor ``into``: what
+        was read ahead copied, the rest read here through one window of a slot (no step is
+        under way while forward and backward gather)."""
+        done = self._ahead.take(piece, into) if self._ahead is not None else 0
+        self.io["ahead_bytes"] += done * piece.param.element_size()
         window = self.window(piece.param.dtype)
         slot = self._slot(piece.param.dtype, 0, ["master"])["master"]
-        for start in range(0, piece.tail, window):
+        for start in range(done, piece.tail, window):
             n = min(window, piece.tail - start)
             self._read(piece, "master", start, slot[:n])
             into[start : start + n].copy_(slot[:n])  # blocking: the slot is read again next
@@ -253,14 +284,43 @@ class NvmeOffload(OptimizerOffload):
         scale = scale.detach().to("cpu", torch.float64)
         self._scale = scale if self._scale is None else self._scale * scale
 
+    def unscale(self, optimizer: torch.optim.Optimizer, factor: float) -> list[torch.Tensor]:
+        """The heads as in host memory; the tails' flags from their files (each read a window
+        at a time), their ``factor`` left pending with clipping's scale."""
+        mine = self._mine(optimizer)
+        others = sorted(p.fqn for p in self.pieces.values() if p.tail and p.fqn not in mine)
+        if others:  # the pending scale is one for every tail in files
+            raise ValueError(
+                f"offload['nvme'] under loss scaling: {others[0]} is in files but stepped by "
+                "another optimizer than the one unscaled; give one optimizer all the "
+                "offloaded parameters"
+            )
+        flags = super().unscale(optimizer, factor)
+        flags += [~torch.isfinite(m) for fqn, m in self.tail_norms(math.inf) if fqn in mine]
+        # host: the pending scale the step multiplies each window read by
+        self.scale_tails(torch.tensor(factor, dtype=torch.float64, device="cpu"))
+        return flags
+
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        super().skip(optimizer)
+        self._scale = None
+
     def refresh(self) -> None:
+        if self._ahead is not None:  # the files change under it
+            self._ahead.drop()
         with torch.no_grad():
             for piece in self.pieces.values():
-                if id(piece.param) not in self.in_files:  # the file is the parameter
+                if id(piece.param) not in self.in_files:
                     self._put(piece, "master", piece.param.detach().reshape(-1)[piece.kept :])
+                elif id(piece.param) in self._staged:  # the file is the parameter: loaded
+                    self._put(piece, "master", self._staged[id(piece.param)].reshape(-1))
+                    torch.autograd.graph.increment_version(piece.param)  # gathered again
+        self.release()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self._cls = type(optimizer)
+        if self._ahead is not None:  # the step writes the masters read ahead
+            self._ahead.drop()
         super().step(optimizer)
         self._scale = None
 
@@ -373,7 +433,8 @@ class NvmeOffload(OptimizerOffload):
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What the host holds: the two slots the files stream through."""
         slots = [t for kinds in self._slots.values() for s in kinds for t in s.values()]
-        return {"parameters": [], "gradients": [], "optimizer": slots}
+        ahead = self._ahead.tensors() if self._ahead is not None else []
+        return {"parameters": [], "gradients": [], "optimizer": slots + ahead}
 
     def file_bytes(self) -> int:
         """Bytes in this rank's files."""

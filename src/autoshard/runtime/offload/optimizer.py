@@ -49,6 +49,8 @@ from autoshard.runtime.offload.elementwise import check_elementwise
 CHUNK_BYTES = OFFLOAD_CHUNK_BYTES
 #: a group's settings the host and device optimizers keep their own of: how the kernels run
 _OWN_SETTINGS = {"params", "foreach", "fused", "capturable", "differentiable"}
+#: the offloads alive in this process, which loss scaling asks for an optimizer's gradients
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class OptimizerOffload:
@@ -92,6 +94,7 @@ class OptimizerOffload:
             if offload is not None and offload.owns(optimizer):
                 offload.step(optimizer)
 
+        _LIVE.add(self)
         for handle in (
             register_optimizer_step_pre_hook(before_step),
             register_optimizer_step_post_hook(after_step),
@@ -207,6 +210,38 @@ class OptimizerOffload:
             if piece.tail:
                 out.append((piece.fqn, piece.buffer))
         return out
+
+    def unscale(self, optimizer: torch.optim.Optimizer, factor: float) -> list[torch.Tensor]:
+        """Multiply this step's gradients of ``optimizer``'s offloaded tensors by ``factor``
+        (loss scaling's ``1 / scale``): the device heads and the host tails alike. Returns a
+        flag per part, true where it holds an inf or a nan (before the multiplication)."""
+        mine = self._mine(optimizer)
+        flags = []
+        with torch.no_grad():
+            for fqn, grad in self.grads():
+                if fqn in mine:
+                    flags.append(~torch.isfinite(grad).all())
+                    grad.mul_(factor)
+        return flags
+
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this step's gradients of ``optimizer``'s offloaded tensors unused (loss scaling
+        skipped its step): the next backward writes the host's buffers afresh, as a step and
+        ``zero_grad`` would have left them."""
+        self.collect()
+        mine = self._mine(optimizer)
+        for piece in self.pieces.values():
+            if piece.fqn in mine:
+                self._wait_copy(piece)
+                piece.has_grad, piece.head.grad = False, None
+
+    def _mine(self, optimizer: torch.optim.Optimizer) -> set[str]:
+        return {
+            self.pieces[id(p)].fqn
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if id(p) in self.pieces
+        }
 
     # -- the update -------------------------------------------------------------------------------
 
@@ -378,9 +413,6 @@ class OptimizerOffload:
             for k, v in group.host.state.get(chunk.master, {}).items()
         }
 
-    def check_checkpoint(self) -> None:
-        """A ValueError where a checkpoint cannot yet save or load this offload's state."""
-
     def _tail_loaded(self, piece: _Piece, tail: dict[str, Any]) -> None:
         """``_tail_state``'s tensors of ``piece`` hold what a checkpoint loaded (kept)."""
 
@@ -401,6 +433,11 @@ class OptimizerOffload:
             "gradients": grads,
             "optimizer": [v for s in states for st in s.values() for v in st.values()],
         }
+
+
+def offloads_of(optimizer: torch.optim.Optimizer) -> list[OptimizerOffload]:
+    """The live offloads that step some tensor of ``optimizer`` (loss scaling's)."""
+    return [offload for offload in list(_LIVE) if offload.owns(optimizer)]
 
 
 def _share(fraction: float | Mapping[str, float], fqn: str) -> float:
@@ -426,4 +463,4 @@ def _make(
     return cls(tensors, **lr)
 
 
-__all__ = ["CHUNK_BYTES", "OptimizerOffload"]
+__all__ = ["CHUNK_BYTES", "OptimizerOffload", "offloads_of"]

@@ -42,9 +42,11 @@ class OffloadedState:
         return dict(self._tables.traffic) if self._tables else {"to_device": 0, "to_host": 0}
 
     def nvme_io(self) -> dict[str, float]:
-        """Bytes read and written to the NVMe files and seconds taken since the module was made."""
+        """Bytes read and written to the NVMe files and seconds taken since the module was made;
+        ``ahead_bytes``: of those read, ZeRO 3's shards a gather found read ahead."""
         io = getattr(self._offload, "io", None)
-        return dict(io or {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0})
+        none = {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0, "ahead_bytes": 0}
+        return dict(io or none)
 
     def offload_seconds(self) -> dict[str, float]:
         """Seconds the optimizer offload's host update and copies back took since the module
@@ -81,6 +83,16 @@ class OffloadedState:
     ) -> None:
         if self._offload is not None and state:
             self._offload.load_state(optimizer, state)
+
+    def in_memory(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or for a ZeRO 3 shard kept in NVMe's files a host tensor of its values
+        (what checkpoints save from and load into; ``loaded`` writes it back)."""
+        return self._offload.in_memory(t) if hasattr(self._offload, "in_memory") else t
+
+    def checkpoint_saved(self) -> None:
+        """A save is done with what ``in_memory`` read."""
+        if hasattr(self._offload, "release"):
+            self._offload.release()
 
     def loaded(self) -> None:
         """The weights were loaded in place: the host's master copies follow them."""

@@ -342,8 +342,6 @@ class ParallelModule(OffloadedState, nn.Module):
     def checkpoint_parts(self) -> dict[str, tuple[torch.Tensor, tuple, tuple[int, ...], Any]]:
         """Each saved tensor by name: (this rank's tensor, its global indices per dim, the
         global shape, its rows of dim 0 under ZeRO or None); ``autoshard.save`` writes them."""
-        if self._offload is not None:  # what a checkpoint cannot hold yet is named
-            self._offload.check_checkpoint()
         out = {}
         for fqn, t in self.local_tensors().items():
             if not any(n in self._full_keys for n in self._aliases.get(fqn, [fqn])):
@@ -404,7 +402,8 @@ class ParallelModule(OffloadedState, nn.Module):
                     raise KeyError(f"state dict has no entry for {fqn} (or its tied names)")
                 layout = self._layouts[fqn].with_dtype(t.dtype)
                 part = part_of(state_dict[key], layout, key, self._rank)
-                t.copy_(self._zero.rows_of(fqn, part) if fqn in self._zero else part)
+                target = self.in_memory(t)  # a shard in files: written back by ``loaded``
+                target.copy_(self._zero.rows_of(fqn, part) if fqn in self._zero else part)
         self.loaded()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

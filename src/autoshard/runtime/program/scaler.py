@@ -13,6 +13,10 @@ scaler.unscale_(opt)                     # optional: before clipping
 autoshard.clip_grad_norm_(pm, 1.0)
 scaler.step(opt)                         # skipped on every rank if any gradient overflowed
 scaler.update()
+
+Under optimizer offload the gradients of the offloaded parts are not in ``.grad`` (the host's
+tails, the device's heads): they are checked and divided where they are, and a skipped step
+drops them as the step would have consumed them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from autoshard import comm
 from autoshard.devices import rank_device
+from autoshard.runtime.offload import offloads_of
 
 
 class GradScaler:
@@ -73,6 +78,11 @@ class GradScaler:
             for grad in grads:  # no host sync per tensor: one flag, read once
                 grad.mul_(1.0 / self._scale)
                 overflow += (~torch.isfinite(grad)).any()
+            # the offloaded parts' gradients are out of ``.grad``: heads on the device, tails
+            # on the host or in files
+            for offload in offloads_of(optimizer):
+                for flag in offload.unscale(optimizer, 1.0 / self._scale):
+                    overflow += flag.to(device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             overflow = comm.all_reduce_max(overflow, list(range(dist.get_world_size())))
         self._unscaled[id(optimizer)] = bool(overflow.item() > 0)
@@ -84,6 +94,8 @@ class GradScaler:
         if id(optimizer) not in self._unscaled:
             self.unscale_(optimizer)
         if self._unscaled[id(optimizer)]:
+            for offload in offloads_of(optimizer):  # whose gradients the step would consume
+                offload.skip(optimizer)
             return None
         return optimizer.step(*args, **kwargs)
 

@@ -332,6 +332,7 @@ class Zero:
             # the next unit's, while this one computes; not one this forward has used already
             # (the root's last reader would gather the first block again for nothing)
             ahead.start_gather()
+            self._read_ahead(position + 2)
         for name, t in full.items():
             # a weak reference to the root of the views: a view's object may die before them
             root = t._base if t._base is not None else t
@@ -346,6 +347,14 @@ class Zero:
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 unit.full = None  # the program's references are the last ones
         return value
+
+    def _read_ahead(self, position: int) -> None:
+        """The shards in files of the unit at ``position`` (the one after the next to be
+        gathered) read on the NVMe tier's I/O thread while the two before it run."""
+        if 0 <= position < len(self.units) and self.units[position].host is not None:
+            unit = self.units[position]
+            if unit.level == 3 and unit.stale() and unit.gathering is None:
+                unit.host.read_ahead([m.shard for m in unit.members])
 
     def saving(self) -> Any:
         """Autograd's saved-tensor hooks that keep notes, not gathered parameters, for stage 3
@@ -378,6 +387,7 @@ class Zero:
         behind = self.units[position - 1] if position > 0 else None
         if behind is not None and behind.level == 3 and behind.notes > 0:
             behind.start_gather()  # backward's next unit, if backward still reads it
+            self._read_ahead(position - 2)
         unit.notes -= 1
         if unit.notes == 0:
             # the last note: the view below is the last use (a root's parameters, read by the

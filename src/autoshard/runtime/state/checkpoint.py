@@ -79,8 +79,11 @@ def _model_state(module: nn.Module, saved: Mapping[str, str] | None = None) -> d
     """The model's tensors as chunks, by ``model.<name>``; ``saved``: a checkpoint's tied
     names (name -> the name it was saved under), for a module that names them otherwise."""
     aliases = _aliases(module)
+    # a tensor whose values are elsewhere (a shard in NVMe's files): a host tensor of them,
+    # which the module writes back when told it was loaded
+    held = getattr(module, "in_memory", lambda t: t)
     return {
-        f"model.{(saved or {}).get(name, name)}": chunks_of(t.detach(), index, shape, rows)
+        f"model.{(saved or {}).get(name, name)}": chunks_of(held(t).detach(), index, shape, rows)
         for name, (t, index, shape, rows) in _parts(module).items()
         if name not in aliases
     }
@@ -200,6 +203,8 @@ def save(
 
     writer = Writer(staging)
     dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=not _distributed())
+    if hasattr(module, "checkpoint_saved"):  # what it read to be saved (from NVMe's files)
+        module.checkpoint_saved()
     mine = {name: file_record(staging / name) for name in writer.names()}
     files = comm.all_gather_object(mine) if _distributed() else [mine]
     if _rank() == 0:
