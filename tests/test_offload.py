@@ -7,8 +7,9 @@ Parameter offload (ZeRO 3's shards on the host) likewise, and an embedding table
 plain PyTorch's ``sparse=True`` table under SparseAdam, with the bytes of rows each step moves.
 Activation offload of Llama's decoder layers on pp 2 and dp 2 (the bytes moved against the test's
 own count of what they saved); NVMe-held optimizer state (the files, the checkpoints, a rank's peak
-resident memory against its host budget). Optimizer, NVMe and parameter offload inside pipeline
-stages (pp 2, pp 2 x dp 2) likewise, and embedding tables there named as not yet run."""
+resident memory against its host budget). Optimizer, NVMe, parameter (on the host and in files) and
+embedding offload inside pipeline stages (pp 2, pp 2 x dp 2) likewise, and a table tied to another
+stage's weight named."""
 
 from __future__ import annotations
 
@@ -276,10 +277,12 @@ class _Tokens(torch.nn.Module):
         return F.cross_entropy(self.head(self.emb(ids).mean(1)), y)
 
 
-def _token_optimizers(model: torch.nn.Module, table: torch.Tensor) -> list:
-    """SparseAdam for the table (its gradient is sparse), AdamW for the rest."""
+def _token_optimizers(model: torch.nn.Module, table: torch.Tensor | None) -> list:
+    """SparseAdam for the table (its gradient is sparse), AdamW for the rest (either left
+    out where a pipeline stage holds none)."""
     rest = [p for p in model.parameters() if p is not table]
-    return [torch.optim.SparseAdam([table], lr=LR), torch.optim.AdamW(rest, lr=LR)]
+    sparse = [torch.optim.SparseAdam([table], lr=LR)] if table is not None else []
+    return sparse + ([torch.optim.AdamW(rest, lr=LR)] if rest else [])
 
 
 def _tables_on_host() -> None:
@@ -326,6 +329,64 @@ def _tables_on_host() -> None:
     assert device[0]["optimizer"] == 0 < device[1]["optimizer"]
     assert host["parameters"] == table.nbytes
     assert host["optimizer"] == 2 * table.nbytes  # SparseAdam's moments, dense, on the host
+
+
+def _table_in_stage(which: str) -> None:
+    """The table of ``_Tokens`` (ids with repeats) or of transformers' Llama built from a
+    config (untied) on the host in the stage of pp 2 x dp 2 that looks it up, under 1F1B:
+    every loss and parameter as plain PyTorch's ``sparse=True`` table under SparseAdam; that
+    stage's device holds none of the table, its host the table and SparseAdam's moments, the
+    other stage's neither; each micro-batch moves its rank's unique rows to the device and
+    the union's gradients back."""
+    from test_copies import _batches, _llama
+
+    torch.manual_seed(0)
+    if which == "tokens":
+        model, glob, close, cut = _Tokens().to(torch.float64), "emb", {}, {"stages": ["head"]}
+        gen = torch.Generator().manual_seed(1)
+        data = [
+            (torch.randint(0, 64, (8, 6), generator=gen), torch.randint(0, 4, (8,), generator=gen))
+            for _ in range(STEPS)
+        ]
+    else:
+        model, data, glob, close, cut = _llama(), _batches(), "model.model.embed_tokens", HF, {}
+        model.model.model.embed_tokens.sparse = True
+    fqn = f"{glob}.weight"
+    ref = copy.deepcopy(model)
+    ref_opts, ref_losses = _token_optimizers(ref, ref.get_parameter(fqn)), []
+    for batch in data:
+        loss = ref(*batch)
+        loss.backward()
+        ref_losses.append(float(loss))
+        for opt in ref_opts:
+            opt.step(), opt.zero_grad()
+    offload = {"embeddings": glob}
+    pm = parallelize(model, data[0], {"pp": 2, "dp": 2}, offload=offload, **PIPELINE, **cut)
+    table = pm.local_tensors().get(fqn)
+    opts = _token_optimizers(pm, table)
+    for batch, ref_loss in zip(data, ref_losses, strict=True):
+        loss = pm(*shard_inputs(batch, pm))
+        loss.backward()
+        assert float(loss) == pytest.approx(ref_loss, rel=close.get("rtol", 1e-9)), which
+        row = ref.get_parameter(fqn)[0].nbytes
+        micro = batch[0].chunk(PIPELINE["microbatches"])
+        mine = [m.chunk(2)[pm.rank % 2].unique().numel() * row for m in micro]
+        moved = {"to_device": sum(mine), "to_host": sum(m.unique().numel() * row for m in micro)}
+        assert pm.offload_traffic() == (moved if table is not None else dict.fromkeys(moved, 0))
+        if table is not None:
+            assert table.grad.is_sparse and table.grad.device.type == "cpu", which
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    full = pm.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, **close, msg=lambda m, k=k: f"{which} {k}: {m}")
+    device = pm.state_bytes(opts[-1])
+    host = pm.state_bytes(opts[0], tier="host")
+    rest = [t for t in pm.local_tensors().values() if t is not table]  # buffers too
+    assert device["parameters"] == sum(t.nbytes for t in rest), (which, device)
+    held = table.nbytes if table is not None else 0
+    assert host["parameters"] == held and host["optimizer"] == 2 * held, (which, host)
+    assert (table is not None) == (pm.rank < 2), which  # the first stage's ranks, 0 and 1
 
 
 #: the decoder layers of transformers' Llama under ``test_copies``' wrapper
@@ -440,19 +501,25 @@ def _nvme_training(directory: str, level: int, fraction: float, clip: float | No
     assert 0 < host["optimizer"] <= NVME_BUDGET_MB * 2**20
 
 
-def _parameters_in_files(directory: str, clip: float | None = None) -> None:
+def _parameters_in_files(
+    directory: str, clip: float | None = None, mesh: dict | None = None
+) -> None:
     """GPT at ZeRO 3 with its shards kept in files under ``directory`` (with their masters'
     optimizer state; no optimizer fraction of the rest), as plain PyTorch (clipped where
     ``clip``, the norms too); the device and the host hold none of a shard's bytes, nor its
-    gradient or state, the files all of them; gathers found shards read ahead."""
-    model, data, captured = _setup()
+    gradient or state, the files all of them; gathers found shards read ahead. On dp 2 or
+    ``mesh`` (``_made``'s: its stages' ranks share ``directory``, each its own files)."""
+    staged = mesh is not None and "pp" in mesh
+    model, data, captured = _setup(unused=not staged)  # a stage holds what its ops read
     ref = _plain(model, data, clip)
     before = set(Path(directory).iterdir())
     offload = {"parameters": True, "nvme": directory, "host_budget_mb": NVME_BUDGET_MB}
-    pm = parallelize(model, data[0], {"dp": 2}, captured=captured, zero=3, offload=offload)
-    (mine,) = [
-        d for d in set(Path(directory).iterdir()) - before if d.name.startswith(f"rank{pm.rank}-")
-    ]
+    given = PIPELINE if staged else {"captured": captured}
+    pm = parallelize(model, data[0], mesh or {"dp": 2}, zero=3, offload=offload, **given)
+    torch.distributed.barrier()  # every rank has made its directory
+    made = {d for d in set(Path(directory).iterdir()) - before if d.name.startswith("rank")}
+    assert len(made) == torch.distributed.get_world_size(), made
+    (mine,) = [d for d in made if d.name.startswith(f"rank{pm.rank}-")]
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     got = _train(pm, opt, data, range(STEPS), clip)
     for norm, expected in zip(got["norms"], ref["norms"], strict=True):
@@ -462,7 +529,7 @@ def _parameters_in_files(directory: str, clip: float | None = None) -> None:
     io = pm.nvme_io()
     assert 0 < io["ahead_bytes"] < io["read_bytes"], io  # a part of what was read
     got["state"] = pm.full_state_dict()
-    _same(got, ref, range(STEPS), ("parameters in files", clip))
+    _same(got, ref, range(STEPS), ("parameters in files", clip, mesh))
     local = pm.local_tensors()
     shards = {fqn: t for fqn, t in local.items() if fqn in pm.zero_units and t.numel()}
     rest = [t for fqn, t in local.items() if fqn not in shards]
@@ -624,8 +691,18 @@ def test_offload_trains_as_plain_pytorch_and_checkpoints_across_it(tmp_path) -> 
 
 
 def _staged_cases(directory: str) -> None:
-    """Optimizer and parameter offload inside the stages of pp 2 x dp 2 (4 ranks)."""
+    """Optimizer, parameter, embedding and NVMe offload inside the stages of pp 2 x dp 2
+    (4 ranks)."""
     mesh = {"pp": 2, "dp": 2}
+    _table_in_stage("tokens")
+    _table_in_stage("llama")
+    tied, data, _ = _setup(unused=False)
+    tied.wte.sparse = True  # the last stage's output layer reads the same weight
+    with pytest.raises(ValueError, match=r"wte.weight is read by pipeline stages \[0, 1\]"):
+        parallelize(tied, data[0], mesh, offload={"embeddings": "wte"}, **PIPELINE)
+    files = Path(directory) / "files"
+    files.mkdir(exist_ok=True)
+    _parameters_in_files(str(files), mesh=mesh)
     _offloaded_llama(1, 0.5, mesh)
     _checkpoint_across(directory, (3, 0.0, True), (2, 0.5), mesh)  # shards from the host
     _checkpoint_across(directory, (1, 0.0), (3, 1.0, True), mesh)  # and into it
@@ -634,8 +711,9 @@ def _staged_cases(directory: str) -> None:
 def test_offload_inside_pipeline_stages_trains_as_plain_pytorch(tmp_path) -> None:
     """On pp 2 x dp 2 under 1F1B: Llama with half its optimizer on the host at ZeRO 1,
     clipped; GPT (its tied embedding and head in both stages) with ZeRO 3's shards on the
-    host, checkpoints across that and the optimizer's offload at ZeRO 2 both ways; every loss
-    and parameter as plain PyTorch's."""
+    host, checkpoints across that and the optimizer's offload at ZeRO 2 both ways, and with
+    them in files; a dominant table and Llama's on the host in the first stage (GPT's tied
+    one named); every loss and parameter as plain PyTorch's."""
     run_ranks(_staged_cases, 4, str(tmp_path), timeout=1200)
 
 
@@ -737,12 +815,8 @@ def test_offload_is_checked_and_named() -> None:
     model, data, _ = _setup()
     with pytest.raises(ValueError, match=r"offload\['optimizer'\]=2"):
         parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 2})
-    tables = r"offload=\{'embeddings': 'inner.wpe'\}: not yet with pipeline stages"
-    with pytest.raises(ValueError, match=tables):
-        parallelize(model, data[0], {"pp": 1}, offload={"embeddings": "inner.wpe"})
-    in_files = {"parameters": True, "nvme": Path(__file__).parent}
-    with pytest.raises(ValueError, match=r"ZeRO 3's shards in files not yet with pipeline"):
-        parallelize(model, data[0], {"pp": 1}, zero=3, offload=in_files)
+    with pytest.raises(ValueError, match="with float16 under pipeline stages: not yet"):
+        parallelize(model, data[0], {"pp": 1}, precision="fp16", offload={"optimizer": True})
     with pytest.raises(ValueError, match=r"offload\['activations'\]=3: expected a module glob"):
         Options(offload={"activations": 3})
     for given, named in [
@@ -795,8 +869,9 @@ def test_parameter_and_embedding_offload_are_checked_and_named() -> None:
             parallelize(model, data[0], {"dp": 1}, offload={"embeddings": glob})
     tied = copy.deepcopy(model)
     tied.inner.wte.sparse = True  # the output layer reads the same weight
-    with pytest.raises(ValueError, match=r"no parameter named inner.wte.weight \(a tied weight"):
-        parallelize(tied, data[0], {"dp": 1}, offload={"embeddings": "inner.wte"})
+    for mesh in [{"dp": 1}, {"pp": 1}]:  # one stage holds the head too
+        with pytest.raises(ValueError, match=r"no parameter named inner.wte.weight \(a tied"):
+            parallelize(tied, data[0], mesh, offload={"embeddings": "inner.wte"})
 
 
 def test_one_rank_trains_as_plain_pytorch_with_gradients_no_sum_routes() -> None:

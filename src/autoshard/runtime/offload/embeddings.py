@@ -165,15 +165,24 @@ def _summed(
 
 
 def embedding_offload(
-    model: nn.Module, plan: Any, tensors: dict[str, torch.Tensor], glob: Any, host: Any, rank: int
+    model: nn.Module,
+    plan: Any,
+    tensors: dict[str, torch.Tensor],
+    glob: Any,
+    host: Any,
+    rank: int,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> EmbeddingOffload | None:
     """The tables ``glob`` names made host parameters in ``tensors`` (in place), or None
-    where ``glob`` is not given."""
+    where ``glob`` is not given; ``elsewhere``: the parameters other ranks' pipeline stages
+    hold and this rank's do not (their tables are the host's of those ranks)."""
     if not glob:
         return None
     offload = EmbeddingOffload(host)
     for path in _matched(model, glob):
         fqn = f"{path}.weight"
+        if fqn in elsewhere:
+            continue
         p = plan.params.get(fqn)
         if p is None or fqn not in tensors:
             raise ValueError(
@@ -198,6 +207,11 @@ def embedding_offload(
         tensors[fqn] = host.place(fqn, t, t.requires_grad)
         offload.tables[fqn] = _Table(fqn, tensors[fqn], group)
     return offload
+
+
+def table_names(model: nn.Module, glob: str) -> list[str]:
+    """The weights of the tables ``glob`` names (checked as ``embedding_offload`` does)."""
+    return [f"{path}.weight" for path in _matched(model, glob)]
 
 
 def _matched(model: nn.Module, glob: str) -> list[str]:
@@ -226,4 +240,4 @@ def _matched(model: nn.Module, glob: str) -> list[str]:
     return paths
 
 
-__all__ = ["EmbeddingOffload", "HostLookup", "embedding_offload"]
+__all__ = ["EmbeddingOffload", "HostLookup", "embedding_offload", "table_names"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard import comm, watch
@@ -21,6 +22,7 @@ from autoshard.graph import OpGraph, StageCut, cut_at_modules, cut_balanced
 from autoshard.lower import lower, weight_readers
 from autoshard.mesh import MeshInfo
 from autoshard.redistribution import gather_tensor
+from autoshard.runtime.offload import table_names
 from autoshard.runtime.pipeline.copies import copy_shares, inner_shares, split_copies
 from autoshard.runtime.pipeline.step import SavedBytes, Step
 from autoshard.runtime.program import CountedLoss, ParallelModule, local_input
@@ -164,6 +166,27 @@ class PipelineModule(ParallelModule):
         runs every micro-batch of the global batch."""
         return super().flops_per_step * self._microbatches
 
+    def _held_elsewhere(self, model: nn.Module) -> frozenset[str]:
+        """The parameters only other pipeline ranks' stages hold. A table offloaded to the
+        host is looked up in one stage alone: one read by two (a tied embedding and head,
+        its gradient summed between stages on the device) is named."""
+        cut, og = self._pipe.cuts[True], self._captured[True]
+        canonical = {n: info.fqn for info in og.state() for n in info.names}
+        glob = (self.options.offload or {}).get("embeddings")
+        for fqn in table_names(model, glob) if glob else ():
+            stages = cut.holders(canonical.get(fqn, fqn))
+            if len(stages) > 1:
+                raise ValueError(
+                    f"offload['embeddings']: {fqn} is read by pipeline stages {stages} (a tied "
+                    "embedding and head); an offloaded table is read by its lookups in one "
+                    "stage alone: untie it or leave it on the device"
+                )
+        mine = set(self._pipe.stages)
+        return frozenset(f for f in set(canonical.values()) if not mine & set(cut.holders(f)))
+
+    def _each_program(self) -> Any:
+        return (program for stages in self._programs.values() for program in stages.values())
+
     def _lower_programs(
         self, captured: dict[bool, OpGraph], plans: dict[bool, Plan], rank: int, device, tensors
     ) -> dict[bool, Any]:
@@ -195,6 +218,8 @@ class PipelineModule(ParallelModule):
         watch.step(self._state.step + 1)
         self._grad_sync.reset()
         self._zero.reset()
+        if self._tables is not None:
+            self._tables.reset()
         params = [p for p in self.parameters() if p.requires_grad]
         stash = {id(p): p.grad for p in params}
         for p in params:

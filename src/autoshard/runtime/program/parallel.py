@@ -92,7 +92,7 @@ class ParallelModule(OffloadedState, nn.Module):
         tensors |= fetchers
         self.activation_offload = activation_offload(options.offload, device, self._resident)
         self._programs = self._lower_programs(captured, plans, rank, device, tensors)
-        for program in self._programs.values() if self._tables else ():
+        for program in self._each_program() if self._tables else ():
             self._tables.rewrite(program, attr_name)
         self._offload = None  # placed after init fills the weights its master copies start from
         if options.init is not None:
@@ -123,7 +123,13 @@ class ParallelModule(OffloadedState, nn.Module):
         hosted = offload.get("parameters") or offload.get("embeddings")
         self._host = HostTier(device) if hosted else None
         self._tables = embedding_offload(
-            model, self.plan, tensors, offload.get("embeddings"), self._host, self._rank
+            model,
+            self.plan,
+            tensors,
+            offload.get("embeddings"),
+            self._host,
+            self._rank,
+            self._held_elsewhere(model),
         )
         tables = set(self._tables.tables) if self._tables else set()
         for fqn in tables:  # ZeRO and the buckets leave them: their lookups sum their rows
@@ -168,6 +174,15 @@ class ParallelModule(OffloadedState, nn.Module):
             )
             for mode in captured
         }
+
+    def _held_elsewhere(self, model: nn.Module) -> frozenset[str]:
+        """Parameters of the model this rank's programs do not read (a pipeline's other
+        stages')."""
+        return frozenset()
+
+    def _each_program(self) -> Iterator[Any]:
+        """Every GraphModule this rank runs (train, eval)."""
+        return iter(self._programs.values())
 
     def _resident(self) -> Iterator[torch.Tensor]:
         """What the activation offload leaves on the device: parameters and buffers."""
