@@ -106,10 +106,10 @@ def search_pipeline(
 ) -> tuple[PipelinePlan, list[Tried], float]:
     """The fastest pipeline configuration that fits ``opts.memory_limit`` (default the
     cluster's memory): ``opts`` fixes any of ``pp``, ``microbatches``, ``schedule``,
-    ``virtual_stages`` and ``recompute`` (and a stage's sub-mesh: its ``mesh`` less ``pp``);
-    the others are searched, each stage plan by ``opts.search`` under its other options.
-    ``capture(m)``: the graph of one of ``m`` micro-batches of the ``batch``. Returns the
-    plan, every configuration priced and the seconds spent.
+    ``virtual_stages``, ``recompute`` (and a stage's sub-mesh: its ``mesh`` less ``pp``) and
+    ``offload`` (None: searched, ``search.offloading``); the others are searched, each stage
+    plan by ``opts.search``. ``capture(m)``: the graph of one of ``m`` micro-batches of the
+    ``batch``. Returns the plan, every configuration priced and the seconds spent.
 
     The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
     recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
