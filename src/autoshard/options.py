@@ -241,13 +241,6 @@ class Options:
             )
         if self.offload and self.copies != 1:  # its estimate does not price it
             raise ValueError(f"offload={dict(self.offload)}: not yet planned with copies")
-        off = self.offload or {}
-        if self.staged and (off.get("embeddings") or (off.get("parameters") and off.get("nvme"))):
-            raise ValueError(  # what the runtime does not run with stages
-                f"offload={dict(off)}: host embedding tables and ZeRO 3's shards in files are "
-                "not yet planned with pipeline stages (the optimizer's, NVMe's, parameters' and "
-                "activations' offload are)"
-            )
         opts = self.with_mesh_pp()
         info = mesh_info(opts.mesh) if opts.mesh is not None else None
         if info is not None and info.cp and opts.cp is None:

@@ -49,6 +49,13 @@ class StagedOffload:
         where ``est`` offloads nothing."""
         if not isinstance(est, OffloadEstimate) or not est.offloaded:
             return None
+        off = est.offloaded
+        if off.embeddings or (off.parameters and off.nvme):  # what stages do not run yet
+            raise ValueError(
+                f"offload={off.as_json()}: host embedding tables and ZeRO 3's shards in files "
+                "are not yet planned with pipeline stages (the optimizer's, NVMe's, parameters' "
+                "and activations' offload are)"
+            )
         kept = sum(p.kept for p in pieces) or 1.0
         return cls(est, tuple(p.share for p in pieces), tuple(p.kept / kept for p in pieces))
 
