@@ -279,6 +279,30 @@ def test_plan_command_fixes_the_offload_and_records_it(tmp_path, capsys) -> None
     assert "'gpu': expected optimizer[=fraction]" in capsys.readouterr().err
 
 
+def test_plan_command_offloads_in_pipeline_stages(tmp_path, capsys) -> None:
+    """--offload with --pp: the busiest rank's tiers in ``predicted`` (the one-program plan's
+    fields), each rank's in ``pipeline``, the table's offload line; --copies still refused."""
+    from autoshard.cli.main import main
+
+    out = tmp_path / "out.json"
+    staged = ["plan", "--model", "llama", "--cluster", "cpu", "--devices", "4", "--pp", "2"]
+    staged += ["--microbatches", "4", "--schedule", "1f1b", "--recompute", "none"]
+    assert main([*staged, "--offload", "optimizer", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["offload"] == data["options"]["offload"] == {"optimizer": 1.0}
+    pred, pipe = data["predicted"], data["pipeline"]
+    assert pred["memory_bytes"]["optimizer"] == 0 and pred["offload_s"] == pipe["offload_s"] > 0
+    assert len(pipe["host_memory_bytes"]) == len(pipe["nvme_memory_bytes"]) == 2
+    busiest = max(pipe["host_memory_bytes"], key=lambda m: sum(m.values()))
+    assert pred["host_memory_bytes"] == {**busiest, "total": sum(busiest.values())}
+    assert busiest["optimizer"] == 2 * busiest["parameters"] > 0
+    assert pred["nvme_memory_bytes"]["total"] == 0
+    assert "offload optimizer=1.0: host " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*staged, "--offload", "optimizer", "--copies", "2"])
+    assert "--offload: not yet planned with copies" in capsys.readouterr().err
+
+
 def test_python_dash_m_autoshard_cli_help() -> None:
     """``python -m autoshard.cli --help`` exits 0 and lists the subcommands."""
     done = subprocess.run(

@@ -16,9 +16,11 @@ import torch
 import autoshard
 from autoshard.cost import PRESETS, ClusterSpec, cluster_spec
 from autoshard.cost.breakdown import layer_breakdown
-from autoshard.cost.offload import LADDER, Offload, ladder, pipelined
+from autoshard.cost.offload import LADDER, Offload, ladder, pipelined, with_offload
+from autoshard.cost.pipeline import price_pipeline
 from autoshard.graph import capture
 from autoshard.models import GPT, GPTConfig, Llama, LlamaConfig, build, reference_config
+from autoshard.schedule import make_schedule
 from autoshard.search import PlanningError, build_plan, run_search
 
 GIB = 2**30
@@ -220,5 +222,85 @@ def test_a_planned_offload_is_recorded_and_run() -> None:
     # one device: ZeRO 3 shards nothing, so the run names what the host would hold
     with pytest.raises(ValueError, match="no parameter of this plan is under ZeRO 3"):
         autoshard.parallelize(model, batch, None, plan=shards)
-    with pytest.raises(ValueError, match="not yet planned with stages or copies"):
+    with pytest.raises(ValueError, match="not yet planned with copies"):
         autoshard.plan(model, batch, "cpu", num_devices=2, copies=2, offload={"optimizer": 1.0})
+    with pytest.raises(ValueError, match="host embedding tables .* not yet planned with pipeline"):
+        autoshard.plan(model, batch, "cpu", num_devices=2, pp=2, offload={"embeddings": "wte"})
+
+
+def test_each_pipeline_stage_holds_its_share_of_the_offload_on_the_timeline() -> None:
+    """A stage plan's offload over 2 stages of 1F1B: the device, host and NVMe tiers of each
+    rank, the host's update after each stage's last backward, activations per micro-batch."""
+    og, spec = _captured_small(), cluster_spec("dgx-h100", 2)
+    plan = build_plan(og, run_search(og, 2, spec, zero=0), spec)
+    bare = plan.predicted
+    schedule = make_schedule("1f1b", 2, 4)
+    plain = price_pipeline(bare, og, schedule, spec)
+    assert price_pipeline(with_offload(bare, plan, og, spec, {}), og, schedule, spec) == plain
+    est = with_offload(bare, plan, og, spec, {"optimizer": 1.0, "activations": "layers.*"})
+    piped = price_pipeline(est, og, schedule, spec)
+    for r in range(2):
+        device, host = piped.memory[r], piped.host_by_rank[r]
+        assert device["optimizer"] == 0 and device["parameters"] == plain.memory[r]["parameters"]
+        assert host["optimizer"] == 2 * host["parameters"] > 0  # the masters and their AdamW
+        assert host["activations"] > 0  # rank 0 holds 2 micro-batches' at once, rank 1 one
+        held = device["activations"] + host["activations"]
+        assert held == pytest.approx(plain.memory[r]["activations"])
+    for kind in ("parameters", "optimizer"):  # the stages' shares make the whole
+        assert sum(h[kind] for h in piped.host_by_rank) == pytest.approx(est.host[kind])
+    assert piped.peak_memory < plain.peak_memory and piped.nvme["optimizer"] == 0
+    # each micro-batch's activations go out in its forward and back before its backward
+    sent = [a[0] - b[0] for a, b in zip(piped.stage_seconds, plain.stage_seconds, strict=True)]
+    assert min(sent) >= 0 and sum(sent) == pytest.approx(est.offload_parts["activations_to_host"])
+    # the host's update follows a stage's last backward: at most the whole model's update
+    once = est.offload_parts["host_update"] + est.offload_parts["gradients_to_host"]
+    assert 0 < piped.offload_s <= once + 4 * sum(sent) + 4 * est.offload_parts["activations_back"]
+    assert piped.step_time - piped.offload_s <= plain.step_time  # the device's update is less
+    as_json = piped.as_json()
+    assert as_json["host_memory_bytes"] == [dict(h) for h in piped.host_by_rank]
+    assert as_json["offload_s"] == piped.offload_s
+
+
+@functools.cache
+def _staged_plan(offload: str | None, memory_limit: float | None = None, pp: int | None = 2):
+    """The small GPT (batch 8) on 4 devices of dgx-h100: 2 stages of 1F1B with 4 micro-batches
+    and no recompute at ZeRO 0 (``pp`` None: without stages), ``offload`` a kind (None:
+    searched, "" nothing)."""
+    config = reference_config("gpt", vocab=64, seq=8, layers=4, heads=2, hidden=16)
+    model, batch = build(config), config.example_batch(8)
+    staged = dict(pp=2, microbatches=4, schedule="1f1b", recompute="none") if pp else {}
+    given = None if offload is None else {offload: 1.0} if offload else {}
+    kw = dict(zero=0, memory_limit=memory_limit, offload=given, **staged)
+    return autoshard.plan(model, batch, "dgx-h100", num_devices=4, **kw)
+
+
+def test_a_model_that_fits_only_in_stages_with_the_optimizer_offloaded() -> None:
+    """At 80 kB a device, the small GPT (ZeRO 0) fits neither without stages (offloaded or
+    not: the whole model's weights on every device) nor in 2 stages without offload (163 kB);
+    the pipeline search offloads the optimizer (71 kB), as the one-program search would."""
+    limit = 80e3
+    with pytest.raises(PlanningError, match="nor with offload"):
+        _staged_plan(None, limit, pp=None)
+    with pytest.raises(PlanningError, match="no pipeline configuration fits"):
+        _staged_plan("", limit)
+    plan = _staged_plan(None, limit)
+    data, given = plan.json, _staged_plan("optimizer", limit).json
+    assert data["offload"] == data["options"]["offload"] == {"optimizer": 1.0}
+    pred, pipe = data["predicted"], data["pipeline"]
+    assert pred["peak_memory_bytes"] <= limit and pred["memory_bytes"]["optimizer"] == 0
+    assert pred == {k: v for k, v in given["predicted"].items() if k != "search_s"} | {
+        "search_s": pred["search_s"]
+    }
+    host = pred["host_memory_bytes"]
+    assert host["total"] == max(sum(h.values()) for h in pipe["host_memory_bytes"]) > 0
+    assert pred["offload_s"] == pipe["offload_s"] > 0
+    assert pipe["after_schedule_s"] >= sum(pipe["offload_parts_s"].values())
+
+
+def test_nothing_is_offloaded_in_stages_where_everything_fits() -> None:
+    searched, nothing = _staged_plan(None).json, _staged_plan("").json
+    assert "offload" not in searched and searched["options"]["offload"] is None
+    assert "host_memory_bytes" not in searched["predicted"]
+    assert "host_memory_bytes" not in searched["pipeline"]
+    for key in ("step_time_s", "peak_memory_bytes", "memory_bytes"):
+        assert searched["predicted"][key] == nothing["predicted"][key]

@@ -114,9 +114,10 @@ def test_recompute_leaves_the_forward_and_selective_costs_no_more_than_full(stag
 def test_a_lighter_recompute_given_is_not_priced_on_a_slower_stage_plan(stage) -> None:
     """Where full recompute fits the fastest stage plan and selective does not, selective
     given does not fit: the search does not shard the stage plan further (a slower forward)
-    to fit it, a plan slower than full recompute's."""
+    to fit it, a plan slower than full recompute's (nor offloaded: where nothing fits, the
+    search would otherwise move the optimizer to the host)."""
     og, spec, _ = stage
-    given = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "zero": 0}
+    given = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "zero": 0, "offload": {}}
 
     def search(cluster, recompute):
         found, _, _ = search_pipeline(lambda m: og, 4 * 8, 16, cluster,

@@ -239,8 +239,8 @@ class Options:
                 "plan: zero= is one stage for the search (0-3); give per-parameter "
                 "stages to parallelize"
             )
-        if self.offload and (self.staged or self.copies != 1):  # their estimates do not price it
-            raise ValueError(f"offload={dict(self.offload)}: not yet planned with stages or copies")
+        if self.offload and self.copies != 1:  # its estimate does not price it
+            raise ValueError(f"offload={dict(self.offload)}: not yet planned with copies")
         opts = self.with_mesh_pp()
         info = mesh_info(opts.mesh) if opts.mesh is not None else None
         if info is not None and info.cp and opts.cp is None:

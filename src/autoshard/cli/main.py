@@ -152,8 +152,8 @@ def _planned(job: Any) -> int:
     staged = opts.replace(pp=None if opts.pp == 1 else opts.pp).staged
     if job.args.copies == "auto" and (staged or job.args.pp == "auto"):
         raise ValueError("--copies auto is searched without stages; give stages a count")
-    if (staged or job.args.copies != 1) and job.args.offload:
-        raise ValueError("--offload: not yet planned with pipeline stages or copies")
+    if job.args.copies != 1 and job.args.offload:
+        raise ValueError("--offload: not yet planned with copies")
     if job.args.pp != "auto" and staged:
         # a pipeline flag given: the other pipeline flags are searched
         return pipeline_plan(job)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cli.args import offload_of
-from autoshard.cli.plan_text import format_search
+from autoshard.cli.plan_text import format_search, offload_lines
 from autoshard.cli.plan_text import human_bytes as size
 from autoshard.options import Options
 
@@ -74,9 +74,10 @@ def pipeline_plan(job: PlanJob, baseline: Any = None) -> int:
     opts, spec = job.options(), job.spec
     batch = global_rows(job.example, opts.microbatches)
     micro, captured_s = _micro_graphs(job, opts)
+    searched = opts if offload_of(job.args) else opts.replace(offload={})  # left out: none
     try:
         best, tried, search_s = search_pipeline(
-            micro, batch, spec.num_devices, spec, opts, job.depth
+            micro, batch, spec.num_devices, spec, searched, job.depth
         )
     except BlocksDiffer:
         raise  # the caller captures every block
@@ -166,8 +167,7 @@ def pipeline_lines(data: dict, spec: Any) -> list[str]:
                 for k in ("parameters", "gradients", "optimizer", "activations")
             )
         )
-    lines += tried_lines(pipe)
-    return lines
+    return lines + offload_lines(data, data["predicted"]) + tried_lines(pipe)
 
 
 def tried_lines(pipe: dict, shown: int = 8) -> list[str]:

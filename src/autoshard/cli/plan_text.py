@@ -68,10 +68,10 @@ def _headline(data: dict, pred: dict) -> list[str]:
         f"predicted step {pred['step_time_s'] * 1e3:.2f} ms, MFU {pred['mfu'] * 100:.1f}%, "
         f"peak memory {human_bytes(pred['peak_memory_bytes'])} per device",
         f"ZeRO stage {data.get('zero', 0)}; memory per device: {kinds}",
-    ] + _offloaded(data, pred)
+    ] + offload_lines(data, pred)
 
 
-def _offloaded(data: dict, pred: dict) -> list[str]:
+def offload_lines(data: dict, pred: dict) -> list[str]:
     """What the plan keeps off the device (docs/parallelism/offload.md): the host's and NVMe's bytes
     per device and the seconds the step waits for the offload."""
     if not data.get("offload"):
@@ -237,4 +237,4 @@ def _named_strategies(data: dict, built) -> list[str]:
     return lines
 
 
-__all__ = ["experts", "format_layers", "format_search", "human_bytes"]
+__all__ = ["experts", "format_layers", "format_search", "human_bytes", "offload_lines"]

@@ -381,10 +381,11 @@ def _nvme(est: OffloadEstimate, cluster: ClusterSpec) -> dict[str, float]:
     )
 
 
-def tiers_fit(est: Estimate, cluster: ClusterSpec) -> str | None:
+def tiers_fit(est: Any, cluster: ClusterSpec) -> str | None:
     """What does not fit of an offloaded estimate's host and NVMe tiers, per device (a node's
-    host memory and drives shared by its devices), or None."""
-    if not isinstance(est, OffloadEstimate):
+    host memory and drives shared by its devices), or None; a pipeline's
+    (``cost.pipeline.OffloadPipelineEstimate``) by its rank holding the most."""
+    if not hasattr(est, "nvme"):
         return None
     over = []
     for tier, held, room in (
@@ -417,16 +418,17 @@ LADDER = (
 )
 
 
-def ladder(cluster: ClusterSpec, zero: int | None) -> list[Offload]:
+def ladder(cluster: ClusterSpec, zero: int | None, staged: bool = False) -> list[Offload]:
     """The ``LADDER``'s offloads ``cluster`` gives the numbers of and ZeRO ``zero`` (None:
-    searched) allows."""
+    searched) allows; with pipeline stages (``staged``) the optimizer's alone (a pipeline
+    regathers ZeRO 3's shards every micro-batch, which its pricing does not hold)."""
     out = []
     for choice in LADDER:
         try:
             check_cluster(choice, cluster)
         except ValueError:
             continue
-        if zero in (None, 3) or not choice.parameters:
+        if (zero in (None, 3) and not staged) or not choice.parameters:
             out.append(choice)
     return out
 

@@ -16,12 +16,14 @@ micro-batches it holds at once (``Timeline.in_flight``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.collectives import PRODUCTS, collective_time
 from autoshard.cost.copies import CopiesEstimate, hidden_in
 from autoshard.cost.estimate import MEMORY_KINDS, Estimate
+from autoshard.cost.offload import Offload
+from autoshard.cost.staged_offload import StagedOffload
 from autoshard.graph import OpGraph
 from autoshard.schedule import Action, Schedule, Timeline, simulate
 
@@ -35,7 +37,8 @@ class Piece:
     wait for), the weight half of backward, what recompute runs again (full: the forward;
     selective: the forward of everything but matrix products), bytes kept for backward
     (without recompute, and under selective recompute), bytes of state by kind, seconds of
-    gradient sums, and seconds of the parameter gathers forward waits for (ZeRO's)."""
+    gradient sums, seconds of the parameter gathers forward waits for (ZeRO's), and its share
+    of the model's parameter bytes (what it holds of an offloaded state)."""
 
     forward: float = 0.0
     backward: float = 0.0
@@ -46,6 +49,7 @@ class Piece:
     state: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0.0))
     grad_sums: float = 0.0
     gathers: float = 0.0
+    share: float = 0.0
 
     def scaled(self, k: float) -> Piece:
         return Piece(
@@ -58,6 +62,7 @@ class Piece:
             {n: v * k for n, v in self.state.items()},
             self.grad_sums * k,
             self.gathers * k,
+            self.share * k,
         )
 
     def __add__(self, other: Piece) -> Piece:
@@ -71,6 +76,7 @@ class Piece:
             {n: self.state[n] + other.state[n] for n in self.state},
             self.grad_sums + other.grad_sums,
             self.gathers + other.gathers,
+            self.share + other.share,
         )
 
 
@@ -139,6 +145,7 @@ def _add_state(est: Estimate, og: OpGraph, prefix: str | None, *pieces: Piece) -
             piece.state[kind] += share * est.memory[kind]
         piece.grad_sums += share * sums
         piece.gathers += share * gathers
+        piece.share += share
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,51 @@ class PipelineEstimate:
     def bubble(self) -> float:
         return self.timeline.bubble
 
+    def as_json(self) -> dict[str, object]:
+        """Its figures as a plan JSON's ``pipeline`` section holds them."""
+        return {
+            "bubble": self.bubble,
+            "step_time_s": self.step_time,
+            "peak_memory_bytes": self.peak_memory,
+            "memory_bytes": [dict(m) for m in self.memory],
+            "stage_seconds": [list(x) for x in self.stage_seconds],
+            "stage_weight_seconds": list(self.weight_seconds),
+            "hop_s": self.hop,
+            # the schedule's gradient sums left waiting, and the optimizer step, after its end
+            "after_schedule_s": self.step_time - self.timeline.step,
+        }
+
+
+@dataclass(frozen=True)
+class OffloadPipelineEstimate(PipelineEstimate):
+    """A pipeline plan's step with offload (``cost.staged_offload``): ``memory`` is each
+    pipeline rank's device tier, ``host_by_rank`` and ``nvme_by_rank`` its host and NVMe bytes
+    by kind; ``offload_s`` what the step waits for the offload; ``offload_parts`` the terms of
+    the stage holding the most state."""
+
+    offloaded: Offload = field(default_factory=Offload)
+    host_by_rank: tuple[dict[str, float], ...] = ()
+    nvme_by_rank: tuple[dict[str, float], ...] = ()
+    offload_s: float = 0.0
+    offload_parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def host(self) -> dict[str, float]:
+        """The host bytes of the rank holding the most there (``offload.tiers_fit``)."""
+        return max(self.host_by_rank, key=lambda m: sum(m.values()))
+
+    @property
+    def nvme(self) -> dict[str, float]:
+        return max(self.nvme_by_rank, key=lambda m: sum(m.values()))
+
+    def as_json(self) -> dict[str, object]:
+        return super().as_json() | {
+            "host_memory_bytes": [dict(m) for m in self.host_by_rank],
+            "nvme_memory_bytes": [dict(m) for m in self.nvme_by_rank],
+            "offload_s": self.offload_s,
+            "offload_parts_s": dict(self.offload_parts),
+        }
+
 
 def price_pipeline(
     est: Estimate,
@@ -178,24 +230,36 @@ def price_pipeline(
     link they use: inside a node or across); ``parts``: ``model_pieces(est, og)`` where the
     caller made it already (a search prices one stage plan under many schedules)."""
     block, shares, pieces, seconds = _stages(est, og, schedule.num_stages, recompute, parts)
+    staged = StagedOffload.of(est, pieces)  # None: nothing offloaded
     weights = tuple(p.weight for p in pieces)
-    cost = stage_costs(seconds, weights)  # what autoshard simulate replays from the JSON
     crosses = stride >= cluster.devices_per_node
     hop = collective_time("send_recv", boundary_bytes, 2, 1 if crosses else 2, cluster)
-    timeline = simulate(schedule, cost, lambda send: hop)
+    busy = staged.seconds(seconds) if staged else seconds
+    # what autoshard simulate replays from the JSON
+    timeline = simulate(schedule, stage_costs(busy, weights), lambda send: hop)
     state = sum(est.memory[k] for k in ("parameters", "gradients", "optimizer")) or 1.0
-    tail = 0.0
+    tail = bare = 0.0
     e = cluster.overlap_efficiency
-    for p in pieces:  # the gradient sums overlap the last micro-batch's backward, the gathers
-        # the first one's forward (as much of them as the cluster's streams really overlap)
+    for s, p in enumerate(pieces):  # the gradient sums overlap the last micro-batch's
+        # backward, the gathers the first one's forward (as much of them as the cluster's
+        # streams really overlap); an offload's host step follows that backward
         waited = max(0.0, p.grad_sums - e * p.backward) + max(0.0, p.gathers - e * p.forward)
-        tail = max(tail, waited + sum(p.state.values()) / state * est.optimizer)
+        waited += sum(p.state.values()) / state * est.optimizer
+        bare = max(bare, waited)
+        tail = max(tail, waited + (staged.after(s) if staged else 0.0))
     memory = []
     for s, (p, n) in enumerate(zip(pieces, shares, strict=True)):
         kept, working = _kept(p, block.scaled(n), recompute, boundary_bytes, n)
         memory.append(p.state | {"activations": kept * timeline.in_flight[s] + working})
-    return PipelineEstimate(
-        timeline, timeline.step + tail, tuple(_per_rank(memory, schedule)), seconds, weights, hop
+    per_rank = tuple(_per_rank(memory, schedule))
+    priced = PipelineEstimate(timeline, timeline.step + tail, per_rank, busy, weights, hop)
+    if staged is None:
+        return priced
+    tiers = staged.tiers(memory, timeline.in_flight, lambda m: _per_rank(m, schedule))
+    bare += simulate(schedule, stage_costs(seconds, weights), lambda send: hop).step
+    return OffloadPipelineEstimate(
+        **{f.name: getattr(priced, f.name) for f in fields(priced)} | tiers,
+        offload_s=priced.step_time - bare,
     )
 
 
@@ -287,6 +351,7 @@ __all__ = [
     "busiest_rank_seconds",
     "PRODUCTS",
     "Piece",
+    "OffloadPipelineEstimate",
     "PipelineEstimate",
     "model_pieces",
     "price_pipeline",

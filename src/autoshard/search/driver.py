@@ -146,7 +146,8 @@ def run_search(
                     choice,
                 )
 
-        return offloaded(searched, offload, zero, lambda r: build_plan(og, r, cluster), cluster)
+        built = (lambda r: build_plan(og, r, cluster)) if step_share == 1 else None
+        return offloaded(searched, offload, zero, built, cluster)
 
 
 def _sequence(og: OpGraph, meshes: list[MeshInfo]) -> int | None:

@@ -20,11 +20,13 @@ def offloaded(
     searched: Callable[[Offload, int | None], Any],
     given: Mapping[str, Any] | str | None,
     zero: int | None,
-    built: Callable[[Any], Plan],
+    built: Callable[[Any], Plan] | None,
     cluster: ClusterSpec,
+    staged: bool = False,
 ) -> Any:
     """The search's result under ``given`` (``"auto"``: searched as above; None: nothing
-    offloaded); ``searched(offload, zero)`` runs the search, ``built(result)`` its plan."""
+    offloaded); ``searched(offload, zero)`` runs the search, ``built(result)`` its plan (None:
+    a pipeline's stage plan, whose tiers its pipeline judges); ``staged``: a pipeline's."""
     if given != "auto":
         choice = Offload.of(given)
         if choice:
@@ -33,7 +35,7 @@ def offloaded(
         if choice.parameters and level != 3:
             raise PlanningError(f"offload parameters with zero={zero}: it offloads ZeRO 3 shards")
         result = searched(choice, level)
-        over = tiers_fit(built(result).predicted, cluster) if choice else None
+        over = tiers_fit(built(result).predicted, cluster) if choice and built else None
         if over:
             raise PlanningError(f"offload {choice.describe()}: over the cluster's {over}")
         return result
@@ -42,7 +44,7 @@ def offloaded(
     except PlanningError as err:
         nothing = err
     tried = []
-    for choice in ladder(cluster, zero):
+    for choice in ladder(cluster, zero, staged):
         try:
             result = searched(choice, 3 if choice.parameters else zero)
         except PlanningError:

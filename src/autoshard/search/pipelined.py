@@ -20,12 +20,14 @@ from typing import Any
 
 from autoshard.cost import ClusterSpec, cluster_spec
 from autoshard.cost import pipeline as piped
+from autoshard.cost.offload import Offload
 from autoshard.graph import OpGraph, cut_at_modules
 from autoshard.layout import Layout
 from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape
 from autoshard.search.copies import priced
 from autoshard.search.driver import paused_gc, run_search, size_text
+from autoshard.search.offloading import offloaded
 from autoshard.search.plans import Plan, PlanningError, staged_json
 from autoshard.search.pruning import search_session
 from autoshard.search.result_plan import SearchResult, build_plan
@@ -104,10 +106,10 @@ def search_pipeline(
 ) -> tuple[PipelinePlan, list[Tried], float]:
     """The fastest pipeline configuration that fits ``opts.memory_limit`` (default the
     cluster's memory): ``opts`` fixes any of ``pp``, ``microbatches``, ``schedule``,
-    ``virtual_stages`` and ``recompute`` (and a stage's sub-mesh: its ``mesh`` less ``pp``);
-    the others are searched, each stage plan by ``opts.search`` under its other options.
-    ``capture(m)``: the graph of one of ``m`` micro-batches of the ``batch``. Returns the
-    plan, every configuration priced and the seconds spent.
+    ``virtual_stages``, ``recompute`` (and a stage's sub-mesh: its ``mesh`` less ``pp``) and
+    ``offload`` (None: searched, ``search.offloading``); the others are searched, each stage
+    plan by ``opts.search``. ``capture(m)``: the graph of one of ``m`` micro-batches of the
+    ``batch``. Returns the plan, every configuration priced and the seconds spent.
 
     The stage plan is searched once per stage sub-mesh and micro-batch size; schedules and
     recompute are priced on it. Every pipeline degree is tried at its first micro-batch count
@@ -122,8 +124,16 @@ def search_pipeline(
         )
     if k > 1:  # the graph of one of k copies of one of m micro-batches
         capture, batch = (lambda m, c=capture: c(m * k)), batch // k
-    search = _Search(capture, batch, num_devices, cluster, opts, depth, opts.stage_mesh)
-    return search.run(), search.tried, time.perf_counter() - start
+    searches: list[_Search] = []
+
+    def searched(choice: Offload, zero: int | None) -> PipelinePlan:  # one offload's search
+        how = opts.replace(offload=choice.as_json(), zero=zero)
+        searches.append(_Search(capture, batch, num_devices, cluster, how, depth, opts.stage_mesh))
+        return searches[-1].run()
+
+    given = opts.offload if opts.offload is not None or k > 1 else "auto"  # as without stages
+    best = offloaded(searched, given, opts.zero, lambda plan: plan, cluster, staged=True)
+    return best, [t for s in searches for t in s.tried], time.perf_counter() - start
 
 
 @dataclass

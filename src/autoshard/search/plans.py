@@ -394,18 +394,13 @@ def pipeline_predicted(data: dict[str, Any]) -> dict[str, Any]:
     (the whole model, one micro-batch, on one stage's sub-mesh: what the search prices a
     stage by) moved to ``pipeline.one_stage_one_microbatch``."""
     pipe, stage = data["pipeline"], data["predicted"]
-    busiest = max(pipe["memory_bytes"], key=lambda m: sum(m.values()))
     pipe["one_stage_one_microbatch"] = stage
-    data["predicted"] = {
-        "step_time_s": pipe["step_time_s"],
-        "mfu": pipe["mfu"],
-        "bubble": pipe["bubble"],
-        "peak_memory_bytes": pipe["peak_memory_bytes"],
-        "memory_bytes": {**busiest, "total": sum(busiest.values())},
-        "dtype": stage.get("dtype", "float32"),
-        "search": stage["search"],
-        "search_s": pipe["search_s"],
-    }
+    shown = ("step_time_s", "mfu", "bubble", "peak_memory_bytes", "offload_s", "search_s")
+    data["predicted"] = {k: pipe[k] for k in shown if k in pipe}
+    for tier in ("memory_bytes", "host_memory_bytes", "nvme_memory_bytes"):  # the busiest rank's
+        busiest = max(pipe.get(tier, [{}]), key=lambda m: sum(m.values()))
+        data["predicted"] |= {tier: {**busiest, "total": sum(busiest.values())}} if busiest else {}
+    data["predicted"] |= {"dtype": stage.get("dtype", "float32"), "search": stage["search"]}
     return data
 
 
@@ -431,7 +426,7 @@ def staged_json(best: Any, tried: list[Any], seconds: float, opts: Any) -> dict:
     searched = [n for n in names if getattr(opts, n) is None]
     found = {"searched": searched, "tried": [t.as_dict() for t in tried], "search_s": seconds}
     data["pipeline"] = pipeline_json(best, num_devices) | found
-    data["options"] = opts.as_json()
+    data["options"] = opts.replace(offload=data.get("offload", opts.offload)).as_json()
     return pipeline_predicted(data)
 
 
@@ -449,17 +444,9 @@ def pipeline_json(pp_plan: Any, num_devices: int) -> dict:
         "virtual_stages": s.num_stages // s.num_ranks if s.name == "interleaved-1f1b" else 1,
         "recompute": pp_plan.recompute,
         "zero": pp_plan.stage.zero,
-        "bubble": p.bubble,
-        "step_time_s": p.step_time,
         "mfu": flops / (p.step_time * num_devices * est.peak_flops),
-        "peak_memory_bytes": p.peak_memory,
         "boundary_bytes": pp_plan.boundary_bytes,
-        "memory_bytes": [dict(m) for m in p.memory],
-        "stage_seconds": [list(x) for x in p.stage_seconds],
-        "stage_weight_seconds": list(p.weight_seconds),
-        "hop_s": p.hop,
-        # the schedule's gradient sums left waiting, and the optimizer step, after its end
-        "after_schedule_s": p.step_time - p.timeline.step,
+        **p.as_json(),  # step, bubble, memory by rank (and tier), each stage's seconds
     }
 
 
