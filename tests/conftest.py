@@ -45,3 +45,29 @@ preload(
 # against each other (and against the ranks, which run on one thread each).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+#: the modules that take longest, longest first (seconds in a two-worker run, from --durations:
+#: pipeline ~300, copies ~290, offload ~270, examples ~250, context ~180, meta ~165, ...)
+SLOWEST_FIRST = (
+    "test_pipeline", "test_copies", "test_offload", "test_examples", "test_context",
+    "test_meta", "test_runtime", "test_pipeline_precision", "test_capture_traced", "test_expert",
+    "test_zero", "test_search", "test_search_families", "test_checkpoint", "test_hf_own_loss",
+    "test_train_cli", "test_train_failures", "test_ps", "test_ps_restart", "test_pipeline_cost",
+    "test_cost",
+)  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's --dist loadfile hands out modules in collection order, by default re-sorted
+    # by how many tests each has: modules of few long tests (a 4-rank run, a hang waited out)
+    # came last, one worker running them alone while the others had nothing left. In the
+    # order below (longest first) the workers end close together.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: the files' order
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: tests keep order
