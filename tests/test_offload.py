@@ -527,7 +527,8 @@ def _parameters_in_files(
         assert expected > clip  # the clipping was active
     device, host = pm.state_bytes(opt), pm.state_bytes(opt, tier="host")
     io = pm.nvme_io()
-    assert 0 < io["ahead_bytes"] < io["read_bytes"], io  # a part of what was read
+    if not staged:  # a stage of two units has none two ahead of a gather to read
+        assert 0 < io["ahead_bytes"] < io["read_bytes"], io  # a part of what was read
     got["state"] = pm.full_state_dict()
     _same(got, ref, range(STEPS), ("parameters in files", clip, mesh))
     local = pm.local_tensors()
