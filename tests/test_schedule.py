@@ -96,6 +96,21 @@ def test_transfer_time_delays_the_stage_after() -> None:
     assert bytes_.peak_activation_bytes == (20.0, 10.0)
 
 
+def test_a_schedule_priced_again_with_the_same_costs_gets_its_timeline() -> None:
+    schedule = make_schedule("zb-h1", 4, 8)
+    first = simulate(schedule, unit_cost, transfer=lambda send: 0.25)
+    again = simulate(schedule, lambda a: unit_cost(a), transfer=lambda send: 0.25)
+    assert again is first  # kept with the schedule: the same costs are not replayed
+    fresh = simulate(make_schedule("zb-h1", 4, 8), unit_cost, transfer=lambda send: 0.25)
+    assert (first.step, first.bubble, first.in_flight) == (
+        fresh.step,
+        fresh.bubble,
+        fresh.in_flight,
+    )
+    slower = simulate(schedule, lambda a: 2 * unit_cost(a), transfer=lambda send: 0.25)
+    assert slower.step == pytest.approx(2 * first.step, rel=0.1) and slower.step > first.step
+
+
 def test_every_action_has_its_place_on_the_timeline() -> None:
     # a send or a receive takes no time: it starts and ends on its rank's clock
     one = simulate(make_schedule("1f1b", 2, 1), unit_cost, transfer=lambda send: 0.5)

@@ -178,7 +178,7 @@ def _run_search(
     levels = ZERO_LEVELS if zero is None else (zero,)
     meshes = [m for m in shapes for _ in levels]
     tried: list[dict[str, Any]] = []
-    solved: list[tuple[CostGraph, Solution, float]] = []
+    solved: list[tuple[CostGraph, Solution, float]] = state().caches["optima"].setdefault(0, [])
     best: tuple[int, Solution] | None = None
     found: list[tuple[int, Solution, dict[str, Any]]] = []
     estimated = _Estimates(og, cluster, precision, offload)
