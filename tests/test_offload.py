@@ -285,6 +285,20 @@ def _token_optimizers(model: torch.nn.Module, table: torch.Tensor | None) -> lis
     return sparse + ([torch.optim.AdamW(rest, lr=LR)] if rest else [])
 
 
+def _plain_with_table(model: torch.nn.Module, fqn: str, data: list) -> tuple:
+    """A copy of ``model`` trained as plain PyTorch on ``data``, its table ``fqn`` stepped by
+    SparseAdam and the rest by AdamW: the copy and its losses."""
+    ref = copy.deepcopy(model)
+    opts, losses = _token_optimizers(ref, ref.get_parameter(fqn)), []
+    for batch in data:
+        loss = ref(*batch)
+        loss.backward()
+        losses.append(float(loss))
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    return ref, losses
+
+
 def _tables_on_host() -> None:
     """The table of ``_Tokens`` on the host on dp 2 (ids with repeats): every loss and
     parameter as plain PyTorch's; the device holds none of the table; a step moves each
@@ -296,14 +310,7 @@ def _tables_on_host() -> None:
         (torch.randint(0, 64, (8, 6), generator=gen), torch.randint(0, 4, (8,), generator=gen))
         for _ in range(STEPS)
     ]
-    ref = copy.deepcopy(model)
-    ref_opts, ref_losses = _token_optimizers(ref, ref.emb.weight), []
-    for batch in data:
-        loss = ref(*batch)
-        loss.backward()
-        ref_losses.append(float(loss))
-        for opt in ref_opts:
-            opt.step(), opt.zero_grad()
+    ref, ref_losses = _plain_with_table(model, "emb.weight", data)
     pm = parallelize(model, data[0], {"dp": 2}, offload={"embeddings": "emb"})
     table = pm.local_tensors()["emb.weight"]
     opts = _token_optimizers(pm, table)
@@ -352,14 +359,7 @@ def _table_in_stage(which: str) -> None:
         model, data, glob, close, cut = _llama(), _batches(), "model.model.embed_tokens", HF, {}
         model.model.model.embed_tokens.sparse = True
     fqn = f"{glob}.weight"
-    ref = copy.deepcopy(model)
-    ref_opts, ref_losses = _token_optimizers(ref, ref.get_parameter(fqn)), []
-    for batch in data:
-        loss = ref(*batch)
-        loss.backward()
-        ref_losses.append(float(loss))
-        for opt in ref_opts:
-            opt.step(), opt.zero_grad()
+    ref, ref_losses = _plain_with_table(model, fqn, data)
     offload = {"embeddings": glob}
     pm = parallelize(model, data[0], {"pp": 2, "dp": 2}, offload=offload, **PIPELINE, **cut)
     table = pm.local_tensors().get(fqn)
