@@ -94,7 +94,8 @@ def parallelize(
 
 def _check_offload(opts: Options, pipelined: bool) -> None:
     """What offload does not run with yet: float16's loss scaling beside the optimizer's
-    offload under pipeline stages (each works alone there; together they are untested)."""
+    offload under pipeline stages (without stages it does; under stages loss scaling has no
+    test even without offload)."""
     offload = opts.offload or {}
     if pipelined and offload.get("optimizer") and opts.policy.compute == torch.float16:
         raise ValueError(
