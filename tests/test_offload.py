@@ -17,6 +17,7 @@ import copy
 import ctypes
 import fnmatch
 import gc
+import json
 import math
 import warnings
 from pathlib import Path
@@ -774,8 +775,28 @@ def _fp16_scaled(level: int, fraction: float, nvme: str | None = None) -> None:
         assert error < 0.03 or moved_ref.norm() == 0, (case, k, error)
 
 
+def _planned_in_stages() -> None:
+    """``autoshard.plan`` with pp 2 and the optimizer on the host, its JSON run by
+    ``parallelize(plan=...)``: as plain PyTorch, the optimizer's state on the host alone."""
+    model, data, _ = _setup(unused=False)
+    ref = _plain(model, data, None)
+    offload = {"optimizer": 1.0}
+    plan = autoshard.plan(model, data[0], "cpu", num_devices=2, pp=2, offload=offload, **PIPELINE)
+    made = json.loads(json.dumps(plan.json))
+    assert made["pipeline"]["pp"] == 2 and made["options"]["offload"] == offload, made["options"]
+    assert made["predicted"]["host_memory_bytes"]["optimizer"] > 0, made["predicted"]
+    pm = parallelize(model, data[0], None, plan=made)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    got = _train(pm, opt, data, range(STEPS), None)
+    got["state"] = pm.full_state_dict()
+    _same(got, ref, range(STEPS), "planned in stages")
+    assert pm.state_bytes(opt)["optimizer"] == 0 < pm.state_bytes(opt, tier="host")["optimizer"]
+
+
 def _nvme_clipped(directory: str) -> None:
-    """NVMe's clipping; float16's loss scaling over offloaded gradients (in the same ranks)."""
+    """NVMe's clipping; float16's loss scaling over offloaded gradients; a plan with stages
+    and the optimizer's offload run from its JSON (in the same ranks)."""
+    _planned_in_stages()
     _nvme_training(directory, 0, 1.0, CLIP)
     _nvme_training(directory, 2, 0.5, CLIP)
     _nvme_training(directory, 3, 1.0, CLIP)
@@ -796,7 +817,8 @@ def test_nvme_held_gradients_are_clipped_as_plain_pytorch(tmp_path) -> None:
     as they are) and scales them as the step reads them: the norms, losses and parameters of
     plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2. float16 under loss scaling
     with the optimizer offloaded (1.0 and 0.5 at ZeRO 1 and 3; 0.5 in files at ZeRO 2) as
-    plain PyTorch under ``torch.amp.GradScaler``, overflowing steps skipped on both sides."""
+    plain PyTorch under ``torch.amp.GradScaler``, overflowing steps skipped on both sides. A
+    plan of pp 2 with the optimizer on the host, run from its JSON, as plain PyTorch."""
     run_ranks(_nvme_clipped, 2, str(tmp_path), timeout=900)
 
 

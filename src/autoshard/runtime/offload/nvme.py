@@ -237,7 +237,8 @@ class NvmeOffload(OptimizerOffload):
         was read ahead copied, the rest read here through one window of a slot (no step is
         under way while forward and backward gather)."""
         done = self._ahead.take(piece, into) if self._ahead is not None else 0
-        self.io["ahead_bytes"] += done * piece.param.element_size()
+        with self._counting:
+            self.io["ahead_bytes"] += done * piece.param.element_size()
         window = self.window(piece.param.dtype)
         slot = self._slot(piece.param.dtype, 0, ["master"])["master"]
         for start in range(done, piece.tail, window):
