@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from test_runtime import STEPS, WithUnused, batches, build
 
@@ -276,6 +277,13 @@ class _Tokens(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.head(self.emb(ids).mean(1)), y)
+
+
+class _TokensRead(_Tokens):
+    """``_Tokens`` whose table is also read whole before the head, besides its lookups."""
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.emb(ids).mean(1) + self.emb.weight.mean(0)), y)
 
 
 def _token_optimizers(model: torch.nn.Module, table: torch.Tensor | None) -> list:
@@ -702,6 +710,20 @@ def _staged_cases(directory: str) -> None:
     tied.wte.sparse = True  # the last stage's output layer reads the same weight
     with pytest.raises(ValueError, match=r"wte.weight is read by pipeline stages \[0, 1\]"):
         parallelize(tied, data[0], mesh, offload={"embeddings": "wte"}, **PIPELINE)
+    # the first stage's ranks refuse a table read besides its lookups, and the second stage's
+    # ranks, which hold no table, hear of it rather than wait for them in their first step
+    ids, y = torch.randint(0, 64, (8, 6)), torch.randint(0, 4, (8,))
+    read = r"emb.weight is read by .* besides its lookups"
+    told = rf"^rank 0 could not make its pipeline stages: .*{read}" if dist.get_rank() > 1 else read
+    with pytest.raises(ValueError, match=told):
+        parallelize(
+            _TokensRead(),
+            (ids, y),
+            mesh,
+            offload={"embeddings": "emb"},
+            **PIPELINE,
+            stages=["head"],
+        )
     files = Path(directory) / "files"
     files.mkdir(exist_ok=True)
     _parameters_in_files(str(files), mesh=mesh)

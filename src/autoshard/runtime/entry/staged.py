@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from autoshard import comm
 from autoshard.graph import OpGraph, capture, capture_modes
 from autoshard.graph.failure import one_line_on_rank_zero
 from autoshard.lower import weight_readers
@@ -97,8 +99,32 @@ def parallelize_pipeline(
     coordinate = next(c for c, g in enumerate(groups) if rank in g)
     pipe = Pipe(cuts, plan_schedule, groups, coordinate, groups[coordinate].index(rank))
     plans = pipeline_plans(plans, cuts, pipe.stages, groups[coordinate])
-    pm = PipelineModule(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
+    pm = _made_together(
+        lambda: PipelineModule(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
+    )
     return _with_copy_means(pm, model, example_inputs, example_kwargs, loss_fn)
+
+
+def _made_together(make: Callable[[], PipelineModule]) -> PipelineModule:
+    """This rank's stages made, or the failure of the first rank whose stages failed raised
+    on every rank. A stage's checks (a host table read besides its lookups) run only on the
+    ranks holding that stage: without this the other stages' ranks would go on and wait in
+    their first step for ranks that are gone."""
+    try:
+        pm, failed = make(), None
+    except Exception as error:  # any: the other ranks must hear of it, then it is raised
+        pm, failed = None, error
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        told = None if failed is None else (isinstance(failed, ValueError), str(failed))
+        said = comm.all_gather_object(told)
+        first = next(((r, t) for r, t in enumerate(said) if t is not None), None)
+        if first is not None and failed is None:
+            rank, (refused, text) = first
+            kind = ValueError if refused else RuntimeError
+            raise kind(f"rank {rank} could not make its pipeline stages: {text}")
+    if failed is not None:
+        raise failed
+    return pm
 
 
 def _with_copy_means(
