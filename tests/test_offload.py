@@ -741,22 +741,34 @@ def test_offload_inside_pipeline_stages_trains_as_plain_pytorch(tmp_path) -> Non
     run_ranks(_staged_cases, 4, str(tmp_path), timeout=1200)
 
 
-def _fp16_scaled(level: int, fraction: float, nvme: str | None = None) -> None:
+def _fp16_scaled(
+    level: int, fraction: float | None, nvme: str | None = None, mesh: dict | None = None
+) -> None:
     """GPT computing in float16 with ``fraction`` of its optimizer on the host (in files under
-    ``nvme``) at ZeRO ``level`` on dp 2 under ``autoshard.GradScaler``, against one device
-    under ``torch.amp.GradScaler``, both stepped by SGD with momentum (an update linear in the
+    ``nvme``; none where None) at ZeRO ``level`` on ``mesh`` (dp 2; with a pp axis, in stages
+    under 1F1B) under ``autoshard.GradScaler``, against one device under
+    ``torch.amp.GradScaler``, both stepped by SGD with momentum (an update linear in the
     gradients, so float16's rounding moves it by as much as it moves them: test_precision.py).
     The first step's scaled gradients overflow float16 on both sides; a later step has an inf
-    put into a host tail's gradient on rank 1 alone (into one parameter's on the one device):
-    both skip those steps (the host's update too) and back off alike, and the rest equal."""
+    put into a host tail's gradient on rank 1 alone (a device gradient's without offload; into
+    one parameter's on the one device): both skip those steps (the host's update too) and back
+    off alike, and the rest equal."""
     model, config = build("gpt", 0.0)
     data = batches(config, torch.float32)
     captured = capture_modes(model, data[0], dtype=torch.float16)
     ref = single_device(copy.deepcopy(model), data[0], captured=captured, precision="fp16")
-    offload = {"optimizer": fraction} | ({"nvme": nvme, "host_budget_mb": 0.05} if nvme else {})
-    pm = parallelize(
-        model, data[0], {"dp": 2}, captured=captured, zero=level, precision="fp16", offload=offload
-    )
+    offload = None if fraction is None else {"optimizer": fraction}
+    if nvme:
+        offload |= {"nvme": nvme, "host_budget_mb": 0.05}
+    mesh = mesh or {"dp": 2}
+    if "pp" in mesh:  # each stage's micro-batch captured by the run itself
+        pm = parallelize(
+            model, data[0], mesh, zero=level, precision="fp16", offload=offload, **PIPELINE
+        )
+    else:
+        pm = parallelize(
+            model, data[0], mesh, captured=captured, zero=level, precision="fp16", offload=offload
+        )
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, pm)]
     # 2**16 scales float16's gradients past its largest value (65504)
     scalers = [
@@ -764,7 +776,7 @@ def _fp16_scaled(level: int, fraction: float, nvme: str | None = None) -> None:
         autoshard.GradScaler(init_scale=2.0**16, growth_interval=2),
     ]
     start = ref.full_state_dict()
-    case, poisoned = ("fp16", level, fraction, nvme), 4
+    case, poisoned = ("fp16", level, fraction, nvme, mesh), 4
     scales, stepped, losses = [], [], []
     for step in range(8):
         batch, before = data[step % len(data)], pm.full_state_dict()
@@ -775,9 +787,11 @@ def _fp16_scaled(level: int, fraction: float, nvme: str | None = None) -> None:
             scaler.scale(loss).backward()
             if step == poisoned and m is ref:
                 next(iter(ref.parameters())).grad.view(-1)[0] = float("inf")
-            elif step == poisoned and pm.rank == 1:
+            elif step == poisoned and pm.rank == 1 and offload:
                 # the last part: a host tail (a device head where the tails are in files)
                 pm.offloaded_grads()[-1][1].view(-1)[0] = math.inf
+            elif step == poisoned and pm.rank == 1:
+                [p for p in pm.parameters() if p.grad is not None][-1].grad.view(-1)[0] = math.inf
             scaler.step(opt), scaler.update(), opt.zero_grad()
             losses.append(float(loss))
         scales.append([float(s.get_scale()) for s in scalers])
@@ -832,14 +846,17 @@ def _nvme_clipped(directory: str) -> None:
     for level, fraction in [(1, 1.0), (1, 0.5), (3, 1.0), (3, 0.5)]:
         _fp16_scaled(level, fraction)
     _fp16_scaled(2, 0.5, directory)
+    for fraction in (None, 0.5):  # in stages: the last stage's rank 1 overflows alone
+        _fp16_scaled(1, fraction, mesh={"pp": 2})
 
 
 def test_nvme_held_gradients_are_clipped_as_plain_pytorch(tmp_path) -> None:
     """Clipping reads the gradients in files a window at a time for the norm (the device heads
     as they are) and scales them as the step reads them: the norms, losses and parameters of
     plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2. float16 under loss scaling
-    with the optimizer offloaded (1.0 and 0.5 at ZeRO 1 and 3; 0.5 in files at ZeRO 2) as
-    plain PyTorch under ``torch.amp.GradScaler``, overflowing steps skipped on both sides. A
+    with the optimizer offloaded (1.0 and 0.5 at ZeRO 1 and 3; 0.5 in files at ZeRO 2; in
+    pp 2's stages with half of it and without) as plain PyTorch under
+    ``torch.amp.GradScaler``, overflowing steps skipped on both sides. A
     plan of pp 2 with the optimizer on the host, run from its JSON, as plain PyTorch."""
     run_ranks(_nvme_clipped, 2, str(tmp_path), timeout=900)
 
@@ -860,8 +877,6 @@ def test_offload_is_checked_and_named() -> None:
     model, data, _ = _setup()
     with pytest.raises(ValueError, match=r"offload\['optimizer'\]=2"):
         parallelize(model, data[0], {"dp": 1}, offload={"optimizer": 2})
-    with pytest.raises(ValueError, match="with float16 under pipeline stages: not yet"):
-        parallelize(model, data[0], {"pp": 1}, precision="fp16", offload={"optimizer": True})
     with pytest.raises(ValueError, match=r"offload\['activations'\]=3: expected a module glob"):
         Options(offload={"activations": 3})
     for given, named in [

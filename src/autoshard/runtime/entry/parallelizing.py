@@ -86,22 +86,9 @@ def parallelize(
     opts = opts.replace(copies=_copies(opts))
     example_inputs, example_kwargs = call_inputs(example_inputs, example_kwargs)
     pipelined = _pipelined(opts)
-    _check_offload(opts, pipelined)
     if pipelined:
         return parallelize_pipeline(model, example_inputs, opts, loss_fn, example_kwargs, captured)
     return _one_program(model, example_inputs, opts, loss_fn, example_kwargs, captured)
-
-
-def _check_offload(opts: Options, pipelined: bool) -> None:
-    """What offload does not run with yet: float16's loss scaling beside the optimizer's
-    offload under pipeline stages (without stages it does; under stages loss scaling has no
-    test even without offload)."""
-    offload = opts.offload or {}
-    if pipelined and offload.get("optimizer") and opts.policy.compute == torch.float16:
-        raise ValueError(
-            "offload={'optimizer': ...} with float16 under pipeline stages: not yet (without "
-            "stages GradScaler unscales the offloaded parts; under stages use bf16)"
-        )
 
 
 def _one_program(
