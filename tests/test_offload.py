@@ -202,23 +202,29 @@ def _checkpoint_across(
 
 
 def _offloaded_llama(
-    level: int, fraction: float, mesh: dict | None = None, clip: float | None = CLIP, micro: int = 1
+    level: int,
+    fraction: float,
+    mesh: dict | None = None,
+    clip: float | None = CLIP,
+    micro: int = 1,
+    where: bool | str | dict = False,
 ) -> None:
     """transformers' Llama built from a config (padded targets the loss leaves out), clipped
-    where ``clip``, at ZeRO ``level`` with ``fraction`` of its optimizer on the host, on dp 2
-    or ``mesh`` (``_made``'s), ``micro`` scaled backwards a step that each sum: as plain
-    PyTorch, every tensor stepped by the offload (the user's optimizer keeps no state) with
-    its tails' state on the host."""
+    where ``clip``, at ZeRO ``level`` with ``fraction`` of its optimizer on the host (in files,
+    ZeRO 3's shards too, by ``where``: ``_made``'s), on dp 2 or ``mesh`` (``_made``'s),
+    ``micro`` scaled backwards a step that each sum: as plain PyTorch, every tensor stepped by
+    the offload (the user's optimizer keeps no state) with its tails' state on the host (or
+    its window of them)."""
     from test_copies import _batches, _llama
 
     model, data = _llama(), _batches()
     ref = _plain(model, data, clip, micro)
     staged = mesh is not None and "pp" in mesh
     captured = None if staged else capture_modes(model, data[0])
-    pm = _made(model, data, captured, level, fraction, mesh=mesh)
+    pm = _made(model, data, captured, level, fraction, where, mesh=mesh)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     got = _train(pm, opt, data, range(STEPS), clip, micro, sync=True)
-    case = ("llama", level, fraction, mesh, micro)
+    case = ("llama", level, fraction, mesh, micro, where)
     # under pipeline stages, each micro-batch's loss is rounded to float32 apart (HF)
     close = HF if staged else {}
     for norm, expected in zip(got["norms"], ref["norms"], strict=True):
@@ -846,6 +852,9 @@ def _nvme_clipped(directory: str) -> None:
     for level, fraction in [(1, 1.0), (1, 0.5), (3, 1.0), (3, 0.5)]:
         _fp16_scaled(level, fraction)
     _fp16_scaled(2, 0.5, directory)
+    # transformers' Llama with half its optimizer in files, and with ZeRO 3's shards there
+    _offloaded_llama(2, 0.5, where=directory)
+    _offloaded_llama(3, 1.0, where={"parameters": True, "nvme": directory})
     for fraction in (None, 0.5):  # in stages: the last stage's rank 1 overflows alone
         _fp16_scaled(1, fraction, mesh={"pp": 2})
 
@@ -856,7 +865,8 @@ def test_nvme_held_gradients_are_clipped_as_plain_pytorch(tmp_path) -> None:
     plain PyTorch's ``clip_grad_norm_`` at ZeRO 0, 2 and 3 on dp 2. float16 under loss scaling
     with the optimizer offloaded (1.0 and 0.5 at ZeRO 1 and 3; 0.5 in files at ZeRO 2; in
     pp 2's stages with half of it and without) as plain PyTorch under
-    ``torch.amp.GradScaler``, overflowing steps skipped on both sides. A
+    ``torch.amp.GradScaler``, overflowing steps skipped on both sides. transformers' Llama
+    with half its optimizer in files at ZeRO 2, and at ZeRO 3 with its shards there too. A
     plan of pp 2 with the optimizer on the host, run from its JSON, as plain PyTorch."""
     run_ranks(_nvme_clipped, 2, str(tmp_path), timeout=900)
 
