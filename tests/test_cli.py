@@ -371,7 +371,7 @@ def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
 
 
 def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> None:
-    from autoshard.cli.plan_text import _meshes
+    from autoshard.plan_text import _meshes
 
     rows = [
         {"mesh": {"dp": 4, "tp": 2}, "zero": 2, "step_s": 0.25, "memory": 2**33},

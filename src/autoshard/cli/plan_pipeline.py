@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cli.args import offload_of
-from autoshard.cli.plan_text import format_search, offload_lines
-from autoshard.cli.plan_text import human_bytes as size
 from autoshard.options import Options
+from autoshard.plan_text import format_search, offload_lines
+from autoshard.plan_text import human_bytes as size
 
 
 @dataclasses.dataclass(frozen=True)
