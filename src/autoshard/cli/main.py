@@ -406,7 +406,3 @@ def _end_process(code: int) -> None:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,5 @@
-"""``autoshard plan`` with pipeline stages: the configuration given by ``--pp``,
-``--microbatches``, ``--schedule``, ``--virtual-stages`` and ``--recompute`` (any left out is
-searched), its table, and the plan without stages to compare with (``--pp auto``)."""
+"""``autoshard plan`` with pipeline stages (the pipeline flags given fixed, the others
+searched): its table, and the plan without stages to compare with (``--pp auto``)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import torch
 
 from autoshard.cli.metrics_log import open_log
 from autoshard.options import Options
+from autoshard.plan_text import human_bytes
 
 WORKER = "AUTOSHARD_TRAIN"  # the settings, as JSON, on the ranks launch() starts
 
@@ -237,7 +238,7 @@ class _Log:
         line = (
             f"step {record['step']}/{total} loss {record['loss']:.6f} "
             f"{record['step_s'] * 1e3:.1f} ms/step {record[unit + '_per_s']:,.1f} {unit}/s "
-            f"MFU {record['mfu']:.1%} memory {_size(record['memory_bytes'])}/rank "
+            f"MFU {record['mfu']:.1%} memory {human_bytes(record['memory_bytes'])}/rank "
             f"(peak RSS {record['peak_rss_bytes'] / 2**20:.0f} MiB) "
             f"sent {record['bytes_sent'] / 1024:.1f} KiB/rank"
         )
@@ -252,10 +253,6 @@ class _Log:
             self.file.close()
         if self.board is not None:
             self.board.close()
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
 def worker(cfg: TrainConfig) -> None:
