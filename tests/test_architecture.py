@@ -18,7 +18,7 @@ SRC = Path(autoshard.__file__).resolve().parent
 # Bottom first: a module may import its own package and the packages listed before it.
 LAYERS = [
     ("command", "watch"),
-    ("comm", "strict", "devices", "mesh", "precision", "testing", "memo"),
+    ("comm", "strict", "devices", "mesh", "precision", "testing", "memo", "supervisor"),
     ("layout", "schedule"),
     ("options",),
     ("redistribution",),
@@ -30,7 +30,7 @@ LAYERS = [
     ("lower",),
     ("runtime", "ps"),
     ("models",),
-    ("pictures",),
+    ("pictures", "plan_text"),
     ("cli",),
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import autoshard
 from autoshard.cost import cluster_spec, estimate
 from autoshard.graph.capture import capture
 from autoshard.models import Llama, LlamaConfig
@@ -371,7 +372,7 @@ def test_version_and_no_torch_deprecation_notices_in_the_output() -> None:
 
 
 def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> None:
-    from autoshard.cli.plan_text import _meshes
+    from autoshard.plan_text import _meshes
 
     rows = [
         {"mesh": {"dp": 4, "tp": 2}, "zero": 2, "step_s": 0.25, "memory": 2**33},
@@ -392,6 +393,25 @@ def test_the_meshes_tried_say_which_fit_nowhere_and_which_a_bound_skipped() -> N
         "       2x4 ZeRO 0: does not fit, bound 400.00 ms",
         "  (* chosen)",
     ]
+
+
+def test_a_plan_from_autoshard_plan_prints_the_command_s_table() -> None:
+    """``format_search`` of what ``autoshard.plan`` returns (no search result, no command
+    times): the headline, the meshes tried and every layer, the totals its prediction's."""
+    from autoshard.plan_text import format_search
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    example = (torch.randn(16, 32), torch.randn(16, 8))
+    p = autoshard.plan(model, example, "cpu", num_devices=4, loss_fn=torch.nn.functional.mse_loss)
+    lines = format_search(p.json, None, p).splitlines()
+    pred = p.json["predicted"]
+    assert lines[0].startswith(f"mesh {' x '.join(f'{k}({v})' for k, v in p.json['mesh'].items())}")
+    assert lines[1].startswith(f"predicted step {pred['step_time_s'] * 1e3:.2f} ms"), lines
+    assert lines[3] == f"search '{pred['search']}' {pred['search_s']:.2f} s", lines
+    assert not any(line.startswith("capture ") for line in lines), lines
+    total = next(line for line in lines if line.lstrip().startswith("total "))
+    assert f"= step {pred['step_time_s'] * 1e3:.2f} ms, peak " in total, total
+    assert any(line.startswith("  input args_0: ") for line in lines), lines
 
 
 def test_train_reads_a_toml_config_and_names_what_is_wrong_in_it(tmp_path) -> None:

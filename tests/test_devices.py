@@ -75,8 +75,7 @@ def test_the_train_launcher_gives_torchrun_nccl_s_settings(monkeypatch, tmp_path
     (the command itself is not run: its environment is what is checked)."""
     import subprocess
 
-    from autoshard.cli import launcher
-    from autoshard.cli.train import TrainConfig
+    from autoshard.cli.train import TrainConfig, launch
 
     seen = {}
 
@@ -91,7 +90,7 @@ def test_the_train_launcher_gives_torchrun_nccl_s_settings(monkeypatch, tmp_path
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
     cfg = TrainConfig(target="x.py", log=str(tmp_path / "log.jsonl"))
     with pytest.raises(Stop):
-        launcher.launch(cfg, 2, [])
+        launch(cfg, 2, [])
     assert {k: seen[k] for k in NCCL_ENVIRONMENT if k not in _users()} == {
         k: v for k, v in NCCL_ENVIRONMENT.items() if k not in _users()
     }

@@ -159,13 +159,13 @@ def _stopped_whole(sig, directory: Path, proc: subprocess.Popen, when: float, pi
 
 def _fails_before_any_rank(monkeypatch, capsys, *argv: str) -> str:
     """The one line ``autoshard train`` exits with, status 2, torchrun never started."""
-    from autoshard.cli import launcher
+    from autoshard.cli import train
     from autoshard.cli.main import main
 
     def started(*_):
         raise AssertionError("torchrun was started")
 
-    monkeypatch.setattr(launcher, "launch", started)
+    monkeypatch.setattr(train, "launch", started)
     with pytest.raises(SystemExit) as ended:
         main(["train", *argv])
     err = capsys.readouterr().err
@@ -308,11 +308,11 @@ def _launched(monkeypatch, *argv: str) -> dict:
     checks before any rank starts (torchrun itself not started)."""
     import dataclasses
 
-    from autoshard.cli import launcher
+    from autoshard.cli import train
     from autoshard.cli.main import main
 
     handed = []
-    monkeypatch.setattr(launcher, "launch", lambda cfg, *_: handed.append(cfg) or 0)
+    monkeypatch.setattr(train, "launch", lambda cfg, *_: handed.append(cfg) or 0)
     assert main(["train", *argv]) == 0
     return dataclasses.asdict(handed[0])
 

@@ -10,11 +10,13 @@ from typing import Any
 import torch
 
 from autoshard.cost.cluster import PRESETS
+from autoshard.layout.text import DTYPE_NAMES
 from autoshard.options import ATTENTION_METHODS, RECOMPUTE_MODES, SEARCHES
 from autoshard.precision import PRECISIONS
 from autoshard.schedule import SCHEDULES
 
-DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "f16": torch.float16}
+#: the element types by the names a layout's text gives them (f32, bf16, ...)
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype.is_floating_point}
 
 _USAGE = """\
 autoshard demo                      # plan and train a small GPT on 4 CPU ranks, check it

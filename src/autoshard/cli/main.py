@@ -15,9 +15,9 @@ import torch
 from autoshard.cli import simulate
 from autoshard.cli.args import DTYPES as _DTYPES
 from autoshard.cli.args import build_parser
-from autoshard.cli.plan_text import format_search
 from autoshard.layout import Layout
 from autoshard.mesh import MeshError, mesh_info
+from autoshard.plan_text import format_search
 from autoshard.redistribution import redistribution_plan
 
 
@@ -272,8 +272,7 @@ def _show_plan(job: Any, built: Any, result: Any, captured_s: float) -> int:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    from autoshard.cli.launcher import launch
-    from autoshard.cli.train import TrainConfig, worker
+    from autoshard.cli.train import TrainConfig, launch, worker
     from autoshard.cli.train_check import check
 
     if args.target.endswith(".toml"):
@@ -407,7 +406,3 @@ def _end_process(code: int) -> None:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,5 @@
-"""``autoshard plan`` with pipeline stages: the configuration given by ``--pp``,
-``--microbatches``, ``--schedule``, ``--virtual-stages`` and ``--recompute`` (any left out is
-searched), its table, and the plan without stages to compare with (``--pp auto``)."""
+"""``autoshard plan`` with pipeline stages (the pipeline flags given fixed, the others
+searched): its table, and the plan without stages to compare with (``--pp auto``)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.cli.args import offload_of
-from autoshard.cli.plan_text import format_search, offload_lines
-from autoshard.cli.plan_text import human_bytes as size
 from autoshard.options import Options
+from autoshard.plan_text import format_search, offload_lines
+from autoshard.plan_text import human_bytes as size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
-from autoshard.cli.launcher import WORKER
 from autoshard.cli.metrics_log import open_log
 from autoshard.options import Options
+from autoshard.plan_text import human_bytes
+
+WORKER = "AUTOSHARD_TRAIN"  # the settings, as JSON, on the ranks launch() starts
 
 #: the types a setting may have, by the names in its annotation (a TOML value is checked
 #: against them)
@@ -236,7 +238,7 @@ class _Log:
         line = (
             f"step {record['step']}/{total} loss {record['loss']:.6f} "
             f"{record['step_s'] * 1e3:.1f} ms/step {record[unit + '_per_s']:,.1f} {unit}/s "
-            f"MFU {record['mfu']:.1%} memory {_size(record['memory_bytes'])}/rank "
+            f"MFU {record['mfu']:.1%} memory {human_bytes(record['memory_bytes'])}/rank "
             f"(peak RSS {record['peak_rss_bytes'] / 2**20:.0f} MiB) "
             f"sent {record['bytes_sent'] / 1024:.1f} KiB/rank"
         )
@@ -253,17 +255,13 @@ class _Log:
             self.board.close()
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
-
-
 def worker(cfg: TrainConfig) -> None:
     """One rank's run: plan, resume from the newest whole checkpoint, train, log, checkpoint."""
     from autoshard import comm, watch
-    from autoshard.cli.launcher import record_step
     from autoshard.cli.user_fn import parts_of, train_example, user_function
     from autoshard.cost import cluster_spec
     from autoshard.runtime import clip_grad_norm_, save
+    from autoshard.supervisor import record_step
     from autoshard.testing import peak_resident_bytes
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -375,7 +373,7 @@ def _described(pm: Any) -> list[str]:
     """The plan this run trains under: its mesh, ZeRO stage and pipeline schedule, then how
     its experts are spread and how attention computes over a split sequence, where it has
     them."""
-    from autoshard.cli.plan_text import experts
+    from autoshard.plan_text import experts
     from autoshard.search.plans import attention_methods
 
     mesh = pm.plan.mesh.describe()
@@ -425,53 +423,36 @@ def check_checkpoints(cfg: TrainConfig, failed: list[str] | tuple = ()) -> None:
         )
 
 
-def _run_rank(cfg: TrainConfig) -> int:
-    """A rank torchrun started: :func:`worker`, and the exit status. Only the first rank that
-    fails says why (the others fail because it did, or with the same error): an error of the
-    user's input in one line, any other error with its traceback."""
-    from autoshard.cli.launcher import die_with_parent
+def launch(cfg: TrainConfig, nproc: int, torchrun_args: list[str]) -> int:
+    """:func:`worker` on ``nproc`` ranks of this node under torchrun (``supervisor``), its
+    report beside the metrics log. The settings travel in the environment as JSON: torchrun
+    would read the options of ours that look like its own (``--log``) as its own."""
+    from autoshard.supervisor import supervise
 
-    die_with_parent()  # torchrun gone (killed, its launcher killed): this rank stops too
-    try:
-        worker(cfg)
-        return 0
-    except Exception as err:
-        if os.environ.get("AUTOSHARD_DEBUG"):
-            raise
-        if _first_to_fail():
-            rank = os.environ.get("RANK", "0")
-            if isinstance(err, ValueError | OSError):  # autoshard's errors of the input too
-                print(f"autoshard: error: {' '.join(str(err).split())}", file=sys.stderr)
-            else:
-                import traceback
+    def stopped(step: str) -> str:
+        return f"autoshard train: stopped at step {step}; {_last_checkpoint(cfg)}"
 
-                print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        # not through the exit handlers: they would wait for collectives the failure left
-        # unmatched, and tear down a process group whose peers may be gone
-        os._exit(1)
+    settings = {WORKER: json.dumps(dataclasses.asdict(cfg))}
+    report = Path(cfg.log).parent / "autoshard-torchrun.log"
+    return supervise("autoshard.cli.train", nproc, torchrun_args, settings, report, stopped)
 
 
-def _first_to_fail() -> bool:
-    """Whether no other rank of the job has failed before this one (the job's store counts
-    them; without a store, every rank is first)."""
-    from datetime import timedelta
+def _last_checkpoint(cfg: TrainConfig) -> str:
+    """Where a stopped run can go on from: its newest whole checkpoint."""
+    if not cfg.checkpoint_dir:
+        return "no checkpoints were asked for (--checkpoint-dir)"
+    from autoshard.runtime import latest
 
-    import torch.distributed as dist
-
-    try:
-        if dist.is_initialized():
-            store = dist.distributed_c10d._get_default_store()
-        else:
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
-        return store.add("autoshard/failed", 1) == 1
-    except Exception:
-        return True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = latest(cfg.checkpoint_dir)
+    return f"the last checkpoint is {found}" if found else "no checkpoint was written"
 
 
-__all__ = ["TrainConfig", "check_checkpoints", "worker"]
+__all__ = ["TrainConfig", "check_checkpoints", "launch", "worker"]
 
 if __name__ == "__main__":  # a rank torchrun started (launch)
-    sys.exit(_run_rank(TrainConfig(**json.loads(os.environ[WORKER]))))
+    from autoshard.supervisor import run_rank
+
+    cfg = TrainConfig(**json.loads(os.environ[WORKER]))
+    sys.exit(run_rank(lambda: worker(cfg)))

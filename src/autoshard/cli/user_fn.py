@@ -4,8 +4,7 @@ It returns ``(model, data)`` or ``(model, data, loss_fn)``, or a dict with ``mod
 ``dataset`` or ``batch``, and optionally ``loss_fn`` and ``optimizer`` (``train``'s AdamW
 keywords); ``data`` is a map-style dataset or one global batch (a tuple of tensors, or a dict of
 them that the model takes as keywords: a transformers batch of ``input_ids``, ``labels``,
-``attention_mask``). ``plan`` plans for the batch, or for ``--batch`` samples of the dataset,
-shaped by ``--batch`` and ``--seq`` where they are given.
+``attention_mask``).
 """
 
 from __future__ import annotations

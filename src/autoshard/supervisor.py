@@ -1,15 +1,21 @@
-"""How ``autoshard train`` runs torchrun and stops it: torchrun in a session of its own (a
-Ctrl-C in the terminal reaches the launcher alone, which stops the run and says where it
+"""A job's ranks under torchrun, started, stopped and their failure told once (``autoshard
+train`` runs its ranks so; a Python program may run its own): torchrun in a session of its own
+(a Ctrl-C in the terminal reaches the launcher alone, which stops the run and says where it
 stopped), bound to the launcher's life by a parent-death signal, and each rank bound to
-torchrun's the same way (or, without one, by a thread that notices its parent is gone)."""
+torchrun's the same way (or, without one, by a thread that notices its parent is gone).
+
+    code = supervise("mypackage.rank", 4, [], {"MY_SETTINGS": "..."}, Path("torchrun.log"),
+                     lambda step: f"stopped at step {step}")
+
+and in ``mypackage/rank.py``: ``sys.exit(run_rank(train))``, ``record_step(step)`` after each
+step on rank 0.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import functools
-import json
 import os
 import re
 import signal
@@ -17,10 +23,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-WORKER = "AUTOSHARD_TRAIN"  # the settings, as JSON, on the ranks launch() starts
 #: the signals that stop a run; the launcher's status is 128 + the signal's number
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: how long torchrun has to end its ranks after the launcher asked, before all are killed
@@ -90,22 +96,27 @@ class _Stopper:
             signal.signal(s, handler)
 
 
-def launch(cfg: Any, nproc: int, torchrun_args: list[str]) -> int:
-    """Run ``autoshard.cli.train``'s worker on ``nproc`` ranks of this node under torchrun.
-    The settings travel in the environment as JSON: torchrun would read the options of ours
-    that look like its own (``--log``) as its own. The ranks' output comes through as it is,
-    torchrun's own log is left out; when a rank fails, what torchrun reports goes to a file,
-    and the last line says why the run stopped: the first ``autoshard: error:`` a rank
-    printed, or the exit code and where torchrun's report is. Stopped by a signal, the run
-    ends with one line saying at which step and from which checkpoint it can go on."""
+def supervise(
+    module: str,
+    nproc: int,
+    torchrun_args: list[str],
+    env: Mapping[str, str],
+    report_path: Path,
+    stopped: Callable[[str], str],
+) -> int:
+    """Run ``python -m module`` on ``nproc`` ranks of this node under torchrun, ``env`` added
+    to their environment; the exit status. The ranks' output comes through as it is,
+    torchrun's own log is left out; when a rank fails, what torchrun reports goes to
+    ``report_path``, and the last line says why the run stopped: the first ``autoshard:
+    error:`` a rank printed, or the exit code and where torchrun's report is. Stopped by a
+    signal, the run ends with the line ``stopped`` gives for the last step a rank recorded
+    (``record_step``), and the status is 128 + the signal's number."""
     run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    command = [*run, *torchrun_args, "-m", "autoshard.cli.train"]
-    report_path = Path(cfg.log).parent / "autoshard-torchrun.log"  # beside the metrics
+    command = [*run, *torchrun_args, "-m", module]
     report_path.unlink(missing_ok=True)  # a report left by an earlier run is not this one's
-    with tempfile.TemporaryDirectory(prefix="autoshard-train-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="autoshard-run-") as scratch:
         progress = Path(scratch) / "step"
-        env = {"OMP_NUM_THREADS": "1", **os.environ, PROGRESS: str(progress)}
-        env[WORKER] = json.dumps(dataclasses.asdict(cfg))
+        env = {"OMP_NUM_THREADS": "1", **os.environ, **env, PROGRESS: str(progress)}
         from autoshard.mesh import nccl_environment  # imports torch: once a run launches
 
         nccl_environment(env)  # NCCL's watchdog and flight recorder, where the user set none
@@ -126,7 +137,7 @@ def launch(cfg: Any, nproc: int, torchrun_args: list[str]) -> int:
             stopper.restore()
         if stopper.signal is not None:
             step = (progress.read_text().strip() if progress.exists() else "") or "0"
-            print(f"autoshard train: stopped at step {step}; {_last_checkpoint(cfg)}", flush=True)
+            print(stopped(step), flush=True)
             return 128 + stopper.signal
     if not proc.returncode:
         return 0
@@ -140,20 +151,6 @@ def launch(cfg: Any, nproc: int, torchrun_args: list[str]) -> int:
     if told != last:
         print(told, file=sys.stderr)
     return proc.returncode
-
-
-def _last_checkpoint(cfg: Any) -> str:
-    """Where a stopped run can go on from: its newest whole checkpoint."""
-    if not cfg.checkpoint_dir:
-        return "no checkpoints were asked for (--checkpoint-dir)"
-    import warnings
-
-    from autoshard.runtime import latest
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        found = latest(cfg.checkpoint_dir)
-    return f"the last checkpoint is {found}" if found else "no checkpoint was written"
 
 
 def _relay(stream: Any, stopper: _Stopper) -> tuple[list[str], str | None, str | None]:
@@ -187,4 +184,57 @@ def record_step(step: int) -> None:
             os.replace(path + ".new", path)
 
 
-__all__ = ["GRACE_S", "PROGRESS", "STOPPING", "die_with_parent", "launch", "record_step"]
+def run_rank(work: Callable[[], Any]) -> int:
+    """A rank torchrun started: ``work``, and the exit status. Only the first rank that fails
+    says why (the others fail because it did, or with the same error): an error of the
+    user's input in one line, any other error with its traceback (``AUTOSHARD_DEBUG=1``:
+    Python's own, on every rank)."""
+    die_with_parent()  # torchrun gone (killed, its launcher killed): this rank stops too
+    try:
+        work()
+        return 0
+    except Exception as err:
+        if os.environ.get("AUTOSHARD_DEBUG"):
+            raise
+        if _first_to_fail():
+            rank = os.environ.get("RANK", "0")
+            if isinstance(err, ValueError | OSError):  # autoshard's errors of the input too
+                print(f"autoshard: error: {' '.join(str(err).split())}", file=sys.stderr)
+            else:
+                import traceback
+
+                print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        # not through the exit handlers: they would wait for collectives the failure left
+        # unmatched, and tear down a process group whose peers may be gone
+        os._exit(1)
+
+
+def _first_to_fail() -> bool:
+    """Whether no other rank of the job has failed before this one (the job's store counts
+    them; without a store, every rank is first)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+        else:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+        return store.add("autoshard/failed", 1) == 1
+    except Exception:
+        return True
+
+
+__all__ = [
+    "GRACE_S",
+    "PROGRESS",
+    "STOPPING",
+    "die_with_parent",
+    "record_step",
+    "run_rank",
+    "supervise",
+]

@@ -1,5 +1,10 @@
-"""The plan's table as ``autoshard plan`` prints it: the headline, the assumptions, the meshes
-tried, the step layer by layer and each op's layouts."""
+"""A searched plan's table, from its JSON: the headline, the assumptions, the meshes tried, the
+step layer by layer and each op's layouts. ``autoshard plan`` prints it; so may a program:
+
+    p = autoshard.plan(model, example, "dgx-h100", num_devices=64)
+    print(format_search(p.json, None, p))
+
+(``str(p)`` is the op-by-op table of the plan itself, ``Plan.__str__``.)"""
 
 from __future__ import annotations
 
@@ -32,16 +37,16 @@ def _assumptions(data: dict) -> list[str]:
 
 
 def format_search(data: dict, result, built) -> str:
-    """The searched plan: mesh, predicted time, MFU and memory, the meshes tried, the time,
+    """The searched plan (``built``, its JSON ``data``; ``result``: the search's, None where
+    not at hand): mesh, predicted time, MFU and memory, the meshes tried, the time,
     communication and memory layer by layer, and every op's layouts with named dims."""
     pred = data.get("pipeline", {}).get("one_stage_one_microbatch") or data["predicted"]
-    lines = _headline(data, pred) + [
-        f"search '{pred['search']}' {pred['search_s']:.2f} s "
-        f"(graph of {result.graph.size[0]} decision nodes)",
-    ]
+    nodes = f" (graph of {result.graph.size[0]} decision nodes)" if result is not None else ""
+    lines = _headline(data, pred) + [f"search '{pred['search']}' {pred['search_s']:.2f} s{nodes}"]
     lines += experts(built) + _sequence(built) + _assumptions(data)
-    job = data["predicted"]  # the command's times (PlanJob.show)
-    lines.append(f"capture {job['capture_s']:.2f} s, end to end {job['end_to_end_s']:.2f} s")
+    job = data["predicted"]  # a command's times, where it set them (PlanJob.show)
+    if "capture_s" in job:
+        lines.append(f"capture {job['capture_s']:.2f} s, end to end {job['end_to_end_s']:.2f} s")
     lines += _meshes(data, pred) + _copies(pred)
     lines += format_layers(pred.get("layers", []), pred["peak_memory_bytes"])
     lines += _named_strategies(data, built)
