@@ -298,20 +298,23 @@ def test_a_common_grid_is_made_once_for_what_it_reads() -> None:
     """Common grids are kept by ``grid_key``: a pair, the pair reversed, and the pair with
     another dtype, without its pending sums or on other ranks share one grid, and each is the
     grid made afresh for it (no pair gets another's)."""
+    from autoshard import memo
     from autoshard.layout.grid import grid_key
-    from autoshard.redistribution.planner import _GRIDS, _grid_of, _new_grid
+    from autoshard.redistribution.planner import _grid_of
 
-    _GRIDS.clear()
+    made = _grid_of.__wrapped__  # a grid made afresh
     asked, grids = 0, {}
-    for devices in (2, 4, 8, 16):
-        for seed in range(60):
-            src, dst = random_pair(seed, devices)
-            shifted = dst.on_ranks([r + devices for r in dst.ranks])
-            pairs = [(src, dst), (dst, src), (src.with_dtype(torch.bfloat16), dst),
-                     (src.without_partial(), dst), (src, shifted)]  # fmt: skip
-            for a, b in pairs:
-                fresh = _new_grid(a, b)
-                assert _grid_of(a, b) == fresh, (a, b)
-                assert grids.setdefault(grid_key(a, b), fresh) == fresh, (a, b)
-                asked += 1
-    assert len(_GRIDS) == len(grids) < asked / 3, (len(_GRIDS), asked)
+    with memo.scope() as caches:  # the grids are the scope's
+        for devices in (2, 4, 8, 16):
+            for seed in range(60):
+                src, dst = random_pair(seed, devices)
+                shifted = dst.on_ranks([r + devices for r in dst.ranks])
+                pairs = [(src, dst), (dst, src), (src.with_dtype(torch.bfloat16), dst),
+                         (src.without_partial(), dst), (src, shifted)]  # fmt: skip
+                for a, b in pairs:
+                    fresh = made(a, b)
+                    assert _grid_of(a, b) == fresh, (a, b)
+                    assert grids.setdefault(grid_key(a, b), fresh) == fresh, (a, b)
+                    asked += 1
+        kept = caches[made]
+    assert len(kept) == len(grids) < asked / 3, (len(kept), asked)

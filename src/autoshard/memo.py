@@ -10,12 +10,17 @@ for the runtime; a search never fills those."""
 from __future__ import annotations
 
 import functools
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: how many answers a memoized function keeps outside a search (``cache_info()``, as
+#: ``functools.lru_cache`` tells it)
+Held = namedtuple("Held", "currsize")
 
 _OPEN: ContextVar[dict | None] = ContextVar("autoshard_memo", default=None)
 
@@ -34,25 +39,39 @@ def scope() -> Iterator[dict]:
         _OPEN.reset(token)
 
 
-def per_search(*, outside: int = 0) -> Callable[[_F], _F]:
+def per_search(*, outside: int = 0, key: Callable[..., Any] | None = None) -> Callable[[_F], _F]:
     """Memoize a function of hashable positional arguments in the open scope (outside one:
-    in a cache of ``outside`` answers, none where 0)."""
+    in a cache of ``outside`` answers, none where 0); ``key``: what of the arguments the
+    answer depends on (the arguments themselves where None), so that calls that differ
+    elsewhere share it."""
 
     def wrap(fn: _F) -> _F:
-        fallback = functools.lru_cache(maxsize=outside)(fn) if outside else fn
+        of = key or (lambda *args: args)
+        kept: dict = {}
+
+        def fallback(*args: Any) -> Any:
+            k = of(*args)
+            if k not in kept:
+                if len(kept) >= outside:
+                    kept.clear()
+                kept[k] = fn(*args)
+            return kept[k]
+
+        fallback.cache_info = lambda: Held(len(kept))  # type: ignore[attr-defined]
 
         @functools.wraps(fn)
         def cached(*args: Any) -> Any:
             caches = _OPEN.get()
             if caches is None:
-                return fallback(*args)
+                return fallback(*args) if outside else fn(*args)
             cache = caches.get(fn)
             if cache is None:
                 cache = caches[fn] = {}
+            k = of(*args)
             try:
-                return cache[args]
+                return cache[k]
             except KeyError:
-                value = cache[args] = fn(*args)
+                value = cache[k] = fn(*args)
                 return value
 
         cached.outside = fallback if outside else None  # type: ignore[attr-defined]

@@ -29,7 +29,6 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from autoshard.layout import Layout, LayoutError
 from autoshard.layout.grid import (
@@ -286,23 +285,11 @@ def _cached_plan(src: Layout, dst: Layout, exhaustive: bool) -> RedistributionPl
     return RedistributionPlan(src, dst, tuple(steps))
 
 
+@per_search(outside=1 << 16, key=grid_key)
 def _grid_of(src: Layout, dst: Layout) -> Grid | None:
     """The common grid a plan between ``src`` and ``dst`` is searched on (None: none), made
     once for what it reads of the two (``grid_key``): the grid of ``src`` and ``dst`` is
     that of ``dst`` and ``src``, and of many pairs with other dtypes, pending sums or ranks."""
-    key = grid_key(src, dst)
-    grid = _GRIDS.get(key, _GRIDS)
-    if grid is _GRIDS:
-        if len(_GRIDS) >= 1 << 16:
-            _GRIDS.clear()
-        grid = _GRIDS[key] = _new_grid(src, dst)
-    return grid
-
-
-_GRIDS: dict[Any, Grid | None] = {}
-
-
-def _new_grid(src: Layout, dst: Layout) -> Grid | None:
     grid = common_grid((src, dst))
     if grid is not None and len(src.ranks) <= PRIME_GRID_MAX_RANKS:
         grid = common_grid((src, dst), extra_mesh=prime_cuts(grid.axes)) or grid

@@ -99,19 +99,17 @@ def parallelize_pipeline(
     coordinate = next(c for c, g in enumerate(groups) if rank in g)
     pipe = Pipe(cuts, plan_schedule, groups, coordinate, groups[coordinate].index(rank))
     plans = pipeline_plans(plans, cuts, pipe.stages, groups[coordinate])
-    pm = _made_together(
-        lambda: PipelineModule(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
-    )
+    pm = _made_together(model, captured, plans, rank, opts, pipe=pipe, microbatches=m)
     return _with_copy_means(pm, model, example_inputs, example_kwargs, loss_fn)
 
 
-def _made_together(make: Callable[[], PipelineModule]) -> PipelineModule:
-    """This rank's stages made, or the failure of the first rank whose stages failed raised
-    on every rank. A stage's checks (a host table read besides its lookups) run only on the
-    ranks holding that stage: without this the other stages' ranks would go on and wait in
-    their first step for ranks that are gone."""
+def _made_together(*args: Any, **kwargs: Any) -> PipelineModule:
+    """This rank's stages made (``PipelineModule(*args, **kwargs)``), or the failure of the
+    first rank whose stages failed raised on every rank. A stage's checks (a host table read
+    besides its lookups) run only on the ranks holding that stage: without this the other
+    stages' ranks would go on and wait in their first step for ranks that are gone."""
     try:
-        pm, failed = make(), None
+        pm, failed = PipelineModule(*args, **kwargs), None
     except Exception as error:  # any: the other ranks must hear of it, then it is raised
         pm, failed = None, error
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
