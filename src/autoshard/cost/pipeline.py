@@ -19,11 +19,11 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.collectives import PRODUCTS, collective_time
 from autoshard.cost.copies import CopiesEstimate, hidden_in
+from autoshard.cost.decisions import PlanDecisions
 from autoshard.cost.estimate import MEMORY_KINDS, Estimate
 from autoshard.cost.offload import Offload
 from autoshard.cost.staged_offload import StagedOffload
@@ -301,7 +301,7 @@ def busiest_rank_seconds(
     return microbatches * max(busy.values())
 
 
-def boundary_bytes(og: OpGraph, plan: Any) -> float:
+def boundary_bytes(og: OpGraph, plan: PlanDecisions) -> float:
     """Bytes per rank of what one block hands the next (what crosses a stage boundary)."""
     prefix = next(iter(og.repeated), None)
     if prefix is None or len(og.repeated[prefix]) < 2:
