@@ -15,10 +15,11 @@ import pytest
 
 from autoshard.cli.main import main
 from autoshard.cost import cluster_spec
+from autoshard.cost import pipeline as piped
 from autoshard.cost.pipeline import model_pieces, price_pipeline
 from autoshard.options import Options
 from autoshard.schedule import make_schedule
-from autoshard.search import PlanningError
+from autoshard.search import PlanningError, pipelined
 from autoshard.search.pipelined import search_pipeline
 
 LAYERS = 8
@@ -93,6 +94,50 @@ def test_searching_zero_finds_what_fixing_any_zero_stage_finds(stage, gib) -> No
     free = best()
     assert free <= min(fixed.values()) * (1 + 1e-9), (free, fixed)
     assert free < fixed[0] * 0.99, (free, fixed)
+
+
+def test_a_degree_whose_compute_alone_is_slower_is_skipped_and_the_plan_stays(
+    stage, monkeypatch
+) -> None:
+    """The search skips a pipeline degree and micro-batch count whose floor (its busiest
+    rank's compute, each op spread over a stage's devices at its best efficiency:
+    ``least_busiest``) is no faster than the best found. It finds the plan the search that
+    prices every one finds, with fewer stage searches, and every configuration either search
+    priced steps no faster than its floor."""
+    og, _, _ = stage
+    spec = cluster_spec("dgx-h100", 16)
+    real, floors = piped.least_busiest, {}
+
+    def searched(skips: bool) -> tuple:
+        stage_searches = []
+
+        def floor(one, graph, devices, placements, m):  # each (pp, m)'s floor, recorded
+            floors[(16 // devices, m)] = real(one, graph, devices, placements, m)
+            return floors[(16 // devices, m)] if skips else 0.0
+
+        def counted(*args, **kwargs):
+            stage_searches.append(args[1])
+            return search(*args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(piped, "least_busiest", floor)
+            patch.setattr(pipelined, "run_search", counted)
+            found, tried, _ = search_pipeline(
+                lambda m: og, 64, 16, spec, Options(), depth={"layers": LAYERS}
+            )
+        for t in tried:
+            assert floors.get((t.pp, t.microbatches), 0.0) <= t.step_s, t
+        schedule = found.schedule
+        chosen = (schedule.num_ranks, schedule.microbatches, schedule.name, found.recompute)
+        return (*chosen, found.stage.zero, found.predicted.step_time), found, stage_searches
+
+    search = pipelined.run_search
+    everything, every_plan, all_searches = searched(skips=False)
+    pruned, plan, fewer = searched(skips=True)
+    assert pruned == everything
+    assert plan.stage.json["strategies"] == every_plan.stage.json["strategies"]
+    assert len(fewer) < len(all_searches), (fewer, all_searches)
+    assert any(f >= plan.predicted.step_time for f in floors.values()), floors
 
 
 def test_recompute_leaves_the_forward_and_selective_costs_no_more_than_full(stage) -> None:

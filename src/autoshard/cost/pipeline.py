@@ -15,16 +15,20 @@ micro-batches it holds at once (``Timeline.in_flight``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 from autoshard.cost.cluster import ClusterSpec
 from autoshard.cost.collectives import PRODUCTS, collective_time
 from autoshard.cost.copies import CopiesEstimate, hidden_in
+from autoshard.cost.decisions import PlanDecisions
 from autoshard.cost.estimate import MEMORY_KINDS, Estimate
 from autoshard.cost.offload import Offload
 from autoshard.cost.staged_offload import StagedOffload
-from autoshard.graph import OpGraph
+from autoshard.graph import OpGraph, cut_at_modules
+from autoshard.layout import Layout
 from autoshard.schedule import Action, Schedule, Timeline, simulate
 
 # PRODUCTS: ops whose outputs selective recompute keeps, and whose backward is two products
@@ -297,6 +301,50 @@ def busiest_rank_seconds(
     return microbatches * max(busy.values())
 
 
+def boundary_bytes(og: OpGraph, plan: PlanDecisions) -> float:
+    """Bytes per rank of what one block hands the next (what crosses a stage boundary)."""
+    prefix = next(iter(og.repeated), None)
+    if prefix is None or len(og.repeated[prefix]) < 2:
+        return 0.0
+    second = f"{prefix}.{og.repeated[prefix][1]}"
+    total = 0.0
+    for name in cut_at_modules(og, [second]).receives[1]:
+        node = og.by_name[name]
+        if og[node].kind == "getitem":
+            layout = plan.nodes[node.args[0].name].strategy.outs[node.args[1]]
+        else:
+            layout = plan.nodes[name].strategy.outs[0]
+        if isinstance(layout, Layout):
+            total += layout.local_numel * layout.dtype.itemsize
+    return total
+
+
+def least_busiest(
+    one: Estimate, og: OpGraph, devices: int, placements: Iterable[Sequence[int]], m: int
+) -> float:
+    """A floor under the step of every schedule of ``m`` micro-batches whose stages run on
+    the ranks of one of ``placements``, each stage on ``devices`` devices: the busiest rank's
+    compute were each op's time on one device (``one``: a plan's estimate on one device of
+    a ``steady`` spec) spread over the stage's devices, with no communication nor recompute.
+    No op runs faster on ``devices`` devices: its work and bytes are split at most that many
+    ways, and a part of a product reaches no more of the peak than the whole."""
+    pre, block, count, post = model_pieces(one, og)
+    k = 1 / devices
+    spread = (pre.scaled(k), block.scaled(k), count, post.scaled(k))
+    seconds = (busiest_rank_seconds(one, og, p, m, "none", spread) for p in placements)
+    return min(seconds, default=math.inf)  # no placement: no schedule at all
+
+
+def steady(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` with its matrix products' efficiency at each size raised to the most a
+    smaller size reaches (a measured curve may dip): never less for a larger product."""
+    points, most = [], 0.0
+    for size, share in cluster.matmul_efficiency:
+        most = max(most, share)
+        points.append([size, most])
+    return dataclasses.replace(cluster, matmul_efficiency=points)
+
+
 def stage_costs(
     stage_seconds: Sequence[Sequence[float]], weight_seconds: Sequence[float]
 ) -> Callable[[Action], float]:
@@ -348,7 +396,9 @@ def _per_rank(memory: list[dict[str, float]], schedule: Schedule) -> list[dict[s
 
 
 __all__ = [
+    "boundary_bytes",
     "busiest_rank_seconds",
+    "least_busiest",
     "PRODUCTS",
     "Piece",
     "OffloadPipelineEstimate",
@@ -356,4 +406,5 @@ __all__ = [
     "model_pieces",
     "price_pipeline",
     "stage_costs",
+    "steady",
 ]

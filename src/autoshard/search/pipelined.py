@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoshard.cost import ClusterSpec, cluster_spec
+from autoshard.cost import ClusterSpec, cluster_spec, estimate
 from autoshard.cost import pipeline as piped
 from autoshard.cost.offload import Offload
-from autoshard.graph import OpGraph, cut_at_modules
-from autoshard.layout import Layout
+from autoshard.graph import OpGraph
+from autoshard.mesh import MeshInfo
 from autoshard.options import Options
 from autoshard.schedule import Schedule, ScheduleError, looped, make_schedule, v_shape
 from autoshard.search.copies import priced
@@ -31,6 +31,7 @@ from autoshard.search.offloading import offloaded
 from autoshard.search.plans import Plan, PlanningError, staged_json
 from autoshard.search.pruning import search_session
 from autoshard.search.result_plan import SearchResult, build_plan
+from autoshard.search.semi import plan_graph
 from autoshard.search.state import cache
 
 
@@ -45,24 +46,6 @@ class PipelinePlan:
     recompute: str
     predicted: piped.PipelineEstimate
     boundary_bytes: float
-
-
-def boundary_bytes(og: OpGraph, plan: Plan) -> float:
-    """Bytes per rank of what one block hands the next (what crosses a stage boundary)."""
-    prefix = next(iter(og.repeated), None)
-    if prefix is None or len(og.repeated[prefix]) < 2:
-        return 0.0
-    second = f"{prefix}.{og.repeated[prefix][1]}"
-    total = 0.0
-    for name in cut_at_modules(og, [second]).receives[1]:
-        node = og.by_name[name]
-        if og[node].kind == "getitem":
-            layout = plan.nodes[node.args[0].name].strategy.outs[node.args[1]]
-        else:
-            layout = plan.nodes[name].strategy.outs[0]
-        if isinstance(layout, Layout):
-            total += layout.local_numel * layout.dtype.itemsize
-    return total
 
 
 #: the schedules and recompute modes tried where none is given (GPipe is 1F1B's bubble with
@@ -156,6 +139,7 @@ class _Search:
     best: PipelinePlan | None = None
     least: PipelinePlan | None = None  # the least memory priced (what an error shows)
     unfit: float = math.inf  # the fastest priced at this ZeRO stage that does not fit
+    alone: dict[int, Any] = dataclasses.field(default_factory=dict)  # ``floor``'s, a graph
 
     def run(self) -> PipelinePlan:
         """Coarse, then fine; the best."""
@@ -193,7 +177,9 @@ class _Search:
         # not fit would be faster than the best: each stage shards more of the state over the
         # stage's data-parallel ranks (room for less recompute, a longer schedule) for more
         # communication (ZeRO 3 regathers every micro-batch, which the pipeline's pricing
-        # does not hold: with one only)
+        # does not hold: with one only); none where even its compute alone is slower
+        if self.best is not None and self.floor(pp, m) >= self.best.predicted.step_time:
+            return
         for z in [self.opts.zero] if self.opts.zero is not None else [0, 1, 2, 3]:
             if z == 3 and m > 1 and self.opts.zero is None:
                 break
@@ -202,6 +188,17 @@ class _Search:
             best = math.inf if self.best is None else self.best.predicted.step_time
             if fitted and not self.unfit < best:
                 break
+
+    def floor(self, pp: int, m: int) -> float:
+        """No configuration of ``pp`` ranks and ``m`` micro-batches steps faster: its compute
+        alone at the least it can take (``cost.pipeline.least_busiest``)."""
+        og = self.graph(m)
+        if id(og) not in self.alone:  # its every op on one device (the graphs outlive it)
+            one = plan_graph(og, MeshInfo(("dp",), (1,), ("dp",)))
+            self.alone[id(og)] = estimate(one, og, piped.steady(self.cluster), depth=self.depth)
+        variants = _variants(self.opts, pp, m, _blocks(og, self.depth))
+        places = {_placed(n, pp, v) for n, v, _ in variants}
+        return piped.least_busiest(self.alone[id(og)], og, self.num_devices // pp, places, m)
 
     def price_at(self, pp: int, m: int, zero: int) -> bool:
         # The stage plan is searched for speed alone first (the pipeline's pricing judges its
@@ -247,7 +244,7 @@ class _Search:
             # full recompute first: where it does not fit, less recompute keeps more; then
             # none, selective: once one fits, more recompute only adds time. Nor can a
             # configuration be faster whose busiest rank computes longer than the best step.
-            placement = v_shape(pp) if name == "zbv" else looped(pp, v)
+            placement = _placed(name, pp, v)
             if (name, v) in closed or (zero == 3 and name in ("zb-h1", "zbv")):
                 continue  # a split backward reads a weight twice: not under ZeRO 3
             bound = piped.busiest_rank_seconds(stage.predicted, og, placement, m, rc, parts)
@@ -284,6 +281,10 @@ class _Search:
             self.best = plan
 
 
+def _placed(name: str, pp: int, v: int) -> tuple[int, ...]:
+    return v_shape(pp) if name == "zbv" else looped(pp, v)
+
+
 def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
     """The named schedule, made once a search for every recompute mode priced on it (pricing
     plays it, which finds a deadlock or a dependency out of order; the chosen one is
@@ -299,7 +300,7 @@ def _priced(og, stage, result, cluster, pp, m, name, v, recompute, parts) -> Pip
     """``stage``'s plan in ``pp`` stages under the schedule ``name`` and ``recompute``."""
     sched = _schedule(name, pp, m, v)
     copies = stage.json["predicted"].get("copies", 1)  # each sends its rows
-    crossing = copies * boundary_bytes(og, stage) if pp * v > 1 else 0.0  # one stage: none
+    crossing = copies * piped.boundary_bytes(og, stage) if pp * v > 1 else 0.0  # one stage: none
     mesh = stage.mesh
     stride = mesh.num_devices // mesh.size_of([n for n in mesh.names if n.startswith("dp")])
     predicted = piped.price_pipeline(
@@ -411,7 +412,6 @@ __all__ = [
     "SEARCHED_SCHEDULES",
     "PipelinePlan",
     "Tried",
-    "boundary_bytes",
     "plan_with_stages",
     "search_pipeline",
 ]
