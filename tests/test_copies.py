@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -264,9 +265,14 @@ PIPELINE = {"copies": 2, **ONE_F_ONE_B}
 
 
 @pytest.fixture(scope="module")
-def on_2_ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    tmp = str(tmp_path_factory.mktemp("plan"))
-    return run_ranks(_world2, 2, tmp, timeout=1200)
+def plan_dir(tmp_path_factory) -> Path:
+    """Where rank 0 of the 2 ranks writes the plan file ``_planned`` makes."""
+    return tmp_path_factory.mktemp("plan")
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks(plan_dir: Path) -> list[dict[str, Any]]:
+    return run_ranks(_world2, 2, str(plan_dir), timeout=1200)
 
 
 # transformers upcasts the logits: its loss is float32's
@@ -309,13 +315,11 @@ def test_a_plan_file_s_copies_reach_the_run(on_2_ranks) -> None:
         _same(got, want, "plan file with copies 2", **HF)
 
 
-def test_copies_that_differ_from_the_plan_s_are_named(tmp_path) -> None:
-    from autoshard import parallelize, plan
+def test_copies_that_differ_from_the_plan_s_are_named(on_2_ranks, plan_dir: Path) -> None:
+    """The plan file made with 2 copies (``_planned``, on the ranks) run with copies=4."""
+    from autoshard import parallelize
 
-    made = plan(_llama(), _batches()[0], "cpu", mesh={"tp": 2}, strategies=_megatron(),
-                zero=0, copies=2)  # fmt: skip
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(made.json))
+    path = plan_dir / "plan.json"
     with pytest.raises(ValueError, match=r"copies=4, but plan .* was made with copies 2"):
         parallelize(_llama(), _batches()[0], None, plan=str(path), copies=4)
 
