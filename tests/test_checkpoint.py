@@ -220,10 +220,11 @@ def test_a_searched_plan_saves_and_loads_through_plain_dcp_at_every_zero_stage(
             torch.testing.assert_close(result["state"][k], v, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _resumed(directory: str, interrupt: bool) -> list[float]:
-    """GPT on dp 2 at ZeRO 1 with a shuffling loader: 10 steps, a checkpoint, 10 more, or
-    (``interrupt``) 10 steps, a checkpoint, a new model, optimizer and loader from the
-    checkpoint, 10 more. Returns the 20 losses and the final parameters."""
+def _resumed(directory: str) -> dict[str, Any]:
+    """GPT on dp 2 at ZeRO 1 with a shuffling loader: 10 steps, a checkpoint, 10 more (the
+    straight run); then a new model, optimizer and loader from the checkpoint, 10 more (the
+    resumed run, whose first 10 steps are the straight run's). Returns each run's 20 losses
+    and final parameters, and what a load of the checkpoint with a file cut short says."""
     model, data, captured = _model()
     samples = [tuple(t[i] for t in batch) for batch in data for i in range(len(batch[0]))]
     samples = samples[:18]  # 4 global batches of 4 an epoch, so step 10 is mid-epoch
@@ -234,11 +235,11 @@ def _resumed(directory: str, interrupt: bool) -> list[float]:
         return pm, opt, autoshard.data.loader(samples, pm, batch_size=4, seed=7)
 
     pm, opt, loader = fresh()
-    losses: list[float] = []
     batches_seen = iter(())
 
-    def steps(n: int) -> None:
+    def steps(n: int) -> list[float]:
         nonlocal batches_seen
+        losses = []
         for _ in range(n):
             batch = next(batches_seen, None)
             if batch is None:
@@ -249,16 +250,21 @@ def _resumed(directory: str, interrupt: bool) -> list[float]:
             loss.backward()
             opt.step(), opt.zero_grad()
             losses.append(float(loss))
+        return losses
 
-    steps(10)
-    path = Path(directory) / ("b" if interrupt else "a")
+    first = steps(10)
+    path = Path(directory) / "b"
     autoshard.save(path, pm, opt, step=10, loader=loader)
-    if interrupt:
-        pm, opt, loader = fresh()
-        autoshard.load(path, pm, opt, loader=loader)
-        batches_seen = iter(loader)
-    steps(10)
-    return losses + [pm.full_state_dict(), _damaged_load(path, pm, opt) if interrupt else None]
+    straight = first + steps(10)
+    straight_state = pm.full_state_dict()
+    pm, opt, loader = fresh()
+    autoshard.load(path, pm, opt, loader=loader)
+    batches_seen = iter(loader)
+    resumed = first + steps(10)
+    return {
+        "straight": straight + [straight_state],
+        "resumed": resumed + [pm.full_state_dict(), _damaged_load(path, pm, opt)],
+    }
 
 
 def _damaged_load(path: Path, pm: Any, opt: Any) -> str:
@@ -481,8 +487,7 @@ def _on_2_ranks(directory: str) -> dict[str, Any]:
     return {
         "tp2": _save_then_load_elsewhere(directory, "tp2"),
         "searched": _searched_llama_through_plain_dcp(str(searched)),
-        "straight": _resumed(str(resumed), False),
-        "resumed": _resumed(str(resumed), True),
+        **_resumed(str(resumed)),
         "unused": _unused_parameter(str(unused)),
     }
 

@@ -1,6 +1,6 @@
 """Multi-copy parallelism equals plain PyTorch: each rank's batch cut into copies whose
 collectives overlap each other's compute trains as the eager model stepped by
-``torch.optim.AdamW`` does, in float64 over 5 steps, every loss and every parameter compared.
+``torch.optim.AdamW`` does, in float64 over 3 steps, every loss and every parameter compared.
 
 Two spawns: 2 ranks run transformers' Llama under Megatron's tensor parallelism with 2 and 4
 copies (its own loss, padding ignored: copies weighted by their counted targets), the MoE
@@ -16,7 +16,9 @@ pipeline stages, over every token of the micro-batch).
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +28,7 @@ pytest.importorskip("transformers")
 
 from autoshard.testing import run_ranks  # noqa: E402
 
-STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K, LR = 5, 8, 8, 64, 32, 4, 2, 1e-2
+STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K, LR = 3, 8, 8, 64, 32, 4, 2, 1e-2
 
 
 def _megatron(
@@ -80,11 +82,12 @@ MODELS = {"llama": _llama, "moe": _moe, "mixtral": _mixtral}
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Ids and targets; a few targets of each row ignored (-100), more in some rows than in
-    others, so copies hold different counts of counted targets."""
+    """5 batches of ids and targets (the runs here train on the first STEPS); a few targets
+    of each row ignored (-100), more in some rows than in others, so copies hold different
+    counts of counted targets."""
     g = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(STEPS):
+    for _ in range(5):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         pad = torch.arange(SEQ) >= SEQ - torch.randint(0, 5, (BATCH, 1), generator=g)
@@ -99,7 +102,7 @@ def _eager(model: torch.nn.Module) -> dict[str, Any]:
     """The eager model and AdamW on every batch, whole."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for batch in _batches():
+    for batch in _batches()[:STEPS]:
         loss = model(*batch)
         loss.backward()
         opt.step()
@@ -115,7 +118,7 @@ def _eager_microbatches(model: torch.nn.Module, m: int) -> dict[str, Any]:
     rows inside it (a router's balance loss) each micro-batch's own, as a pipeline's is."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for batch in _batches():
+    for batch in _batches()[:STEPS]:
         loss = sum(model(*part) for part in zip(*(x.chunk(m) for x in batch), strict=True)) / m
         loss.backward()
         opt.step()
@@ -146,13 +149,18 @@ _CAPTURED: dict[tuple, Any] = {}
 def _captured(name: str, model: torch.nn.Module, batch: tuple, options: dict) -> Any:
     """What ``parallelize`` captures under ``options`` (one copy's rows of one micro-batch),
     made once per rank process for every run of the same model and rows: capturing is most
-    of a run's time. None for a plan file, which brings its own copies."""
+    of a run's time. A plan file brings its own copies (a plan with stages or a compute dtype
+    of its own: None, captured by ``parallelize``)."""
     from autoshard.graph import capture_modes
     from autoshard.runtime.pipeline import microbatch_example
     from autoshard.runtime.program.copies import copy_example
 
-    if "plan" in options:
-        return None
+    if "plan" in options:  # a plan file of one program: its copies' capture
+        with open(options["plan"]) as f:
+            made = json.load(f)
+        if "pipeline" in made or (made["options"].get("precision") or {}).get("compute"):
+            return None
+        options = {"copies": made["options"]["copies"]}
     key = (name, options.get("copies", 1), options.get("microbatches", 1))
     if key not in _CAPTURED:
         micro = microbatch_example(batch, None, key[2])[0]
@@ -164,7 +172,7 @@ def _trained(name: str, mesh: dict, strategies: Any = None, **options: Any) -> d
     from autoshard import parallelize, shard_inputs
 
     model = MODELS[name]()
-    batches = _batches()
+    batches = _batches()[:STEPS]
     captured = _captured(name, model, batches[0], options)
     pm = parallelize(model, batches[0], mesh, strategies, captured=captured, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
@@ -181,8 +189,6 @@ def _trained(name: str, mesh: dict, strategies: Any = None, **options: Any) -> d
 def _planned(tmp: str) -> dict[str, Any]:
     """A plan file made with 2 copies (``autoshard.plan``, Megatron's strategies), run by
     ``parallelize(plan=...)`` with no copies given: the run takes the plan's."""
-    import json
-
     from autoshard import plan
 
     path = f"{tmp}/plan.json"
@@ -259,9 +265,14 @@ PIPELINE = {"copies": 2, **ONE_F_ONE_B}
 
 
 @pytest.fixture(scope="module")
-def on_2_ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    tmp = str(tmp_path_factory.mktemp("plan"))
-    return run_ranks(_world2, 2, tmp, timeout=1200)
+def plan_dir(tmp_path_factory) -> Path:
+    """Where rank 0 of the 2 ranks writes the plan file ``_planned`` makes."""
+    return tmp_path_factory.mktemp("plan")
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks(plan_dir: Path) -> list[dict[str, Any]]:
+    return run_ranks(_world2, 2, str(plan_dir), timeout=1200)
 
 
 # transformers upcasts the logits: its loss is float32's
@@ -304,15 +315,11 @@ def test_a_plan_file_s_copies_reach_the_run(on_2_ranks) -> None:
         _same(got, want, "plan file with copies 2", **HF)
 
 
-def test_copies_that_differ_from_the_plan_s_are_named(tmp_path) -> None:
-    import json
+def test_copies_that_differ_from_the_plan_s_are_named(on_2_ranks, plan_dir: Path) -> None:
+    """The plan file made with 2 copies (``_planned``, on the ranks) run with copies=4."""
+    from autoshard import parallelize
 
-    from autoshard import parallelize, plan
-
-    made = plan(_llama(), _batches()[0], "cpu", mesh={"tp": 2}, strategies=_megatron(),
-                zero=0, copies=2)  # fmt: skip
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(made.json))
+    path = plan_dir / "plan.json"
     with pytest.raises(ValueError, match=r"copies=4, but plan .* was made with copies 2"):
         parallelize(_llama(), _batches()[0], None, plan=str(path), copies=4)
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism equals plain PyTorch: the GPT and Llama reference models cut into
 stages on a ``pp`` axis, run by each schedule the runtime has, alone and with data and tensor
-parallel inside the stages, trained 5 AdamW steps in float64 beside the eager model stepped by
+parallel inside the stages, trained 3 AdamW steps in float64 beside the eager model stepped by
 ``torch.optim``; every step's loss and every parameter compared. The user's loop is the one
 device's: ``loss = pm(*batch); loss.backward(); opt.step()``. The ranks keep NCCL's
 point-to-point order (``comm.strict_p2p``): an order GPUs would hang on stops the run, named
@@ -28,7 +28,7 @@ from autoshard.runtime.program import CountedLoss
 from autoshard.schedule import ScheduleError
 from autoshard.testing import LiveBytes, run_ranks
 
-STEPS, BATCH, SEQ, VOCAB = 5, 8, 8, 64
+STEPS, BATCH, SEQ, VOCAB = 3, 8, 8, 64
 
 
 def _model(name: str, layers: int = 4) -> torch.nn.Module:
@@ -50,14 +50,14 @@ def _model(name: str, layers: int = 4) -> torch.nn.Module:
     return build(cfg).to(torch.float64)
 
 
-def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(seed: int = 1, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
         (
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
         )  # fmt: skip
-        for _ in range(STEPS)
+        for _ in range(steps)
     ]
 
 
@@ -133,11 +133,18 @@ _CAPTURED: dict[tuple, Any] = {}
 def _capture_of(name: str, layers: int, model: Any, batch: tuple, mesh: Any, given: dict) -> Any:
     """The model's capture (of one micro-batch under a ``pp`` axis), made once per rank
     process for every case of the same model and micro-batch size: the same graph whatever
-    the mesh, schedule or recompute (a plan given brings its own micro-batches: captured anew)."""
-    if given.get("plan") is not None:
-        return None
-    staged = mesh is not None and "pp" in mesh
-    m = (given.get("microbatches") or mesh["pp"]) if staged else 1
+    the mesh, schedule or recompute (a plan given: of its micro-batch, the same graph; a plan
+    of copies or of a compute dtype of its own is captured anew by ``parallelize``)."""
+    plan = given.get("plan")
+    if plan is not None:
+        options = plan.get("options", {})
+        if options.get("copies", 1) != 1 or (options.get("precision") or {}).get("compute"):
+            return None
+        staged = "pipeline" in plan
+        m = plan["pipeline"]["microbatches"] if staged else 1
+    else:
+        staged = mesh is not None and "pp" in mesh
+        m = (given.get("microbatches") or mesh["pp"]) if staged else 1
     key = (name, layers, m)
     if key not in _CAPTURED:
         example = microbatch_example(batch, None, m)[0] if staged else batch
@@ -176,7 +183,7 @@ def _saved_under_pp_loads_under_dp(path: str) -> str:
     3 steps equal plain PyTorch's steps 3 to 5."""
     model = _model("gpt")
     ref = copy.deepcopy(model)
-    batches = _batches()
+    batches = _batches(steps=5)
     captured = _capture_of("gpt", 4, model, batches[0], {"pp": 2}, {"microbatches": 2})
     pm = parallelize(model, batches[0], {"pp": 2}, microbatches=2, captured=captured)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
