@@ -1,6 +1,6 @@
 """Equivalence of parallel training with one device (DESIGN.md invariant 1).
 
-Every case trains a reference model for 3 AdamW steps in float64 with dropout on, on one device
+Every case trains a reference model for 5 AdamW steps in float64 with dropout on, on one device
 (``single_device``: the same dropout masks as any split) and under a plan, and compares the loss
 of every step and every parameter at the end with ``assert_close`` defaults. Some cases take
 plain PyTorch as the reference instead (``PYTORCH``: the eager model stepped by
@@ -39,10 +39,7 @@ from autoshard.models import build as build_model
 from autoshard.ops import SpaceRule, rule_for, tensor_inputs
 from autoshard.testing import run_ranks
 
-STEPS = 5  # the batches of a model (``batches``)
-#: the steps each check trains, on the first batches: several, AdamW's moments of the earlier
-#: steps acting on the later
-TRAINED = 3
+STEPS = 5
 BATCH = 4
 #: a case's reference: autoshard's own program on one device (dropout on, the masks any split
 #: draws), or plain PyTorch (the eager model and its ``torch.optim`` optimizer, dropout off)
@@ -263,7 +260,7 @@ def train_and_compare(
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     tol = tolerance or {}
-    for step, batch in enumerate(data[:TRAINED]):
+    for step, batch in enumerate(data):
         loss_ref = ref(*batch)
         loss_ref.backward()
         opt_ref.step()
@@ -841,7 +838,7 @@ class WithUnused(nn.Module):
 
 def _bucketed_training(name: str, mesh: Any, strategies: Any, micro: int) -> list[int]:
     """``name`` with an unused parameter, in float64 with dropout, on ``mesh`` in small buckets
-    against one device: 3 AdamW steps of ``micro`` micro-batches (all but the last under
+    against one device: 5 AdamW steps of ``micro`` micro-batches (all but the last under
     no_sync); returns the all-reduces of each step's syncing backward."""
 
     warnings.filterwarnings("ignore")
@@ -857,7 +854,7 @@ def _bucketed_training(name: str, mesh: Any, strategies: Any, micro: int) -> lis
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     calls = []
-    for step in range(TRAINED):
+    for step in range(STEPS):
         for i in range(micro):
             batch = data[(step + i) % len(data)]
             loss_ref = ref(*batch) / micro

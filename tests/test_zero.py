@@ -1,5 +1,5 @@
 """ZeRO stages 1, 2 and 3 (docs/zero.md) against one device (DESIGN.md invariant 1): float64,
-3 AdamW steps with dropout, losses at every step and every parameter at the end equal; with
+5 AdamW steps with dropout, losses at every step and every parameter at the end equal; with
 gradient accumulation under no_sync and with clipping; at every stage also against plain
 PyTorch (the eager model, ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW``, dropout
 off); and what each rank holds and sends per step against the stage formulas."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime import ONE_DEVICE, PYTORCH, TRAINED, WithUnused, batches, build, megatron, mixed
+from test_runtime import ONE_DEVICE, PYTORCH, STEPS, WithUnused, batches, build, megatron, mixed
 
 from autoshard import clip_grad_norm_, comm, parallelize, shard_inputs, single_device
 from autoshard.cost import cluster_spec, estimate
@@ -59,7 +59,7 @@ def _zero_training(
     reference: str = ONE_DEVICE,
 ) -> dict[str, Any]:
     """``name`` (with an unused parameter) at ZeRO ``level`` on ``mesh`` against one device
-    (dropout on) or plain PyTorch (``reference=PYTORCH``, dropout off): 3 AdamW steps of
+    (dropout on) or plain PyTorch (``reference=PYTORCH``, dropout off): 5 AdamW steps of
     ``micro`` micro-batches (all but the last under no_sync), clipped to ``clip`` when given."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -76,7 +76,7 @@ def _zero_training(
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     norms = []
-    for step in range(TRAINED):
+    for step in range(STEPS):
         for i in range(micro):
             batch = data[(step + i) % len(data)]
             loss_ref = ref(*batch) / micro
