@@ -1,7 +1,7 @@
 """Context parallelism equals plain PyTorch: a ``cp`` mesh axis feeds each rank its part of
 every sequence, and causal attention over the whole sequence is computed by each method
 (``attention="allgather"``, ``"ulysses"``, ``"ring"``). The GPT and Llama reference models and
-transformers' Llama (explicit masks, labels shifted across the split) train 3 AdamW steps in
+transformers' Llama (explicit masks, labels shifted across the split) train 5 AdamW steps in
 float64 beside the eager model stepped by ``torch.optim``: every step's loss and every
 parameter compared (docs/parallelism/sequence.md)."""
 

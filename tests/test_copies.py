@@ -1,6 +1,6 @@
 """Multi-copy parallelism equals plain PyTorch: each rank's batch cut into copies whose
 collectives overlap each other's compute trains as the eager model stepped by
-``torch.optim.AdamW`` does, in float64 over 3 steps, every loss and every parameter compared.
+``torch.optim.AdamW`` does, in float64 over 5 steps, every loss and every parameter compared.
 
 Two spawns: 2 ranks run transformers' Llama under Megatron's tensor parallelism with 2 and 4
 copies (its own loss, padding ignored: copies weighted by their counted targets), the MoE
@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 
 from autoshard.testing import run_ranks  # noqa: E402
 
-STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K, LR = 3, 8, 8, 64, 32, 4, 2, 1e-2
+STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K, LR = 5, 8, 8, 64, 32, 4, 2, 1e-2
 
 
 def _megatron(

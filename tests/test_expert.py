@@ -1,6 +1,6 @@
 """Expert parallelism equals plain PyTorch: autoshard's MoE reference model and transformers'
 Mixtral (built from a config) with their experts spread over an ``ep`` axis, alone and with data,
-tensor, ZeRO and pipeline parallelism, trained 3 AdamW steps in float64 beside the eager model
+tensor, ZeRO and pipeline parallelism, trained 5 AdamW steps in float64 beside the eager model
 stepped by ``torch.optim``, every step's loss and every parameter compared; each rank holds 1/ep
 of every expert weight and the all-to-all bytes it sends are its routed rows times hidden times
 the dtype's size."""
@@ -23,7 +23,7 @@ from autoshard.ops import rule_for
 from autoshard.ops.experts import dispatch_group, experts_math
 from autoshard.testing import run_ranks
 
-STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K = 3, 8, 8, 64, 32, 4, 2
+STEPS, BATCH, SEQ, VOCAB, HIDDEN, EXPERTS, TOP_K = 5, 8, 8, 64, 32, 4, 2
 COL = (("ep", None, None), ("tp", None))  # Megatron's attention, the batch over ep
 ROW = (("ep", None, "tp"), (None, "tp"))
 MEGATRON = {"layers.*.attention.w[qkv]": COL, "layers.*.attention.wo": ROW}

@@ -1,6 +1,6 @@
 """Pipeline parallelism equals plain PyTorch: the GPT and Llama reference models cut into
 stages on a ``pp`` axis, run by each schedule the runtime has, alone and with data and tensor
-parallel inside the stages, trained 3 AdamW steps in float64 beside the eager model stepped by
+parallel inside the stages, trained 5 AdamW steps in float64 beside the eager model stepped by
 ``torch.optim``; every step's loss and every parameter compared. The user's loop is the one
 device's: ``loss = pm(*batch); loss.backward(); opt.step()``. The ranks keep NCCL's
 point-to-point order (``comm.strict_p2p``): an order GPUs would hang on stops the run, named
@@ -28,7 +28,7 @@ from autoshard.runtime.program import CountedLoss
 from autoshard.schedule import ScheduleError
 from autoshard.testing import LiveBytes, run_ranks
 
-STEPS, BATCH, SEQ, VOCAB = 3, 8, 8, 64
+STEPS, BATCH, SEQ, VOCAB = 5, 8, 8, 64
 
 
 def _model(name: str, layers: int = 4) -> torch.nn.Module:
