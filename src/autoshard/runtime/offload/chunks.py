@@ -28,7 +28,6 @@ class _Piece:
     start: int = 0  # where the tail starts in its dtype's flat buffers
     has_grad: bool = False
     copied: Any = None  # the CUDA event after the gradient's copy to the host
-    order: int = 0  # when its gradient arrived in this step
 
 
 @dataclass(eq=False)
