@@ -231,7 +231,7 @@ def search(
     pairs a plan search prices) shares one search."""
     if exhaustive:
         return _search_pattern(grid, start, goal, True)
-    pattern, slots = _pattern(grid, start, goal)
+    pattern, slots, _, _ = _pattern(grid, start, goal)
 
     def on_pattern(state: GridState) -> GridState:
         row = tuple(state.assign[d][i] for d, i in slots)
@@ -257,11 +257,11 @@ def search_splits(
     the grid axes split before it (a state's local size is the tensor's over it: a split
     factor is as large as its axis) and the frame before it; None past the budget. It needs
     no state on ``grid``, so the pattern's path is not mapped back."""
-    pattern, slots = _pattern(grid, start, goal)
-    ends = [
-        GridState((tuple(state.assign[d][i] for d, i in slots),), state.partial, state.frame)
-        for state in (start, goal)
-    ]
+    pattern, _, starts, goals = _pattern(grid, start, goal)
+    ends = (
+        GridState((starts,), start.partial, start.frame),
+        GridState((goals,), goal.partial, goal.frame),
+    )
     path = _search_pattern(pattern, ends[0], ends[1], False)
     if path is None:
         return None
@@ -287,22 +287,26 @@ def bytes_of_step(kind: str, group_size: int, local_bytes: int) -> int:
     return comm.collective_bytes(kind, group_size, local_bytes)
 
 
-def _pattern(grid: Grid, start: GridState, goal: GridState) -> tuple[Grid, list[tuple[int, int]]]:
-    """The one-row grid the search runs on, and the factor of ``grid`` each place stands for."""
+def _pattern(
+    grid: Grid, start: GridState, goal: GridState
+) -> tuple[Grid, list[tuple[int, int]], tuple[int, ...], tuple[int, ...]]:
+    """The one-row grid the search runs on, the factor of ``grid`` each place stands for, and
+    who occupies each place in ``start`` and in ``goal``."""
     count = {size: grid.axes.count(size) for size in grid.axes}
     keyed = []
-    for d, factors in enumerate(grid.dims):
+    rows = zip(grid.dims, start.assign, goal.assign, strict=True)
+    for d, (factors, have, want) in enumerate(rows):
         for i, size in enumerate(factors):
             if size not in count:
                 continue
-            occupants = (start.assign[d][i], goal.assign[d][i])
-            if occupants == (NOT_SPLIT, NOT_SPLIT):
+            if have[i] == NOT_SPLIT and want[i] == NOT_SPLIT:
                 if not count[size]:
                     continue
                 count[size] -= 1
-            keyed.append(((size, *occupants), (d, i)))
+            keyed.append((size, have[i], want[i], d, i))
     keyed.sort()
-    return Grid(grid.axes, (tuple(key[0] for key, _ in keyed),)), [slot for _, slot in keyed]
+    sizes, starts, goals, dims, places = zip(*keyed, strict=True) if keyed else ((),) * 5
+    return Grid(grid.axes, (sizes,)), list(zip(dims, places, strict=True)), starts, goals
 
 
 def _units(grid: Grid, state: GridState, total: int | None = None) -> int:
