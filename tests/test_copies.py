@@ -82,12 +82,11 @@ MODELS = {"llama": _llama, "moe": _moe, "mixtral": _mixtral}
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """5 batches of ids and targets (the runs here train on the first STEPS); a few targets
-    of each row ignored (-100), more in some rows than in others, so copies hold different
-    counts of counted targets."""
+    """Ids and targets; a few targets of each row ignored (-100), more in some rows than in
+    others, so copies hold different counts of counted targets."""
     g = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(5):
+    for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         pad = torch.arange(SEQ) >= SEQ - torch.randint(0, 5, (BATCH, 1), generator=g)
@@ -102,7 +101,7 @@ def _eager(model: torch.nn.Module) -> dict[str, Any]:
     """The eager model and AdamW on every batch, whole."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for batch in _batches()[:STEPS]:
+    for batch in _batches():
         loss = model(*batch)
         loss.backward()
         opt.step()
@@ -118,7 +117,7 @@ def _eager_microbatches(model: torch.nn.Module, m: int) -> dict[str, Any]:
     rows inside it (a router's balance loss) each micro-batch's own, as a pipeline's is."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for batch in _batches()[:STEPS]:
+    for batch in _batches():
         loss = sum(model(*part) for part in zip(*(x.chunk(m) for x in batch), strict=True)) / m
         loss.backward()
         opt.step()
@@ -172,7 +171,7 @@ def _trained(name: str, mesh: dict, strategies: Any = None, **options: Any) -> d
     from autoshard import parallelize, shard_inputs
 
     model = MODELS[name]()
-    batches = _batches()[:STEPS]
+    batches = _batches()
     captured = _captured(name, model, batches[0], options)
     pm = parallelize(model, batches[0], mesh, strategies, captured=captured, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)

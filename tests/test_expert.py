@@ -57,14 +57,14 @@ def _mixtral(implementation: str = "batched_mm", dtype: torch.dtype = torch.floa
     return CausalLMLoss(model).to(dtype)
 
 
-def _batches(seed: int = 1, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
         (
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
         )  # fmt: skip
-        for _ in range(steps)
+        for _ in range(STEPS)
     ]
 
 
@@ -157,7 +157,7 @@ def _bytes_are_the_routed_rows() -> str:
 def _saved_under_ep4_loads_under_ep2(path: str) -> str:
     """2 steps under ep 4, saved; loaded under dp 2 x ep 2 into other values, the next 3 steps
     equal plain PyTorch's steps 3 to 5."""
-    model, batches = _moe(), _batches(steps=5)
+    model, batches = _moe(), _batches()
     ref = copy.deepcopy(model)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     want = []

@@ -50,14 +50,14 @@ def _model(name: str, layers: int = 4) -> torch.nn.Module:
     return build(cfg).to(torch.float64)
 
 
-def _batches(seed: int = 1, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
         (
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
         )  # fmt: skip
-        for _ in range(steps)
+        for _ in range(STEPS)
     ]
 
 
@@ -183,7 +183,7 @@ def _saved_under_pp_loads_under_dp(path: str) -> str:
     3 steps equal plain PyTorch's steps 3 to 5."""
     model = _model("gpt")
     ref = copy.deepcopy(model)
-    batches = _batches(steps=5)
+    batches = _batches()
     captured = _capture_of("gpt", 4, model, batches[0], {"pp": 2}, {"microbatches": 2})
     pm = parallelize(model, batches[0], {"pp": 2}, microbatches=2, captured=captured)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
